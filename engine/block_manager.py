@@ -1,0 +1,229 @@
+"""Paged KV-cache blocks with prefix caching (vLLM v1 / nano-vllm style).
+
+A block is either referenced (ref_count > 0) or free. Free blocks keep their hash and sit in an
+LRU queue, so a later request with the same prefix (the next chat turn) can still hit them until
+they are reused. Only FULL blocks whose KV is entirely computed are hashed; generated tokens count,
+so a follow-up that repeats prompt + output hits them too.
+
+Chat sessions may pin the blocks of their last turn (a session reference). Pinned blocks are
+evicted only under memory pressure, least recently used session first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from nanochat.engine.sequence import Sequence
+
+
+def chain_hash(prev_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
+    # Python's int/tuple hash is deterministic within a process, which is all a cache needs;
+    # collisions are caught by comparing token ids on every hit.
+    return hash((prev_hash, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class CacheCounters:
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class BlockStats:
+    total: int
+    used: int          # referenced by a running sequence or a session
+    cached: int        # free but still holding a hash (hittable)
+    free: int          # free (cached ones included)
+    hit_tokens: int
+    queried_tokens: int
+    pinned_sessions: int = 0
+    hit_rate: float = 0.0
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.counters = CacheCounters()
+        self.sessions: OrderedDict[str, list[int]] = OrderedDict()   # LRU: oldest first
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take_free_block(self) -> Block:
+        if not self.free_queue and not self._evict_one_session():
+            raise NoFreeBlocksError("out of KV-cache blocks")
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block
+
+    def _ref(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self.free_queue[block.block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"negative ref count on block {block_id}"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+
+    def can_get(self, n: int) -> bool:
+        """Whether n fresh blocks can be had, evicting pinned sessions if necessary."""
+        while self.num_free_blocks < n:
+            if not self._evict_one_session():
+                return False
+        return True
+
+    # ------------------------------------------------------------------ prefix lookup
+    def _cached_prefix(self, seq: Sequence) -> list[Block]:
+        """Blocks holding a prefix of seq, capped so at least one token is computed."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        prev = -1
+        max_blocks = (len(seq) - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(prev, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(self.blocks[block_id])
+            prev = h
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Admit seq: reuse cached prefix blocks and allocate the rest of its current tokens.
+
+        Returns False (and changes nothing) when the blocks cannot be had.
+        """
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        for block in hits:      # protect the hits before any eviction below
+            self._ref(block)
+        needed = self.num_blocks_for(len(seq)) - len(hits)
+        if not self.can_get(needed):
+            for block in reversed(hits):
+                self._unref(block.block_id)
+            return False
+        seq.block_table = [b.block_id for b in hits]
+        seq.block_hashes = [b.hash for b in hits]
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block().block_id)
+        cached = len(hits) * self.block_size
+        seq.num_computed_tokens = cached
+        seq.stats.num_cached_tokens = cached
+        self.counters.hit_tokens += cached
+        self.counters.queried_tokens += len(seq)
+        return True
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's block table to hold num_tokens tokens; False if blocks ran out."""
+        needed = self.num_blocks_for(num_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if not self.can_get(needed):
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block().block_id)
+        return True
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Tail blocks first, so the LRU queue evicts the ends of chains before their prefixes.
+        for block_id in reversed(seq.block_table):
+            self._unref(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # ------------------------------------------------------------------ hashing
+    def commit_computed(self, seq: Sequence) -> None:
+        """Hash every newly full block of seq whose KV is now entirely computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, len(seq)) // self.block_size
+        prev = seq.block_hashes[-1] if seq.block_hashes else -1
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(prev, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block.setdefault(h, block.block_id)
+            seq.block_hashes.append(h)
+            prev = h
+
+    # ------------------------------------------------------------------ sessions
+    def pin_session(self, session_id: str, seq: Sequence) -> None:
+        """Keep seq's hashed blocks resident for the session's next turn (replaces older pins)."""
+        self.release_session(session_id)
+        if not self.enable_prefix_caching:
+            return
+        pinned = seq.block_table[:len(seq.block_hashes)]
+        for block_id in pinned:
+            self._ref(self.blocks[block_id])
+        self.sessions[session_id] = pinned
+
+    def touch_session(self, session_id: str) -> None:
+        if session_id in self.sessions:
+            self.sessions.move_to_end(session_id)
+
+    def release_session(self, session_id: str) -> None:
+        for block_id in reversed(self.sessions.pop(session_id, [])):
+            self._unref(block_id)
+
+    def _evict_one_session(self) -> bool:
+        """Drop the least recently used session's pins (its blocks stay cached until reused)."""
+        if not self.sessions:
+            return False
+        session_id = next(iter(self.sessions))
+        self.release_session(session_id)
+        return True
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> BlockStats:
+        cached = sum(1 for i in self.free_queue if self.blocks[i].hash is not None)
+        total = len(self.blocks)
+        return BlockStats(total=total, used=total - self.num_free_blocks, cached=cached,
+                          free=self.num_free_blocks, hit_tokens=self.counters.hit_tokens,
+                          queried_tokens=self.counters.queried_tokens,
+                          pinned_sessions=len(self.sessions), hit_rate=self.counters.hit_rate)
+
+    def check_invariants(self) -> None:
+        free = set(self.free_queue)
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has ref count {block.ref_count}"
+            assert (block.ref_count == 0) == (block.block_id in free), \
+                f"block {block.block_id}: ref {block.ref_count} but free={block.block_id in free}"
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"

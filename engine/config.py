@@ -1,0 +1,100 @@
+"""Engine configuration: defaults, environment overrides, validation (once, then frozen)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+# Environment variable -> Config field. Explicit arguments win over the environment.
+ENV_OVERRIDES = {
+    "NANO_VLLM_MAX_NUM_SEQS": ("max_num_seqs", int),
+    "NANO_VLLM_MAX_MODEL_LEN": ("max_model_len", int),
+    "NANO_VLLM_MAX_BATCHED_TOKENS": ("max_num_batched_tokens", int),
+    "NANO_VLLM_GPU_MEMORY_UTILIZATION": ("gpu_memory_utilization", float),
+    "NANO_VLLM_KVCACHE_BLOCK_SIZE": ("kvcache_block_size", int),
+    "NANO_VLLM_CPU_THREADS": ("cpu_threads", int),
+}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str = ""
+    device: str = "cpu"                 # "cpu" | "cuda" | "auto"
+    dtype: str = "auto"                 # auto: fp32 on CPU, bf16 on CUDA
+    max_num_seqs: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    kvcache_block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_gib: float = 1.0           # CPU: KV-cache budget
+    num_kvcache_blocks: int | None = None   # explicit block count (tests, tiny budgets)
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    cpu_threads: int | None = None
+    dequantize: bool = False            # materialise GGUF weights as dense tensors
+
+    @classmethod
+    def create(cls, model: str = "", **kwargs) -> "Config":
+        """Defaults <- environment <- explicit kwargs, then validate."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"unknown config option(s): {', '.join(sorted(unknown))}")
+        values = {}
+        for env, (name, cast) in ENV_OVERRIDES.items():
+            raw = os.environ.get(env)
+            if raw not in (None, "") and name not in kwargs:
+                try:
+                    values[name] = cast(raw)
+                except ValueError:
+                    raise ValueError(f"{env}={raw!r} is not a valid {cast.__name__}") from None
+        values.update({k: v for k, v in kwargs.items() if v is not None})
+        cfg = cls(model=model, **values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def positive(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kvcache_block_size"):
+            positive(name)
+        if self.kvcache_block_size & (self.kvcache_block_size - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
+        if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device cuda was requested but torch sees no CUDA device")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def with_model_limits(self, max_position_embeddings: int) -> "Config":
+        """Clamp max_model_len to what the model supports (a new Config; the original is untouched)."""
+        if self.max_model_len <= max_position_embeddings:
+            return self
+        return replace(self, max_model_len=max_position_embeddings)

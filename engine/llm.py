@@ -1,0 +1,72 @@
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))` and a streaming form."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+
+from nanochat.engine.llm_engine import LLMEngine
+from nanochat.engine.output import RequestResult, TokenEvent
+from nanochat.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **config):
+        self.engine = LLMEngine(model, **config)
+        self.tokenizer = self.engine.tokenizer
+
+    def _submit(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+
+    def stream(self, prompts: Prompt | Seq[Prompt],
+               sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[TokenEvent]:
+        """Yield TokenEvents (request ids "req-N" in prompt order) as tokens are generated."""
+        pending = set(self._submit(prompts, sampling_params))
+        try:
+            while pending:
+                for event in self.engine.step():
+                    if event.finished:
+                        pending.discard(event.request_id)
+                    yield event
+        finally:   # a consumer that stops early must not leave requests holding blocks
+            for rid in pending:
+                self.engine.abort(rid)
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestResult]:
+        ids = self._submit(prompts, sampling_params)
+        order = {rid: i for i, rid in enumerate(ids)}
+        texts = {rid: [] for rid in ids}
+        tokens = {rid: [] for rid in ids}
+        results: list[RequestResult | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
+        try:
+            while any(r is None for r in results):
+                for ev in self.engine.step():
+                    texts[ev.request_id].append(ev.text)
+                    if ev.token_id is not None:
+                        tokens[ev.request_id].append(ev.token_id)
+                    if ev.finished:
+                        results[order[ev.request_id]] = RequestResult(
+                            ev.request_id, "".join(texts[ev.request_id]), tokens[ev.request_id],
+                            ev.finish_reason, ev.stats)
+                        if bar:
+                            bar.update(1)
+        finally:
+            for rid, i in order.items():
+                if results[i] is None:
+                    self.engine.abort(rid)
+            if bar:
+                bar.close()
+        return results

@@ -1,0 +1,233 @@
+"""The engine loop: add requests, step (schedule -> run -> sample -> postprocess), report events."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.engine.block_manager import BlockManager
+from nanochat.engine.config import Config
+from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
+from nanochat.engine.output import EngineStats, RequestStats, TokenEvent
+from nanochat.engine.sampler import Sampler
+from nanochat.engine.sampling_params import SamplingParams
+from nanochat.engine.scheduler import Scheduler
+from nanochat.engine.sequence import Sequence
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (empty, longer than the context, larger than the KV cache)."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    detok: object
+    generator: torch.Generator | None
+    text: str = ""
+    emitted: int = 0          # chars of `text` already sent as deltas
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.sampling_params
+
+
+class LLMEngine:
+    def __init__(self, model: str, config: Config | None = None, loaded=None, **kwargs):
+        from nanochat.models.loader import build_model, load
+
+        config = config or Config.create(model, **kwargs)
+        self.device = config.resolved_device()
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads or default_cpu_threads())
+        self.loaded = loaded or load(model)
+        self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
+        self.dtype = self.config.resolved_dtype(self.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = self.loaded.eos_token_ids
+        model_obj = build_model(self.loaded.source, self.device, self.dtype, self.config.kvcache_block_size,
+                                self.config.max_model_len, self.config.dequantize)
+        self.runner = ModelRunner(self.config, model_obj, self.device, self.dtype)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._window: deque[tuple[float, int, int, float, float]] = deque()
+        self.total_prefill_tokens = self.total_decode_tokens = 0
+
+    @property
+    def model_config(self):
+        return self.loaded.config
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, session_id: str | None = None) -> str:
+        from nanochat.models.tokenizer import IncrementalDetokenizer
+
+        sp = sampling_params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(ids, sp, session_id=session_id)
+        generator = None
+        if not sp.greedy:
+            generator = torch.Generator()
+            generator.manual_seed(sp.seed if sp.seed is not None else torch.seed())
+        self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), generator)
+        seq.request_id = request_id
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens, but the context holds {limit} "
+                               f"(max_model_len) including at least one generated token")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        if self.block_manager.num_blocks_for(len(ids) + 1) > len(self.block_manager.blocks):
+            raise RequestError(f"the prompt needs {len(ids)} tokens of KV cache but the cache holds only "
+                               f"{len(self.block_manager.blocks) * self.config.kvcache_block_size}; "
+                               "raise the KV-cache budget")
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        """Cancel a request now: its blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, "abort")
+        return TokenEvent(request_id, None, "", True, "abort", self._request_stats(req))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[TokenEvent]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return self._fail_unschedulable()
+        t0 = time.perf_counter()
+        logits = self.runner.run(chunks)
+        sampled = [c for c in chunks if c.samples]
+        token_ids = []
+        if sampled:
+            reqs = [self.requests[c.seq.request_id] for c in sampled]
+            token_ids = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        now = time.perf_counter()
+        self._record_throughput(chunks, now - t0, now)
+        events = []
+        for c in chunks:
+            c.seq.num_computed_tokens = c.end
+            self.block_manager.commit_computed(c.seq)
+        for c, token in zip(sampled, token_ids):
+            events.append(self._postprocess(self.requests[c.seq.request_id], token, now))
+        return events
+
+    def _fail_unschedulable(self) -> list[TokenEvent]:
+        """Nothing could run: the head request cannot fit even in an empty cache."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        req = self.requests.pop(seq.request_id)
+        self.scheduler.finish(seq, "error")
+        return [TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req))]
+
+    def _postprocess(self, req: _Request, token: int, now: float) -> TokenEvent:
+        seq, sp = req.seq, req.params
+        seq.append_token(token)
+        if seq.stats.first_token_time is None:
+            seq.stats.first_token_time = now
+        reason = None
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in sp.stop_token_ids:
+            reason = "stop"
+        stop_text = reason is not None   # a stop token's own text is not part of the reply
+        if not stop_text:
+            req.text += req.detok.add(token)
+            hit = self._find_stop_string(req)
+            if hit is not None:
+                req.text, reason = req.text[:hit], "stop"
+        if reason is None and (seq.num_completion_tokens >= sp.max_tokens or len(seq) >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if not stop_text:
+                req.text += req.detok.flush() if hasattr(req.detok, "flush") else ""
+                if sp.stop:
+                    hit = self._find_stop_string(req)
+                    if hit is not None:
+                        req.text = req.text[:hit]
+            seq.stats.finish_time = now
+            self.requests.pop(req.request_id)
+            self.scheduler.finish(seq, reason)
+        delta = self._take_delta(req, final=reason is not None)
+        stats = self._request_stats(req) if reason is not None else None
+        return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats)
+
+    @staticmethod
+    def _find_stop_string(req: _Request) -> int | None:
+        hits = [i for s in req.params.stop if (i := req.text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    @staticmethod
+    def _take_delta(req: _Request, final: bool) -> str:
+        # Hold back a tail that could still grow into a stop string.
+        hold = 0 if final or not req.params.stop else max(len(s) for s in req.params.stop) - 1
+        end = max(req.emitted, len(req.text) - hold)
+        delta = req.text[req.emitted:end]
+        req.emitted = end
+        return delta
+
+    def _request_stats(self, req: _Request) -> RequestStats:
+        st = req.seq.stats
+        end = st.finish_time or time.perf_counter()
+        decode = None
+        n = req.seq.num_completion_tokens
+        if st.first_token_time is not None and n > 1 and end > st.first_token_time:
+            decode = (n - 1) / (end - st.first_token_time)
+        return RequestStats(prompt_tokens=req.seq.num_prompt_tokens, cached_tokens=st.num_cached_tokens,
+                            completion_tokens=n, ttft=st.ttft, decode_tok_s=decode,
+                            elapsed=end - st.arrival_time, preemptions=st.num_preemptions)
+
+    def result_text(self, request_id: str) -> str:
+        return self.requests[request_id].text
+
+    # ------------------------------------------------------------------ stats
+    def _record_throughput(self, chunks, elapsed: float, now: float) -> None:
+        decode = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
+        prefill = sum(c.num_tokens for c in chunks) - decode
+        self.total_prefill_tokens += prefill
+        self.total_decode_tokens += decode
+        total = prefill + decode
+        # Split a mixed step's time between prefill and decode by token share.
+        self._window.append((now, prefill, decode, elapsed * prefill / total, elapsed * decode / total))
+        while self._window and now - self._window[0][0] > 3.0:
+            self._window.popleft()
+
+    def stats(self) -> EngineStats:
+        p_tok = sum(w[1] for w in self._window)
+        d_tok = sum(w[2] for w in self._window)
+        p_time = sum(w[3] for w in self._window)
+        d_time = sum(w[4] for w in self._window)
+        b = self.block_manager.stats()
+        return EngineStats(
+            prefill_tok_s=p_tok / p_time if p_time else 0.0, decode_tok_s=d_tok / d_time if d_time else 0.0,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_cached=b.cached, kv_blocks_free=b.free,
+            prefix_hit_rate=b.hit_rate, prefix_hit_tokens=b.hit_tokens, prefix_queried_tokens=b.queried_tokens,
+            pinned_sessions=b.pinned_sessions, preemptions=self.scheduler.num_preemptions,
+            total_prefill_tokens=self.total_prefill_tokens, total_decode_tokens=self.total_decode_tokens)

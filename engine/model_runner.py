@@ -1,0 +1,94 @@
+"""Runs the model on one scheduled step: builds the flat ragged batch, owns the KV cache."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanochat.engine.config import Config
+from nanochat.engine.scheduler import ScheduledChunk
+from nanochat.models.attention import AttnMetadata
+
+
+def default_cpu_threads() -> int:
+    # Physical cores are what matter for matmuls; os.cpu_count() counts logical CPUs.
+    return max(1, (os.cpu_count() or 2))
+
+
+class ModelRunner:
+    def __init__(self, config: Config, model, device: torch.device, dtype: torch.dtype):
+        self.config, self.model, self.device, self.dtype = config, model, device, dtype
+        self.block_size = config.kvcache_block_size
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model.config
+        layers = len(self.model.attention_layers())
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kvcache_blocks is not None:
+            return self.config.num_kvcache_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * self.config.gpu_memory_utilization - used
+        else:
+            budget = self.config.kv_cache_gib * 2**30
+        # Never allocate more than the running set could ever use.
+        cap = self.config.max_num_seqs * ((self.config.max_model_len + self.block_size - 1) // self.block_size)
+        n = min(int(budget // per_block), cap)
+        if n < 1:
+            raise MemoryError("not enough memory for a single KV-cache block")
+        return n
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model.config
+        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = []
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache.append((layer.k_cache, layer.v_cache))
+
+    # ------------------------------------------------------------------ batch
+    def prepare(self, chunks: list[ScheduledChunk]):
+        input_ids, positions, slots = [], [], []
+        cu_q, context_lens, logit_rows = [0], [], []
+        bs = self.block_size
+        for c in chunks:
+            seq = c.seq
+            input_ids.extend(seq.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
+            cu_q.append(cu_q[-1] + c.num_tokens)
+            context_lens.append(c.end)
+            if c.samples:
+                logit_rows.append(cu_q[-1] - 1)
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        meta = AttnMetadata(
+            slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu_q, torch.int32),
+            context_lens=t(context_lens, torch.int32), block_tables=t(tables, torch.int32),
+            max_q_len=max(c.num_tokens for c in chunks), max_context_len=max(context_lens))
+        return t(input_ids, torch.int64), t(positions, torch.int64), meta, logit_rows
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Forward one step; returns fp32 logits for the chunks that sample (in order), or None."""
+        input_ids, positions, meta, logit_rows = self.prepare(chunks)
+        hidden = self.model(input_ids, positions, meta)
+        if not logit_rows:
+            return None
+        rows = torch.tensor(logit_rows, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))

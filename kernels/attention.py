@@ -1,0 +1,62 @@
+"""Paged KV cache store and attention: the torch implementation (CPU path and reference).
+
+Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged layout).
+Query rows are packed ragged: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and its KV
+(already stored, new tokens included) is context_lens[b] tokens long, laid out by block_tables[b].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write token i's K/V into flat slot slot_mapping[i]; a slot of -1 is skipped."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:n_blocks]].flatten(0, 1)[:length]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Lq, h, d] at the LAST Lq positions of k/v [Lk, kvh, d]; returns [Lq, h, d]."""
+    lq, lk = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = q.shape[1] != k.shape[1]
+    if lq == 1:
+        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
+    elif lq == lk:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # Query i sits at absolute position lk - lq + i and sees keys 0..that position.
+        rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+        mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ragged query rows over each sequence's paged KV."""
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b, length in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        k = gather_kv(k_cache, block_tables[b], length)
+        v = gather_kv(v_cache, block_tables[b], length)
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale).to(out.dtype)
+    return out

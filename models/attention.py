@@ -1,0 +1,69 @@
+"""Attention over the paged KV cache, with the backend chosen by device.
+
+CPU: torch (gather by block table + SDPA). CUDA: flash-attn when installed and the block size
+suits it, else the Triton paged-attention kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.kernels import attention as torch_attn
+
+
+@dataclass
+class AttnMetadata:
+    """The flat ragged batch of one step (built by the engine's model runner)."""
+
+    slot_mapping: torch.Tensor      # [N] int64 flat cache slot per query token
+    cu_seqlens_q: torch.Tensor      # [B+1] int32
+    context_lens: torch.Tensor      # [B] int32 KV length per sequence after this step
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    max_q_len: int
+    max_context_len: int
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class AttentionBackend:
+    """Stores new K/V and attends; one instance per model, shared by its layers."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        self.kind = "torch"
+        if device.type == "cuda":
+            self.kind = "flash" if flash_attn_available() and block_size % 256 == 0 else "triton"
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+        if self.kind == "torch":
+            torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
+                                              meta.context_lens, meta.block_tables, scale)
+        from nanochat.kernels import triton_attention as tri
+        tri.store_kvcache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.kind == "flash":
+            return _flash_paged(q, k_cache, v_cache, meta, scale)
+        return tri.paged_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q,
+                                          meta.context_lens, meta.block_tables, scale)
+
+
+def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    batch = meta.context_lens.shape[0]
+    if meta.max_q_len == 1 and q.shape[0] == batch:   # pure decode
+        out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                      block_table=meta.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    cu_k[1:] = torch.cumsum(meta.context_lens, 0)
+    return flash_attn_varlen_func(q, k_cache, v_cache, max_seqlen_q=meta.max_q_len, cu_seqlens_q=meta.cu_seqlens_q,
+                                  max_seqlen_k=meta.max_context_len, cu_seqlens_k=cu_k,
+                                  softmax_scale=scale, causal=True, block_table=meta.block_tables)

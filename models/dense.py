@@ -1,0 +1,121 @@
+"""Llama / Qwen2 / Qwen3 decoder-only models: one implementation, flags for the differences.
+
+Qwen2 = Llama + bias on q/k/v; Qwen3 = Llama + per-head RMSNorm on q and k before RoPE.
+q/k/v and gate/up are fused into one matmul each (fewer kernel launches per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanochat.kernels.qweight import QuantWeight
+from nanochat.models.attention import AttentionBackend, AttnMetadata
+from nanochat.models.config import ModelConfig
+from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, backend: AttentionBackend,
+                 rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        names = [f"{prefix}.{p}_proj.weight" for p in "qkv"]
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([w.dense(f"{prefix}.{p}_proj.bias") for p in "qkv"])
+        self.qkv_proj = Linear(w.linear_weight(names), bias)
+        self.o_proj = Linear(w.linear_weight([f"{prefix}.o_proj.weight"]))
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(w.dense(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(w.dense(f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
+        self.backend, self.rotary = backend, rotary
+        self.k_cache = self.v_cache = None   # assigned by the model runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, w: WeightLoader, prefix: str):
+        super().__init__()
+        self.gate_up_proj = Linear(w.linear_weight([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]))
+        self.down_proj = Linear(w.linear_weight([f"{prefix}.down_proj.weight"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DenseDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, i: int, backend, rotary):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(w.dense(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
+        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary)
+        self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.mlp = DenseMLP(w, f"{p}.mlp")
+
+    def forward(self, positions, x, meta):
+        h = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Embedding(nn.Module):
+    """Token embedding from a dense table or straight from GGML blocks (rows dequantized on lookup)."""
+
+    def __init__(self, weight, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.quant = weight if isinstance(weight, QuantWeight) else None
+        self.weight = None if self.quant else nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        from nanochat.kernels.gguf_quants import dequantize_rows
+        return dequantize_rows(self.quant, ids).to(self.dtype)
+
+
+class DenseForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.backend = AttentionBackend(w.device, block_size)
+        self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
+        emb = w.source.get("model.embed_tokens.weight")
+        if isinstance(emb, QuantWeight) and not w.dequantize:
+            self.embed_tokens = Embedding(emb.to(w.device), w.dtype)
+        else:
+            self.embed_tokens = Embedding(w.dense("model.embed_tokens.weight"), w.dtype)
+        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, w, i, self.backend, self.rotary)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in w.names \
+            else "lm_head.weight"
+        self.lm_head = Linear(w.linear_weight([head]))
+
+    def attention_layers(self) -> list[DenseAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

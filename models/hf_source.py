@@ -1,0 +1,129 @@
+"""Hugging Face checkpoint folders: config.json, *.safetensors (sharded or not), tokenizer files.
+
+Hub ids (`Qwen/Qwen3-0.6B`) are resolved through huggingface_hub's cache, downloading when online.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanochat.models.config import DENSE_ARCHS, ModelConfig
+from nanochat.models.errors import ModelLoadError
+
+SUPPORTED_ARCHS = DENSE_ARCHS
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON ({e.__class__.__name__}: {e})") from None
+
+
+class HFSource:
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        root = Path(path)
+        if not root.is_dir():
+            raise ModelLoadError(f"{root}: not a model folder")
+        cfg_path = root / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{root}: no config.json (not a Hugging Face model folder)")
+        raw = _read_json(cfg_path)
+        raw = raw.get("text_config", raw) if raw.get("model_type") not in SUPPORTED_ARCHS else raw
+        arch = raw.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(f"{cfg_path}: unsupported architecture {arch!r} "
+                                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+        try:
+            self.config = ModelConfig.from_hf_dict(raw, name=root.name)
+        except KeyError as e:
+            raise ModelLoadError(f"{cfg_path}: missing key {e}") from None
+        self.root = root
+        self._where = self._index_tensors(root)
+        self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _index_tensors(root: Path) -> dict[str, Path]:
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map", {})
+            where = {name: root / fname for name, fname in weight_map.items()}
+            for f in set(where.values()):
+                if not f.is_file():
+                    raise ModelLoadError(f"{f}: shard listed in {index.name} is missing")
+            return where
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{root}: no *.safetensors weights")
+        where = {}
+        for f in files:
+            try:
+                with safe_open(f, "pt") as handle:
+                    where.update({name: f for name in handle.keys()})
+            except Exception as e:   # safetensors raises several error types for bad headers
+                raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        return where
+
+    def tensor_names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelLoadError(f"{self.root}: tensor {name!r} not found in the checkpoint")
+        f = self._where[name]
+        try:
+            if f not in self._handles:
+                self._handles[f] = safe_open(f, "pt")
+            return self._handles[f].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({e})") from None
+
+    def tokenizer_path(self) -> Path | None:
+        p = self.root / "tokenizer.json"
+        return p if p.is_file() else None
+
+    def tokenizer_json(self) -> str | None:
+        p = self.tokenizer_path()
+        return p.read_text() if p else None
+
+    def tokenizer_config(self) -> dict:
+        p = self.root / "tokenizer_config.json"
+        return _read_json(p) if p.is_file() else {}
+
+    def chat_template(self) -> str | None:
+        jinja = self.root / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        template = self.tokenizer_config().get("chat_template")
+        if isinstance(template, list):   # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    def generation_eos_ids(self) -> tuple[int, ...]:
+        p = self.root / "generation_config.json"
+        if not p.is_file():
+            return ()
+        eos = _read_json(p).get("eos_token_id")
+        return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def resolve_hub_id(model: str) -> str:
+    """Local folder for a hub id: the HF cache if present, else a download (needs network)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+    try:
+        return snapshot_download(model, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as e:
+        raise ModelLoadError(f"{model}: not a local path, and the Hugging Face hub could not provide it "
+                             f"({e.__class__.__name__})") from None

