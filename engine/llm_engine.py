@@ -79,6 +79,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(ids, sp, session_id=session_id)
+        if session_id is not None:
+            self.block_manager.touch_session(session_id)
         generator = None
         if not sp.greedy:
             generator = torch.Generator()
@@ -109,8 +111,14 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if req.seq.session_id is not None and req.seq.block_table:
+            self.block_manager.pin_session(req.seq.session_id, req.seq)
         self.scheduler.finish(req.seq, "abort")
         return TokenEvent(request_id, None, "", True, "abort", self._request_stats(req))
+
+    def release_session(self, session_id: str) -> None:
+        """Drop a conversation's resident KV (on /clear or delete); its blocks stay cached until reused."""
+        self.block_manager.release_session(session_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -144,7 +152,10 @@ class LLMEngine:
         seq = self.scheduler.waiting[0]
         req = self.requests.pop(seq.request_id)
         self.scheduler.finish(seq, "error")
-        return [TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req))]
+        need = len(seq)
+        return [TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req),
+                           error=f"out of KV-cache memory: the sequence needs {need} tokens of cache, "
+                                 f"more than the whole cache holds; raise the KV-cache budget")]
 
     def _postprocess(self, req: _Request, token: int, now: float) -> TokenEvent:
         seq, sp = req.seq, req.params
@@ -173,6 +184,8 @@ class LLMEngine:
                         req.text = req.text[:hit]
             seq.stats.finish_time = now
             self.requests.pop(req.request_id)
+            if seq.session_id is not None:   # keep the conversation's KV for its next turn
+                self.block_manager.pin_session(seq.session_id, seq)
             self.scheduler.finish(seq, reason)
         delta = self._take_delta(req, final=reason is not None)
         stats = self._request_stats(req) if reason is not None else None

@@ -30,6 +30,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stats: RequestStats | None = None # set on the final event
+    error: str = ""                   # why, when finish_reason is "error"
 
 
 @dataclass

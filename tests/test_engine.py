@@ -1,0 +1,235 @@
+"""Engine behaviour: batching, preemption, chunked prefill, prefix caching, block accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanochat.engine import LLM, Config, LLMEngine, RequestError, SamplingParams
+from nanochat.engine.block_manager import BlockManager
+from nanochat.engine.sequence import Sequence
+
+from test_parity import GREEDY, PROMPTS, hf_greedy
+
+ARCH = "qwen3"
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models, hf_models):
+    hf = hf_models(ARCH)
+    return [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def run(tiny_models, prompts=PROMPTS, sp=GREEDY, **cfg):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, **cfg)
+    return llm, [r.token_ids for r in llm.generate(prompts, sp)]
+
+
+def test_preemption_keeps_outputs_identical(tiny_models, expected):
+    # 8 blocks of 16 tokens cannot hold all four sequences at once: preemption must happen.
+    llm, out = run(tiny_models, num_kvcache_blocks=8, kvcache_block_size=16)
+    assert out == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.block_manager.check_invariants()
+    assert llm.engine.block_manager.num_free_blocks == 8
+
+
+def test_chunked_prefill_keeps_outputs_identical(tiny_models, expected):
+    llm, out = run(tiny_models, max_num_batched_tokens=8)
+    assert out == expected
+
+
+def test_chunked_prefill_runs_decodes_in_the_same_step(tiny_models):
+    engine = LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, max_num_batched_tokens=8)
+    engine.add_request([1, 2, 3], GREEDY)
+    engine.step()                       # prefill of the short prompt
+    engine.add_request(list(range(10, 50)), GREEDY)
+    chunks = engine.scheduler.schedule()
+    kinds = sorted((c.num_tokens, c.samples) for c in chunks)
+    assert kinds == [(1, True), (7, False)]   # a decode and a 7-token prefill chunk share the step
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_block_sizes(tiny_models, expected, block_size):
+    _, out = run(tiny_models, kvcache_block_size=block_size)
+    assert out == expected
+
+
+def test_prefix_cache_hit_on_repeated_prompt_plus_output(tiny_models, hf_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, kvcache_block_size=16)
+    prompt = list(range(30, 70))          # 40 tokens: two full blocks
+    first = llm.generate([prompt], GREEDY)[0]
+    follow = prompt + first.token_ids + [5, 6, 7]
+    second = llm.generate([follow], GREEDY)[0]
+    # prompt (40) + 12 generated = 52 tokens computed -> 3 full blocks hashed, generated ones included
+    assert second.stats.cached_tokens == 48
+    assert second.token_ids == hf_greedy(hf_models(ARCH), follow, GREEDY.max_tokens)
+    bm = llm.engine.block_manager
+    assert bm.counters.hit_tokens == 48
+    llm.engine.block_manager.check_invariants()
+
+
+def test_hit_is_capped_so_one_token_is_computed(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, kvcache_block_size=16)
+    prompt = list(range(32))               # exactly two blocks
+    a = llm.generate([prompt], GREEDY)[0]
+    b = llm.generate([prompt], GREEDY)[0]
+    assert b.stats.cached_tokens == 16     # not 32: the last token must be computed for logits
+    assert a.token_ids == b.token_ids
+
+
+def test_prefix_caching_disabled(tiny_models, expected):
+    llm, out = run(tiny_models, enable_prefix_caching=False)
+    out2 = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    assert out == out2 == expected
+    assert llm.engine.block_manager.counters.hit_tokens == 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=10, ignore_eos=True, seed=123)
+    alone = llm.generate([PROMPTS[0]], sp)[0].token_ids
+    batched = llm.generate(PROMPTS, [sp] * len(PROMPTS))[0].token_ids
+    assert alone == batched
+    again = llm.generate([PROMPTS[0]], sp)[0].token_ids
+    assert again == alone
+
+
+def test_stop_tokens_and_max_tokens(tiny_models, expected):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+    stop_at = expected[0][3]
+    first = expected[0].index(stop_at)
+    r = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at],
+                                                 ignore_eos=True))[0]
+    assert r.token_ids == expected[0][:first + 1] and r.finish_reason == "stop"
+    r = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert r.token_ids == expected[0][:4] and r.finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+    full = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert len(full.text) > 4
+    needle = full.text[2:4]
+    cut = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                   stop=[needle]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(needle)]
+
+
+def test_streaming_events_concatenate_to_the_result(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    texts, tokens, finished = {}, {}, []
+    for ev in llm.stream(PROMPTS[:2], sp):
+        texts.setdefault(ev.request_id, []).append(ev.text)
+        tokens.setdefault(ev.request_id, []).append(ev.token_id)
+        if ev.finished:
+            finished.append(ev)
+    results = llm.generate(PROMPTS[:2], sp)
+    assert len(finished) == 2 and all(ev.stats.completion_tokens == 12 for ev in finished)
+    assert ["".join(texts[k]) for k in sorted(texts)] == [r.text for r in results]
+
+
+def test_stream_abandoned_early_frees_blocks(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    stream = llm.stream(PROMPTS, GREEDY)
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+    assert not llm.engine.has_unfinished()
+
+
+def test_bad_requests_are_rejected_clearly(tiny_models):
+    engine = LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=64, num_kvcache_blocks=2,
+                       kvcache_block_size=16)
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(RequestError, match="max_model_len"):
+        engine.add_request(list(range(64)), GREEDY)
+    with pytest.raises(RequestError, match="KV cache"):
+        engine.add_request(list(range(40)), GREEDY)
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add_request([10**6], GREEDY)
+
+
+def test_sequence_outgrowing_the_cache_ends_with_error_not_hang(tiny_models):
+    engine = LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=128, num_kvcache_blocks=2,
+                       kvcache_block_size=16)
+    rid = engine.add_request(list(range(20)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    events = []
+    for _ in range(200):
+        events += engine.step()
+        if not engine.has_unfinished():
+            break
+    assert events[-1].request_id == rid and events[-1].finished and events[-1].finish_reason == "error"
+    assert engine.block_manager.num_free_blocks == 2
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(seed=-1), "seed"), (dict(stop=[""]), "stop"),
+])
+def test_sampling_params_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_config_env_overrides_and_validation(monkeypatch):
+    monkeypatch.setenv("NANO_VLLM_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("NANO_VLLM_KVCACHE_BLOCK_SIZE", "32")
+    cfg = Config.create("m")
+    assert cfg.max_num_seqs == 3 and cfg.kvcache_block_size == 32
+    assert Config.create("m", max_num_seqs=5).max_num_seqs == 5     # explicit wins
+    with pytest.raises(Exception):
+        cfg.max_num_seqs = 9                                         # frozen
+    monkeypatch.setenv("NANO_VLLM_MAX_MODEL_LEN", "lots")
+    with pytest.raises(ValueError, match="NANO_VLLM_MAX_MODEL_LEN"):
+        Config.create("m")
+    monkeypatch.delenv("NANO_VLLM_MAX_MODEL_LEN")
+    for bad in (dict(kvcache_block_size=24), dict(max_num_seqs=0), dict(device="tpu"), dict(bogus=1)):
+        with pytest.raises(ValueError):
+            Config.create("m", **bad)
+
+
+def test_block_invariant_after_random_workload():
+    """Random add / compute / finish / abort / preempt / session pins: every block comes back."""
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=24, block_size=4)
+    live: list[Sequence] = []
+    sp = SamplingParams(max_tokens=8)
+    vocab = [rng.randrange(5) for _ in range(64)]
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.3:
+            seq = Sequence(vocab[:rng.randrange(1, 30)] + [rng.randrange(5)], sp)
+            if bm.allocate(seq):
+                live.append(seq)
+        elif op < 0.7 and live:
+            seq = rng.choice(live)
+            seq.num_computed_tokens = len(seq)
+            bm.commit_computed(seq)
+            if bm.ensure_slots(seq, len(seq) + 1):
+                seq.append_token(rng.randrange(5))
+            else:                                  # preempt
+                bm.deallocate(seq)
+                live.remove(seq)
+        elif op < 0.8 and live:
+            seq = live.pop(rng.randrange(len(live)))
+            bm.pin_session(f"s{rng.randrange(4)}", seq)
+            bm.deallocate(seq)
+        elif live:
+            bm.deallocate(live.pop(rng.randrange(len(live))))
+        bm.check_invariants()
+    for seq in live:
+        bm.deallocate(seq)
+    for sid in list(bm.sessions):
+        bm.release_session(sid)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 24
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.counters.hit_tokens > 0
