@@ -20,7 +20,7 @@ class Paths:
 
     @property
     def settings_file(self) -> Path:
-        return self.config_dir / "settings.toml"
+        return self.config_dir / "settings.json"
 
     @property
     def chat_db(self) -> Path:
