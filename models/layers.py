@@ -37,6 +37,8 @@ def rope_inv_freq(config: ModelConfig, rotary_dim: int) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "freq_factors":   # GGUF llama3 files store the per-frequency divisors as a tensor
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind not in (None, "default"):

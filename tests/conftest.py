@@ -41,7 +41,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vocab_size: int = 320,
-                  dtype=torch.float32) -> Path:
+                  dtype=torch.float32, rope: dict | None = None) -> Path:
     """A tiny random transformers model (norms randomised too) saved with tokenizer files."""
     import transformers
 
@@ -49,7 +49,8 @@ def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vo
     cls_cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config}[arch]
     kw = dict(TINY, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=None,
-              eos_token_id=tok.token_to_id("<|im_end|>"), rope_theta=10000.0)
+              eos_token_id=tok.token_to_id("<|im_end|>"),
+              rope_parameters=rope or {"rope_type": "default", "rope_theta": 50000.0})
     cfg = cls_cfg(**kw)
     torch.manual_seed(seed)
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
@@ -80,6 +81,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "llama_tied": make_hf_model("llama", root / "llama_tied", seed=2, tie=True),
         "qwen2": make_hf_model("qwen2", root / "qwen2", seed=3),
         "qwen3": make_hf_model("qwen3", root / "qwen3", seed=4),
+        # Llama 3 frequency-scaled RoPE (a short original context so the scaling bites)
+        "llama3_rope": make_hf_model("llama", root / "llama3_rope", seed=5, rope={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     }
 
 

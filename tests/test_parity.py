@@ -7,7 +7,7 @@ import torch
 
 from nanochat.engine import LLM, LLMEngine, SamplingParams
 
-ARCHS = ["llama", "llama_tied", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "llama3_rope"]
 PROMPTS = [
     [5, 17, 42, 99, 3, 250, 7],
     [11, 12, 13],

@@ -1,0 +1,427 @@
+"""GGUF weight source: config from metadata, HF-named tensors as memmap views.
+
+Dense tensors (F32/F16/BF16) come back as torch tensors that share memory with the
+file's read-only memory map (never modify them in place: copy or move them to a device
+first). Quantized 2-D tensors come back as `QuantWeight` whose `data` is a uint8 view of
+the raw GGML blocks, one row of blocks per output feature.
+
+llama.cpp's converter permutes the rows of attn_q / attn_k for arch `llama` (ggml's
+interleaved-pair RoPE); `get` undoes it so q_proj / k_proj match the HF checkpoint and
+work with rotate-half RoPE. The permutation moves whole rows, so quantized blocks are
+permuted exactly (a copy of those two tensors only).
+
+Llama-3 style RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor rather than
+as metadata. It is exposed as `config.rope_scaling = {"rope_type": "freq_factors",
+"freq_factors": [...]}` (head_dim/2 floats): the rotary inverse frequencies are
+`inv_freq[i] = 1 / (rope_theta ** (2i / head_dim) * freq_factors[i])`, which equals HF's
+llama3 rope. The raw tensor stays reachable with `get_gguf("rope_freqs.weight")`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import gguf
+import numpy as np
+import torch
+
+from nanochat.kernels.qweight import QuantWeight
+from nanochat.models.config import ModelConfig
+
+T = gguf.GGMLQuantizationType
+
+
+from nanochat.models.errors import ModelLoadError  # noqa: E402  (re-exported for callers)
+
+
+DENSE_TYPES = {T.F32, T.F16, T.BF16}
+QUANT_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_1,
+               T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+SUPPORTED_TYPES = DENSE_TYPES | QUANT_TYPES
+
+# GGUF tensor base name -> HF module path (".weight"/".bias" is carried over).
+GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+DENSE_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one GGUF architecture maps onto nanochat. New archs (MoE, hybrid) add a row to
+    ARCHS with their own tensor tables; `config_extra` reads arch-specific metadata."""
+
+    model_type: str                      # HF model_type, used as ModelConfig.arch
+    permute_qk: bool = False             # converter permuted attn_q/attn_k rows
+    block_tensors: Mapping[str, str] = field(default_factory=lambda: DENSE_BLOCK_TENSORS)
+    global_tensors: Mapping[str, str] = field(default_factory=lambda: GLOBAL_TENSORS)
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", permute_qk=True),
+    "qwen2": ArchSpec("qwen2"),
+    "qwen3": ArchSpec("qwen3"),
+}
+
+# Checkpoint dtype reported for unquantized files; quantized ones keep the bf16 default.
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+_MIN_HEADER = 24  # magic, version, tensor count, kv count
+# Sizes of the fixed-size GGUF metadata value types (GGUFValueType numbering).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+class _HeaderScan:
+    """Walks the GGUF header with bounds checks before gguf.GGUFReader parses it: the reader
+    trusts length fields, and a corrupt array length past the end of the file makes it loop
+    for ~2**64 iterations instead of failing."""
+
+    def __init__(self, buf, size: int):
+        self.buf, self.size, self.pos = buf, size, 0
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise ValueError(f"field at byte {self.pos} runs past the end of the file")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def u32(self) -> int:
+        return struct.unpack_from("<I", self.buf, self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack_from("<Q", self.buf, self.take(8))[0]
+
+    def string(self) -> None:
+        self.take(self.u64())
+
+    def value(self, vtype: int) -> None:
+        if vtype in _SCALAR_SIZES:
+            self.take(_SCALAR_SIZES[vtype])
+        elif vtype == _STRING:
+            self.string()
+        elif vtype == _ARRAY:
+            itype, count = self.u32(), self.u64()
+            if itype in _SCALAR_SIZES:
+                self.take(count * _SCALAR_SIZES[itype])
+            elif count * 8 > self.size - self.pos:  # every string/array item is >= 8 bytes
+                raise ValueError(f"array of {count} items at byte {self.pos} exceeds the file")
+            else:
+                for _ in range(count):
+                    self.value(itype)
+        else:
+            raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos}")
+
+    def run(self) -> None:
+        self.take(8)  # magic, version
+        n_tensors, n_kv = self.u64(), self.u64()
+        for _ in range(n_kv):
+            self.string()
+            self.value(self.u32())
+        if n_tensors * 24 > self.size - self.pos:
+            raise ValueError(f"tensor count {n_tensors} does not fit in the file")
+        for _ in range(n_tensors):
+            self.string()
+            n_dims = self.u32()
+            if n_dims > 4:
+                raise ValueError(f"tensor with {n_dims} dimensions at byte {self.pos}")
+            self.take(8 * n_dims + 12)  # dims, type, offset
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row index r_hf -> row in the GGUF tensor, inverting llama.cpp's q/k permutation.
+
+    llama.cpp stores row h*hd + 2j + i from HF row h*hd + i*hd/2 + j (i in {0,1})."""
+    if n_rows % (2 * n_head):
+        raise ValueError(f"{n_rows} rows do not split into {n_head} heads of even size")
+    idx = torch.arange(n_rows).reshape(n_head, n_rows // n_head // 2, 2)
+    return idx.transpose(1, 2).reshape(-1)
+
+
+def _from_numpy(arr: np.ndarray) -> torch.Tensor:
+    # The memmap is read-only; torch warns about that once per call. The views are shared
+    # on purpose (no copy); callers must not write into them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+class GGUFSource:
+    """WeightSource over a single GGUF file (see models/weights.py for the naming)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.reader = self._open(self.path)
+        self.file_size = os.path.getsize(self.path)
+        self.arch = self._str_meta("general.architecture")
+        if self.arch is None:
+            raise ModelLoadError(f"{self.path}: GGUF has no general.architecture")
+        if self.arch not in ARCHS:
+            raise ModelLoadError(
+                f"{self.path}: unsupported GGUF architecture '{self.arch}' "
+                f"(supported: {', '.join(sorted(ARCHS))})")
+        self.spec = ARCHS[self.arch]
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._check_tensors()
+        self._hf_to_gguf = self._map_names()
+        self.config = self._build_config()
+
+    # ---- opening and validation ----
+
+    @staticmethod
+    def _open(path: str) -> gguf.GGUFReader:
+        if not os.path.exists(path):
+            raise ModelLoadError(f"{path}: no such file")
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"{path}: not a regular file")
+        with open(path, "rb") as f:
+            head = f.read(_MIN_HEADER)
+        if not head:
+            raise ModelLoadError(f"{path}: empty file, not a GGUF model")
+        if head[:4] != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
+        if len(head) < _MIN_HEADER:
+            raise ModelLoadError(f"{path}: truncated GGUF file ({len(head)} bytes)")
+        version = struct.unpack_from("<I", head, 4)[0]
+        if version & 0xFFFF == 0:
+            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path}: unsupported GGUF version {version} (need 2 or 3)")
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                _HeaderScan(buf, len(buf)).run()
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: truncated or corrupt GGUF header ({e})") from None
+        try:
+            reader = gguf.GGUFReader(path, "r")
+        except Exception as e:  # the reader raises many types on garbage; report one line
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({msg})") from None
+        if reader.byte_order != "I":
+            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
+        return reader
+
+    def _check_tensors(self) -> None:
+        for t in self.reader.tensors:
+            end = t.data_offset + t.n_bytes
+            if end > self.file_size or t.data.nbytes != t.n_bytes:
+                raise ModelLoadError(
+                    f"{self.path}: truncated GGUF file (tensor {t.name} ends at byte {end}, "
+                    f"file has {self.file_size})")
+            if self._hf_name(t.name) is not None and t.tensor_type not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
+                    f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+
+    # ---- names ----
+
+    def _hf_name(self, gguf_name: str) -> str | None:
+        if m := _BLOCK_RE.match(gguf_name):
+            module = self.spec.block_tensors.get(m.group(2))
+            return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+        if m := _GLOBAL_RE.match(gguf_name):
+            module = self.spec.global_tensors.get(m.group(1))
+            return None if module is None else f"{module}.{m.group(2)}"
+        return None
+
+    def _map_names(self) -> dict[str, str]:
+        mapping = {}
+        for name in self._tensors:
+            hf = self._hf_name(name)
+            if hf is not None:
+                mapping[hf] = name
+        return mapping
+
+    def tensor_names(self) -> list[str]:
+        """HF names of every tensor the model uses (GGUF-only extras are left out)."""
+        return list(self._hf_to_gguf)
+
+    def gguf_tensor_names(self) -> list[str]:
+        """Every tensor in the file, GGUF naming."""
+        return list(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._hf_to_gguf
+
+    # ---- tensors ----
+
+    def get(self, name: str) -> torch.Tensor | QuantWeight:
+        """The tensor with HF name `name`, q/k rows restored to HF order."""
+        gname = self._hf_to_gguf.get(name)
+        if gname is None:
+            raise KeyError(f"{self.path}: no tensor {name!r} in this GGUF")
+        w = self.get_gguf(gname)
+        if self.spec.permute_qk:
+            heads = self._qk_heads(gname)
+            if heads:
+                w = self._unpermute(w, heads)
+        return w
+
+    def get_gguf(self, gguf_name: str) -> torch.Tensor | QuantWeight:
+        """A tensor by its GGUF name, exactly as stored (no q/k un-permutation)."""
+        t = self._tensors.get(gguf_name)
+        if t is None:
+            raise KeyError(f"{self.path}: no tensor {gguf_name!r} in this GGUF")
+        ttype = t.tensor_type
+        if ttype not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type {ttype.name}")
+        if ttype in (T.F32, T.F16):
+            return _from_numpy(t.data)
+        if ttype == T.BF16:  # the reader yields raw bytes [..., 2*n]
+            return _from_numpy(t.data).view(torch.bfloat16)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # torch order
+        if len(shape) == 1:  # quantized vectors are rare and small: dequantize them
+            deq = gguf.quants.dequantize(np.asarray(t.data), ttype)
+            return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)).reshape(shape)
+        if len(shape) != 2:
+            raise ModelLoadError(f"{self.path}: tensor {t.name} is a {len(shape)}-D {ttype.name} "
+                                 f"tensor; only 2-D quantized weights are supported")
+        return QuantWeight(int(ttype), shape, _from_numpy(t.data))
+
+    def _qk_heads(self, gguf_name: str) -> int:
+        m = _BLOCK_RE.match(gguf_name)
+        if m is None:
+            return 0
+        if m.group(2) == "attn_q":
+            return self.config.num_attention_heads
+        if m.group(2) == "attn_k":
+            return self.config.num_key_value_heads
+        return 0
+
+    @staticmethod
+    def _unpermute(w: torch.Tensor | QuantWeight, n_head: int) -> torch.Tensor | QuantWeight:
+        if isinstance(w, QuantWeight):
+            perm = unpermute_rows(w.data.shape[0], n_head)
+            return QuantWeight(w.ggml_type, w.shape, w.data[perm])
+        return w[unpermute_rows(w.shape[0], n_head)]
+
+    # ---- metadata ----
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value (str, int, float, bool, or list), or `default` when absent."""
+        f = self.reader.get_field(key)
+        if f is None or not f.types:
+            return default
+        return f.contents()
+
+    def _str_meta(self, key: str) -> str | None:
+        v = self.metadata(key)
+        return v if isinstance(v, str) else None
+
+    def _arch_meta(self, suffix: str, default: Any = None, required: bool = False) -> Any:
+        key = f"{self.arch}.{suffix}"
+        v = self.metadata(key, default)
+        if v is None and required:
+            raise ModelLoadError(f"{self.path}: missing metadata key {key}")
+        if isinstance(v, list):  # per-layer arrays: dense models need one value
+            if not v or len(set(v)) != 1:
+                raise ModelLoadError(f"{self.path}: per-layer values in {key} are not supported")
+            v = v[0]
+        return v
+
+    def _build_config(self) -> ModelConfig:
+        hidden = int(self._arch_meta("embedding_length", required=True))
+        heads = int(self._arch_meta("attention.head_count", required=True))
+        kv_heads = int(self._arch_meta("attention.head_count_kv", heads))
+        head_dim = int(self._arch_meta("attention.key_length", hidden // heads))
+        embd = self._tensors.get("token_embd.weight")
+        vocab = self._arch_meta("vocab_size")
+        if vocab is None and embd is not None:
+            vocab = int(embd.shape[-1])  # GGUF dims are reversed: [hidden, vocab]
+        if vocab is None:
+            vocab = len(self.metadata("tokenizer.ggml.tokens", []))
+        bos = self.metadata("tokenizer.ggml.bos_token_id")
+        eos_ids: list[int] = []
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            v = self.metadata(f"tokenizer.ggml.{key}")
+            if v is not None and int(v) not in eos_ids:
+                eos_ids.append(int(v))
+        return ModelConfig(
+            arch=self.spec.model_type,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self._arch_meta("feed_forward_length", required=True)),
+            num_hidden_layers=int(self._arch_meta("block_count", required=True)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(self._arch_meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self._arch_meta("rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
+            max_position_embeddings=int(self._arch_meta("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in self._tensors,
+            attention_bias="blk.0.attn_q.bias" in self._tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
+            torch_dtype=_DTYPE_NAMES.get(self.quant_summary(), "bfloat16"),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(eos_ids),
+            name=self._str_meta("general.name") or os.path.basename(self.path),
+            extra={
+                "gguf_arch": self.arch,
+                "gguf_file_type": self.metadata("general.file_type"),
+                "rope_dimension_count": self._arch_meta("rope.dimension_count"),
+            },
+        )
+
+    def _rope_scaling(self) -> dict | None:
+        if "rope_freqs.weight" in self._tensors:
+            freqs = self.get_gguf("rope_freqs.weight")
+            if not isinstance(freqs, torch.Tensor):
+                raise ModelLoadError(f"{self.path}: rope_freqs.weight must be a float tensor")
+            return {"rope_type": "freq_factors", "freq_factors": freqs.float().tolist()}
+        kind = self._arch_meta("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        out: dict[str, Any] = {"rope_type": kind}
+        for suffix, hf_key in (("factor", "factor"),
+                               ("original_context_length", "original_max_position_embeddings"),
+                               ("attn_factor", "attention_factor"),
+                               ("yarn_beta_fast", "beta_fast"),
+                               ("yarn_beta_slow", "beta_slow")):
+            v = self._arch_meta(f"rope.scaling.{suffix}")
+            if v is not None:
+                out[hf_key] = v
+        return out
+
+    # ---- tokenizer side ----
+
+    def tokenizer_json(self) -> str | None:
+        return None  # built from tokenizer.ggml.* metadata by models/tokenizer.py
+
+    def chat_template(self) -> str | None:
+        return self._str_meta("tokenizer.chat_template")
+
+    def quant_summary(self) -> str:
+        """The dominant tensor type by element count over the 2-D weights (e.g. "Q4_1")."""
+        counts: Counter[str] = Counter()
+        for gname in self._hf_to_gguf.values():
+            t = self._tensors[gname]
+            if len(t.shape) == 2:
+                counts[t.tensor_type.name] += int(t.n_elements)
+        return counts.most_common(1)[0][0] if counts else "none"
+
+    def __repr__(self) -> str:
+        return f"GGUFSource({self.path!r}, arch={self.arch}, {self.quant_summary()})"

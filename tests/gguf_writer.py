@@ -1,0 +1,316 @@
+"""Test helper: write tiny GGUF files from Hugging Face state dicts, as llama.cpp's converter would.
+
+    write_gguf_from_hf(model, path, "llama", gguf.GGMLQuantizationType.Q8_0)
+
+`model` is a transformers model, a folder with config.json + *.safetensors, or a
+(state_dict, config) pair (config: dict or PretrainedConfig). Linears (and by default the
+embedding / LM head) are quantized with `gguf.quants.quantize`; norms and biases are F32.
+For types gguf-py cannot quantize (K-quants), pass `quantizer(x) -> (raw_uint8_blocks, qtype)`
+(or None to fall back to the default type), e.g. a packer from tests/kquant_pack.py:
+
+    quantizer=lambda x: (pack_q4_k(x), gguf.GGMLQuantizationType.Q4_K)
+
+The name table here is written independently of nanochat.models.gguf_source on purpose: it is
+the oracle the loader is checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import gguf
+import numpy as np
+import torch
+
+T = gguf.GGMLQuantizationType
+VT = gguf.GGUFValueType
+Quantizer = Callable[[np.ndarray], "tuple[np.ndarray, gguf.GGMLQuantizationType] | None"]
+
+# HF module -> llama.cpp tensor base name.
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+@dataclass(frozen=True)
+class MetaValue:
+    """A metadata value with its exact GGUF type (for copying keys between files)."""
+
+    value: Any
+    vtype: gguf.GGUFValueType
+    sub_type: gguf.GGUFValueType | None = None
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """llama.cpp's name for an HF tensor name, or None when it has no GGUF counterpart."""
+    module, _, kind = hf_name.rpartition(".")
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.{kind}"
+    parts = module.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _BLOCK:
+        return f"blk.{parts[2]}.{_BLOCK[parts[3]]}.{kind}"
+    return None
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's row permutation of attn_q/attn_k (HF rotate-half -> ggml interleaved pairs)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def read_metadata(path: str | os.PathLike, prefix: str = "tokenizer.") -> dict[str, MetaValue]:
+    """Typed copy of every metadata key starting with `prefix` (e.g. SmolLM2's tokenizer)."""
+    reader = gguf.GGUFReader(path)
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith(prefix) and f.types:
+            sub = f.types[-1] if f.types[0] == VT.ARRAY else None
+            out[key] = MetaValue(f.contents(), f.types[0], sub)
+    return out
+
+
+def byte_tokenizer_metadata(vocab_size: int, bos: int | None, eos: int | None) -> dict[str, MetaValue]:
+    """A minimal gpt2-style byte-level vocab: ids 0..255 are bytes, the rest control tokens."""
+    table = _bytes_to_unicode()
+    tokens = [table[b] for b in range(min(vocab_size, 256))]
+    tokens += [f"<|extra_{i}|>" for i in range(256, vocab_size)]
+    types = [int(gguf.TokenType.NORMAL)] * min(vocab_size, 256) + [int(gguf.TokenType.CONTROL)] * max(0, vocab_size - 256)
+    meta = {
+        "tokenizer.ggml.model": MetaValue("gpt2", VT.STRING),
+        "tokenizer.ggml.pre": MetaValue("default", VT.STRING),
+        "tokenizer.ggml.tokens": MetaValue(tokens, VT.ARRAY, VT.STRING),
+        "tokenizer.ggml.token_type": MetaValue(types, VT.ARRAY, VT.INT32),
+    }
+    if bos is not None:
+        meta["tokenizer.ggml.bos_token_id"] = MetaValue(int(bos), VT.UINT32)
+    if eos is not None:
+        meta["tokenizer.ggml.eos_token_id"] = MetaValue(int(eos), VT.UINT32)
+    return meta
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's printable stand-ins for raw bytes (the byte-level BPE alphabet).
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: Mapping[str, Any]) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as rope_freqs.weight for llama3 rope."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _load_source(source: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    if isinstance(source, (str, os.PathLike)):
+        from safetensors.torch import load_file
+
+        folder = Path(source)
+        cfg = json.loads((folder / "config.json").read_text())
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(f))
+        return state, cfg
+    if isinstance(source, tuple):
+        state, cfg = source
+    else:  # a transformers model
+        state, cfg = source.state_dict(), source.config
+    if hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()
+    return dict(state), dict(cfg)
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict) from either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def _file_type(qtype: T) -> int:
+    ft = gguf.LlamaFileType
+    by_name = {"F32": ft.ALL_F32, "F16": ft.MOSTLY_F16, "BF16": ft.MOSTLY_BF16}
+    if qtype.name in by_name:
+        return int(by_name[qtype.name])
+    for suffix in ("", "_M", "_S"):  # K-quants only exist as _S/_M mixes
+        if hasattr(ft, f"MOSTLY_{qtype.name}{suffix}"):
+            return int(getattr(ft, f"MOSTLY_{qtype.name}{suffix}"))
+    return int(ft.GUESSED)
+
+
+def _add_meta(w: gguf.GGUFWriter, meta: Mapping[str, Any]) -> None:
+    for key, v in meta.items():
+        if isinstance(v, MetaValue):
+            w.add_key_value(key, v.value, v.vtype, v.sub_type)
+        elif isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, int):
+            w.add_uint32(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        elif isinstance(v, str):
+            w.add_string(key, v)
+        else:
+            w.add_array(key, list(v))
+
+
+def write_gguf_from_hf(
+    source: Any,
+    out_path: str | os.PathLike,
+    arch: str,
+    qtype_for_linears: T = T.F32,
+    *,
+    embed_qtype: T | None = None,
+    output_qtype: T | None = None,
+    tensor_qtypes: Mapping[str, T] | None = None,
+    quantizer: Quantizer | None = None,
+    tokenizer: Mapping[str, Any] | str | None = "bytes",
+    chat_template: str | None = None,
+    name: str = "tiny-test-model",
+    extra_metadata: Mapping[str, Any] | None = None,
+    raw_tensors: Mapping[str, tuple[np.ndarray, T]] | None = None,
+    skip_tensors: tuple[str, ...] = (),
+) -> Path:
+    """Write `source` as a GGUF file for `arch` ("llama" permutes q/k rows like llama.cpp).
+
+    qtype_for_linears: type of 2-D weights; embed_qtype / output_qtype override it for
+    token_embd / output, tensor_qtypes per GGUF name. quantizer: packs 2-D tensors that have no
+    explicit override (returns (uint8 [rows, bytes_per_row], qtype) or None for the default).
+    tokenizer: "bytes" (a minimal byte-level gpt2 vocab), None (no tokenizer keys), or a dict of
+    metadata (e.g. read_metadata(smollm2_path)) copied verbatim. extra_metadata: more keys
+    (plain values or MetaValue). raw_tensors: GGUF name -> (raw uint8 blocks, type) written
+    as is, replacing or adding tensors. skip_tensors: GGUF names to leave out.
+    """
+    state, cfg = _load_source(source)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    vocab = cfg["vocab_size"]
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    theta, scaling = _rope(cfg)
+
+    w = gguf.GGUFWriter(os.fspath(out_path), arch)
+    w.add_name(name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    w.add_rope_freq_base(theta)
+    w.add_file_type(_file_type(qtype_for_linears))
+    if arch == "llama":
+        w.add_vocab_size(vocab)
+        w.add_rope_dimension_count(head_dim)
+
+    extra_tensors: dict[str, np.ndarray] = {}
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            extra_tensors["rope_freqs.weight"] = llama3_rope_factors(head_dim, theta, scaling)
+        else:
+            w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+            w.add_rope_scaling_factor(float(scaling["factor"]))
+            if "original_max_position_embeddings" in scaling:
+                w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+
+    if tokenizer == "bytes":
+        eos = cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        tokenizer = byte_tokenizer_metadata(vocab, cfg.get("bos_token_id"), eos)
+    if tokenizer:
+        _add_meta(w, tokenizer)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    if extra_metadata:
+        _add_meta(w, extra_metadata)
+
+    overrides = dict(tensor_qtypes or {})
+    if embed_qtype is not None:
+        overrides.setdefault("token_embd.weight", embed_qtype)
+    if output_qtype is not None:
+        overrides.setdefault("output.weight", output_qtype)
+    raw = dict(raw_tensors or {})
+
+    for hf_name, tensor in state.items():
+        gname = gguf_name(hf_name)
+        if gname is None or gname in skip_tensors or gname in raw:
+            continue
+        if gname == "output.weight" and tied:
+            continue
+        x = tensor.detach().to(torch.float32).numpy()
+        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            x = permute_qk(x, heads if ".attn_q." in gname else kv_heads)
+        _add_tensor(w, gname, x, overrides.get(gname), qtype_for_linears, quantizer)
+    for gname, x in extra_tensors.items():
+        w.add_tensor(gname, x)
+    for gname, (blocks, qtype) in raw.items():
+        w.add_tensor(gname, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=qtype)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out_path)
+
+
+def _add_tensor(w: gguf.GGUFWriter, gname: str, x: np.ndarray, override: T | None,
+                default: T, quantizer: Quantizer | None) -> None:
+    if x.ndim == 1:  # norms and biases stay F32, as in llama.cpp
+        w.add_tensor(gname, np.ascontiguousarray(x, dtype=np.float32))
+        return
+    if override is None and quantizer is not None:
+        packed = quantizer(np.ascontiguousarray(x))
+        if packed is not None:
+            blocks, qtype = packed
+            w.add_tensor(gname, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=qtype)
+            return
+    qtype = override if override is not None else default
+    data = gguf.quants.quantize(np.ascontiguousarray(x), qtype)
+    if qtype in (T.F32, T.F16):
+        w.add_tensor(gname, data)
+    else:
+        w.add_tensor(gname, data, raw_dtype=qtype)
