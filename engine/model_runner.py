@@ -22,6 +22,12 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.graphs = None
+        if device.type == "cuda" and not config.enforce_eager:
+            from nanochat.engine.cuda_graphs import DecodeGraphs
+            max_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
+            self.graphs = DecodeGraphs(model, config.max_num_seqs, max_blocks, model.config.hidden_size,
+                                       dtype, device)
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -87,7 +93,11 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Forward one step; returns fp32 logits for the chunks that sample (in order), or None."""
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, meta)
+        pure_decode = meta.max_q_len == 1
+        if self.graphs is not None and pure_decode and self.graphs.fits(len(chunks), meta.block_tables.shape[1]):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         if not logit_rows:
             return None
         rows = torch.tensor(logit_rows, device=self.device)
