@@ -1,0 +1,231 @@
+"""A plain line-based chat: `nanochat repl`.
+
+The conversation is a ChatSession on an EngineThread, so turn k+1 prefills only its new message
+(the stats line after each reply shows cached vs new prompt tokens). prompt_toolkit gives line
+editing and a persistent history on a terminal; without one (stdin piped) lines are read with
+input(), replies go to stdout and stats lines to stderr.
+
+Keys: Ctrl-C during a reply cancels it (the partial reply is kept), Ctrl-C at the prompt clears
+the line, Ctrl-D exits.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from nanochat.app.oneshot import format_stats, loading_indicator, model_label
+
+PROMPT = "> "
+COMMANDS = {
+    "/help": "show this help",
+    "/history": "show the conversation with per-turn stats",
+    "/clear": "start over (keeps the system prompt, frees the conversation's KV cache)",
+    "/system [TEXT]": "show the system prompt, or set it (starts over)",
+    "/exit": "leave (also /quit or Ctrl-D)",
+}
+
+
+@dataclass
+class ReplOptions:
+    model: str
+    engine_config: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)     # SamplingParams keyword arguments
+    system: str | None = None
+    history_file: str | None = None                  # prompt_toolkit FileHistory path
+
+
+# Control characters a model might emit (escape sequences could reprogram the terminal).
+_UNPRINTABLE = {c: None for c in range(32) if chr(c) not in "\n\t"} | {0x7F: None}
+
+
+class _Terminal:
+    """Where text goes: replies to stdout; notes and stats dim on a terminal, else to stderr."""
+
+    def __init__(self, interactive: bool):
+        self.interactive = interactive
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def reply(self, text: str) -> None:
+        self.write(text.translate(_UNPRINTABLE) if self.interactive else text)
+
+    def note(self, text: str) -> None:
+        if self.interactive:
+            self.write(f"\x1b[2m{text}\x1b[0m\n")
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def info(self, text: str) -> None:
+        """Answers to commands: part of the conversation's output, so stdout."""
+        self.write(text + "\n")
+
+
+def _line_reader(opts: ReplOptions, interactive: bool):
+    """A function returning the next input line; raises EOFError at the end, KeyboardInterrupt on Ctrl-C."""
+    if interactive:
+        try:
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+            history = InMemoryHistory()
+            if opts.history_file:
+                try:
+                    from pathlib import Path
+                    Path(opts.history_file).parent.mkdir(parents=True, exist_ok=True)
+                    history = FileHistory(opts.history_file)
+                except OSError:
+                    pass
+            session = PromptSession(history=history)
+            return lambda: session.prompt(PROMPT)
+        except Exception:   # no usable terminal after all: plain input() below
+            pass
+    return lambda: input(PROMPT if interactive else "")
+
+
+class Repl:
+    def __init__(self, opts: ReplOptions, engine_thread, interactive: bool):
+        from nanochat.engine import SamplingParams
+        from nanochat.engine.chat import ChatSession
+
+        self.opts = opts
+        self.engine = engine_thread
+        self.sp = SamplingParams(**opts.sampling)
+        self.term = _Terminal(interactive)
+        llm = engine_thread.engine
+        self.session = ChatSession(llm.tokenizer, llm.loaded.chat_template, system_prompt=opts.system)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, read_line) -> int:
+        while True:
+            try:
+                line = read_line()
+            except KeyboardInterrupt:
+                continue          # prompt_toolkit already cleared the line
+            except EOFError:
+                if self.term.interactive:
+                    self.term.write("\n")
+                return 0
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if self.command(line) == "exit":
+                    return 0
+            else:
+                self.turn(line)
+
+    def turn(self, text: str) -> None:
+        from nanochat.engine.chat import send, turn_stats_from_event
+
+        try:
+            handle = send(self.session, self.engine, text, self.sp)
+        except KeyboardInterrupt:     # Ctrl-C before the request was submitted
+            self.session.abandon_turn()
+            return
+        final, cancelled = self._stream(handle)
+        handle.done.wait()   # the session records the turn after the final event is queued
+        if final.finish_reason == "error":
+            hint = " (type /clear to start over)" if self.session.messages else ""
+            print(f"nanochat: error: {final.error or 'generation failed'}{hint}", file=sys.stderr, flush=True)
+            return
+        self.term.write("\n")
+        st = turn_stats_from_event(final)
+        extra = "cancelled" if cancelled else ("max tokens reached" if final.finish_reason == "length" else "")
+        self.term.note(format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
+                                    st.decode_tok_s, extra))
+
+    def _stream(self, handle):
+        """Print deltas as they come; Ctrl-C cancels the request and waits for its final event."""
+        cancelled = False
+        while True:
+            try:
+                for event in handle:
+                    if event.text:
+                        self.term.reply(event.text)
+                    if event.finished:
+                        return event, cancelled
+            except KeyboardInterrupt:
+                if not cancelled:
+                    handle.cancel()
+                    cancelled = True
+
+    # ------------------------------------------------------------------ commands
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        name = name.lower()
+        if name in ("/exit", "/quit", "/q"):
+            return "exit"
+        if name in ("/help", "/?"):
+            self.term.info(self.help_text())
+        elif name == "/history":
+            self.term.info(self.history_text())
+        elif name == "/clear":
+            self.clear()
+            self.term.note("conversation cleared")
+        elif name == "/system":
+            self.system(arg.strip())
+        else:
+            self.term.info(f"unknown command {name}; type /help for the list of commands")
+        return None
+
+    @staticmethod
+    def help_text() -> str:
+        width = max(len(c) for c in COMMANDS)
+        lines = [f"  {c.ljust(width)}  {d}" for c, d in COMMANDS.items()]
+        return "\n".join(["commands:", *lines,
+                          "Ctrl-C stops a reply (the partial reply is kept); Ctrl-D exits."])
+
+    def history_text(self) -> str:
+        s = self.session
+        if not s.messages:
+            return "(no messages yet)"
+        lines = [f"system: {s.system_prompt}"] if s.system_prompt else []
+        for m in s.messages:
+            lines.append(f"{m.role}: {m.content}")
+            if m.stats is not None:
+                st = m.stats
+                parts = [f"prompt {st.prompt_tokens}", f"cached {st.cached_tokens}",
+                         f"prefilled {st.prefilled_tokens}", f"{st.completion_tokens} tokens"]
+                if st.ttft is not None:
+                    parts.append(f"TTFT {st.ttft:.2f}s")
+                if st.decode_tok_s:
+                    parts.append(f"{st.decode_tok_s:.1f} tok/s")
+                if st.finish_reason and st.finish_reason != "stop":
+                    parts.append(st.finish_reason)
+                lines.append("    (" + " · ".join(parts) + ")")
+        return "\n".join(lines)
+
+    def clear(self) -> None:
+        self.session.clear()
+        self.engine.release_session(self.session.session_id).result()
+
+    def system(self, text: str) -> None:
+        if not text:
+            self.term.info(f"system prompt: {self.session.system_prompt or '(none)'}")
+            return
+        self.session.system_prompt = text
+        self.clear()
+        self.term.note("system prompt set; conversation cleared")
+
+
+def run_repl(opts: ReplOptions, quiet: bool = False, on_loaded=None) -> int:
+    """Load the model (spinner on stderr), then chat until /exit or end of input.
+    `on_loaded()` runs once the model loaded (the CLI records it as a recent model)."""
+    from nanochat.engine.engine_thread import EngineThread
+
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    engine = EngineThread()
+    try:
+        with loading_indicator(f"Loading {model_label(opts.model)}", enabled=not quiet):
+            engine.load_model(opts.model, **opts.engine_config).result()
+        if on_loaded is not None:
+            on_loaded()
+        repl = Repl(opts, engine, interactive)
+        if interactive:
+            repl.term.note(f"nanochat · {model_label(opts.model)} · /help for commands, Ctrl-D to exit")
+        return repl.run(_line_reader(opts, interactive))
+    finally:
+        engine.shutdown()

@@ -1,0 +1,125 @@
+"""User settings: one JSON file at get_paths().settings_file.
+
+Loading never fails: a missing file gives the defaults, a corrupt file or a bad value gives the
+defaults for what could not be read plus a warning in `Settings.warnings` (the CLI prints them,
+the TUI can show them). Unknown keys are ignored so older and newer versions share a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+MAX_RECENT = 10
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _optional_str(v) -> bool:
+    return v is None or isinstance(v, str)
+
+
+# field -> check of a value read from the file
+_CHECKS = {
+    "default_model": _optional_str,
+    "device": lambda v: isinstance(v, str) and (v in ("cpu", "cuda", "auto") or v.startswith("cuda:")),
+    "dtype": lambda v: isinstance(v, str) and bool(v),
+    "theme": lambda v: isinstance(v, str) and bool(v),
+    "temperature": lambda v: _number(v) and v >= 0,
+    "top_p": lambda v: _number(v) and 0 < v <= 1,
+    "top_k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1,
+    "max_tokens": _positive_int,
+    "system_prompt": _optional_str,
+    "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "kv_cache_gib": lambda v: v is None or (_number(v) and v > 0),
+    "max_model_len": _positive_int,
+}
+
+
+@dataclass
+class Settings:
+    default_model: str | None = None      # None: the built-in model (models.catalog)
+    device: str = "cpu"
+    dtype: str = "auto"
+    theme: str = "nanochat-dark"
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = -1
+    max_tokens: int = 512
+    system_prompt: str | None = None
+    recent_models: list[str] = field(default_factory=list)
+    kv_cache_gib: float | None = None     # None: the engine's default CPU KV budget
+    max_model_len: int = 4096
+    warnings: list[str] = field(default_factory=list, repr=False, compare=False)   # not saved
+
+    # ------------------------------------------------------------------ load / save
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "Settings":
+        path = Path(path) if path is not None else _default_path()
+        settings = cls()
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return settings
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            settings.warnings.append(f"{path}: cannot read settings ({e.__class__.__name__}); using defaults")
+            return settings
+        if not isinstance(raw, dict):
+            settings.warnings.append(f"{path}: settings must be a JSON object; using defaults")
+            return settings
+        for name, check in _CHECKS.items():
+            if name not in raw:
+                continue
+            value = raw[name]
+            if check(value):
+                setattr(settings, name, list(value) if isinstance(value, list) else value)
+            else:
+                settings.warnings.append(f"{path}: ignoring invalid {name} = {value!r}")
+        return settings
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        """Write atomically (temp file + rename), so a crash never leaves half a file."""
+        path = Path(path) if path is not None else _default_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=".settings-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return path
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("warnings")
+        return d
+
+    # ------------------------------------------------------------------ helpers
+    def remember_model(self, model: str) -> None:
+        """Put `model` first in the recent list (most recent first, no duplicates)."""
+        self.recent_models = [model] + [m for m in self.recent_models if m != model]
+        del self.recent_models[MAX_RECENT:]
+
+
+def _default_path() -> Path:
+    from nanochat.app.paths import get_paths
+
+    return get_paths().settings_file
+
+
+SETTING_NAMES = tuple(f.name for f in fields(Settings) if f.name != "warnings")

