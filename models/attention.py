@@ -23,6 +23,11 @@ class AttnMetadata:
     block_tables: torch.Tensor      # [B, max_blocks] int32
     max_q_len: int
     max_context_len: int
+    # Hybrid (Gated DeltaNet) models only: the state slot of each sequence, and whether this chunk
+    # starts the sequence (position 0: the state starts from zeros instead of the slot's content).
+    # state_fresh may be None: it is then derived as "this chunk starts at position 0".
+    state_slots: torch.Tensor | None = None    # [B] int64
+    state_fresh: torch.Tensor | None = None    # [B] bool
 
 
 def flash_attn_available() -> bool:

@@ -12,10 +12,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanochat.models.config import DENSE_ARCHS, ModelConfig
+from nanochat.models.config import DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig
 from nanochat.models.errors import ModelLoadError
 
-SUPPORTED_ARCHS = DENSE_ARCHS
+SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES)
+
+# Multimodal checkpoints (Qwen3.5/3.6) keep the text model under `model.language_model.`; we expose it
+# under the plain text names (`model.`) and hide the vision tower and the multi-token-prediction head.
+_PREFIX_MAP = (("model.language_model.", "model."),)
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+
+def canonical_name(stored: str) -> str | None:
+    """Our (text-model HF) name for a checkpoint tensor name, or None for tensors we never use."""
+    if stored.startswith(_SKIPPED_PREFIXES):
+        return None
+    for old, new in _PREFIX_MAP:
+        if stored.startswith(old):
+            return new + stored[len(old):]
+    return stored
 
 
 def _read_json(path: Path) -> dict:
@@ -35,6 +50,8 @@ class HFSource:
         if not cfg_path.is_file():
             raise ModelLoadError(f"{root}: no config.json (not a Hugging Face model folder)")
         raw = _read_json(cfg_path)
+        # A wrapper of a supported text model keeps its config under text_config; from_hf_dict merges
+        # text_config itself when the wrapper is a family we know (Qwen3.5/3.6).
         raw = raw.get("text_config", raw) if raw.get("model_type") not in SUPPORTED_ARCHS else raw
         arch = raw.get("model_type")
         if arch not in SUPPORTED_ARCHS:
@@ -49,25 +66,31 @@ class HFSource:
         self._handles: dict[Path, object] = {}
 
     @staticmethod
-    def _index_tensors(root: Path) -> dict[str, Path]:
+    def _index_tensors(root: Path) -> dict[str, tuple[Path, str]]:
+        """Our tensor name -> (file, name stored in that file)."""
         index = root / "model.safetensors.index.json"
         if index.is_file():
             weight_map = _read_json(index).get("weight_map", {})
-            where = {name: root / fname for name, fname in weight_map.items()}
-            for f in set(where.values()):
+            stored = {name: root / fname for name, fname in weight_map.items()}
+            for f in set(stored.values()):
                 if not f.is_file():
                     raise ModelLoadError(f"{f}: shard listed in {index.name} is missing")
-            return where
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{root}: no *.safetensors weights")
+        else:
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"{root}: no *.safetensors weights")
+            stored = {}
+            for f in files:
+                try:
+                    with safe_open(f, "pt") as handle:
+                        stored.update({name: f for name in handle.keys()})
+                except Exception as e:   # safetensors raises several error types for bad headers
+                    raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         where = {}
-        for f in files:
-            try:
-                with safe_open(f, "pt") as handle:
-                    where.update({name: f for name in handle.keys()})
-            except Exception as e:   # safetensors raises several error types for bad headers
-                raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        for name, f in stored.items():
+            ours = canonical_name(name)
+            if ours is not None:
+                where[ours] = (f, name)
         return where
 
     def tensor_names(self) -> list[str]:
@@ -76,13 +99,13 @@ class HFSource:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"{self.root}: tensor {name!r} not found in the checkpoint")
-        f = self._where[name]
+        f, stored = self._where[name]
         try:
             if f not in self._handles:
                 self._handles[f] = safe_open(f, "pt")
-            return self._handles[f].get_tensor(name)
+            return self._handles[f].get_tensor(stored)
         except Exception as e:
-            raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({e})") from None
+            raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
     def tokenizer_path(self) -> Path | None:
         p = self.root / "tokenizer.json"

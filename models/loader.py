@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat.models.config import DENSE_ARCHS, ModelConfig
+from nanochat.models.config import DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, ModelConfig
 from nanochat.models.errors import ModelLoadError
 
 
@@ -76,4 +76,10 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
     loader = WeightLoader(source, device, dtype, dequantize)
     if cfg.arch in DENSE_ARCHS:
         return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
+    if cfg.arch in MOE_ARCHS:
+        from nanochat.models.qwen3_moe import Qwen3MoeForCausalLM
+        return Qwen3MoeForCausalLM(cfg, loader, block_size, max_positions).eval()
+    if cfg.arch in HYBRID_ARCHS:
+        from nanochat.models.qwen3_next import Qwen3NextForCausalLM
+        return Qwen3NextForCausalLM(cfg, loader, block_size, max_positions).eval()
     raise ModelLoadError(f"{source.path}: unsupported architecture {cfg.arch!r}")

@@ -1,0 +1,74 @@
+"""Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3 attention (q/k norm, NeoX RoPE) with sparse MoE MLPs.
+
+Layers listed in mlp_only_layers, or off the decoder_sparse_step grid, keep a dense MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanochat.kernels.qweight import QuantWeight
+from nanochat.models.attention import AttentionBackend, AttnMetadata
+from nanochat.models.config import ModelConfig
+from nanochat.models.dense import DenseAttention, Embedding
+from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
+from nanochat.models.moe import GatedMLP, SparseMoeBlock
+
+
+def load_embedding(w: WeightLoader) -> Embedding:
+    emb = w.source.get("model.embed_tokens.weight")
+    if isinstance(emb, QuantWeight) and not w.dequantize:
+        return Embedding(emb.to(w.device), w.dtype)
+    return Embedding(w.dense("model.embed_tokens.weight"), w.dtype)
+
+
+def load_lm_head(cfg: ModelConfig, w: WeightLoader) -> Linear:
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in w.names
+    return Linear(w.linear_weight(["model.embed_tokens.weight" if tied else "lm_head.weight"]))
+
+
+def load_mlp(cfg: ModelConfig, w: WeightLoader, i: int) -> nn.Module:
+    prefix = f"model.layers.{i}.mlp"
+    return SparseMoeBlock(cfg, w, prefix) if cfg.is_moe_layer(i) else GatedMLP(w, prefix)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, i: int, backend, rotary):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(w.dense(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
+        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary)
+        self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.mlp = load_mlp(cfg, w, i)
+
+    def forward(self, positions, x, meta):
+        h = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    is_hybrid = False
+
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.backend = AttentionBackend(w.device, block_size)
+        self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
+        self.embed_tokens = load_embedding(w)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, w, i, self.backend, self.rotary)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
+        self.lm_head = load_lm_head(cfg, w)
+
+    def attention_layers(self) -> list[DenseAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
