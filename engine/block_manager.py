@@ -7,6 +7,12 @@ so a follow-up that repeats prompt + output hits them too.
 
 Chat sessions may pin the blocks of their last turn (a session reference). Pinned blocks are
 evicted only under memory pressure, least recently used session first.
+
+Hybrid models (Gated DeltaNet layers) carry a recurrent state per sequence, so a block-hash hit
+alone cannot resume a sequence: the state at the hit point is needed too. In hybrid mode
+(num_state_slots > 0) hash hits are off; instead a session pins its WHOLE last turn (every block,
+the partial last one included, and its state slot), and the next turn adopts them when its prompt
+extends the pinned tokens, resuming exactly where the last turn stopped.
 """
 
 from __future__ import annotations
@@ -57,15 +63,26 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+@dataclass
+class SessionPin:
+    blocks: list[int]
+    tokens: tuple[int, ...] = ()    # hybrid mode: the computed tokens the blocks and state hold
+    state_slot: int | None = None   # hybrid mode: the recurrent state at len(tokens)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
+        self.hybrid = num_state_slots > 0
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.counters = CacheCounters()
-        self.sessions: OrderedDict[str, list[int]] = OrderedDict()   # LRU: oldest first
+        self.sessions: OrderedDict[str, SessionPin] = OrderedDict()   # LRU: oldest first
+        self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
+        self.num_state_slots = num_state_slots
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -107,7 +124,7 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix lookup
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Blocks holding a prefix of seq, capped so at least one token is computed."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self.hybrid:
             return []
         hits: list[Block] = []
         prev = -1
@@ -128,6 +145,8 @@ class BlockManager:
         Returns False (and changes nothing) when the blocks cannot be had.
         """
         assert not seq.block_table
+        if self.hybrid:
+            return self._allocate_hybrid(seq)
         hits = self._cached_prefix(seq)
         for block in hits:      # protect the hits before any eviction below
             self._ref(block)
@@ -145,6 +164,37 @@ class BlockManager:
         seq.stats.num_cached_tokens = cached
         self.counters.hit_tokens += cached
         self.counters.queried_tokens += len(seq)
+        return True
+
+    def _allocate_hybrid(self, seq: Sequence) -> bool:
+        pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
+        if pin is not None and self.enable_prefix_caching and len(pin.tokens) < len(seq) \
+                and tuple(seq.token_ids[:len(pin.tokens)]) == pin.tokens:
+            # Resume the session: its blocks and state slot become this sequence's.
+            del self.sessions[seq.session_id]
+            seq.block_table, seq.state_slot = pin.blocks, pin.state_slot
+            if not self.ensure_slots(seq, len(seq)):   # all or nothing: give the pin back untouched
+                self.sessions[seq.session_id] = pin
+                seq.block_table, seq.state_slot = [], None
+                return False
+            seq.num_computed_tokens = seq.stats.num_cached_tokens = len(pin.tokens)
+            self.counters.hit_tokens += len(pin.tokens)
+            self.counters.queried_tokens += len(seq)
+            return True
+        if pin is not None:
+            self.release_session(seq.session_id)
+        if not self._acquire_slot_possible() or not self.can_get(self.num_blocks_for(len(seq))):
+            return False
+        seq.state_slot = self.free_slots.pop()
+        seq.block_table = [self._take_free_block().block_id for _ in range(self.num_blocks_for(len(seq)))]
+        seq.num_computed_tokens = seq.stats.num_cached_tokens = 0
+        self.counters.queried_tokens += len(seq)
+        return True
+
+    def _acquire_slot_possible(self) -> bool:
+        while not self.free_slots:
+            if not self._evict_one_session():
+                return False
         return True
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
@@ -165,6 +215,9 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     # ------------------------------------------------------------------ hashing
     def commit_computed(self, seq: Sequence) -> None:
@@ -185,22 +238,36 @@ class BlockManager:
 
     # ------------------------------------------------------------------ sessions
     def pin_session(self, session_id: str, seq: Sequence) -> None:
-        """Keep seq's hashed blocks resident for the session's next turn (replaces older pins)."""
+        """Keep seq's KV resident for the session's next turn (replaces older pins)."""
         self.release_session(session_id)
         if not self.enable_prefix_caching:
             return
-        pinned = seq.block_table[:len(seq.block_hashes)]
-        for block_id in pinned:
+        if self.hybrid:
+            # Whole block table + state slot, handed over from the sequence (deallocate skips the slot).
+            computed = seq.num_computed_tokens
+            self._pin(session_id, list(seq.block_table), tuple(seq.token_ids[:computed]), seq.state_slot)
+            seq.state_slot = None
+            return
+        self._pin(session_id, seq.block_table[:len(seq.block_hashes)])
+
+    def _pin(self, session_id: str, blocks: list[int], tokens: tuple[int, ...] = (),
+             state_slot: int | None = None) -> None:
+        for block_id in blocks:
             self._ref(self.blocks[block_id])
-        self.sessions[session_id] = pinned
+        self.sessions[session_id] = SessionPin(blocks, tokens, state_slot)
 
     def touch_session(self, session_id: str) -> None:
         if session_id in self.sessions:
             self.sessions.move_to_end(session_id)
 
     def release_session(self, session_id: str) -> None:
-        for block_id in reversed(self.sessions.pop(session_id, [])):
+        pin = self.sessions.pop(session_id, None)
+        if pin is None:
+            return
+        for block_id in reversed(pin.blocks):
             self._unref(block_id)
+        if pin.state_slot is not None:
+            self.free_slots.append(pin.state_slot)
 
     def _evict_one_session(self) -> bool:
         """Drop the least recently used session's pins (its blocks stay cached until reused)."""
@@ -227,3 +294,4 @@ class BlockManager:
                 f"block {block.block_id}: ref {block.ref_count} but free={block.block_id in free}"
         for h, block_id in self.hash_to_block.items():
             assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"
+        assert len(set(self.free_slots)) == len(self.free_slots), "a state slot is free twice"

@@ -54,7 +54,7 @@ class LLMEngine:
                                 self.config.max_model_len, self.config.dequantize)
         self.runner = ModelRunner(self.config, model_obj, self.device, self.dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, self.runner.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
         self.sampler = Sampler()

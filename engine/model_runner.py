@@ -20,10 +20,16 @@ class ModelRunner:
     def __init__(self, config: Config, model, device: torch.device, dtype: torch.dtype):
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
         self.block_size = config.kvcache_block_size
+        # Hybrid models: one recurrent-state slot per running sequence plus as many for resident chats.
+        self.is_hybrid = getattr(model, "is_hybrid", False)
+        self.num_state_slots = 2 * config.max_num_seqs if self.is_hybrid else 0
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.is_hybrid:
+            model.allocate_state(self.num_state_slots, device)
         self.graphs = None
-        if device.type == "cuda" and not config.enforce_eager:
+        # (hybrid models run eagerly: their GDN state slots are not yet part of the captured graphs)
+        if device.type == "cuda" and not config.enforce_eager and not self.is_hybrid:
             from nanochat.engine.cuda_graphs import DecodeGraphs
             max_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
             self.graphs = DecodeGraphs(model, config.max_num_seqs, max_blocks, model.config.hidden_size,
@@ -46,11 +52,13 @@ class ModelRunner:
             budget = total * self.config.gpu_memory_utilization - used
         else:
             budget = self.config.kv_cache_gib * 2**30
+        if self.is_hybrid:
+            budget -= self.num_state_slots * self.model.hybrid_state_spec()
         # Never allocate more than the running set could ever use.
         cap = self.config.max_num_seqs * ((self.config.max_model_len + self.block_size - 1) // self.block_size)
         n = min(int(budget // per_block), cap)
         if n < 1:
-            raise MemoryError("not enough memory for a single KV-cache block")
+            raise MemoryError("not enough memory for the KV cache: raise kv_cache_gib / gpu_memory_utilization")
         return n
 
     def _allocate_kv_cache(self) -> None:
@@ -87,6 +95,9 @@ class ModelRunner:
             slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu_q, torch.int32),
             context_lens=t(context_lens, torch.int32), block_tables=t(tables, torch.int32),
             max_q_len=max(c.num_tokens for c in chunks), max_context_len=max(context_lens))
+        if self.is_hybrid:
+            meta.state_slots = t([c.seq.state_slot for c in chunks], torch.int64)
+            meta.state_fresh = t([c.start == 0 for c in chunks], torch.bool)
         return t(input_ids, torch.int64), t(positions, torch.int64), meta, logit_rows
 
     @torch.inference_mode()

@@ -46,6 +46,7 @@ class Sequence:
         self.num_computed_tokens = 0    # tokens whose KV is in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []   # chained hashes of the leading full, computed blocks
+        self.state_slot: int | None = None  # hybrid models: the recurrent-state slot
         self.finish_reason: str | None = None
         self.stats = SequenceStats(arrival_time=time.perf_counter())
 
