@@ -1,0 +1,178 @@
+"""The chat store: conversations and their messages in SQLite (stdlib sqlite3).
+
+Each message is committed as soon as it is complete, so a crash mid-reply keeps every finished
+message. The schema is versioned with PRAGMA user_version; `migrate` brings any older file up to
+SCHEMA_VERSION step by step. One connection is shared by the UI thread and workers
+(check_same_thread=False) and every use holds a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class StoredMessage:
+    id: int
+    role: str
+    content: str
+    stats: dict | None = None
+    created: float = 0.0
+    note: str = ""               # e.g. "history re-prefilled"
+
+
+@dataclass
+class StoredConversation:
+    id: int
+    title: str
+    system_prompt: str | None = None
+    model: str | None = None
+    created: float = 0.0
+    updated: float = 0.0
+    messages: list[StoredMessage] = field(default_factory=list)
+
+
+def _v1(conn: sqlite3.Connection) -> None:
+    conn.executescript("""
+        CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            title TEXT NOT NULL,
+            system_prompt TEXT,
+            model TEXT,
+            created REAL NOT NULL,
+            updated REAL NOT NULL
+        );
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            stats TEXT,
+            created REAL NOT NULL
+        );
+        CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
+    """)
+
+
+def _v2(conn: sqlite3.Connection) -> None:
+    # Per-message notes (history replay after a model switch) shown in the message footer.
+    conn.execute("ALTER TABLE messages ADD COLUMN note TEXT NOT NULL DEFAULT ''")
+
+
+MIGRATIONS = [_v1, _v2]          # MIGRATIONS[k] upgrades user_version k -> k + 1
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(RuntimeError):
+    """The chat database cannot be used (newer schema, not a database)."""
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Upgrade the schema in place to SCHEMA_VERSION; returns the version found before."""
+    found = conn.execute("PRAGMA user_version").fetchone()[0]
+    if found > SCHEMA_VERSION:
+        raise StoreError(f"chat database schema version {found} is newer than this nanochat ({SCHEMA_VERSION})")
+    for version in range(found, SCHEMA_VERSION):
+        with conn:   # one transaction per step: a failed step leaves the previous version intact
+            MIGRATIONS[version](conn)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+    return found
+
+
+class ChatStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        try:
+            self._conn = sqlite3.connect(str(path), check_same_thread=False)
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            migrate(self._conn)
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{path}: cannot open the chat database ({e})") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with self._lock, self._conn:
+            return self._conn.execute(sql, args)
+
+    def _touch(self, conversation_id: int, now: float | None = None) -> None:
+        self._write("UPDATE conversations SET updated = ? WHERE id = ?", (now or time.time(), conversation_id))
+
+    # ------------------------------------------------------------------ conversations
+    def create_conversation(self, title: str, system_prompt: str | None = None, model: str | None = None,
+                            created: float | None = None) -> int:
+        now = created if created is not None else time.time()
+        cur = self._write("INSERT INTO conversations (title, system_prompt, model, created, updated) "
+                          "VALUES (?, ?, ?, ?, ?)", (title, system_prompt, model, now, now))
+        return cur.lastrowid
+
+    def list_conversations(self) -> list[StoredConversation]:
+        """All conversations, most recently updated first, without their messages."""
+        with self._lock:
+            rows = self._conn.execute("SELECT id, title, system_prompt, model, created, updated FROM conversations "
+                                      "ORDER BY updated DESC, id DESC").fetchall()
+        return [StoredConversation(*row) for row in rows]
+
+    def load_conversation(self, conversation_id: int) -> StoredConversation:
+        with self._lock:
+            row = self._conn.execute("SELECT id, title, system_prompt, model, created, updated FROM conversations "
+                                     "WHERE id = ?", (conversation_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no conversation {conversation_id}")
+            conv = StoredConversation(*row)
+            conv.messages = self.messages(conversation_id)
+        return conv
+
+    def load_all(self) -> list[StoredConversation]:
+        convs = self.list_conversations()
+        for c in convs:
+            c.messages = self.messages(c.id)
+        return convs
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self._write("UPDATE conversations SET title = ?, updated = ? WHERE id = ?", (title, time.time(), conversation_id))
+
+    def set_system_prompt(self, conversation_id: int, system_prompt: str | None) -> None:
+        self._write("UPDATE conversations SET system_prompt = ?, updated = ? WHERE id = ?",
+                    (system_prompt, time.time(), conversation_id))
+
+    def set_model(self, conversation_id: int, model: str | None) -> None:
+        self._write("UPDATE conversations SET model = ? WHERE id = ?", (model, conversation_id))
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        self._write("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # ------------------------------------------------------------------ messages
+    def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
+                    created: float | None = None, note: str = "") -> int:
+        now = created if created is not None else time.time()
+        with self._lock, self._conn:
+            cur = self._conn.execute(
+                "INSERT INTO messages (conversation_id, role, content, stats, created, note) VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, json.dumps(stats) if stats is not None else None, now, note))
+            self._conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        return cur.lastrowid
+
+    def delete_message(self, message_id: int) -> None:
+        self._write("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    def messages(self, conversation_id: int) -> list[StoredMessage]:
+        with self._lock:
+            rows = self._conn.execute("SELECT id, role, content, stats, created, note FROM messages "
+                                      "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
+        return [StoredMessage(i, role, content, json.loads(stats) if stats else None, created, note or "")
+                for i, role, content, stats, created, note in rows]
+
+    def clear_messages(self, conversation_id: int) -> None:
+        self._write("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
+        self._touch(conversation_id)

@@ -1,0 +1,37 @@
+"""The full-screen Textual app. `main(args)` builds the engine thread and the app from CLI arguments."""
+
+from __future__ import annotations
+
+
+def main(args=None) -> int:
+    """Run the TUI. `args` is the CLI's argparse namespace (every attribute optional)."""
+    from nanochat.app.cli import engine_config, sampling_options
+    from nanochat.app.paths import get_paths
+    from nanochat.app.settings import Settings
+    from nanochat.app.tui.app import NanochatApp
+    from nanochat.engine.engine_thread import EngineThread
+    from nanochat.models.catalog import resolve_default_model
+    from nanochat.models.errors import ModelLoadError
+
+    paths = get_paths().ensure()
+    settings = getattr(args, "settings", None) or Settings.load(paths.settings_file)
+    explicit = getattr(args, "model", None)
+    try:
+        model = resolve_default_model(explicit or settings.default_model)
+    except ModelLoadError:
+        model = None   # the app opens the picker
+    sampling = sampling_options(args, settings)
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    system = getattr(args, "system", None)
+    engine_thread = EngineThread()
+    app = NanochatApp(engine_thread=engine_thread, paths=paths, settings=settings, model=model,
+                      engine_config=engine_config(args, settings), sampling=sampling,
+                      system_prompt=system if system is not None else settings.system_prompt)
+    try:
+        app.run()
+    finally:
+        engine_thread.shutdown()
+    return app.return_code or 0
+
+
+__all__ = ["main"]

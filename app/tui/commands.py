@@ -1,0 +1,132 @@
+"""Slash commands (parsing, completion, help) and the command-palette provider offering the same actions."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from functools import partial
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+
+@dataclass(frozen=True)
+class SlashCommand:
+    name: str          # without the slash
+    usage: str
+    help: str
+
+
+SLASH_COMMANDS: tuple[SlashCommand, ...] = (
+    SlashCommand("help", "/help", "list commands and keys"),
+    SlashCommand("new", "/new [TITLE]", "start a new conversation"),
+    SlashCommand("rename", "/rename [TITLE]", "rename this conversation"),
+    SlashCommand("delete", "/delete", "delete this conversation"),
+    SlashCommand("clear", "/clear", "forget this conversation's messages (keeps the system prompt, frees its KV)"),
+    SlashCommand("history", "/history", "messages of this conversation with per-turn token/cache stats"),
+    SlashCommand("system", "/system [TEXT|-]", "show, set, or (with -) remove the system prompt"),
+    SlashCommand("model", "/model [PATH|HUB-ID]", "pick a model, or load the one named"),
+    SlashCommand("bench", "/bench [fast|normal|heavy] [key=value ...]", "run the bench workload on the loaded model"),
+    SlashCommand("export", "/export", "save this conversation as Markdown"),
+    SlashCommand("copy", "/copy [code]", "copy the last reply (or its last code block) to the clipboard"),
+    SlashCommand("theme", "/theme [NAME]", "pick or set the theme"),
+    SlashCommand("exit", "/exit", "quit nanochat"),
+)
+COMMANDS_BY_NAME = {c.name: c for c in SLASH_COMMANDS}
+BENCH_TIERS = ("fast", "normal", "heavy")
+
+
+def parse(text: str) -> tuple[str, str] | None:
+    """'/name rest' -> ('name', 'rest'); None when the text is not a command."""
+    text = text.strip()
+    if not text.startswith("/") or text.startswith("//"):
+        return None
+    name, _, rest = text[1:].partition(" ")
+    return name.lower(), rest.strip()
+
+
+def unknown_message(name: str) -> str:
+    close = difflib.get_close_matches(name, COMMANDS_BY_NAME, n=1)
+    hint = f" Did you mean /{close[0]}?" if close else ""
+    return f"Unknown command /{name}.{hint} Type /help for the list."
+
+
+def completions(theme_names: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(text to insert, description) for every command and the arguments worth completing."""
+    out = [(f"/{c.name}", c.help) for c in SLASH_COMMANDS]
+    out += [(f"/bench {t}", f"bench, {t} tier") for t in BENCH_TIERS]
+    out += [(f"/theme {t}", "theme") for t in theme_names]
+    out += [("/copy code", "copy the last code block of the last reply")]
+    return out
+
+
+def matching(prefix: str, theme_names: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    if not prefix.startswith("/") or "\n" in prefix:
+        return []
+    items = completions(theme_names)
+    if " " not in prefix:   # first word: only the commands themselves
+        items = [i for i in items if " " not in i[0]]
+    return [i for i in items if i[0].startswith(prefix.lower()) and i[0] != prefix]
+
+
+def help_markdown(theme_names: tuple[str, ...] = ()) -> str:
+    rows = "\n".join(f"| `{c.usage}` | {c.help} |" for c in SLASH_COMMANDS)
+    return f"""# nanochat
+
+| Command | What it does |
+|---|---|
+{rows}
+
+| Key | Action |
+|---|---|
+| `Enter` | send |
+| `Shift+Enter` / `Ctrl+J` | new line |
+| `Up` / `Down` | input history (on the first / last line) |
+| `Tab` | complete a slash command |
+| `Esc` | cancel the reply being generated (or the bench) |
+| `Ctrl+N` | new conversation |
+| `F2` | go to the conversation list (`n` new, `r` rename, `d` delete, `Enter` open) |
+| `Ctrl+L` | model picker |
+| `Ctrl+P` | command palette |
+| `c` / `k` on a focused message | copy the message / its code block |
+| `Ctrl+Q` | quit |
+
+Themes: {", ".join(theme_names)}
+"""
+
+
+# (palette label, help, slash command it runs)
+PALETTE_ACTIONS: tuple[tuple[str, str, str], ...] = (
+    ("New conversation", "start a new conversation", "/new"),
+    ("Rename conversation", "rename the current conversation", "/rename"),
+    ("Delete conversation", "delete the current conversation", "/delete"),
+    ("Clear conversation", "forget messages, keep the system prompt", "/clear"),
+    ("Show history", "messages with per-turn token/cache stats", "/history"),
+    ("Choose model", "open the model picker", "/model"),
+    ("Bench: fast", "run the fast bench workload", "/bench fast"),
+    ("Bench: normal", "run the normal bench workload", "/bench normal"),
+    ("Bench: heavy", "run the heavy bench workload", "/bench heavy"),
+    ("Export conversation", "save as Markdown", "/export"),
+    ("Copy last reply", "copy the last reply to the clipboard", "/copy"),
+    ("Copy last code block", "copy the last code block to the clipboard", "/copy code"),
+    ("Choose theme", "pick a theme", "/theme"),
+    ("Help", "commands and keys", "/help"),
+    ("Quit", "quit nanochat", "/exit"),
+)
+
+
+class NanochatCommands(Provider):
+    """Ctrl+P: the slash commands as palette entries (they run through the same code path)."""
+
+    def _run(self, command: str) -> None:
+        self.app.run_slash_command(command)
+
+    async def discover(self) -> Hits:
+        for label, help_text, command in PALETTE_ACTIONS:
+            yield DiscoveryHit(label, partial(self._run, command), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for label, help_text, command in PALETTE_ACTIONS:
+            score = max(matcher.match(label), matcher.match(command))
+            if score > 0:
+                yield Hit(score, matcher.highlight(label), partial(self._run, command), help=help_text)

@@ -1,0 +1,447 @@
+"""Screens: model picker, bench, history, help, and small prompts (rename, confirm, theme)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message as TextualMessage
+from textual.screen import ModalScreen, Screen
+from textual.widgets import (DataTable, Footer, Input, Label, LoadingIndicator, Markdown, OptionList, ProgressBar,
+                             Static)
+from textual.widgets.option_list import Option
+
+from nanochat.app.tui.conversation import Conversation
+from nanochat.app.tui.widgets import GaugePanel
+
+
+def human_size(n: int) -> str:
+    if not n:
+        return "—"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def short_path(path: str, width: int = 30) -> str:
+    """~ for the home folder, and an ellipsis in the middle of what is still too long."""
+    home = str(Path.home())
+    if path.startswith(home + "/"):
+        path = "~" + path[len(home):]
+    if len(path) <= width:
+        return path
+    keep = width - 1
+    return path[:keep // 3] + "…" + path[-(keep - keep // 3):]
+
+
+# ---------------------------------------------------------------------------------- model picker
+class ModelPicker(ModalScreen[str | None]):
+    """Pick a discovered model or type a path / hub id. Loading happens here (engine thread, awaited in a
+    worker) so a failure keeps the picker open with the previous model still loaded."""
+
+    BINDINGS = [Binding("escape", "close", "Close")]
+
+    def __init__(self, discover: Callable[[], list], current: str | None = None):
+        super().__init__(id="model-picker")
+        self._discover = discover
+        self._current = current
+        self._loading = False
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="picker"):
+            yield Label("Choose a model", classes="title")
+            yield Static(f"loaded: {self._current or 'none'}", id="picker-current", markup=False)
+            yield Input(placeholder="a .gguf file, a model folder, or a Hugging Face id (org/name) + Enter",
+                        id="picker-path")
+            yield DataTable(id="picker-table", cursor_type="row", zebra_stripes=True)
+            with Horizontal(id="picker-status"):
+                yield LoadingIndicator(id="picker-loading")
+                yield Label("looking for models…", id="picker-message")
+            yield Label("Enter: load · Tab: switch field · Esc: close", classes="hint")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("Name", "Arch", "Size", "Quant", "From", "Path")
+        self.query_one("#picker-loading").display = False
+        self.discover()
+
+    @work(thread=True, exclusive=True, group="discover")
+    def discover(self) -> None:
+        try:
+            entries = self._discover()
+        except Exception as e:   # discovery is best effort; the path field still works
+            self.app.call_from_thread(self._show_entries, [], f"could not list models: {e}")
+            return
+        self.app.call_from_thread(self._show_entries, entries, None)
+
+    def _show_entries(self, entries: list, error: str | None) -> None:
+        table = self.query_one(DataTable)
+        table.clear()
+        for e in entries:
+            if e.path in table.rows:
+                continue
+            table.add_row(e.name, e.arch or "?", human_size(e.size_bytes), e.quant or "?", e.origin,
+                          short_path(e.path), key=e.path)
+        message = error or (f"{len(entries)} model(s) found" if entries else
+                            "no models found: type a path or a hub id")
+        self.query_one("#picker-message", Label).update(message)
+        if entries:
+            table.focus()
+        else:
+            self.query_one(Input).focus()
+
+    @on(Input.Submitted, "#picker-path")
+    def _path_submitted(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            self.load(event.value.strip())
+
+    @on(DataTable.RowSelected, "#picker-table")
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        self.load(event.row_key.value)
+
+    @work(exclusive=True, group="picker-load")
+    async def load(self, model: str) -> None:
+        if self._loading:
+            return
+        self._loading = True
+        self.query_one("#picker-loading").display = True
+        self.query_one("#picker-message", Label).update(f"loading {model} …")
+        try:
+            ok = await self.app.load_model(model)
+        finally:
+            self._loading = False
+        if ok:
+            self.dismiss(model)
+            return
+        self.query_one("#picker-loading").display = False
+        self.query_one("#picker-message", Label).update(f"could not load {model}; the previous model is kept")
+
+    def action_close(self) -> None:
+        if not self._loading:
+            self.dismiss(None)
+
+
+# ---------------------------------------------------------------------------------- bench
+BENCH_ALIASES = {"seqs": "num_seqs", "input": "max_input_len", "output": "max_output_len"}
+
+# (label, key in an iteration / in the mean, unit)
+BENCH_METRICS = (
+    ("requests", "num_requests", ""),
+    ("prompt tokens", "prompt_tokens", ""),
+    ("cached prompt tokens", "cached_tokens", ""),
+    ("generated tokens", "generated_tokens", ""),
+    ("elapsed", "elapsed_s", "s"),
+    ("throughput", "throughput_tok_s", "tok/s"),
+    ("prefill", "prefill_tok_s", "tok/s"),
+    ("decode", "decode_tok_s", "tok/s"),
+    ("TTFT mean", "ttft_ms.mean", "ms"),
+    ("TTFT p50", "ttft_ms.p50", "ms"),
+    ("TTFT p90", "ttft_ms.p90", "ms"),
+    ("TTFT p99", "ttft_ms.p99", "ms"),
+    ("TPOT mean", "tpot_ms.mean", "ms"),
+    ("TPOT p90", "tpot_ms.p90", "ms"),
+    ("preemptions", "preemptions", ""),
+)
+
+
+def _dig(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def format_value(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return "—" if v is None else str(v)
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e6:
+        return str(int(v))
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def report_table(report: dict) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows for a BenchReport.to_dict(): one row per metric, the mean then each iteration."""
+    iterations = report.get("iterations") or []
+    mean = report.get("mean") or {}
+    columns = ["Metric", "Mean"] + ([f"iter {it.get('iteration', i) + 1}" for i, it in enumerate(iterations)]
+                                    if len(iterations) > 1 else [])
+    rows = []
+    for label, key, unit in BENCH_METRICS:
+        first = _dig(iterations[0], key) if iterations else None
+        value = _dig(mean, key) if key != "num_requests" else first
+        cells = [format_value(value)] + ([format_value(_dig(it, key)) for it in iterations]
+                                         if len(iterations) > 1 else [])
+        rows.append([f"{label} ({unit})" if unit else label] + cells)
+    return columns, rows
+
+
+def report_summary(report: dict) -> str:
+    spec, engine = report.get("spec") or {}, report.get("engine") or {}
+    parts = [str(report.get("model", "?")), str(report.get("device", "?")), str(engine.get("dtype", "")),
+             f"{spec.get('num_seqs', '?')} seqs, input ≤ {spec.get('max_input_len', '?')}, "
+             f"output ≤ {spec.get('max_output_len', '?')}",
+             f"KV blocks {engine.get('num_kvcache_blocks', '?')}"]
+    return " · ".join(p for p in parts if p)
+
+
+def progress_text(p) -> str:
+    return (f"{p.phase} {p.index + 1}/{p.count} · requests {p.finished_requests}/{p.total_requests} · "
+            f"tokens {p.done_tokens}/{p.total_tokens} · {p.elapsed_s:.1f} s")
+
+
+class BenchUpdate(TextualMessage):
+    """Progress of the running bench and the engine's stats, posted from the engine thread."""
+
+    def __init__(self, progress, stats):
+        super().__init__()
+        self.progress, self.stats = progress, stats
+
+
+class BenchScreen(Screen):
+    """Runs the bench workload on the engine thread with live gauges; Esc cancels, then closes.
+
+    The run is one EngineThread.call (the bench owns the engine while it runs: chats wait in the
+    inbox), so the live numbers come from the bench's progress callback, which also samples the
+    engine's stats, throttled."""
+
+    BINDINGS = [Binding("escape", "cancel_or_close", "Cancel / close")]
+
+    def __init__(self, tier: str = "fast", overrides: dict | None = None, report: dict | None = None):
+        super().__init__(id="bench")
+        self.tier = tier
+        self.overrides = {BENCH_ALIASES.get(k, k.replace("-", "_")): v for k, v in (overrides or {}).items()}
+        self.report = report
+        self.cancel_event = threading.Event()
+        self.running = False
+        self.cancelled = False
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="bench-body"):
+            with Vertical(id="bench-main"):
+                extra = " ".join(f"{k}={v}" for k, v in self.overrides.items())
+                yield Label(f"Bench: {self.tier} {extra}".strip(), classes="title")
+                yield Label("starting…", id="bench-status")
+                yield ProgressBar(total=None, show_eta=False, id="bench-progress")
+                yield Static("", id="bench-summary", classes="dim", markup=False)
+                yield DataTable(id="bench-results", cursor_type="row", zebra_stripes=True)
+            yield GaugePanel(id="bench-gauges", classes="gauges")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        prime = getattr(self.app, "prime_gauges", None)
+        if prime is not None:
+            prime(self.query_one(GaugePanel))
+        if self.report is not None:
+            self.show_report(self.report)
+        else:
+            self.run_bench()
+
+    @work(exclusive=True, group="bench")
+    async def run_bench(self) -> None:
+        from nanochat.engine.bench import BenchCancelled, BenchRunner, spec_from
+
+        self.running = True
+        try:
+            spec = spec_from(self.tier, **self.overrides)
+            cancel, post = self.cancel_event, self.post_message
+
+            def job(engine):                      # engine thread
+                last = [0.0]
+
+                def progress(p):
+                    now = time.monotonic()
+                    if now - last[0] >= 0.2 or p.finished_requests == p.total_requests:
+                        last[0] = now
+                        post(BenchUpdate(p, engine.stats()))
+
+                runner = BenchRunner(engine, spec, progress, cancel)
+                try:
+                    while runner.step():
+                        pass
+                except BenchCancelled:
+                    return runner.report, True
+                return runner.report, False
+
+            report, cancelled = await asyncio.wrap_future(self.app.engine_thread.call(job))
+        except Exception as e:
+            self.running = False
+            self.query_one("#bench-status", Label).update(f"bench failed: {e} · Esc to close")
+            self.notify(f"bench failed: {e}", severity="error")
+            return
+        self.running = False
+        self.cancelled = cancelled
+        self.show_report(report.to_dict(), cancelled=cancelled)
+
+    def on_bench_update(self, message: BenchUpdate) -> None:
+        p = message.progress
+        self.query_one("#bench-status", Label).update(progress_text(p))
+        self.query_one("#bench-progress", ProgressBar).update(total=max(1, p.total_tokens), progress=p.done_tokens)
+        self.query_one(GaugePanel).stats = message.stats
+
+    def show_report(self, data: dict, cancelled: bool = False) -> None:
+        self.report = data
+        table = self.query_one(DataTable)
+        table.clear(columns=True)
+        columns, rows = report_table(data)
+        table.add_columns(*columns)
+        for row in rows:
+            table.add_row(*row)
+        self.query_one("#bench-summary", Static).update(report_summary(data))
+        done = len(data.get("iterations") or [])
+        status = f"cancelled: {done} finished iteration(s) shown" if cancelled else "done"
+        self.query_one("#bench-status", Label).update(f"{status} · Esc to close")
+        self.query_one("#bench-progress", ProgressBar).update(total=1, progress=1)
+        table.focus()
+
+    def action_cancel_or_close(self) -> None:
+        if self.running:
+            self.cancel_event.set()
+            self.query_one("#bench-status", Label).update("cancelling…")
+        else:
+            self.dismiss()
+
+
+# ---------------------------------------------------------------------------------- history
+class HistoryScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q", "close", "Close")]
+
+    def __init__(self, conversation: Conversation):
+        super().__init__(id="history")
+        self.conversation = conversation
+
+    def compose(self) -> ComposeResult:
+        c = self.conversation
+        with Vertical(id="history-box"):
+            yield Label(f"History: {c.title}", classes="title")
+            yield Static(f"system prompt: {c.system_prompt or '(none)'}", markup=False, classes="dim")
+            yield DataTable(id="history-table", cursor_type="row", zebra_stripes=True)
+            yield Label(self._totals(), id="history-totals")
+            yield Label("Esc: close", classes="hint")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("#", "Role", "Message", "Prompt", "Cached", "Prefilled", "Output", "TTFT", "tok/s", "Note")
+        for i, m in enumerate(self.conversation.messages, 1):
+            s = m.stats or {}
+            text = " ".join(m.content.split())
+            text = text if len(text) <= 48 else text[:47] + "…"
+            ttft = s.get("ttft")
+            rate = s.get("decode_tok_s")
+            table.add_row(str(i), m.role, text, str(s.get("prompt_tokens", "")), str(s.get("cached_tokens", "")),
+                          str(s.get("prefilled_tokens", "")), str(s.get("completion_tokens", "")),
+                          f"{ttft * 1000:.0f} ms" if ttft is not None else "", f"{rate:.1f}" if rate else "",
+                          m.note or ("generating" if m.streaming else ""))
+        table.focus()
+
+    def _totals(self) -> str:
+        stats = [m.stats for m in self.conversation.messages if m.stats]
+        prompt = sum(s.get("prompt_tokens", 0) for s in stats)
+        cached = sum(s.get("cached_tokens", 0) for s in stats)
+        out = sum(s.get("completion_tokens", 0) for s in stats)
+        rate = f"{cached / prompt * 100:.0f}%" if prompt else "—"
+        return (f"{len(self.conversation.messages)} messages · {len(stats)} replies · prompt {prompt} tok, "
+                f"cached {cached} ({rate}) · generated {out} tok")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+# ---------------------------------------------------------------------------------- help
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q", "close", "Close")]
+
+    def __init__(self, markdown: str):
+        super().__init__(id="help")
+        self.markdown = markdown
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box"):
+            yield Markdown(self.markdown)
+            yield Label("Esc: close", classes="hint")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+# ---------------------------------------------------------------------------------- small prompts
+class TextPrompt(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, title: str, value: str = "", placeholder: str = ""):
+        super().__init__(classes="prompt")
+        self.title_text, self.value, self.placeholder = title, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="prompt-box"):
+            yield Label(self.title_text, classes="title")
+            yield Input(self.value, placeholder=self.placeholder)
+            yield Label("Enter: OK · Esc: cancel", classes="hint")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [Binding("y,enter", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+
+    def __init__(self, question: str):
+        super().__init__(classes="prompt")
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="prompt-box"):
+            yield Label(self.question, classes="title")
+            yield Label("y / Enter: yes · n / Esc: no", classes="hint")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class ThemePicker(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, names: list[str], current: str):
+        super().__init__(classes="prompt")
+        self.names, self.current = names, current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="prompt-box"):
+            yield Label("Theme", classes="title")
+            yield OptionList(*[Option(n, id=n) for n in self.names], id="theme-list")
+            yield Label("Enter: choose · Esc: cancel", classes="hint")
+
+    def on_mount(self) -> None:
+        options = self.query_one(OptionList)
+        if self.current in self.names:
+            options.highlighted = self.names.index(self.current)
+        options.focus()
+
+    def on_option_list_option_highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        self.app.theme = event.option.id      # live preview
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def action_cancel(self) -> None:
+        self.app.theme = self.current
+        self.dismiss(None)
+
+
+__all__ = ["ModelPicker", "BenchScreen", "HistoryScreen", "HelpScreen", "TextPrompt", "ConfirmScreen",
+           "ThemePicker", "human_size"]

@@ -1,0 +1,435 @@
+"""Widgets of the main screen: messages, the chat pane, the input, slash-command hints, gauges."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
+from textual.message import Message as TextualMessage
+from textual.reactive import reactive
+from textual.widgets import Label, Markdown, OptionList, ProgressBar, Sparkline, Static, TextArea
+from textual.widgets.option_list import Option
+
+from nanochat.app.tui.conversation import Conversation, Message, code_blocks, format_stats
+
+ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message: a role label, its Markdown body (streamed while the reply arrives), a stats footer."""
+
+    BINDINGS = [
+        Binding("c", "copy_message", "Copy message"),
+        Binding("k", "copy_code", "Copy code"),
+    ]
+
+    def __init__(self, message: Message, **kwargs):
+        super().__init__(classes=f"message {message.role}", **kwargs)
+        self.message = message
+        self._stream = None
+        self._shown = 0          # characters of message.content already handed to the Markdown widget
+
+    def compose(self) -> ComposeResult:
+        self._shown = len(self.message.content)
+        yield Label(ROLE_LABELS.get(self.message.role, self.message.role), classes="role")
+        yield Markdown(self.message.content, classes="body")
+        yield Static(self._footer_text(), classes="footer", markup=False)
+
+    async def on_mount(self) -> None:
+        if self.message.streaming:
+            self.add_class("streaming")
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        await self.sync()
+
+    def _footer_text(self) -> str:
+        if self.message.role != "assistant":
+            return ""
+        if self.message.streaming:
+            return f"generating… {self.message.generated_tokens} tok"
+        return format_stats(self.message.stats, self.message.note)
+
+    async def sync(self) -> None:
+        """Show what the message gained since the last call. The message text is the source of truth,
+        so text that arrived before this view was mounted is never lost or doubled."""
+        new = self.message.content[self._shown:]
+        if new and self._stream is not None:
+            await self._stream.write(new)      # MarkdownStream batches fragments: no full re-render per token
+        elif new:                              # the reply ended before this view started streaming
+            await self.query_one(Markdown).update(self.message.content)
+        self._shown = len(self.message.content)
+        self.refresh_footer()
+
+    async def finish(self) -> None:
+        await self.sync()
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.remove_class("streaming")
+        self.refresh_footer()
+
+    def refresh_footer(self) -> None:
+        footer = self.query_one(".footer", Static)
+        text = self._footer_text()
+        footer.update(text)
+        footer.display = bool(text)
+
+    def action_copy_message(self) -> None:
+        self.app.copy_to_clipboard(self.message.content)
+        self.notify("Message copied to the clipboard")
+
+    def action_copy_code(self) -> None:
+        blocks = code_blocks(self.message.content)
+        if not blocks:
+            self.notify("This message has no code block", severity="warning")
+            return
+        self.app.copy_to_clipboard(blocks[-1])
+        self.notify("Code block copied to the clipboard")
+
+
+class ChatView(VerticalScroll):
+    """The messages of one conversation. Anchored: follows new tokens only while scrolled to the bottom."""
+
+    def __init__(self, conversation: Conversation, **kwargs):
+        super().__init__(id=f"chat-{conversation.id}", classes="chat", **kwargs)
+        self.conversation = conversation
+
+    def compose(self) -> ComposeResult:
+        yield Static("Type a message and press Enter. /help lists the commands, Ctrl+P opens the palette.",
+                     classes="placeholder")
+        for m in self.conversation.messages:
+            yield MessageView(m)
+
+    def on_mount(self) -> None:
+        self.refresh_placeholder()
+        self.anchor()
+
+    def refresh_placeholder(self) -> None:
+        self.query_one(".placeholder").display = not self.conversation.messages
+
+    async def clear_messages(self) -> None:
+        await self.query(MessageView).remove()
+        self.refresh_placeholder()
+
+    def view_for(self, message: Message) -> MessageView | None:
+        for view in self.query(MessageView):
+            if view.message is message:
+                return view
+        return None
+
+    async def add_message(self, message: Message) -> MessageView:
+        view = MessageView(message)
+        await self.mount(view)
+        self.refresh_placeholder()
+        self.anchor()   # sending a message means the user wants to see the reply
+        return view
+
+
+class InputHistory:
+    """Sent inputs, newest last, persisted as JSON lines (entries may span several lines)."""
+
+    def __init__(self, path: Path | None, limit: int = 1000):
+        self.path, self.limit = path, limit
+        self.entries: list[str] = []
+        if path is not None and path.is_file():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(value, str):
+                    self.entries.append(value)
+        self.entries = self.entries[-limit:]
+        self.index: int | None = None   # position while browsing, None = editing a new entry
+        self.draft = ""
+
+    def add(self, text: str) -> None:
+        self.index = None
+        if not text.strip() or (self.entries and self.entries[-1] == text):
+            return
+        self.entries.append(text)
+        if self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with self.path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(text) + "\n")
+                if len(self.entries) > self.limit * 2:   # compact now and then
+                    self.entries = self.entries[-self.limit:]
+                    self.path.write_text("".join(json.dumps(e) + "\n" for e in self.entries), encoding="utf-8")
+            except OSError:
+                pass   # history is a convenience; never fail a send over it
+
+    def previous(self, current: str) -> str | None:
+        if not self.entries:
+            return None
+        if self.index is None:
+            self.draft, self.index = current, len(self.entries)
+        if self.index == 0:
+            return None
+        self.index -= 1
+        return self.entries[self.index]
+
+    def next(self) -> str | None:
+        if self.index is None:
+            return None
+        self.index += 1
+        if self.index >= len(self.entries):
+            self.index = None
+            return self.draft
+        return self.entries[self.index]
+
+
+class CommandHints(OptionList):
+    """Slash-command completions shown above the input while a command is typed."""
+
+    def show(self, items: list[tuple[str, str]]) -> None:
+        self.clear_options()
+        if not items:
+            self.display = False
+            return
+        self.add_options([Option(f"{text:<16} {desc}", id=text) for text, desc in items[:12]])
+        self.highlighted = 0
+        self.display = True
+
+    def chosen(self) -> str | None:
+        if not self.display or self.option_count == 0:
+            return None
+        option = self.get_option_at_index(self.highlighted or 0)
+        return option.id
+
+
+class ChatInput(TextArea):
+    """Multi-line input: Enter sends, Shift+Enter / Ctrl+J insert a newline, Up/Down browse history."""
+
+    BINDINGS = [
+        Binding("shift+enter,ctrl+j", "newline", "New line", show=False),
+        Binding("tab", "complete", "Complete", show=False),
+    ]
+
+    class Submitted(TextualMessage):
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
+    def __init__(self, history: InputHistory, theme_names: tuple[str, ...] = (), **kwargs):
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        self.input_history = history
+        self.theme_names = theme_names
+
+    @property
+    def hints(self) -> CommandHints | None:
+        try:
+            return self.screen.query_one(CommandHints)
+        except Exception:
+            return None
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text
+            if not text.strip():
+                return
+            self.input_history.add(text)
+            self.clear()
+            self.post_message(self.Submitted(text))
+            return
+        await super()._on_key(event)
+
+    def action_newline(self) -> None:
+        start, end = self.selection
+        self._replace_via_keyboard("\n", start, end)
+
+    def action_complete(self) -> None:
+        hints = self.hints
+        choice = hints.chosen() if hints is not None else None
+        if choice is None:
+            self.screen.focus_next()
+            return
+        self.set_text(choice + " ")
+
+    def set_text(self, text: str) -> None:
+        self.load_text(text)
+        last = self.document.line_count - 1
+        self.cursor_location = (last, len(self.document.get_line(last)))
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        hints = self.hints
+        if hints is not None and hints.display and not select:
+            hints.action_cursor_up()
+            return
+        if not select and self.cursor_location[0] == 0:
+            entry = self.input_history.previous(self.text)
+            if entry is not None:
+                self.set_text(entry)
+                return
+        super().action_cursor_up(select)
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        hints = self.hints
+        if hints is not None and hints.display and not select:
+            hints.action_cursor_down()
+            return
+        if not select and self.cursor_location[0] == self.document.line_count - 1:
+            entry = self.input_history.next()
+            if entry is not None:
+                self.set_text(entry)
+                return
+        super().action_cursor_down(select)
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        from nanochat.app.tui.commands import matching
+
+        hints = self.hints
+        if hints is not None:
+            hints.show(matching(self.text, self.theme_names))
+
+
+class Gauge(Vertical):
+    """A number with its recent history as a sparkline."""
+
+    def __init__(self, title: str, **kwargs):
+        super().__init__(classes="gauge", **kwargs)
+        self.title = title
+        self.text = "—"
+        self.history: deque[float] = deque([0.0] * 40, maxlen=40)
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._label(), classes="gauge-value")
+        yield Sparkline(list(self.history), summary_function=max)
+
+    def _label(self) -> str:
+        return f"{self.title}  {self.text}"
+
+    def set_value(self, text: str, value: float | None = None) -> None:
+        changed = text != self.text
+        self.text = text
+        if value is not None:
+            self.history.append(value)
+        labels, lines = self.query(".gauge-value"), self.query(Sparkline)
+        if labels and lines:   # before compose, compose() picks the values up
+            if changed:
+                labels.first(Label).update(self._label())
+            lines.first(Sparkline).data = list(self.history)
+
+
+class GaugePanel(Vertical):
+    """Live engine gauges, fed from the engine thread's stats listener (through the app's message queue)."""
+
+    stats = reactive(None, always_update=True)     # latest EngineStats
+    last_ttft = reactive(None)                     # seconds, of the last finished turn
+    model_label = reactive("no model")
+    device_label = reactive("")
+    busy = reactive(False)                         # a model is loading
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._texts: dict[str, str] = {}
+
+    def compose(self) -> ComposeResult:
+        yield Label("Model", classes="section")
+        yield Static(self.model_label, id="g-model", classes="value", markup=False)
+        yield Static(self.device_label, id="g-device", classes="dim", markup=False)
+        yield Horizontal(id="g-loading", classes="loading-row")
+        yield Gauge("decode tok/s", id="g-decode")
+        yield Gauge("prefill tok/s", id="g-prefill")
+        yield Label("TTFT (last turn)  —", id="g-ttft")
+        yield Label("KV cache  —", id="g-kv-label")
+        yield ProgressBar(total=1, show_eta=False, show_percentage=True, id="g-kv")
+        yield Label("prefix hits  —", id="g-hit")
+        yield Label("running 0 · waiting 0", id="g-seqs")
+
+    async def on_mount(self) -> None:
+        self.query_one("#g-loading").display = False
+        self.watch_model_label(self.model_label)
+        self.watch_device_label(self.device_label)
+        self.watch_last_ttft(self.last_ttft)
+        self.watch_stats(self.stats)
+        await self.watch_busy(self.busy)
+
+    def watch_model_label(self, value: str) -> None:
+        if self.is_mounted:
+            self.query_one("#g-model", Static).update(value)
+
+    def watch_device_label(self, value: str) -> None:
+        if self.is_mounted:
+            self.query_one("#g-device", Static).update(value)
+
+    async def watch_busy(self, value: bool) -> None:
+        from textual.widgets import LoadingIndicator
+
+        if not self.is_mounted:
+            return
+        row = self.query_one("#g-loading")
+        await row.remove_children()
+        if value:
+            await row.mount(LoadingIndicator())
+        row.display = value
+
+    def watch_last_ttft(self, value: float | None) -> None:
+        if not self.is_mounted:
+            return
+        text = "—" if value is None else f"{value * 1000:.0f} ms"
+        self._set("#g-ttft", f"TTFT (last turn)  {text}")
+
+    def _set(self, selector: str, text: str) -> None:
+        """Update a label only when its text changes: every update re-lays out the screen."""
+        if self._texts.get(selector) != text:
+            self._texts[selector] = text
+            self.query_one(selector, Label).update(text)
+
+    def watch_stats(self, s) -> None:
+        if s is None or not self.is_mounted:
+            return
+        try:
+            self._show_stats(s)
+        except NoMatches:   # being torn down (app exit): nothing to draw on
+            pass
+
+    def _show_stats(self, s) -> None:
+        self.query_one("#g-decode", Gauge).set_value(f"{s.decode_tok_s:.1f}", s.decode_tok_s)
+        self.query_one("#g-prefill", Gauge).set_value(f"{s.prefill_tok_s:.0f}", s.prefill_tok_s)
+        total = max(1, s.kv_blocks_total)
+        bar = self.query_one("#g-kv", ProgressBar)
+        if (bar.total, bar.progress) != (total, s.kv_blocks_used):
+            bar.update(total=total, progress=s.kv_blocks_used)
+        self._set("#g-kv-label", f"KV cache  {s.kv_blocks_used}/{s.kv_blocks_total} blocks")
+        self._set("#g-hit", f"prefix hits  {s.prefix_hit_rate * 100:.0f}% · {s.kv_blocks_cached} cached")
+        self._set("#g-seqs", f"running {s.running} · waiting {s.waiting}")
+
+
+class ConversationList(OptionList):
+    """The conversations, newest first; a dot marks one that is generating."""
+
+    BINDINGS = [
+        Binding("n", "app.new_conversation", "New"),
+        Binding("r", "app.rename_conversation", "Rename"),
+        Binding("d,delete", "app.delete_conversation", "Delete"),
+    ]
+
+    def set_conversations(self, conversations: list[Conversation], current_id: int | None) -> None:
+        self.clear_options()
+        self.add_options([Option(self._label(c), id=str(c.id)) for c in conversations])
+        if current_id is not None:
+            self.select_id(current_id)
+
+    @staticmethod
+    def _label(c: Conversation) -> str:
+        return ("● " if c.generating else "  ") + c.title
+
+    def select_id(self, conversation_id: int) -> None:
+        try:
+            self.highlighted = self.get_option_index(str(conversation_id))
+        except Exception:
+            pass
+
+    def refresh_conversation(self, c: Conversation) -> None:
+        try:
+            self.replace_option_prompt(str(c.id), self._label(c))
+        except Exception:
+            pass

@@ -1,0 +1,112 @@
+"""The SQLite chat store: round trips, ordering, cascade delete, schema migration, threads."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+
+from nanochat.app.store import SCHEMA_VERSION, ChatStore, StoreError, migrate
+
+
+def test_round_trip_and_reopen(tmp_path):
+    db = tmp_path / "chats.sqlite3"
+    store = ChatStore(db)
+    cid = store.create_conversation("First", system_prompt="Be brief.", model="m.gguf", created=100.0)
+    store.add_message(cid, "user", "hi", created=101.0)
+    stats = {"prompt_tokens": 12, "cached_tokens": 0, "completion_tokens": 3, "ttft": 0.01}
+    store.add_message(cid, "assistant", "hello", stats, created=102.0, note="history re-prefilled")
+    store.close()
+
+    again = ChatStore(db)
+    [conv] = again.load_all()
+    assert (conv.id, conv.title, conv.system_prompt, conv.model, conv.created) == (cid, "First", "Be brief.",
+                                                                                 "m.gguf", 100.0)
+    assert conv.updated == 102.0
+    assert [(m.role, m.content, m.stats, m.note) for m in conv.messages] == [
+        ("user", "hi", None, ""), ("assistant", "hello", stats, "history re-prefilled")]
+    again.close()
+
+
+def test_ordering_rename_clear_delete(tmp_path):
+    store = ChatStore(tmp_path / "c.db")
+    a = store.create_conversation("a", created=1.0)
+    b = store.create_conversation("b", created=2.0)
+    assert [c.id for c in store.list_conversations()] == [b, a]
+    store.add_message(a, "user", "x", created=3.0)       # a is now the most recently updated
+    assert [c.id for c in store.list_conversations()] == [a, b]
+    store.rename(b, "bee")
+    store.set_system_prompt(b, "sys")
+    store.set_model(b, "other")
+    conv_b = store.load_conversation(b)
+    assert (conv_b.title, conv_b.system_prompt, conv_b.model) == ("bee", "sys", "other")
+    mid = store.add_message(b, "user", "y")
+    store.add_message(b, "assistant", "z")
+    store.delete_message(mid)
+    assert [m.content for m in store.messages(b)] == ["z"]
+    store.clear_messages(b)
+    assert store.messages(b) == []
+    store.delete_conversation(a)                          # messages go with it (foreign key cascade)
+    assert [c.id for c in store.list_conversations()] == [b]
+    assert store._conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
+    with pytest.raises(KeyError):
+        store.load_conversation(a)
+
+
+def test_migrates_a_version_1_database(tmp_path):
+    db = tmp_path / "old.db"
+    conn = sqlite3.connect(db)
+    conn.executescript("""
+        CREATE TABLE conversations (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL, system_prompt TEXT,
+            model TEXT, created REAL NOT NULL, updated REAL NOT NULL);
+        CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, conversation_id INTEGER NOT NULL
+            REFERENCES conversations(id) ON DELETE CASCADE, role TEXT NOT NULL, content TEXT NOT NULL, stats TEXT,
+            created REAL NOT NULL);
+        INSERT INTO conversations VALUES (1, 'old chat', NULL, NULL, 5.0, 6.0);
+        INSERT INTO messages VALUES (1, 1, 'user', 'from v1', NULL, 6.0);
+        PRAGMA user_version = 1;
+    """)
+    conn.commit()
+    conn.close()
+    store = ChatStore(db)
+    assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    [conv] = store.load_all()
+    assert conv.title == "old chat" and [(m.content, m.note) for m in conv.messages] == [("from v1", "")]
+    store.close()
+
+
+def test_fresh_schema_and_newer_schema_refused(tmp_path):
+    conn = sqlite3.connect(":memory:")
+    assert migrate(conn) == 0
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    db = tmp_path / "future.db"
+    c = sqlite3.connect(db)
+    c.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    c.commit()
+    c.close()
+    with pytest.raises(StoreError, match="newer"):
+        ChatStore(db)
+
+
+def test_not_a_database(tmp_path):
+    bad = tmp_path / "chats.sqlite3"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="cannot open"):
+        ChatStore(bad)
+
+
+def test_usable_from_several_threads(tmp_path):
+    store = ChatStore(tmp_path / "t.db")
+    cid = store.create_conversation("threads")
+
+    def writer(k):
+        for i in range(20):
+            store.add_message(cid, "user", f"{k}-{i}")
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store.messages(cid)) == 80
