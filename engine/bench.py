@@ -451,7 +451,11 @@ class BenchRunner:
             w = self.workload(phase, index)
             self._batch = _Batch(self.engine, w.prompts, w.params)
             self._notify(phase, index)
-        self._batch.step()
+        try:
+            self._batch.step()
+        except BaseException:   # an engine error or an interrupt: leave no request behind
+            self.abort()
+            raise
         self._notify(phase, index)
         if self._batch.finished:
             if phase == "measure":

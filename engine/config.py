@@ -37,6 +37,7 @@ class Config:
     enable_prefix_caching: bool = True
     cpu_threads: int | None = None
     dequantize: bool = False            # materialise GGUF weights as dense tensors
+    moe_offload: str = "auto"           # routed MoE experts on the host: auto | cpu | none
 
     @classmethod
     def create(cls, model: str = "", **kwargs) -> "Config":
@@ -78,6 +79,8 @@ class Config:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.moe_offload not in ("auto", "cpu", "none"):
+            raise ValueError(f"moe_offload must be auto, cpu or none, got {self.moe_offload!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 

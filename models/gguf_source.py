@@ -15,6 +15,21 @@ as metadata. It is exposed as `config.rope_scaling = {"rope_type": "freq_factors
 "freq_factors": [...]}` (head_dim/2 floats): the rotary inverse frequencies are
 `inv_freq[i] = 1 / (rope_theta ** (2i / head_dim) * freq_factors[i])`, which equals HF's
 llama3 rope. The raw tensor stays reachable with `get_gguf("rope_freqs.weight")`.
+
+MoE and hybrid archs (qwen3moe, qwen3next, qwen35moe, qwen35) undo llama.cpp's converter transforms so
+the model code sees HF names and values:
+- routed experts `ffn_{gate,up,down}_exps` [E, out, in] (or fused `ffn_gate_up_exps`) are served per
+  expert as `mlp.experts.{e}.{gate,up,down}_proj.weight` (QuantWeight views of the raw rows, no copy);
+  `expert_stack(prefix, proj)` gives the whole 3-D tensor for the host expert kernels;
+- `ssm_a` (= -exp(A_log)) -> `A_log = log(-ssm_a)`; `ssm_dt.bias` -> `dt_bias`; `ssm_conv1d` [C, K];
+- Qwen3-Next `ssm_ba` (b and a per key head) -> `in_proj_b` / `in_proj_a`; `attn_qkv` / `attn_gate`
+  -> `in_proj_qkv` / `in_proj_z` (the model's split-projection path);
+- qwen35*: value heads were reordered from grouped (by key head) to tiled order when nk != nv;
+  rows (v part of attn_qkv and conv1d, attn_gate, ssm_beta/alpha, ssm_a, ssm_dt) are put back in
+  grouped order, and ssm_out's input columns too (whole blocks when head_v_dim is a multiple of the
+  block size, else that one tensor is dequantized);
+- norms: GGUF already holds 1 + w, so the config says norm_zero_centred=False.
+Layers without a router (`ffn_gate_inp`) are dense MLP layers (config.mlp_only_layers).
 """
 
 from __future__ import annotations
@@ -32,8 +47,10 @@ import gguf
 import numpy as np
 import torch
 
+from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import ModelConfig
+from nanochat.models.config import ModelConfig, layer_types_from_interval
 
 T = gguf.GGMLQuantizationType
 
@@ -67,27 +84,78 @@ DENSE_BLOCK_TENSORS = {
 }
 
 
+MOE_BLOCK_TENSORS = {
+    **DENSE_BLOCK_TENSORS,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+HYBRID_BLOCK_TENSORS = {
+    **MOE_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# GGUF block tensors whose HF name is not module + ".weight"/".bias" (hybrid archs).
+HYBRID_SPECIAL = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+# Routed experts: GGUF base name -> the projections it holds.
+EXPERT_TENSORS = {"ffn_gate_exps": ("gate",), "ffn_up_exps": ("up",), "ffn_down_exps": ("down",),
+                  "ffn_gate_up_exps": ("gate", "up")}
+# qwen35*: how each tensor's value heads were tiled (see _untile): rows of the v part only
+# ("qkv": attn_qkv and conv1d hold q, k, v), all rows ("rows", head_v_dim rows per head; "heads":
+# one row per value head), or input columns ("cols").
+TILED_V_TENSORS = {"attn_qkv": "qkv", "ssm_conv1d": "qkv", "attn_gate": "rows", "ssm_out": "cols",
+                   "ssm_beta": "heads", "ssm_alpha": "heads", "ssm_a": "heads", "ssm_dt": "heads"}
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """How one GGUF architecture maps onto nanochat. New archs (MoE, hybrid) add a row to
-    ARCHS with their own tensor tables; `config_extra` reads arch-specific metadata."""
+    """How one GGUF architecture maps onto nanochat: a row of ARCHS with its tensor tables and
+    the flags that switch on the MoE / hybrid metadata and tensor transforms."""
 
     model_type: str                      # HF model_type, used as ModelConfig.arch
     permute_qk: bool = False             # converter permuted attn_q/attn_k rows
     block_tensors: Mapping[str, str] = field(default_factory=lambda: DENSE_BLOCK_TENSORS)
     global_tensors: Mapping[str, str] = field(default_factory=lambda: GLOBAL_TENSORS)
+    moe: bool = False                    # routed experts (ffn_*_exps) and routers
+    hybrid: bool = False                 # Gated DeltaNet + gated attention layers
+    tiled_v_heads: bool = False          # qwen35*: value heads stored in tiled order
 
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", permute_qk=True),
     "qwen2": ArchSpec("qwen2"),
     "qwen3": ArchSpec("qwen3"),
+    "qwen3moe": ArchSpec("qwen3_moe", block_tensors=MOE_BLOCK_TENSORS, moe=True),
+    "qwen3next": ArchSpec("qwen3_next", block_tensors=HYBRID_BLOCK_TENSORS, moe=True, hybrid=True),
+    "qwen35moe": ArchSpec("qwen3_5_moe", block_tensors=HYBRID_BLOCK_TENSORS, moe=True, hybrid=True,
+                          tiled_v_heads=True),
+    "qwen35": ArchSpec("qwen3_5", block_tensors=HYBRID_BLOCK_TENSORS, hybrid=True, tiled_v_heads=True),
 }
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where an HF-named tensor comes from: a GGUF tensor and how to turn it into the HF tensor."""
+
+    gguf: str
+    kind: str = "plain"   # plain | a_log | ba_b | ba_a | expert
+    expert: int = 0       # kind "expert": which expert
+    part: int = 0         # kind "expert": row block of a fused gate|up tensor (0 gate, 1 up)
+    parts: int = 1
+
 
 # Checkpoint dtype reported for unquantized files; quantized ones keep the bf16 default.
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 _MIN_HEADER = 24  # magic, version, tensor count, kv count
 # Sizes of the fixed-size GGUF metadata value types (GGUFValueType numbering).
@@ -149,6 +217,12 @@ class _HeaderScan:
             if n_dims > 4:
                 raise ValueError(f"tensor with {n_dims} dimensions at byte {self.pos}")
             self.take(8 * n_dims + 12)  # dims, type, offset
+
+
+def grouped_from_tiled(nk: int, r: int, head: int) -> torch.Tensor:
+    """Index that puts qwen35* tiled value heads back in HF's grouped order: grouped row
+    (kh*r + i)*head + d comes from tiled row (i*nk + kh)*head + d."""
+    return torch.arange(nk * r * head).reshape(r, nk, head).transpose(0, 1).reshape(-1)
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -238,21 +312,41 @@ class GGUFSource:
 
     # ---- names ----
 
-    def _hf_name(self, gguf_name: str) -> str | None:
+    def _refs_for(self, gguf_name: str) -> list[tuple[str, _Ref]]:
+        """The HF names served from one GGUF tensor (none for GGUF-only extras)."""
         if m := _BLOCK_RE.match(gguf_name):
-            module = self.spec.block_tensors.get(m.group(2))
-            return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+            layer, base, kind = m.groups()
+            prefix = f"model.layers.{layer}"
+            spec = self.spec
+            if spec.hybrid:
+                special = HYBRID_SPECIAL.get(base if kind is None else f"{base}.{kind}")
+                if special is not None:
+                    return [(f"{prefix}.{special}", _Ref(gguf_name, "a_log" if base == "ssm_a" else "plain"))]
+                if base == "ssm_ba" and kind == "weight":
+                    return [(f"{prefix}.linear_attn.in_proj_b.weight", _Ref(gguf_name, "ba_b")),
+                            (f"{prefix}.linear_attn.in_proj_a.weight", _Ref(gguf_name, "ba_a"))]
+            if spec.moe and base in EXPERT_TENSORS and kind == "weight":
+                projs = EXPERT_TENSORS[base]
+                n_experts = int(self._tensors[gguf_name].shape[-1])   # GGUF dims are reversed
+                return [(f"{prefix}.mlp.experts.{e}.{p}_proj.weight", _Ref(gguf_name, "expert", e, i, len(projs)))
+                        for e in range(n_experts) for i, p in enumerate(projs)]
+            module = spec.block_tensors.get(base)
+            if module is None or kind is None:
+                return []
+            return [(f"{prefix}.{module}.{kind}", _Ref(gguf_name))]
         if m := _GLOBAL_RE.match(gguf_name):
             module = self.spec.global_tensors.get(m.group(1))
-            return None if module is None else f"{module}.{m.group(2)}"
-        return None
+            return [] if module is None else [(f"{module}.{m.group(2)}", _Ref(gguf_name))]
+        return []
 
-    def _map_names(self) -> dict[str, str]:
+    def _hf_name(self, gguf_name: str) -> str | None:
+        refs = self._refs_for(gguf_name)
+        return refs[0][0] if refs else None
+
+    def _map_names(self) -> dict[str, _Ref]:
         mapping = {}
         for name in self._tensors:
-            hf = self._hf_name(name)
-            if hf is not None:
-                mapping[hf] = name
+            mapping.update(self._refs_for(name))
         return mapping
 
     def tensor_names(self) -> list[str]:
@@ -269,16 +363,54 @@ class GGUFSource:
     # ---- tensors ----
 
     def get(self, name: str) -> torch.Tensor | QuantWeight:
-        """The tensor with HF name `name`, q/k rows restored to HF order."""
-        gname = self._hf_to_gguf.get(name)
-        if gname is None:
+        """The tensor with HF name `name`, with the converter's transforms undone (q/k row order for
+        llama; A_log, b/a split, value-head order and per-expert slices for the MoE / hybrid archs)."""
+        ref = self._hf_to_gguf.get(name)
+        if ref is None:
             raise KeyError(f"{self.path}: no tensor {name!r} in this GGUF")
-        w = self.get_gguf(gname)
+        if ref.kind == "expert":
+            return self._expert_stack(ref.gguf, ref.part, ref.parts).expert(ref.expert)
+        w = self.get_gguf(ref.gguf)
         if self.spec.permute_qk:
-            heads = self._qk_heads(gname)
+            heads = self._qk_heads(ref.gguf)
             if heads:
                 w = self._unpermute(w, heads)
+        if self.spec.tiled_v_heads:
+            w = self._untile(ref.gguf, w)
+        if ref.kind == "a_log":
+            return torch.log(-w.float())
+        if ref.kind in ("ba_b", "ba_a"):
+            return self._split_ba(w, ref.kind == "ba_a")
+        if name.endswith("shared_expert_gate.weight") and isinstance(w, torch.Tensor) and w.dim() == 1:
+            w = w.unsqueeze(0)   # llama.cpp may store the [1, H] gate as a vector
         return w
+
+    def expert_stack(self, prefix: str, proj: str) -> StackedWeight | None:
+        """Projection `proj` ("gate" | "up" | "down") of every routed expert under `prefix`
+        ("model.layers.{i}.mlp.experts") as one [E, out, in] StackedWeight over the memory map
+        (no copy), or None when the layer has no such GGUF tensor."""
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts", prefix)
+        if m is None or not self.spec.moe:
+            return None
+        for base, projs in EXPERT_TENSORS.items():
+            gname = f"blk.{m.group(1)}.{base}.weight"
+            if proj in projs and gname in self._tensors:
+                return self._expert_stack(gname, projs.index(proj), len(projs))
+        return None
+
+    def _expert_stack(self, gguf_name: str, part: int, parts: int) -> StackedWeight:
+        t = self._tensors[gguf_name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if len(shape) != 3:
+            raise ModelLoadError(f"{self.path}: expert tensor {gguf_name} is {len(shape)}-D, expected 3-D")
+        e, rows, cols = shape
+        if rows % parts:
+            raise ModelLoadError(f"{self.path}: fused expert tensor {gguf_name} has an odd row count {rows}")
+        data = _from_numpy(t.data)
+        if t.tensor_type == T.BF16:
+            data = data.view(torch.bfloat16)
+        step = rows // parts
+        return StackedWeight(int(t.tensor_type), (e, step, cols), data[:, part * step:(part + 1) * step])
 
     def get_gguf(self, gguf_name: str) -> torch.Tensor | QuantWeight:
         """A tensor by its GGUF name, exactly as stored (no q/k un-permutation)."""
@@ -317,6 +449,40 @@ class GGUFSource:
             perm = unpermute_rows(w.data.shape[0], n_head)
             return QuantWeight(w.ggml_type, w.shape, w.data[perm])
         return w[unpermute_rows(w.shape[0], n_head)]
+
+    def _split_ba(self, w: torch.Tensor | QuantWeight, alpha: bool) -> torch.Tensor | QuantWeight:
+        """Qwen3-Next in_proj_ba rows: per key head [b for its r value heads, a for them]."""
+        nk, nv = self.config.linear_num_key_heads, self.config.linear_num_value_heads
+        r = nv // nk
+        rows = (torch.arange(nk).unsqueeze(1) * 2 * r + torch.arange(r) + (r if alpha else 0)).reshape(-1)
+        if isinstance(w, QuantWeight):
+            return QuantWeight(w.ggml_type, (nv, w.shape[1]), w.data[rows])
+        return w[rows]
+
+    def _untile(self, gguf_name: str, w: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:
+        """qwen35*: value heads back from tiled order (i*nk + kh) to grouped order (kh*r + i)."""
+        m = _BLOCK_RE.match(gguf_name)
+        how = TILED_V_TENSORS.get(m.group(2)) if m else None
+        cfg = self.config
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if how is None or nk == nv:
+            return w
+        head = 1 if how == "heads" else cfg.linear_value_head_dim
+        perm = grouped_from_tiled(nk, nv // nk, head)
+        if how == "qkv":
+            perm = torch.cat([torch.arange(2 * nk * cfg.linear_key_head_dim), perm + 2 * nk * cfg.linear_key_head_dim])
+        if how != "cols":
+            if isinstance(w, QuantWeight):
+                return QuantWeight(w.ggml_type, w.shape, w.data[perm])
+            return w[perm]
+        if isinstance(w, QuantWeight):
+            elems, nbytes = gq.BLOCK_SIZES[w.ggml_type]
+            if head % elems == 0:   # whole blocks move: permute them inside each row
+                blocks = w.data.reshape(w.shape[0], nv, head // elems * nbytes)
+                idx = perm.view(nv, head)[:, 0] // head
+                return QuantWeight(w.ggml_type, w.shape, blocks[:, idx].reshape(w.data.shape))
+            w = gq.dequantize(w, torch.float32)   # blocks straddle heads: this tensor goes dense
+        return w[:, perm]
 
     # ---- metadata ----
 
@@ -359,11 +525,12 @@ class GGUFSource:
             v = self.metadata(f"tokenizer.ggml.{key}")
             if v is not None and int(v) not in eos_ids:
                 eos_ids.append(int(v))
+        ffn = self._arch_meta("feed_forward_length", required=not self.spec.moe)
         return ModelConfig(
             arch=self.spec.model_type,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self._arch_meta("feed_forward_length", required=True)),
+            intermediate_size=int(ffn or 0),
             num_hidden_layers=int(self._arch_meta("block_count", required=True)),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -373,8 +540,8 @@ class GGUFSource:
             rope_scaling=self._rope_scaling(),
             max_position_embeddings=int(self._arch_meta("context_length", 4096)),
             tie_word_embeddings="output.weight" not in self._tensors,
-            attention_bias="blk.0.attn_q.bias" in self._tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
+            attention_bias=self._any_layer_has("attn_q.bias"),
+            qk_norm=self._any_layer_has("attn_q_norm.weight"),
             torch_dtype=_DTYPE_NAMES.get(self.quant_summary(), "bfloat16"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(eos_ids),
@@ -384,6 +551,56 @@ class GGUFSource:
                 "gguf_file_type": self.metadata("general.file_type"),
                 "rope_dimension_count": self._arch_meta("rope.dimension_count"),
             },
+            **self._moe_config(),
+            **self._hybrid_config(head_dim),
+        )
+
+    def _any_layer_has(self, suffix: str) -> bool:
+        return any(n.startswith("blk.") and n.endswith("." + suffix) for n in self._tensors)
+
+    def _moe_config(self) -> dict[str, Any]:
+        if not self.spec.moe:
+            return {}
+        n_layers = int(self._arch_meta("block_count", required=True))
+        experts = int(self._arch_meta("expert_count", required=True))
+        # Layers without a router keep a dense MLP (Qwen3-MoE mlp_only_layers); GGUF has no key for it.
+        dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
+        norm = True if self.arch == "qwen35moe" else bool(self._arch_meta("expert_weights_norm", True))
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(self._arch_meta("expert_used_count", required=True)),
+            moe_intermediate_size=int(self._arch_meta("expert_feed_forward_length", required=True)),
+            shared_expert_intermediate_size=int(self._arch_meta("expert_shared_feed_forward_length", 0) or 0),
+            norm_topk_prob=norm,
+            mlp_only_layers=dense,
+        )
+
+    def _hybrid_config(self, head_dim: int) -> dict[str, Any]:
+        if not self.spec.hybrid:
+            return {}
+        n_layers = int(self._arch_meta("block_count", required=True))
+        interval = int(self._arch_meta("full_attention_interval", 4))
+        layer_types = layer_types_from_interval(n_layers, interval)
+        for i, kind in enumerate(layer_types):
+            if (f"blk.{i}.ssm_out.weight" in self._tensors) != (kind == "linear_attention"):
+                raise ModelLoadError(f"{self.path}: layer {i} tensors do not match {self.arch}."
+                                     f"full_attention_interval={interval} (expected {kind})")
+        nv = int(self._arch_meta("ssm.time_step_rank", required=True))
+        inner = int(self._arch_meta("ssm.inner_size", required=True))
+        if inner % nv:
+            raise ModelLoadError(f"{self.path}: ssm.inner_size {inner} is not a multiple of "
+                                 f"ssm.time_step_rank {nv}")
+        rope_dim = int(self._arch_meta("rope.dimension_count", head_dim))
+        return dict(
+            layer_types=layer_types,
+            linear_num_key_heads=int(self._arch_meta("ssm.group_count", required=True)),
+            linear_num_value_heads=nv,
+            linear_key_head_dim=int(self._arch_meta("ssm.state_size", required=True)),
+            linear_value_head_dim=inner // nv,
+            linear_conv_kernel_dim=int(self._arch_meta("ssm.conv_kernel", 4)),
+            partial_rotary_factor=rope_dim / head_dim,
+            attn_output_gate=True,
+            norm_zero_centred=False,   # the converter stored 1 + w (the GDN norm is plain in both)
         )
 
     def _rope_scaling(self) -> dict | None:
@@ -415,11 +632,11 @@ class GGUFSource:
         return self._str_meta("tokenizer.chat_template")
 
     def quant_summary(self) -> str:
-        """The dominant tensor type by element count over the 2-D weights (e.g. "Q4_1")."""
+        """The dominant tensor type by element count over the 2-D and 3-D (expert) weights (e.g. "Q4_1")."""
         counts: Counter[str] = Counter()
-        for gname in self._hf_to_gguf.values():
+        for gname in {ref.gguf for ref in self._hf_to_gguf.values()}:
             t = self._tensors[gname]
-            if len(t.shape) == 2:
+            if len(t.shape) >= 2:
                 counts[t.tensor_type.name] += int(t.n_elements)
         return counts.most_common(1)[0][0] if counts else "none"
 

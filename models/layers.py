@@ -105,6 +105,7 @@ class WeightLoader:
     device: torch.device
     dtype: torch.dtype
     dequantize: bool = False
+    moe_offload: str = "auto"      # routed MoE experts: "auto" | "cpu" (host kernels) | "none" (see models/moe.py)
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         w = self.source.get(name)

@@ -12,6 +12,14 @@ Expert weights come as HF names, either per expert (`experts.{e}.{gate,up,down}_
 and Qwen3-Next checkpoints; also what a GGUF source exposes) or fused (`experts.gate_up_proj [E, 2I, H]`
 with gate = first I rows, `experts.down_proj [E, H, I]`, Qwen3.5/3.6 checkpoints). Dense experts are
 stacked into two 3-D tensors; quantized ones stay one quantized Linear pair per expert.
+
+Expert offload (`WeightLoader.moe_offload`: "auto" | "cpu" | "none"): `HostOffloadedExperts` keeps the
+routed experts where the source has them (a GGUF memory map: host RAM, quantized, never copied to the
+device) and computes them with kernels.moe_cpu; router, shared expert and the mixers stay on the
+device. Per MoE layer only the hidden states and the routing (top-k ids and weights) go to the host,
+and only the routed output comes back; on CUDA the shared expert runs on the GPU meanwhile.
+"cpu" forces it; "auto" uses it on CUDA when the experts would not fit in free GPU memory, and on a
+CPU device whenever the experts are quantized (and not dequantized by the loader); "none" never.
 """
 
 from __future__ import annotations
@@ -20,9 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
 from nanochat.models.layers import Linear, WeightLoader
+
+OFFLOAD_MODES = ("auto", "cpu", "none")
+_DENSE_IDS = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}
+_GPU_HEADROOM = 1 << 30   # KV cache and activations need room beside the weights
 
 
 class GatedMLP(nn.Module):
@@ -120,22 +134,160 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+# ---------------------------------------------------------------- expert offload
+
+
+def _expert_names(prefix: str, e: int) -> list[str]:
+    return [f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+
+
+def host_expert_stacks(w: WeightLoader, prefix: str, num_experts: int) -> tuple[StackedWeight, ...]:
+    """(gate, up, down) of every expert under `prefix` as [E, out, in] host tensors: the source's own
+    3-D tensors when it has them (GGUF: views of the memory map), else the experts stacked."""
+    getter = getattr(w.source, "expert_stack", None)
+    if getter is not None:
+        stacks = tuple(getter(prefix, p) for p in ("gate", "up", "down"))
+        if all(s is not None for s in stacks):
+            return stacks
+    if f"{prefix}.gate_up_proj" in w.names:          # HF Qwen3.5: fused dense [E, 2I, H]
+        gu, down = w.source.get(f"{prefix}.gate_up_proj"), w.source.get(f"{prefix}.down_proj")
+        half = gu.shape[1] // 2
+        return tuple(_dense_stack(t) for t in (gu[:, :half], gu[:, half:], down))
+    per_expert = [[w.source.get(n) for n in _expert_names(prefix, e)] for e in range(num_experts)]
+    stacks = []
+    for j in range(3):
+        parts = [p[j] for p in per_expert]
+        if isinstance(parts[0], QuantWeight):
+            stacks.append(StackedWeight(parts[0].ggml_type, (num_experts, *parts[0].shape),
+                                        torch.stack([p.data for p in parts])))
+        else:
+            stacks.append(_dense_stack(torch.stack(parts)))
+    return tuple(stacks)
+
+
+def _dense_stack(t: torch.Tensor) -> StackedWeight:
+    if t.dtype not in _DENSE_IDS:
+        t = t.float()
+    return StackedWeight(_DENSE_IDS[t.dtype], tuple(t.shape), t)
+
+
+def _experts_quantized(w: WeightLoader, cfg: ModelConfig) -> bool:
+    layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), 0)
+    name = _expert_names(f"model.layers.{layer}.mlp.experts", 0)[0]
+    return name in w.names and isinstance(w.source.get(name), QuantWeight)
+
+
+def _device_expert_bytes(w: WeightLoader, cfg: ModelConfig) -> tuple[int, int]:
+    """(bytes the routed experts would take on the device, bytes they take in the source)."""
+    elem = torch.empty((), dtype=w.dtype).element_size()
+    dense = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem
+    on_device = stored = 0
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        getter = getattr(w.source, "expert_stack", None)
+        stacks = [getter(f"model.layers.{i}.mlp.experts", p) for p in ("gate", "up", "down")] if getter else []
+        if stacks and all(s is not None for s in stacks):
+            size = sum(s.nbytes() for s in stacks)
+            stored += size
+            on_device += size if all(s.quantized for s in stacks) and not w.dequantize else dense
+        else:
+            stored += dense
+            on_device += dense
+    return on_device, stored
+
+
+def use_host_experts(w: WeightLoader, cfg: ModelConfig) -> bool:
+    """Whether this model's routed experts run on the host (decided once per loader, see the module doc)."""
+    decided = getattr(w, "_host_experts", None)
+    if decided is not None:
+        return decided
+    mode = getattr(w, "moe_offload", "auto")
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"moe_offload must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
+    if mode != "auto":
+        decided = mode == "cpu"
+    elif w.device.type == "cpu":
+        decided = not w.dequantize and _experts_quantized(w, cfg)
+    elif w.device.type == "cuda":
+        experts, stored = _device_expert_bytes(w, cfg)
+        rest = max(0, getattr(w.source, "file_size", stored) - stored)   # attention, embeddings, ...
+        free, _ = torch.cuda.mem_get_info(w.device)
+        decided = experts + rest + _GPU_HEADROOM > free
+    else:
+        decided = False
+    w._host_experts = decided
+    return decided
+
+
+class HostOffloadedExperts(nn.Module):
+    """Routed experts computed on the host by kernels.moe_cpu; same call as `Experts`."""
+
+    def __init__(self, w: WeightLoader, prefix: str, num_experts: int):
+        super().__init__()
+        gate, up, down = host_expert_stacks(w, prefix, num_experts)
+        if gate.num_experts != num_experts:
+            raise ValueError(f"{prefix}: expected {num_experts} experts, got {gate.num_experts}")
+        self.host = HostExperts(gate, up, down, name=prefix)
+        self.num_experts = num_experts
+
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """Begin the call; returns a function that finishes it and gives the routed output [T, H]
+        in x's dtype and device. On CUDA the inputs go to pinned host buffers behind the router
+        on the stream, so work queued before finish() (the shared expert) overlaps the host part."""
+        if x.device.type == "cpu":
+            y = self.host(x, ids, weights)
+            return lambda: y.to(x.dtype)
+        xh = torch.empty(x.shape, dtype=torch.float32, pin_memory=True)
+        idh = torch.empty(ids.shape, dtype=torch.int64, pin_memory=True)
+        wh = torch.empty(weights.shape, dtype=torch.float32, pin_memory=True)
+        xh.copy_(x.float(), non_blocking=True)
+        idh.copy_(ids, non_blocking=True)
+        wh.copy_(weights.float(), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def finish() -> torch.Tensor:
+            copied.synchronize()
+            out = torch.empty(x.shape, dtype=torch.float32, pin_memory=True)
+            self.host(xh, idh, wh, out=out)
+            return out.to(x.device, non_blocking=True).to(x.dtype)
+
+        return finish
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.start(x, ids, weights)()
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         # Router logits in the model dtype (as the reference), softmax in fp32.
         self.gate = Linear(w.dense(f"{prefix}.gate.weight"))
-        self.experts = Experts(w, f"{prefix}.experts", cfg.num_experts)
-        self.experts.use_grouped_mm = grouped_mm_usable(w.device, w.dtype)
+        self.offloaded = use_host_experts(w, cfg)
+        if self.offloaded:
+            self.experts = HostOffloadedExperts(w, f"{prefix}.experts", cfg.num_experts)
+        else:
+            self.experts = Experts(w, f"{prefix}.experts", cfg.num_experts)
+            self.experts.use_grouped_mm = grouped_mm_usable(w.device, w.dtype)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(w, f"{prefix}.shared_expert")
             self.shared_expert_gate = Linear(w.dense(f"{prefix}.shared_expert_gate.weight"))
 
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        y = self.experts(x, ids, weights)
-        if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        if self.offloaded:
+            finish = self.experts.start(x, ids, weights)
+            shared = self._shared(x)          # on the device while the host computes the experts
+            y = finish()
+        else:
+            y = self.experts(x, ids, weights)
+            shared = self._shared(x)
+        return y if shared is None else y + shared

@@ -10,7 +10,17 @@ For types gguf-py cannot quantize (K-quants), pass `quantizer(x) -> (raw_uint8_b
 
     quantizer=lambda x: (pack_q4_k(x), gguf.GGMLQuantizationType.Q4_K)
 
-The name table here is written independently of nanochat.models.gguf_source on purpose: it is
+MoE and hybrid archs ("qwen3moe", "qwen3next", "qwen35moe", "qwen35") get llama.cpp's converter
+transforms (convert_hf_to_gguf.py, Qwen2MoeModel / Qwen3NextModel / _LinearAttentionVReorderBase):
+experts stacked into 3-D `ffn_{gate,up,down}_exps` [E, out, in], +1 on every norm except the GDN
+output norm (`linear_attn.norm`), `ssm_a = -exp(A_log)`, `dt_bias -> ssm_dt.bias`, conv1d squeezed
+to [C, K], Qwen3-Next's per-key-head `in_proj_qkvz` regrouped into `attn_qkv` [q; k; v] + `attn_gate`,
+`in_proj_ba -> ssm_ba` as is, and for qwen35* value heads reordered from grouped to tiled order
+(rows of the v part of qkv / conv1d, z, b, a, A_log, dt_bias; columns of out_proj). Expert types:
+`expert_qtype` (K-quants packed with tests/kquant_pack.py); routers, conv1d and rows that do not
+fill whole blocks stay F32.
+
+The name tables here are written independently of nanochat.models.gguf_source on purpose: they are
 the oracle the loader is checked against.
 """
 
@@ -46,6 +56,32 @@ _BLOCK = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+
+
+# MoE / hybrid archs: HF module (after "model.layers.N.") -> GGUF base name.
+_MOE_BLOCK = {
+    **{k: v for k, v in _BLOCK.items()},
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+_HYBRID_BLOCK = {
+    **_MOE_BLOCK,
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+HYBRID_ARCHS = ("qwen3next", "qwen35moe", "qwen35")
+MOE_ARCHS = ("qwen3moe", "qwen3next", "qwen35moe")
+_KEEP_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
 
 
 @dataclass(frozen=True)
@@ -209,6 +245,7 @@ def write_gguf_from_hf(
     extra_metadata: Mapping[str, Any] | None = None,
     raw_tensors: Mapping[str, tuple[np.ndarray, T]] | None = None,
     skip_tensors: tuple[str, ...] = (),
+    expert_qtype: T | None = None,
 ) -> Path:
     """Write `source` as a GGUF file for `arch` ("llama" permutes q/k rows like llama.cpp).
 
@@ -219,6 +256,7 @@ def write_gguf_from_hf(
     metadata (e.g. read_metadata(smollm2_path)) copied verbatim. extra_metadata: more keys
     (plain values or MetaValue). raw_tensors: GGUF name -> (raw uint8 blocks, type) written
     as is, replacing or adding tensors. skip_tensors: GGUF names to leave out.
+    expert_qtype (MoE archs): type of the ffn_*_exps tensors (default qtype_for_linears).
     """
     state, cfg = _load_source(source)
     heads = cfg["num_attention_heads"]
@@ -234,7 +272,8 @@ def write_gguf_from_hf(
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("intermediate_size"):
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
@@ -245,6 +284,9 @@ def write_gguf_from_hf(
     if arch == "llama":
         w.add_vocab_size(vocab)
         w.add_rope_dimension_count(head_dim)
+    moe_like = arch in MOE_ARCHS or arch in HYBRID_ARCHS
+    if moe_like:
+        _add_moe_metadata(w, cfg, arch, head_dim)
 
     extra_tensors: dict[str, np.ndarray] = {}
     if scaling is not None:
@@ -274,6 +316,14 @@ def write_gguf_from_hf(
     if output_qtype is not None:
         overrides.setdefault("output.weight", output_qtype)
     raw = dict(raw_tensors or {})
+
+    if moe_like:
+        for gname, x in convert_moe_state(state, cfg, arch).items():
+            if gname in skip_tensors or gname in raw or (gname == "output.weight" and tied):
+                continue
+            qtype = overrides.get(gname) or _moe_qtype(gname, x, qtype_for_linears, expert_qtype)
+            _add_tensor(w, gname, x, qtype, qtype_for_linears, None)
+        state = {}
 
     for hf_name, tensor in state.items():
         gname = gguf_name(hf_name)
@@ -309,8 +359,146 @@ def _add_tensor(w: gguf.GGUFWriter, gname: str, x: np.ndarray, override: T | Non
             w.add_tensor(gname, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=qtype)
             return
     qtype = override if override is not None else default
+    if qtype in _K_TYPES:  # gguf-py cannot quantize K-quants: use the test packer
+        from kquant_pack import quantize_k
+
+        w.add_tensor(gname, quantize_k(int(qtype), x), raw_dtype=qtype)
+        return
     data = gguf.quants.quantize(np.ascontiguousarray(x), qtype)
     if qtype in (T.F32, T.F16):
         w.add_tensor(gname, data)
     else:
         w.add_tensor(gname, data, raw_dtype=qtype)
+
+
+_K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+# ---------------------------------------------------------------- MoE / hybrid archs (llama.cpp's transforms)
+
+
+def _add_moe_metadata(w: gguf.GGUFWriter, cfg: dict, arch: str, head_dim: int) -> None:
+    if arch in MOE_ARCHS:
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if arch == "qwen3moe" and cfg.get("norm_topk_prob") is not None:
+            # llama.cpp's qwen3moe graph always renormalises; the key keeps tiny test models exact.
+            w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+    if arch in HYBRID_ARCHS:
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(_attention_interval(cfg))
+        params = cfg.get("rope_parameters") or {}
+        partial = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25
+        w.add_rope_dimension_count(int(head_dim * partial))
+
+
+def _attention_interval(cfg: dict) -> int:
+    types = cfg.get("layer_types")
+    if not types:
+        return int(cfg.get("full_attention_interval") or 4)
+    interval = types.index("full_attention") + 1
+    expect = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
+    if list(types) != expect:
+        raise ValueError(f"layer_types {types} do not follow a full_attention_interval")
+    return interval
+
+
+def _moe_qtype(gname: str, x: np.ndarray, linears: T, experts: T | None) -> T:
+    """llama.cpp-like choices: experts as asked, routers / conv / vectors F32, others `linears`."""
+    base = gname.split(".")[-2] if gname.startswith("blk.") else gname.split(".")[0]
+    qtype = (experts or linears) if base.endswith("_exps") else linears
+    if x.ndim == 1 or base in _KEEP_F32:
+        return T.F32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if x.shape[-1] % block == 0 else T.F32
+
+
+def _tile_heads(x: np.ndarray, axis: int, nk: int, r: int, head: int) -> np.ndarray:
+    """qwen35*: value heads along `axis` from grouped order (kh, i) to tiled order (i, kh)."""
+    shape = x.shape
+    y = x.reshape(shape[:axis] + (nk, r, head) + shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(y, axis, axis + 1)).reshape(shape)
+
+
+def convert_moe_state(state: Mapping[str, torch.Tensor], cfg: dict, arch: str) -> dict[str, np.ndarray]:
+    """HF tensors -> GGUF tensors (float32, torch order), transformed like llama.cpp's converter."""
+    hybrid = arch in HYBRID_ARCHS
+    table = _HYBRID_BLOCK if hybrid else _MOE_BLOCK
+    nk, nv = cfg.get("linear_num_key_heads") or 0, cfg.get("linear_num_value_heads") or 0
+    dk, dv = cfg.get("linear_key_head_dim") or 0, cfg.get("linear_value_head_dim") or 0
+    tile = arch in ("qwen35moe", "qwen35") and nk and nv != nk
+    r = nv // nk if nk else 1
+    out: dict[str, np.ndarray] = {}
+    per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for hf_name, tensor in state.items():
+        name = hf_name.replace("model.language_model.", "model.", 1)
+        if name.startswith(("model.visual.", "mtp.")):
+            continue
+        x = tensor.detach().to(torch.float32).numpy()
+        if hybrid and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            x = x + 1.0   # GGUF stores the zero-centred norms as 1 + w
+        module, _, kind = name.rpartition(".")
+        if module in _GLOBAL:
+            out[f"{_GLOBAL[module]}.{kind}"] = x
+            continue
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+            continue
+        blk, rest = f"blk.{parts[2]}", parts[3]
+        if rest == "mlp.experts.gate_up_proj":          # fused [E, 2I, H]: gate = first I rows
+            half = x.shape[1] // 2
+            out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = x[:, :half], x[:, half:]
+            continue
+        if rest == "mlp.experts.down_proj":
+            out[f"{blk}.ffn_down_exps.weight"] = x
+            continue
+        if rest.startswith("mlp.experts."):             # per-expert checkpoints: stack them
+            _, _, e, proj, _ = rest.split(".")
+            per_expert.setdefault((blk, proj.split("_")[0]), {})[int(e)] = x
+            continue
+        if hybrid and rest.startswith("linear_attn."):
+            if tile:
+                x = _tile_linear_attn(rest, x, nk, r, dk, dv)
+            if rest == "linear_attn.A_log":
+                out[f"{blk}.ssm_a"] = -np.exp(x)
+                continue
+            if rest == "linear_attn.dt_bias":
+                out[f"{blk}.ssm_dt.bias"] = x
+                continue
+            if rest == "linear_attn.conv1d.weight":
+                x = x.reshape(x.shape[0], -1)           # [C, 1, K] -> [C, K]
+            if rest == "linear_attn.in_proj_qkvz.weight":
+                q, k, v, z = np.split(x.reshape(nk, -1, x.shape[-1]),
+                                      np.cumsum([dk, dk, r * dv])[:3], axis=1)
+                flat = lambda a: a.reshape(-1, x.shape[-1])  # noqa: E731
+                out[f"{blk}.attn_qkv.weight"] = np.concatenate([flat(q), flat(k), flat(v)])
+                out[f"{blk}.attn_gate.weight"] = flat(z)
+                continue
+        sub, _, kind = rest.rpartition(".")
+        if sub in table:
+            out[f"{blk}.{table[sub]}.{kind}"] = x
+    for (blk, proj), mats in per_expert.items():
+        out[f"{blk}.ffn_{proj}_exps.weight"] = np.stack([mats[e] for e in sorted(mats)])
+    return out
+
+
+def _tile_linear_attn(rest: str, x: np.ndarray, nk: int, r: int, dk: int, dv: int) -> np.ndarray:
+    if rest in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+        qk = 2 * nk * dk
+        return np.concatenate([x[:qk], _tile_heads(x[qk:], 0, nk, r, dv)])
+    if rest == "linear_attn.in_proj_z.weight":
+        return _tile_heads(x, 0, nk, r, dv)
+    if rest in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"):
+        return _tile_heads(x, 0, nk, r, 1)
+    if rest in ("linear_attn.A_log", "linear_attn.dt_bias"):
+        return _tile_heads(x.reshape(-1, 1), 0, nk, r, 1).reshape(-1)
+    if rest == "linear_attn.out_proj.weight":
+        return _tile_heads(x, 1, nk, r, dv)
+    return x

@@ -64,10 +64,12 @@ def test_cpu_auto_backend(t, xdtype):
 
 
 @pytest.mark.parametrize("t", [gq.Q4_1, gq.Q8_0, gq.Q6_K, gq.Q3_K], ids=NAMES)
-def test_cpu_fp32_compute_is_dense_and_exact(t):
-    """compute_dtype float32 asks for fp32 accuracy: auto picks the dense fp32 weight."""
+def test_cpu_dense_backend_is_exact_in_fp32(t):
+    """backend "dense" (the engine's dequantize=True) gives fp32-exact maths on the dequantized weight;
+    "auto" keeps the weight quantized even for an fp32 model."""
     qw = _weight(t, 32, 256, seed=7)
-    pw = prepare_quant_weight(qw, "cpu", torch.float32)
+    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == "int4"
+    pw = prepare_quant_weight(qw, "cpu", torch.float32, backend="dense")
     assert pw.backend == "dense"
     x = torch.randn(5, 256)
     bias = torch.randn(32)
