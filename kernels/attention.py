@@ -12,13 +12,16 @@ import torch.nn.functional as F
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write token i's K/V into flat slot slot_mapping[i]; a slot of -1 is skipped."""
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, may_skip: bool = True) -> None:
+    """Write token i's K/V into flat slot slot_mapping[i]; a slot of -1 is skipped.
+
+    may_skip=False promises no -1 slots (the CPU engine never pads), saving a check per layer."""
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if may_skip:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
@@ -36,8 +39,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = q.shape[1] != k.shape[1]
     if lq == 1:
-        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
-    elif lq == lk:
+        return _decode_attention(q, k, v, scale)
+    if lq == lk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # Query i sits at absolute position lk - lq + i and sees keys 0..that position.
@@ -45,6 +48,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token: two small matmuls per KV-head group. (SDPA's GQA path on CPU falls back to
+    its math kernel, which is far slower for a single query.)"""
+    heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
+    qg = q.view(kv_heads, heads // kv_heads, d).float()
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)).mul_(scale)       # [kvh, group, L]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float().transpose(0, 1))                    # [kvh, group, d]
+    return out.view(1, heads, d).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

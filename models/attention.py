@@ -48,7 +48,7 @@ class AttentionBackend:
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
         if self.kind == "torch":
-            torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, may_skip=False)
             return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
                                               meta.context_lens, meta.block_tables, scale)
         from nanochat.kernels import triton_attention as tri

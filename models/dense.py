@@ -38,13 +38,18 @@ class DenseAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent in the fused output: rotate both heads' sets in one pass.
+            qk = self.rotary.rotate(positions, qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads,
+                                                                   self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_size].view(n, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 

@@ -47,32 +47,46 @@ def rope_inv_freq(config: ModelConfig, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """NeoX-style (rotate-half) RoPE over the first `rotary_dim` dims, from a cos/sin table."""
+    """NeoX-style (rotate-half) RoPE over the first `rotary_dim` dims, from a cos/sin table.
+
+    All layers of a forward share one positions tensor, so the table lookup is done once per forward
+    (cached on the identity of `positions`) instead of once per layer."""
 
     def __init__(self, config: ModelConfig, rotary_dim: int, max_positions: int, device):
         super().__init__()
         inv_freq = rope_inv_freq(config, rotary_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # [max_positions, rotary_dim]: cos and sin halves duplicated for rotate-half
-        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1).to(device), persistent=False)
-        self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1).to(device), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)   # [max_pos, rotary_dim/2]
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
         self.rotary_dim = rotary_dim
+        self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._cached
+        if cached is None or cached[0] is not positions:
+            cached = self._cached = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return cached[1], cached[2]
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim] -> rotated copy."""
+        cos, sin = self.cos_sin(positions)
+        return _apply_rope(x, cos, sin, self.rotary_dim)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [N, h, d], k [N, kvh, d] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _apply_rope(q, cos, sin, self.rotary_dim), _apply_rope(k, cos, sin, self.rotary_dim)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    dtype = x.dtype
-    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    out = (rot * cos + rotated * sin).to(dtype)
-    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+    full = rotary_dim == x.shape[-1]
+    rot = x if full else x[..., :rotary_dim]
+    if rot.dtype != torch.float32:
+        rot = rot.float()
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if full else torch.cat([out, x[..., rotary_dim:]], dim=-1)
 
 
 class Linear(nn.Module):
