@@ -1,0 +1,107 @@
+"""`nanochat convert-model`: write a model's weight map (checkpoint tensors -> the engine's fused
+parameters, see models/weight_map.py) as JSON.
+
+    nanochat convert-model --model path/to/hf-folder            -> path/to/hf-folder/weights-map.json
+    nanochat convert-model --model model.gguf --out map.json
+    nanochat convert-model --model model.gguf --out -           -> stdout
+
+The output is deterministic (sorted keys, fixed indent, trailing newline): byte-identical across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+PROG = "nanochat convert-model"
+
+
+def add_convert_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("convert-model", help="write the weight map of a model (checkpoint -> engine tensors)",
+                              description="Write a deterministic JSON plan mapping a checkpoint's tensors "
+                                          "(HF folder or GGUF file) to the engine's fused parameters.")
+    try:
+        p.add_argument("--model", "-m", metavar="PATH|HUB_ID", default=argparse.SUPPRESS,
+                       help="a .gguf file, a Hugging Face model folder or hub id (default: the built-in model)")
+    except argparse.ArgumentError:
+        pass
+    p.add_argument("--out", "-o", metavar="FILE",
+                   help=f"where to write the map ('-' for stdout; default: DIR/{_default_name()} beside the model)")
+    p.add_argument("--quiet", "-q", action="store_true", default=argparse.SUPPRESS, help="no summary on stderr")
+    p.set_defaults(func=run_convert_cli)
+    return p
+
+
+def _default_name() -> str:
+    from nanochat.models.weight_map import DEFAULT_PLAN_NAME
+    return DEFAULT_PLAN_NAME
+
+
+def default_out(model: str) -> Path:
+    """HF folder: DIR/weights-map.json; GGUF file: <stem>.weights-map.json beside it."""
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return path / _default_name()
+    if path.is_file():
+        return path.with_name(f"{path.stem}.{_default_name()}")
+    return Path(_default_name())   # hub id: the current directory
+
+
+def _resolve_model(args) -> str:
+    model = getattr(args, "model", None)
+    settings = getattr(args, "settings", None)
+    model = model or getattr(settings, "default_model", None)
+    try:
+        from nanochat.models.catalog import resolve_default_model
+    except ImportError:
+        if not model:
+            raise ValueError("no model given: pass --model PATH|HUB_ID") from None
+        return model
+    return resolve_default_model(model)
+
+
+def run_convert_cli(args) -> int:
+    from nanochat.models.weight_map import make_plan, plan_json, write_plan
+
+    try:
+        model = _resolve_model(args)
+        plan = make_plan(model)
+        out = getattr(args, "out", None)
+        if out == "-":
+            sys.stdout.write(plan_json(plan))
+            sys.stdout.flush()
+            return EXIT_OK
+        path = write_plan(plan, out or default_out(model))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:   # ModelLoadError, OSError, ValueError: one line, no traceback
+        if os.environ.get("NANOCHAT_DEBUG", "") not in ("", "0"):
+            raise
+        text = " ".join(str(e).split()) or e.__class__.__name__
+        if isinstance(e, OSError) and e.filename and e.strerror:
+            text = f"{e.filename}: {e.strerror}"
+        print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
+    if not getattr(args, "quiet", False):
+        fused = sum(1 for t in plan["targets"].values() if t["op"] != "copy")
+        print(f"wrote {path}: {len(plan['targets'])} engine tensors ({fused} fused) from "
+              f"{len(plan['tensors'])} checkpoint tensors", file=sys.stderr, flush=True)
+    return EXIT_OK
+
+
+run_convert = run_convert_cli   # the name app/cli.py's dispatch imports
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanochat")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_convert_parser(sub)
+    args = parser.parse_args(["convert-model", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
