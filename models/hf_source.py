@@ -141,12 +141,13 @@ def resolve_hub_id(model: str) -> str:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None   # read now: huggingface_hub reads it at import
     try:
-        return snapshot_download(model, allow_patterns=patterns, local_files_only=True)
+        return snapshot_download(model, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir)
     except Exception:
         pass
     try:
-        return snapshot_download(model, allow_patterns=patterns)
+        return snapshot_download(model, allow_patterns=patterns, cache_dir=cache_dir)
     except Exception as e:
         raise ModelLoadError(f"{model}: not a local path, and the Hugging Face hub could not provide it "
                              f"({e.__class__.__name__})") from None
