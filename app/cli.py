@@ -74,6 +74,8 @@ def add_engine_options(parser, suppress: bool = False) -> None:
     _add(parser, suppress, "--dtype", choices=DTYPE_CHOICES, help="compute dtype (auto: fp32 on CPU, bf16 on CUDA)")
     _add(parser, suppress, "--max-model-len", type=positive_int, metavar="N", help="context length in tokens")
     _add(parser, suppress, "--kv-cache-gib", type=positive_float, metavar="GIB", help="CPU KV-cache budget")
+    _add(parser, suppress, "--dequantize", action="store_true", default=argparse.SUPPRESS if suppress else False,
+         help="materialise GGUF weights as dense tensors (more memory, exact fp32/bf16 maths)")
 
 
 def add_generation_options(parser, suppress: bool = False) -> None:
@@ -167,7 +169,8 @@ def engine_config(args, settings) -> dict:
     """Engine keyword arguments: command line over settings (None values are left to the engine)."""
     cfg = {"device": _pick(args, "device", settings.device), "dtype": _pick(args, "dtype", settings.dtype),
            "max_model_len": _pick(args, "max_model_len", settings.max_model_len),
-           "kv_cache_gib": _pick(args, "kv_cache_gib", settings.kv_cache_gib)}
+           "kv_cache_gib": _pick(args, "kv_cache_gib", settings.kv_cache_gib),
+           "dequantize": True if getattr(args, "dequantize", False) else None}
     return {k: v for k, v in cfg.items() if v is not None}
 
 

@@ -330,3 +330,13 @@ def test_real_model_knows_paris(home):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_dequantize_flag_reaches_the_engine(home):
+    from nanochat.app.cli import build_parser, engine_config
+    from nanochat.app.settings import Settings
+
+    args = build_parser().parse_args(["--dequantize", "--prompt", "x"])
+    assert engine_config(args, Settings())["dequantize"] is True
+    args = build_parser().parse_args(["--prompt", "x"])
+    assert "dequantize" not in engine_config(args, Settings())
