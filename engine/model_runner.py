@@ -28,8 +28,10 @@ class ModelRunner:
         if self.is_hybrid:
             model.allocate_state(self.num_state_slots, device)
         self.graphs = None
-        # (hybrid models run eagerly: their GDN state slots are not yet part of the captured graphs)
-        if device.type == "cuda" and not config.enforce_eager and not self.is_hybrid:
+        # Hybrid models (GDN state slots) and host-offloaded experts (CPU work mid-forward) run eagerly.
+        from nanochat.models.moe import has_host_experts
+        if device.type == "cuda" and not config.enforce_eager and not self.is_hybrid \
+                and not has_host_experts(model):
             from nanochat.engine.cuda_graphs import DecodeGraphs
             max_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
             self.graphs = DecodeGraphs(model, config.max_num_seqs, max_blocks, model.config.hidden_size,

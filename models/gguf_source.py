@@ -259,6 +259,7 @@ class GGUFSource:
                 f"(supported: {', '.join(sorted(ARCHS))})")
         self.spec = ARCHS[self.arch]
         self._tensors = {t.name: t for t in self.reader.tensors}
+        self._n_layers: int | None = None
         self._check_tensors()
         self._hf_to_gguf = self._map_names()
         self.config = self._build_config()
@@ -316,6 +317,8 @@ class GGUFSource:
         """The HF names served from one GGUF tensor (none for GGUF-only extras)."""
         if m := _BLOCK_RE.match(gguf_name):
             layer, base, kind = m.groups()
+            if int(layer) >= self._num_layers():
+                return []   # nextn / MTP blocks
             prefix = f"model.layers.{layer}"
             spec = self.spec
             if spec.hybrid:
@@ -531,7 +534,7 @@ class GGUFSource:
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(ffn or 0),
-            num_hidden_layers=int(self._arch_meta("block_count", required=True)),
+            num_hidden_layers=self._num_layers(),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -555,13 +558,21 @@ class GGUFSource:
             **self._hybrid_config(head_dim),
         )
 
+    def _num_layers(self) -> int:
+        """Decoder layers: block_count less the trailing multi-token-prediction (nextn) blocks that
+        llama.cpp's Qwen3.5 converter appends (their tensors are not served)."""
+        if self._n_layers is None:
+            blocks = int(self._arch_meta("block_count", required=True))
+            self._n_layers = blocks - int(self._arch_meta("nextn_predict_layers", 0) or 0)
+        return self._n_layers
+
     def _any_layer_has(self, suffix: str) -> bool:
         return any(n.startswith("blk.") and n.endswith("." + suffix) for n in self._tensors)
 
     def _moe_config(self) -> dict[str, Any]:
         if not self.spec.moe:
             return {}
-        n_layers = int(self._arch_meta("block_count", required=True))
+        n_layers = self._num_layers()
         experts = int(self._arch_meta("expert_count", required=True))
         # Layers without a router keep a dense MLP (Qwen3-MoE mlp_only_layers); GGUF has no key for it.
         dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
@@ -578,7 +589,7 @@ class GGUFSource:
     def _hybrid_config(self, head_dim: int) -> dict[str, Any]:
         if not self.spec.hybrid:
             return {}
-        n_layers = int(self._arch_meta("block_count", required=True))
+        n_layers = self._num_layers()
         interval = int(self._arch_meta("full_attention_interval", 4))
         layer_types = layer_types_from_interval(n_layers, interval)
         for i, kind in enumerate(layer_types):

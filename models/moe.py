@@ -182,10 +182,10 @@ def _device_expert_bytes(w: WeightLoader, cfg: ModelConfig) -> tuple[int, int]:
     elem = torch.empty((), dtype=w.dtype).element_size()
     dense = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem
     on_device = stored = 0
+    getter = getattr(w.source, "expert_stack", None)
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(i):
             continue
-        getter = getattr(w.source, "expert_stack", None)
         stacks = [getter(f"model.layers.{i}.mlp.experts", p) for p in ("gate", "up", "down")] if getter else []
         if stacks and all(s is not None for s in stacks):
             size = sum(s.nbytes() for s in stacks)
@@ -284,6 +284,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.offloaded:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("MoE experts offloaded to the CPU cannot run inside a CUDA graph: run this "
+                                   "model eagerly (enforce_eager, or skip capture when has_host_experts(model))")
             finish = self.experts.start(x, ids, weights)
             shared = self._shared(x)          # on the device while the host computes the experts
             y = finish()
@@ -291,3 +294,9 @@ class SparseMoeBlock(nn.Module):
             y = self.experts(x, ids, weights)
             shared = self._shared(x)
         return y if shared is None else y + shared
+
+
+def has_host_experts(model: nn.Module) -> bool:
+    """Whether any MoE layer of `model` computes its experts on the host (such a model cannot be
+    captured in CUDA graphs: the host part needs a synchronisation per layer)."""
+    return any(isinstance(m, SparseMoeBlock) and m.offloaded for m in model.modules())

@@ -60,7 +60,7 @@ _BLOCK = {
 
 # MoE / hybrid archs: HF module (after "model.layers.N.") -> GGUF base name.
 _MOE_BLOCK = {
-    **{k: v for k, v in _BLOCK.items()},
+    **_BLOCK,
     "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
