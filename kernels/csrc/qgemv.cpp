@@ -1,0 +1,993 @@
+// Quantized linear layers on the CPU: y = x @ W^T (+ bias) with W in GGML blocks
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), for decode (a few rows of x) and prefill.
+//
+// Scheme (as llama.cpp does it): each row of x is quantized once per call to int8 blocks of 32
+// (fp32 scale d = amax / 127, integer sums of every 16), so the inner products are integer dot
+// products of the weights' small unsigned codes with int8 activations (AVX-512 VNNI `vpdpbusd`,
+// AVX2 `maddubs`), scaled per 32-block and accumulated in fp32. The result is x_hat @ W^T up to
+// fp32 rounding, where x_hat is the int8-rounded x: |x_hat - x| <= d / 2 per element.
+//
+// "Two-level" mode (x2): the rounding residual is quantized again to int8 on a 256x finer grid
+// (x = d * q1 + d / 256 * q2 + r, |r| <= d / 512, or d / 256 where q2 clamps at +-127, i.e.
+// |r| <= amax / 32512) and both code sets are dotted with the same
+// unpacked weights, combined exactly in int32 as 256 * dot(q1) + dot(q2). ~15-bit activations for
+// twice the integer work, which is nearly free while decode waits on memory.
+//
+// Weights are repacked once at load into "tiles" of 16 output rows, the same number of bytes as
+// the GGML blocks: per tile and block, the 16 rows' scales are stored side by side (one vector
+// load) and the quants are interleaved 4 bytes per row, so one `vpdpbusd` against a broadcast
+// group of 4 activations advances 16 rows at once and no horizontal sums are needed. A tile's
+// codes are unpacked once per block for up to 8 rows of x (prefill reuses them).
+//
+// Three code paths, picked at compile time (-march=native) with a runtime override for tests:
+// AVX-512 VNNI, AVX2 (+FMA, F16C) and scalar. All three perform the same fp32 operations in the
+// same order, so their outputs are bit-identical, and a row's output does not depend on the
+// other rows of the batch.
+//
+// Plain C ABI (ctypes). Parallel over tiles with a small pool of its own (see Pool): the caller
+// never waits for a worker that has not started, so a busy machine costs at most the 1-thread time.
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QG_AVX2 1
+#else
+#define QG_AVX2 0
+#endif
+#if QG_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QG_AVX512 1
+#else
+#define QG_AVX512 0
+#endif
+
+namespace {
+
+constexpr int ROWS = 16;  // output rows per tile
+constexpr int TMAX = 8;   // rows of x per pass over a tile
+enum : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2 };
+enum : int { SIMD_SCALAR = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
+
+int g_simd = QG_AVX512 ? SIMD_AVX512 : (QG_AVX2 ? SIMD_AVX2 : SIMD_SCALAR);
+
+// ------------------------------------------------------------------ formats
+// Per type: raw GGML block (elements, bytes) and the layout of one tile block (16 rows x 1 block).
+// Offsets inside a tile block:
+//   D     16 x f16 d                     M   16 x f16 m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+//   SC    K-quants: Q4_K/Q5_K the 12 packed scale bytes as 12 planes of 16 (plane k = byte k of
+//         each row); Q6_K 16 planes of 16 int8 scales
+//   QH    high bits as 64-bit masks, mask bit 4r+i = element 4G+i of row r (Q5_*: one mask per
+//         group G; Q5_K: 8 per sub-block)
+//   QS    4-bit codes: per 32 elements (two sub-blocks for K-quants) 4 or 8 chunks of 64 bytes,
+//         byte 4r+i of chunk p: low nibble element 4p+i, high nibble element 16+4p+i (Q4_0..Q5_1)
+//         or element 4p+i of the next sub-block (K-quants); Q8_0: 8 chunks of int8, byte 4r+i
+//         of chunk G = element 4G+i
+//   QH6   Q6_K's 2 high bits: per 4 sub-blocks 8 chunks of 64 bytes, bits 2k..2k+1 of byte
+//         4r+i of chunk G = element 4G+i of sub-block 4c+k
+struct Fmt {
+  int type, elems, raw_bytes, tile_bytes;
+  int d, m, sc, qh, qs, qh6;
+};
+
+constexpr Fmt FMTS[] = {
+    {Q4_0, 32, 18, 288, 0, -1, -1, -1, 32, -1},
+    {Q4_1, 32, 20, 320, 0, 32, -1, -1, 64, -1},
+    {Q5_0, 32, 22, 352, 0, -1, -1, 32, 96, -1},
+    {Q5_1, 32, 24, 384, 0, 32, -1, 64, 128, -1},
+    {Q8_0, 32, 34, 544, 0, -1, -1, -1, 32, -1},
+    {Q4_K, 256, 144, 2304, 0, 32, 64, -1, 256, -1},
+    {Q5_K, 256, 176, 2816, 0, 32, 64, 256, 768, -1},
+    {Q6_K, 256, 210, 3360, 0, -1, 32, -1, 288, 2336},
+};
+
+const Fmt* find_fmt(int type) {
+  for (const Fmt& f : FMTS)
+    if (f.type == type) return &f;
+  return nullptr;
+}
+
+constexpr Fmt fmt_of(int type) {
+  for (const Fmt& f : FMTS)
+    if (f.type == type) return f;
+  return FMTS[0];
+}
+
+inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    const float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float rd_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Q4_K / Q5_K: scale and min j (0..7) of the 12 packed bytes.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ------------------------------------------------------------------ repacking
+// Decode one raw block's codes into `q` (unsigned: Q4 0..15, Q5 0..31, Q6_K 0..63; Q8_0 as int8).
+
+void raw_codes(int type, const uint8_t* b, uint8_t* q) {
+  switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+      const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = b[qs + j] & 15;
+        q[j + 16] = b[qs + j] >> 4;
+      }
+      if (type == Q5_0 || type == Q5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, b + (type == Q5_0 ? 2 : 4), 4);
+        for (int j = 0; j < 32; ++j) q[j] |= ((qh >> j) & 1) << 4;
+      }
+      break;
+    }
+    case Q8_0:
+      std::memcpy(q, b + 2, 32);
+      break;
+    case Q4_K: case Q5_K: {
+      const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 32; ++j) {
+          q[64 * c + j] = qs[32 * c + j] & 15;
+          q[64 * c + 32 + j] = qs[32 * c + j] >> 4;
+        }
+      if (type == Q5_K)
+        for (int s = 0; s < 8; ++s)
+          for (int j = 0; j < 32; ++j) q[32 * s + j] |= ((b[16 + j] >> s) & 1) << 4;
+      break;
+    }
+    case Q6_K:
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int j = 0; j < 64; ++j) {
+          q[128 * h + j] = ql[j] & 15;
+          q[128 * h + 64 + j] = ql[j] >> 4;
+        }
+        for (int l = 0; l < 4; ++l)
+          for (int j = 0; j < 32; ++j) q[128 * h + 32 * l + j] |= ((qh[j] >> (2 * l)) & 3) << 4;
+      }
+      break;
+  }
+}
+
+// Write row r's block (raw bytes `b`, or zeros when b == nullptr) into tile block `t`.
+void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
+  static const uint8_t zero[256] = {0};
+  uint8_t q[256];
+  if (b == nullptr) {
+    b = zero;
+    std::memset(q, 0, sizeof q);
+  } else {
+    raw_codes(f.type, b, q);
+  }
+  const int type = f.type;
+  const int d_src = type == Q6_K ? 208 : 0;
+  std::memcpy(t + f.d + 2 * r, b + d_src, 2);
+  if (f.m >= 0) std::memcpy(t + f.m + 2 * r, b + 2, 2);
+  if (type == Q4_K || type == Q5_K)
+    for (int k = 0; k < 12; ++k) t[f.sc + 16 * k + r] = b[4 + k];
+  if (type == Q6_K)
+    for (int g = 0; g < 16; ++g) t[f.sc + 16 * g + r] = b[192 + g];
+  auto set_bit = [&](int off, int mask_index, int r_, int i, int bit) {
+    if (bit) t[off + 8 * mask_index + (4 * r_ + i) / 8] |= static_cast<uint8_t>(1u << ((4 * r_ + i) % 8));
+  };
+  if (type == Q8_0) {
+    for (int g = 0; g < 8; ++g) std::memcpy(t + f.qs + 64 * g + 4 * r, q + 4 * g, 4);
+    return;
+  }
+  const int subs = f.elems / 32;
+  for (int s = 0; s < subs; ++s) {
+    const uint8_t* qq = q + 32 * s;
+    for (int g = 0; g < 8; ++g)
+      for (int i = 0; i < 4; ++i) {
+        const int e = 4 * g + i;
+        // the 4 low bits
+        if (f.elems == 32) {  // nibble pairs inside the block: chunk g % 4, high nibble for g >= 4
+          uint8_t& dst = t[f.qs + 64 * (g % 4) + 4 * r + i];
+          dst |= static_cast<uint8_t>((qq[e] & 15) << (g >= 4 ? 4 : 0));
+        } else {  // sub-block pairs: chunk g of pair s / 2, high nibble for odd s
+          uint8_t& dst = t[f.qs + 512 * (s / 2) + 64 * g + 4 * r + i];
+          dst |= static_cast<uint8_t>((qq[e] & 15) << (s % 2 ? 4 : 0));
+        }
+        if (type == Q5_0 || type == Q5_1) set_bit(f.qh, g, r, i, (qq[e] >> 4) & 1);
+        if (type == Q5_K) set_bit(f.qh, 8 * s + g, r, i, (qq[e] >> 4) & 1);
+        if (type == Q6_K) {
+          uint8_t& dst = t[f.qh6 + 512 * (s / 4) + 64 * g + 4 * r + i];
+          dst |= static_cast<uint8_t>(((qq[e] >> 4) & 3) << (2 * (s % 4)));
+        }
+      }
+  }
+}
+
+// ------------------------------------------------------------------ activations
+
+// x quantized per row: int8 codes q (and q2, the residual's, in two-level mode), the per-32 scale
+// of one unit of the combined code c = q (or 256 q + q2), the per-16 integer sums of c, and
+// scale * sum32(c). x_hat = d * c.
+struct Acts {
+  const int8_t* q;
+  const int8_t* q2;
+  const float* d;
+  const int32_t* s16;
+  const float* ds;
+  int64_t k;
+};
+
+inline float load_x(const void* x, int bf16, int64_t i) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
+}
+
+inline int round_i8(float v) { return std::min(127, std::max(-127, static_cast<int>(std::nearbyint(v)))); }
+
+// q2 == nullptr: one level. Else also the residual x - d * q on the grid d / 256 (power of two: the
+// combined scale d / 256 is exact, and 256 q + q2 needs no rescaling).
+void quantize_row(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, float* d, int32_t* s16, float* ds) {
+  float buf[32];
+  for (int64_t b = 0; b < k / 32; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) {
+      buf[i] = load_x(x, bf16, 32 * b + i);
+      amax = std::max(amax, std::fabs(buf[i]));
+    }
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sums[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) {
+      const int v = round_i8(buf[i] * inv);
+      q[32 * b + i] = static_cast<int8_t>(v);
+      int c = v;
+      if (q2) {
+        const int v2 = round_i8((buf[i] - scale * static_cast<float>(v)) * (256.0f * inv));
+        q2[32 * b + i] = static_cast<int8_t>(v2);
+        c = 256 * v + v2;
+      }
+      sums[i / 16] += c;
+    }
+    d[b] = q2 ? scale * (1.0f / 256.0f) : scale;
+    s16[2 * b] = sums[0];
+    s16[2 * b + 1] = sums[1];
+    ds[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
+  }
+}
+
+#if QG_AVX512
+// quantize_row for float32 x with AVX-512: the same fp32 operations (cvtps rounds to nearest even
+// like nearbyint; products and differences are separate ops), so the codes are identical.
+inline __m512 load16(const void* x, int bf16, int64_t i) {  // 16 floats from float32 or bf16 input
+  if (!bf16) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+void quantize_row_avx512(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, float* d, int32_t* s16,
+                         float* ds) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+  auto codes = [&](__m512 v) { return _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(v))); };
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const __m512 x0 = load16(x, bf16, 32 * b), x1 = load16(x, bf16, 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask)));
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i c0 = codes(_mm512_mul_ps(x0, vinv)), c1 = codes(_mm512_mul_ps(x1, vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(c1));
+    if (q2) {
+      const __m512 vs = _mm512_set1_ps(scale), vinv2 = _mm512_set1_ps(256.0f * inv);
+      const __m512i r0 = codes(_mm512_mul_ps(_mm512_sub_ps(x0, _mm512_mul_ps(vs, _mm512_cvtepi32_ps(c0))), vinv2));
+      const __m512i r1 = codes(_mm512_mul_ps(_mm512_sub_ps(x1, _mm512_mul_ps(vs, _mm512_cvtepi32_ps(c1))), vinv2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 32 * b), _mm512_cvtepi32_epi8(r0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 32 * b + 16), _mm512_cvtepi32_epi8(r1));
+      c0 = _mm512_add_epi32(_mm512_slli_epi32(c0, 8), r0);
+      c1 = _mm512_add_epi32(_mm512_slli_epi32(c1, 8), r1);
+    }
+    const int sum0 = _mm512_reduce_add_epi32(c0), sum1 = _mm512_reduce_add_epi32(c1);
+    d[b] = q2 ? scale * (1.0f / 256.0f) : scale;
+    s16[2 * b] = sum0;
+    s16[2 * b + 1] = sum1;
+    ds[b] = d[b] * static_cast<float>(sum0 + sum1);
+  }
+}
+#endif
+
+void quantize_any(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, float* d, int32_t* s16, float* ds) {
+#if QG_AVX512
+  if (g_simd >= SIMD_AVX512) return quantize_row_avx512(x, bf16, k, q, q2, d, s16, ds);
+#endif
+  quantize_row(x, bf16, k, q, q2, d, s16, ds);
+}
+
+// ------------------------------------------------------------------ scalar kernel
+// The reference for the SIMD paths: the same fp32 operations in the same order.
+
+struct Out {  // where a tile's results go
+  void* y;
+  int bf16;
+  int64_t ldy;
+  const float* bias;
+  int64_t rows;
+};
+
+inline void store_rows(const Out& o, int64_t t, int64_t row0, const float* acc) {
+  const int64_t n = std::min<int64_t>(ROWS, o.rows - row0);
+  for (int64_t r = 0; r < n; ++r) {
+    float v = acc[r];
+    if (o.bias) v += o.bias[row0 + r];
+    if (o.bf16)
+      static_cast<uint16_t*>(o.y)[t * o.ldy + row0 + r] = f32_to_bf16(v);
+    else
+      static_cast<float*>(o.y)[t * o.ldy + row0 + r] = v;
+  }
+}
+
+// Codes of sub-block s (32 elements) of row r in tile block `b`.
+inline int code(const Fmt& f, const uint8_t* b, int s, int r, int e) {
+  const int g = e / 4, i = e % 4;
+  auto bit = [&](int off, int mask_index) { return (b[off + 8 * mask_index + (4 * r + i) / 8] >> ((4 * r + i) % 8)) & 1; };
+  if (f.type == Q8_0) return static_cast<int8_t>(b[f.qs + 64 * g + 4 * r + i]);
+  int v;
+  if (f.elems == 32) {
+    const uint8_t byte = b[f.qs + 64 * (g % 4) + 4 * r + i];
+    v = g >= 4 ? byte >> 4 : byte & 15;
+  } else {
+    const uint8_t byte = b[f.qs + 512 * (s / 2) + 64 * g + 4 * r + i];
+    v = s % 2 ? byte >> 4 : byte & 15;
+  }
+  if (f.type == Q5_0 || f.type == Q5_1) v |= bit(f.qh, g) << 4;
+  if (f.type == Q5_K) v |= bit(f.qh, 8 * s + g) << 4;
+  if (f.type == Q6_K) v |= ((b[f.qh6 + 512 * (s / 4) + 64 * g + 4 * r + i] >> (2 * (s % 4))) & 3) << 4;
+  return v;
+}
+
+int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+
+void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o,
+                 int64_t row0) {
+  float acc[TMAX][ROWS] = {};
+  const int subs = f.elems / 32;
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    const uint8_t* b = w + kb * f.tile_bytes;
+    for (int r = 0; r < ROWS; ++r) {
+      const float d = rd_f16(b + f.d + 2 * r);
+      const float m = f.m >= 0 ? rd_f16(b + f.m + 2 * r) : 0.0f;
+      for (int s = 0; s < subs; ++s) {
+        int c[32];
+        for (int e = 0; e < 32; ++e) c[e] = code(f, b, s, r, e);
+        float dsc = d, cm = m;  // per sub-block weight scale and min
+        float dg[2] = {0, 0};
+        if (f.type == Q4_K || f.type == Q5_K) {
+          uint8_t raw[12];
+          for (int k = 0; k < 12; ++k) raw[k] = b[f.sc + 16 * k + r];
+          int sc, mn;
+          k_scale_min(raw, s, sc, mn);
+          dsc = d * static_cast<float>(sc);
+          cm = m * static_cast<float>(mn);
+        } else if (f.type == Q6_K) {
+          for (int h = 0; h < 2; ++h) dg[h] = d * static_cast<float>(static_cast<int8_t>(b[f.sc + 16 * (2 * s + h) + r]));
+        }
+        for (int t = 0; t < nt; ++t) {
+          const int64_t blk = kb * subs + s;
+          const int8_t* xq = a.q + (t0 + t) * a.k + 32 * blk;
+          const float dx = a.d[(t0 + t) * (a.k / 32) + blk];
+          const int32_t* s16 = a.s16 + (t0 + t) * (a.k / 16) + 2 * blk;
+          int isum[2] = {0, 0};
+          for (int e = 0; e < 32; ++e) isum[e / 16] += c[e] * xq[e];
+          if (a.q2) {
+            const int8_t* xq2 = a.q2 + (t0 + t) * a.k + 32 * blk;
+            int isum2[2] = {0, 0};
+            for (int e = 0; e < 32; ++e) isum2[e / 16] += c[e] * xq2[e];
+            for (int h = 0; h < 2; ++h) isum[h] = 256 * isum[h] + isum2[h];
+          }
+          float& y = acc[t][r];
+          if (f.type == Q6_K) {
+            for (int h = 0; h < 2; ++h)
+              y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - 32 * s16[h]), y);
+            continue;
+          }
+          const int off = int_offset(f.type);
+          const int total = isum[0] + isum[1] - off * (s16[0] + s16[1]);
+          y = std::fma(dsc * dx, static_cast<float>(total), y);
+          if (f.type == Q4_K || f.type == Q5_K)
+            y = std::fma(-cm, a.ds[(t0 + t) * (a.k / 32) + blk], y);
+          else if (f.m >= 0)
+            y = std::fma(cm, a.ds[(t0 + t) * (a.k / 32) + blk], y);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < nt; ++t) store_rows(o, t0 + t, row0, acc[t]);
+}
+
+// ------------------------------------------------------------------ SIMD kernels
+// One kernel body for AVX-512 (16 rows per vector) and AVX2 (8 rows per vector, two halves).
+
+#if QG_AVX2
+struct V256 {
+  static constexpr int L = 8, HALVES = 2;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I lo4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+  static I hi4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int SH>  // (v shifted so bits SH..SH+1 land on 4..5) & 0x30
+  static I bits45(I v) {
+    const I m = _mm256_set1_epi8(0x30);
+    if constexpr (SH < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - SH), m);
+    else if constexpr (SH == 4) return _mm256_and_si256(v, m);
+    else return _mm256_and_si256(_mm256_srli_epi16(v, SH - 4), m);
+  }
+  static I bit4(I v, const uint8_t* mask, int h) {  // add 16 to the bytes whose mask bit is set
+    uint32_t bits;
+    std::memcpy(&bits, mask + 4 * h, 4);
+    const I shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                    3, 3, 3, 3, 3);
+    const I sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+    I m = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
+    m = _mm256_cmpeq_epi8(m, sel);
+    return _mm256_or_si256(v, _mm256_and_si256(m, _mm256_set1_epi8(16)));
+  }
+  static I dotu(I acc, I u, I x) {  // u <= 63: the int16 pair sums cannot saturate
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+  }
+  static constexpr int Q8_BIAS = 0;
+  static I dot8(I acc, I w, I x) {  // signed weights: |w| times x with w's sign
+    const I p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I set1(int v) { return _mm256_set1_epi32(v); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I shl8(I a) { return _mm256_slli_epi32(a, 8); }
+  static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static F s8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+#if QG_AVX512
+struct V512 {
+  static constexpr int L = 16, HALVES = 1;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I lo4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+  static I hi4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int SH>
+  static I bits45(I v) {
+    const I m = _mm512_set1_epi8(0x30);
+    if constexpr (SH < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - SH), m);
+    else if constexpr (SH == 4) return _mm512_and_si512(v, m);
+    else return _mm512_and_si512(_mm512_srli_epi16(v, SH - 4), m);
+  }
+  static I bit4(I v, const uint8_t* mask, int) {
+    uint64_t bits;
+    std::memcpy(&bits, mask, 8);
+    return _mm512_mask_add_epi8(v, static_cast<__mmask64>(bits), v, _mm512_set1_epi8(16));
+  }
+  static I dotu(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+  static constexpr int Q8_BIAS = 128;
+  static I dot8(I acc, I w, I x) {  // (w + 128) as unsigned; the caller subtracts 128 * sum(x)
+    return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x);
+  }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I set1(int v) { return _mm512_set1_epi32(v); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I shl8(I a) { return _mm512_slli_epi32(a, 8); }
+  static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F u8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static F s8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+#if QG_AVX2
+// Q4_K / Q5_K: the 16 rows' 6-bit scales and mins of all 8 sub-blocks from the 12 byte planes.
+inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][16]) {
+  __m128i p[12];
+  for (int k = 0; k < 12; ++k) p[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * k));
+  const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48);
+  auto st = [](uint8_t* dst, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), v); };
+  for (int j = 0; j < 4; ++j) {
+    st(sc[j], _mm_and_si128(p[j], m63));
+    st(mn[j], _mm_and_si128(p[j + 4], m63));
+    // high two bits of byte j (or j + 4) land on bits 4..5: (x >> 2) & 48
+    st(sc[j + 4], _mm_or_si128(_mm_and_si128(p[j + 8], m15), _mm_and_si128(_mm_srli_epi16(p[j], 2), m48)));
+    st(mn[j + 4], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(p[j + 8], 4), m15),
+                               _mm_and_si128(_mm_srli_epi16(p[j + 4], 2), m48)));
+  }
+}
+
+// Unsigned codes of sub-block s (groups G = 0..7 of 4 elements) for half h of a tile block.
+template <class V, int TYPE>
+inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int B = V::L * 4;  // bytes of one half of a 64-byte chunk
+  if constexpr (TYPE == Q8_0) {
+    for (int g = 0; g < 8; ++g) u[g] = V::load(b + f.qs + 64 * g + B * h);
+  } else if constexpr (f.elems == 32) {
+    for (int p = 0; p < 4; ++p) {
+      const typename V::I c = V::load(b + f.qs + 64 * p + B * h);
+      u[p] = V::lo4(c);
+      u[p + 4] = V::hi4(c);
+    }
+    if constexpr (TYPE == Q5_0 || TYPE == Q5_1)
+      for (int g = 0; g < 8; ++g) u[g] = V::bit4(u[g], b + f.qh + 8 * g, h);
+  } else {
+    const uint8_t* q = b + f.qs + 512 * (s / 2) + B * h;
+    for (int g = 0; g < 8; ++g) {
+      const typename V::I c = V::load(q + 64 * g);
+      u[g] = (s & 1) ? V::hi4(c) : V::lo4(c);
+    }
+    if constexpr (TYPE == Q5_K)
+      for (int g = 0; g < 8; ++g) u[g] = V::bit4(u[g], b + f.qh + 64 * s + 8 * g, h);
+    if constexpr (TYPE == Q6_K) {
+      const uint8_t* q6 = b + f.qh6 + 512 * (s / 4) + B * h;
+      for (int g = 0; g < 8; ++g) {
+        const typename V::I c = V::load(q6 + 64 * g);
+        typename V::I hi;
+        switch (s % 4) {
+          case 0: hi = V::template bits45<0>(c); break;
+          case 1: hi = V::template bits45<2>(c); break;
+          case 2: hi = V::template bits45<4>(c); break;
+          default: hi = V::template bits45<6>(c); break;
+        }
+        u[g] = V::or_(u[g], hi);
+      }
+    }
+  }
+}
+
+// Integer dot products of one 32-block for one row of x: groups 0..3 and 4..7 separately.
+template <class V, int TYPE>
+inline void dot32(const typename V::I u[8], const int8_t* xq, typename V::I& lo, typename V::I& hi) {
+  lo = V::zero();
+  hi = V::zero();
+  for (int g = 0; g < 4; ++g) {
+    if constexpr (TYPE == Q8_0) {
+      lo = V::dot8(lo, u[g], V::bcast(xq + 4 * g));
+      hi = V::dot8(hi, u[g + 4], V::bcast(xq + 16 + 4 * g));
+    } else {
+      lo = V::dotu(lo, u[g], V::bcast(xq + 4 * g));
+      hi = V::dotu(hi, u[g + 4], V::bcast(xq + 16 + 4 * g));
+    }
+  }
+}
+
+template <class V, int TYPE, int T, bool X2>
+inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int SUBS = f.elems / 32;
+  constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : (TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0);
+  const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
+  alignas(64) float out[T][ROWS];
+  for (int h = 0; h < V::HALVES; ++h) {
+    typename V::F acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = V::zerof();
+    for (int64_t kb = 0; kb < nblk; ++kb) {
+      const uint8_t* b = w + kb * f.tile_bytes;
+      const typename V::F d = V::f16(b + f.d + 2 * V::L * h);
+      typename V::F m = V::zerof();
+      if constexpr (f.m >= 0) m = V::f16(b + f.m + 2 * V::L * h);
+      alignas(16) uint8_t sc[8][16], mn[8][16];
+      if constexpr (TYPE == Q4_K || TYPE == Q5_K) k_scales16(b + f.sc, sc, mn);
+      for (int s = 0; s < SUBS; ++s) {
+        typename V::I u[8];
+        unpack<V, TYPE>(b, s, h, u);
+        typename V::F dsc = d, cm = m, dg0 = d, dg1 = d;
+        if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+          dsc = V::mul(d, V::u8f(sc[s] + V::L * h));
+          cm = V::mul(m, V::u8f(mn[s] + V::L * h));
+        } else if constexpr (TYPE == Q6_K) {
+          dg0 = V::mul(d, V::s8f(b + f.sc + 16 * (2 * s) + V::L * h));
+          dg1 = V::mul(d, V::s8f(b + f.sc + 16 * (2 * s + 1) + V::L * h));
+        }
+        const int64_t blk = kb * SUBS + s;
+        for (int t = 0; t < T; ++t) {
+          const int64_t row = t0 + t;
+          typename V::I lo, hi;
+          dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
+          if constexpr (X2) {  // combined code 256 q + q2: at most 2^28 in magnitude, exact in int32
+            typename V::I lo2, hi2;
+            dot32<V, TYPE>(u, a.q2 + row * a.k + 32 * blk, lo2, hi2);
+            lo = V::add(V::shl8(lo), lo2);
+            hi = V::add(V::shl8(hi), hi2);
+          }
+          const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+          const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
+          if constexpr (TYPE == Q6_K) {
+            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(32 * s16[0]))), acc[t]);
+            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(32 * s16[1]))), acc[t]);
+          } else {
+            typename V::I tot = V::add(lo, hi);
+            if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+            acc[t] = V::fma(V::mul(dsc, dx), V::cvt(tot), acc[t]);
+            if constexpr (TYPE == Q4_K || TYPE == Q5_K)
+              acc[t] = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
+            else if constexpr (f.m >= 0)
+              acc[t] = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) V::store(out[t] + V::L * h, acc[t]);
+  }
+  for (int t = 0; t < T; ++t) store_rows(o, t0 + t, row0, out[t]);
+}
+
+template <class V, int TYPE, bool X2>
+void tile_split(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
+  // Split nt into 8/4/2/1: per row of x the arithmetic is the same whatever the split.
+  while (nt > 0) {
+    if (nt >= 8) { tile_simd<V, TYPE, 8, X2>(w, nblk, a, t0, o, row0); t0 += 8; nt -= 8; }
+    else if (nt >= 4) { tile_simd<V, TYPE, 4, X2>(w, nblk, a, t0, o, row0); t0 += 4; nt -= 4; }
+    else if (nt >= 2) { tile_simd<V, TYPE, 2, X2>(w, nblk, a, t0, o, row0); t0 += 2; nt -= 2; }
+    else { tile_simd<V, TYPE, 1, X2>(w, nblk, a, t0, o, row0); t0 += 1; nt -= 1; }
+  }
+}
+
+template <class V, int TYPE>
+void tile_any(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
+  if (a.q2)
+    tile_split<V, TYPE, true>(w, nblk, a, t0, nt, o, row0);
+  else
+    tile_split<V, TYPE, false>(w, nblk, a, t0, nt, o, row0);
+}
+#endif
+
+using TileFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int, const Out&, int64_t);
+
+template <class V>
+TileFn simd_fn(int type) {
+#if QG_AVX2
+  switch (type) {
+    case Q4_0: return tile_any<V, Q4_0>;
+    case Q4_1: return tile_any<V, Q4_1>;
+    case Q5_0: return tile_any<V, Q5_0>;
+    case Q5_1: return tile_any<V, Q5_1>;
+    case Q8_0: return tile_any<V, Q8_0>;
+    case Q4_K: return tile_any<V, Q4_K>;
+    case Q5_K: return tile_any<V, Q5_K>;
+    case Q6_K: return tile_any<V, Q6_K>;
+  }
+#endif
+  (void)type;
+  return nullptr;
+}
+
+TileFn pick(int type) {
+#if QG_AVX512
+  if (g_simd >= SIMD_AVX512) return simd_fn<V512>(type);
+#endif
+#if QG_AVX2
+  if (g_simd >= SIMD_AVX2) return simd_fn<V256>(type);
+#endif
+  return nullptr;
+}
+
+// ------------------------------------------------------------------ thread pool
+// OpenMP's fork/join makes the caller wait at the end of every region for all its threads; on a
+// machine with other busy processes a woken worker can wait a scheduler tick (4-8 ms) for a core,
+// and a decode token makes ~120 calls. Here work is split into chunks that threads claim with a
+// CAS on one state word (generation | next chunk | chunk count); the caller claims chunks too and
+// then waits only for chunks already claimed. A worker that wakes late finds nothing left to do.
+// Workers spin for a while after a job (decode calls come every few tens of microseconds), then
+// sleep on a futex (std::atomic::wait).
+
+using RangeFn = void (*)(const void* ctx, int64_t i0, int64_t i1);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+class Pool {
+ public:
+  static constexpr int64_t MAX_CHUNKS = 0xffff;
+  // After a job a worker polls with `pause` for HOT, then with sched_yield (any other runnable thread,
+  // e.g. torch's OpenMP worker, gets the core at once) until spin_us, then sleeps.
+  static constexpr auto HOT = std::chrono::microseconds(20);
+
+  // Run fn over [0, items) in chunks of `chunk` items on up to `threads` threads (the caller included).
+  std::atomic<int> spin_us{300};  // how long idle workers poll before they sleep
+
+  void run(int64_t items, int64_t chunk, int threads, RangeFn fn, const void* ctx) {
+    chunk = std::max<int64_t>({chunk, 1, (items + MAX_CHUNKS - 1) / MAX_CHUNKS});
+    const int64_t total = (items + chunk - 1) / chunk;
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (threads <= 1 || total <= 1 || !lock.owns_lock()) {  // (a concurrent caller runs alone)
+      fn(ctx, 0, items);
+      return;
+    }
+    grow(threads - 1);
+    fn_ = fn;
+    ctx_ = ctx;
+    items_ = items;
+    chunk_ = chunk;
+    active_.store(threads - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint32_t g = ++gen_;
+    state_.store((static_cast<uint64_t>(g) << 32) | static_cast<uint64_t>(total), std::memory_order_release);
+    wake_.store(g);
+    if (sleeping_.load() > 0) wake_.notify_all();
+    work(g);
+    while (done_.load(std::memory_order_acquire) < total) cpu_relax();  // chunks still in flight
+  }
+
+ private:
+  // Claim and run chunks of job g until none are left (or a newer job has started).
+  void work(uint32_t g) {
+    for (;;) {
+      uint64_t s = state_.load(std::memory_order_acquire);
+      const uint64_t next = (s >> 16) & 0xffff, total = s & 0xffff;
+      if (static_cast<uint32_t>(s >> 32) != g || next >= total) return;
+      if (!state_.compare_exchange_weak(s, s + (1u << 16), std::memory_order_acq_rel)) continue;
+      // Claimed: job g cannot complete, nor its fields change, before done_ counts this chunk.
+      const int64_t i0 = static_cast<int64_t>(next) * chunk_;
+      fn_(ctx_, i0, std::min(items_, i0 + chunk_));
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void worker(int index) {
+    uint32_t seen = wake_.load();
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      bool hot = true;
+      for (int spins = 0;; ++spins) {
+        if (static_cast<uint32_t>(state_.load(std::memory_order_acquire) >> 32) != seen) break;
+        if (hot) {
+          cpu_relax();
+          if ((spins & 63) != 63) continue;
+          hot = std::chrono::steady_clock::now() - start < std::min(HOT, std::chrono::microseconds(spin_us.load()));
+        } else {
+          std::this_thread::yield();
+          if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us.load())) {
+            sleeping_.fetch_add(1);
+            wake_.wait(seen);  // returns at once if a job was published meanwhile
+            sleeping_.fetch_sub(1);
+            start = std::chrono::steady_clock::now();
+            hot = true;
+          }
+        }
+      }
+      seen = static_cast<uint32_t>(state_.load(std::memory_order_acquire) >> 32);
+      if (index < active_.load(std::memory_order_relaxed)) work(seen);
+    }
+  }
+
+  void grow(int n) {
+    while (static_cast<int>(workers_) < n) {
+      const int index = static_cast<int>(workers_++);
+      std::thread([this, index] { worker(index); }).detach();
+    }
+  }
+
+  alignas(64) std::atomic<uint64_t> state_{0};
+  alignas(64) std::atomic<uint32_t> done_{0};
+  alignas(64) std::atomic<uint32_t> wake_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<int> active_{0};
+  RangeFn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+  int64_t items_ = 0, chunk_ = 1;
+  uint32_t gen_ = 0;
+  size_t workers_ = 0;
+  std::mutex busy_;
+};
+
+// Leaked on purpose (detached workers may outlive static destructors); a forked child starts a fresh
+// one, since the parent's workers do not exist there.
+Pool* g_pool = new Pool;
+void reset_pool_in_child() { g_pool = new Pool; }
+const int g_atfork = pthread_atfork(nullptr, nullptr, reset_pool_in_child);
+
+template <class F>
+void parallel_for(int64_t items, int64_t chunk, int threads, const F& body) {
+  g_pool->run(items, chunk, threads,
+              [](const void* ctx, int64_t i0, int64_t i1) { (*static_cast<const F*>(ctx))(i0, i1); }, &body);
+}
+
+struct Scratch {  // per calling thread: the quantized activations
+  std::vector<int8_t> q, q2;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s16;
+};
+
+thread_local Scratch g_scratch;
+
+constexpr int64_t MIN_PARALLEL_BYTES = 64 << 10;  // below this, a second thread costs more than it saves
+constexpr int64_t CHUNK_BYTES = 32 << 10;          // weight bytes (times rows of x) per claimed chunk
+
+}  // namespace
+
+extern "C" {
+
+int nc_qg_simd_compiled() { return QG_AVX512 ? SIMD_AVX512 : (QG_AVX2 ? SIMD_AVX2 : SIMD_SCALAR); }
+int nc_qg_simd() { return g_simd; }
+void nc_qg_set_simd(int level) { g_simd = std::max(0, std::min(level, nc_qg_simd_compiled())); }
+void nc_qg_set_spin_us(int us) { g_pool->spin_us.store(std::max(0, us)); }
+
+int64_t nc_qg_packed_bytes(int type, int64_t rows, int64_t k) {
+  const Fmt* f = find_fmt(type);
+  if (!f || k % f->elems) return -1;
+  return (rows + ROWS - 1) / ROWS * (k / f->elems) * f->tile_bytes;
+}
+
+// Raw GGML rows (row_stride bytes apart) -> tiles [ceil(rows / 16)][k / elems][tile_bytes].
+int nc_qg_repack(int type, const uint8_t* src, int64_t rows, int64_t k, int64_t row_stride, uint8_t* dst,
+                 int threads) {
+  const Fmt* f = find_fmt(type);
+  if (!f) return ERR_TYPE;
+  if (k % f->elems) return ERR_SHAPE;
+  const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
+  const Fmt fm = *f;
+  parallel_for(tiles, 16, threads, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; ++tile)
+      for (int64_t kb = 0; kb < nblk; ++kb) {
+        uint8_t* t = dst + (tile * nblk + kb) * fm.tile_bytes;
+        std::memset(t, 0, fm.tile_bytes);
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t row = tile * ROWS + r;
+          pack_row(fm, row < rows ? src + row * row_stride + kb * fm.raw_bytes : nullptr, r, t);
+        }
+      }
+  });
+  return OK;
+}
+
+// x as the kernels see it (float32 [n, k]): x_hat = d * (q or 256 q + q2), in double then rounded.
+int nc_qg_dequantized_acts(const float* x, int64_t n, int64_t k, int x2, float* out) {
+  if (k % 32) return ERR_SHAPE;
+  std::vector<int8_t> q(k), q2(k);
+  std::vector<float> d(k / 32), ds(k / 32);
+  std::vector<int32_t> s16(k / 16);
+  for (int64_t t = 0; t < n; ++t) {
+    quantize_row(x + t * k, 0, k, q.data(), x2 ? q2.data() : nullptr, d.data(), s16.data(), ds.data());
+    for (int64_t i = 0; i < k; ++i) {
+      const int c = x2 ? 256 * q[i] + q2[i] : q[i];
+      out[t * k + i] = static_cast<float>(static_cast<double>(c) * d[i / 32]);
+    }
+  }
+  return OK;
+}
+
+// y [n, rows] (row stride ldy; float32 or bf16) = x [n, k] (row stride ldx; float32 or bf16) @ W^T + bias.
+int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void* x, int x_bf16, int64_t n,
+                 int64_t ldx, void* y, int y_bf16, int64_t ldy, const float* bias, int x2, int threads) {
+  const Fmt* f = find_fmt(type);
+  if (!f) return ERR_TYPE;
+  if (k % f->elems || k % 32) return ERR_SHAPE;
+  if (n <= 0 || rows <= 0) return OK;
+  Scratch& sc = g_scratch;
+  if (static_cast<int64_t>(sc.q.size()) < n * k) sc.q.resize(n * k);
+  if (x2 && static_cast<int64_t>(sc.q2.size()) < n * k) sc.q2.resize(n * k);
+  if (static_cast<int64_t>(sc.d.size()) < n * k / 32) {
+    sc.d.resize(n * k / 32);
+    sc.ds.resize(n * k / 32);
+  }
+  if (static_cast<int64_t>(sc.s16.size()) < n * k / 16) sc.s16.resize(n * k / 16);
+  int8_t* q2 = x2 ? sc.q2.data() : nullptr;
+  const Acts a{sc.q.data(), q2, sc.d.data(), sc.s16.data(), sc.ds.data(), k};
+  const Out o{y, y_bf16, ldy, bias, rows};
+  const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
+  const int64_t tile_stride = nblk * f->tile_bytes;
+  const int64_t groups = (n + TMAX - 1) / TMAX, items = tiles * groups;
+  const TileFn fn = pick(type);
+  const Fmt fm = *f;
+  const int64_t work = tiles * tile_stride * std::min<int64_t>(n, TMAX);
+  const int nt = work < MIN_PARALLEL_BYTES ? 1 : std::max(1, threads);
+  const size_t esz = x_bf16 ? 2 : 4;
+  parallel_for(n, n < 4 * TMAX ? n : TMAX, n < 4 * TMAX ? 1 : nt, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t)
+      quantize_any(static_cast<const char*>(x) + t * ldx * esz, x_bf16, k, sc.q.data() + t * k,
+                   q2 ? q2 + t * k : nullptr, sc.d.data() + t * (k / 32), sc.s16.data() + t * (k / 16),
+                   sc.ds.data() + t * (k / 32));
+  });
+  // Items are (tile, group of 8 rows of x), tile-major: a chunk's tile stays in cache across its groups.
+  const int64_t per_item = tile_stride * std::min<int64_t>(n, TMAX);
+  parallel_for(items, std::max<int64_t>(1, CHUNK_BYTES / per_item), nt, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t tile = it / groups, t0 = (it % groups) * TMAX;
+      const int cnt_t = static_cast<int>(std::min<int64_t>(TMAX, n - t0));
+      const uint8_t* tw = w + tile * tile_stride;
+      if (fn)
+        fn(tw, nblk, a, t0, cnt_t, o, tile * ROWS);
+      else
+        tile_scalar(fm, tw, nblk, a, t0, cnt_t, o, tile * ROWS);
+    }
+  });
+  return OK;
+}
+
+// nc_qg_matmul with its 14 arguments in one int64 array (in order; pointers as integers): ctypes
+// converts one pointer argument in ~0.2 us, fourteen in ~3 us, a decode token makes ~120 calls.
+int nc_qg_matmul_packed(const int64_t* a) {
+  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<intptr_t>(v)); };
+  return nc_qg_matmul(static_cast<int>(a[0]), static_cast<const uint8_t*>(ptr(a[1])), a[2], a[3], ptr(a[4]),
+                      static_cast<int>(a[5]), a[6], a[7], ptr(a[8]), static_cast<int>(a[9]), a[10],
+                      static_cast<const float*>(ptr(a[11])), static_cast<int>(a[12]), static_cast<int>(a[13]));
+}
+
+}  // extern "C"
