@@ -31,9 +31,7 @@ stalling a scheduler tick (4-8 ms) as an OpenMP fork/join does. When the compile
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
 import threading
 import warnings
 from array import array
@@ -62,49 +60,18 @@ _threads: int | None = None
 _levels = 2
 
 
-def _cache_root() -> Path:
-    home = os.environ.get("NANOCHAT_HOME")
-    if home:
-        return Path(home).expanduser() / "cache"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("nanochat"))
-
-
-def _cpu_fingerprint() -> str:
-    """-march=native code only runs on CPUs with the same features: key the build by the CPU flags."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags += line
-                    break
-    except OSError:
-        pass
-    return flags
 
 
 def _load_extension() -> ctypes.CDLL:
-    from torch.utils import cpp_extension
+    """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
+    from nanochat.kernels.cpp_build import build_library
 
-    cpp_extension.verify_ninja_availability()
-    tag = hashlib.sha256(_SOURCE.read_bytes() + _cpu_fingerprint().encode()).hexdigest()[:16]
-    errors = []
     # -march=native first; a plain (scalar) build if the compiler rejects it.
     # -ffp-contract=off: the scalar path must round like the SIMD paths (bit-identical outputs).
-    for name, flags, ldflags in (
-            ("nanochat_qgemv", ["-O3", "-march=native", "-std=c++20", "-ffp-contract=off"], ["-pthread"]),
-            ("nanochat_qgemv_plain", ["-O3", "-std=c++20", "-ffp-contract=off"], ["-pthread"])):
-        build_dir = _cache_root() / "torch_extensions" / f"{name}-{tag}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            path = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=ldflags,
-                                      build_directory=str(build_dir), is_python_module=False, verbose=False)
-            return _bind(ctypes.CDLL(path))
-        except Exception as e:  # compiler errors come as RuntimeError / CalledProcessError / OSError
-            errors.append(f"{name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
-    raise RuntimeError("; ".join(errors))
+    flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
+    variants = [("nanochat_qgemv", flags + ["-march=native"], ["-pthread"]),
+                ("nanochat_qgemv_plain", flags, ["-pthread"])]
+    return _bind(ctypes.CDLL(build_library(_SOURCE, variants)))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

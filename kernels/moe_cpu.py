@@ -27,9 +27,7 @@ cached under $NANOCHAT_HOME/cache or the platformdirs user cache dir, and called
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
 import shutil
 import sys
 import threading
@@ -139,27 +137,6 @@ _lib_error: str | None = None
 _warned = False
 
 
-def _cache_root() -> Path:
-    home = os.environ.get("NANOCHAT_HOME")
-    if home:
-        return Path(home).expanduser() / "cache"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("nanochat"))
-
-
-def _cpu_fingerprint() -> str:
-    """-march=native code is only valid on this CPU: key the build dir by the CPU's feature flags."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags += line
-                    break
-    except OSError:
-        pass
-    return flags
 
 
 def _put_ninja_on_path() -> None:
@@ -177,25 +154,13 @@ def _put_ninja_on_path() -> None:
 
 
 def _load_extension() -> ctypes.CDLL:
-    """Build (or reuse the cached build of) the extension and bind its C functions. Raises on failure."""
-    from torch.utils import cpp_extension
+    """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
+    from nanochat.kernels.cpp_build import build_library
 
-    _put_ninja_on_path()
-    cpp_extension.verify_ninja_availability()
-    tag = hashlib.sha256(_SOURCE.read_bytes() + _cpu_fingerprint().encode()).hexdigest()[:16]
-    errors = []
     # -march=native + OpenMP first; a plain build if the compiler rejects either.
-    for name, flags, ldflags in (("nanochat_moe_cpu", ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]),
-                                 ("nanochat_moe_cpu_plain", ["-O3"], [])):
-        build_dir = _cache_root() / "torch_extensions" / f"{name}-{tag}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            path = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=ldflags,
-                                      build_directory=str(build_dir), is_python_module=False, verbose=False)
-            return _bind(ctypes.CDLL(path))
-        except Exception as e:  # compiler errors come as RuntimeError / CalledProcessError / OSError
-            errors.append(f"{name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
-    raise RuntimeError("; ".join(errors))
+    variants = [("nanochat_moe_cpu", ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]),
+                ("nanochat_moe_cpu_plain", ["-O3"], [])]
+    return _bind(ctypes.CDLL(build_library(_SOURCE, variants)))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
