@@ -96,7 +96,8 @@ class ModelRunner:
         meta = AttnMetadata(
             slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu_q, torch.int32),
             context_lens=t(context_lens, torch.int32), block_tables=t(tables, torch.int32),
-            max_q_len=max(c.num_tokens for c in chunks), max_context_len=max(context_lens))
+            max_q_len=max(c.num_tokens for c in chunks), max_context_len=max(context_lens),
+            host_lists=(cu_q, context_lens))
         if self.is_hybrid:
             meta.state_slots = t([c.seq.state_slot for c in chunks], torch.int64)
             meta.state_fresh = t([c.start == 0 for c in chunks], torch.bool)

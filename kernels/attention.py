@@ -63,11 +63,14 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                    block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of ragged query rows over each sequence's paged KV."""
+                    block_tables: torch.Tensor, scale: float,
+                    host_lists: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """Causal attention of ragged query rows over each sequence's paged KV.
+
+    host_lists: (cu_seqlens_q, context_lens) as Python lists, when the caller already has them, so
+    every layer of a step does not read the same small tensors back again."""
     out = torch.empty_like(q)
-    starts = cu_seqlens_q.tolist()
-    lens = context_lens.tolist()
+    starts, lens = host_lists if host_lists is not None else (cu_seqlens_q.tolist(), context_lens.tolist())
     for b, length in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
         k = gather_kv(k_cache, block_tables[b], length)

@@ -27,6 +27,8 @@ class AttnMetadata:
     # starts the sequence (position 0: the state starts from zeros instead of the slot's content).
     # state_fresh may be None: it is then derived as "this chunk starts at position 0".
     state_slots: torch.Tensor | None = None    # [B] int64
+    # The same cu_seqlens_q / context_lens as Python lists (the CPU path loops over sequences).
+    host_lists: tuple[list[int], list[int]] | None = None
     state_fresh: torch.Tensor | None = None    # [B] bool
 
 
@@ -50,7 +52,7 @@ class AttentionBackend:
         if self.kind == "torch":
             torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, may_skip=False)
             return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                              meta.context_lens, meta.block_tables, scale)
+                                              meta.context_lens, meta.block_tables, scale, meta.host_lists)
         from nanochat.kernels import triton_attention as tri
         tri.store_kvcache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         if self.kind == "flash":
