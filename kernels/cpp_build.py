@@ -35,19 +35,20 @@ def cpu_fingerprint() -> str:
     return flags
 
 
-def build_library(source: Path, variants: list[tuple[str, list[str], list[str]]]) -> str:
-    """Path of the shared library built from `source` with the first (name, cflags, ldflags) variant
+def build_library(sources: Path | list[Path], variants: list[tuple[str, list[str], list[str]]]) -> str:
+    """Path of the shared library built from `sources` with the first (name, cflags, ldflags) variant
     the compiler accepts. Raises RuntimeError naming each variant's failure."""
     from torch.utils import cpp_extension
 
     cpp_extension.verify_ninja_availability()
-    tag = hashlib.sha256(source.read_bytes() + cpu_fingerprint().encode()).hexdigest()[:16]
+    sources = [sources] if isinstance(sources, Path) else list(sources)
+    tag = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + cpu_fingerprint().encode()).hexdigest()[:16]
     errors = []
     for name, flags, ldflags in variants:
         build_dir = cache_root() / "torch_extensions" / f"{name}-{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=ldflags,
+            return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=ldflags,
                                       build_directory=str(build_dir), is_python_module=False, verbose=False)
         except Exception as e:  # compiler errors come as RuntimeError / CalledProcessError / OSError
             errors.append(f"{name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")

@@ -46,7 +46,8 @@ from nanochat.kernels.qweight import QuantWeight
 KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q4_K, gq.Q5_K, gq.Q6_K})
 ROWS_PER_TILE = 16
 SIMD_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_SOURCE = Path(__file__).parent / "csrc" / "qgemv.cpp"
+# decoder.cpp (the fused decode step, kernels/cpu_decoder.py) shares this library and its thread pool.
+_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qgemv.cpp", "decoder.cpp")]
 _ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of the block size"}
 
 
@@ -71,7 +72,7 @@ def _load_extension() -> ctypes.CDLL:
     flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
     variants = [("nanochat_qgemv", flags + ["-march=native"], ["-pthread"]),
                 ("nanochat_qgemv_plain", flags, ["-pthread"])]
-    return _bind(ctypes.CDLL(build_library(_SOURCE, variants)))
+    return _bind(ctypes.CDLL(build_library(_SOURCES, variants)))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -86,7 +87,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_qg_set_simd.restype = None
     lib.nc_qg_set_spin_us.argtypes = [c_int]
     lib.nc_qg_set_spin_us.restype = None
-    for fn in ("nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts", "nc_qg_simd", "nc_qg_simd_compiled"):
+    lib.nc_dec_forward.argtypes = [p, p, i64, p, p, p, i64, p, c_int, c_int]
+    for fn in ("nc_dec_forward", "nc_dec_header_fields", "nc_dec_layer_fields",
+               "nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts", "nc_qg_simd", "nc_qg_simd_compiled"):
         getattr(lib, fn).restype = c_int
     return lib
 
@@ -210,7 +213,7 @@ def pack(qw: QuantWeight, tensor_name: str = "<tensor>") -> PackedWeight:
         data = data.contiguous()
     tiles = -(-out_f // ROWS_PER_TILE)
     out = torch.empty(tiles, packed_bytes(t, out_f, in_f) // tiles, dtype=torch.uint8)
-    _check(lib.nc_qg_repack(t, data.data_ptr(), out_f, in_f, data.stride(0), out.data_ptr(), _num_threads()),
+    _check(lib.nc_qg_repack(t, data.data_ptr(), out_f, in_f, data.stride(0), out.data_ptr(), num_threads()),
            f"tensor {tensor_name!r}")
     return PackedWeight(t, (out_f, in_f), out)
 
@@ -218,7 +221,7 @@ def pack(qw: QuantWeight, tensor_name: str = "<tensor>") -> PackedWeight:
 # ---------------------------------------------------------------- matmul
 
 
-def _num_threads() -> int:
+def num_threads() -> int:
     return _threads or torch.get_num_threads()
 
 

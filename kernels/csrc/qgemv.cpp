@@ -889,6 +889,12 @@ int nc_qg_simd() { return g_simd; }
 void nc_qg_set_simd(int level) { g_simd = std::max(0, std::min(level, nc_qg_simd_compiled())); }
 void nc_qg_set_spin_us(int us) { g_pool->spin_us.store(std::max(0, us)); }
 
+// The pool for other kernels of this library (decoder.cpp): fn over [0, items) in chunks.
+void nc_qg_parallel_for(int64_t items, int64_t chunk, int threads, void (*fn)(const void*, int64_t, int64_t),
+                        const void* ctx) {
+  g_pool->run(items, chunk, threads, fn, ctx);
+}
+
 int64_t nc_qg_packed_bytes(int type, int64_t rows, int64_t k) {
   const Fmt* f = find_fmt(type);
   if (!f || k % f->elems) return -1;

@@ -1,0 +1,140 @@
+"""A whole decode step of a dense decoder stack in one compiled call (csrc/decoder.cpp).
+
+Decode on the CPU is one row per sequence: the int8 matmuls take ~5 ms per SmolLM2 token, and the ~25
+small torch ops around them per layer took as long again. `FusedDecoder.forward` runs every layer
+(RMSNorm, fused qkv matmul + bias, q/k head norms, RoPE, paged KV store, softmax attention, o_proj,
+residuals, SwiGLU MLP) and the final norm inside the library of cpu_qgemv, on its thread pool.
+
+The model describes itself once as plain tensors (`DecoderDims`, `DecoderLayer`); the plan keeps
+references to them (the C side holds raw pointers), so a plan is valid as long as those tensors are
+the ones the model uses: rebuild it when the KV cache is reallocated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.kernels import cpu_qgemv
+
+_ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table"}
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rotary_dim: int
+    block_size: int
+    eps: float
+
+
+@dataclass
+class DecoderLayer:
+    """One layer's tensors: fp32 norms/bias, q8-packed weights as (ggml type, tiles), fp32 KV cache."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: tuple[int, torch.Tensor]
+    o: tuple[int, torch.Tensor]
+    gate_up: tuple[int, torch.Tensor]
+    down: tuple[int, torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _fp32(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu):
+        raise ValueError(f"fused decoder: {what} must be a contiguous float32 CPU tensor")
+    return t
+
+
+class FusedDecoder:
+    """The plan for one model; `forward` runs a pure-decode step (one query token per sequence)."""
+
+    def __init__(self, dims: DecoderDims, layers: list[DecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
+                 final_norm: torch.Tensor):
+        lib = cpu_qgemv.extension()
+        if lib is None:
+            raise RuntimeError("the CPU kernels are not available")
+        if len(layers) != dims.layers:
+            raise ValueError(f"fused decoder: {len(layers)} layers given, dims say {dims.layers}")
+        if dims.heads % dims.kv_heads or dims.rotary_dim % 2 or dims.rotary_dim > dims.head_dim:
+            raise ValueError("fused decoder: unsupported head layout")
+        self.lib, self.dims = lib, dims
+        self._keep = [_fp32(cos, "cos"), _fp32(sin, "sin"), _fp32(final_norm, "final norm")]
+        eps_bits = struct.unpack("<q", struct.pack("<d", dims.eps))[0]
+        plan = [dims.layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate,
+                dims.rotary_dim, dims.block_size, cos.shape[0], cos.data_ptr(), sin.data_ptr(),
+                final_norm.data_ptr(), eps_bits]
+        if len(plan) != lib.nc_dec_header_fields():
+            raise RuntimeError("fused decoder: plan header does not match the library")
+        for i, layer in enumerate(layers):
+            fields = self._layer_fields(i, layer)
+            if len(fields) != lib.nc_dec_layer_fields():
+                raise RuntimeError("fused decoder: plan layout does not match the library")
+            plan += fields
+        self.plan = array("q", plan)
+        self._plan_ptr = ctypes.c_void_p(self.plan.buffer_info()[0])
+
+    def _layer_fields(self, i: int, layer: DecoderLayer) -> list[int]:
+        d = self.dims
+        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache"):
+            self._keep.append(_fp32(getattr(layer, name), f"layer {i} {name}"))
+        cache_shape = (d.block_size, d.kv_heads, d.head_dim)
+        if tuple(layer.k_cache.shape[1:]) != cache_shape or layer.v_cache.shape != layer.k_cache.shape:
+            raise ValueError(f"fused decoder: layer {i} KV cache shape {list(layer.k_cache.shape)} does not fit")
+        weights = []
+        for name, (rows, cols) in (("qkv", ((d.heads + 2 * d.kv_heads) * d.head_dim, d.hidden)),
+                                   ("o", (d.hidden, d.heads * d.head_dim)),
+                                   ("gate_up", (2 * d.intermediate, d.hidden)), ("down", (d.hidden, d.intermediate))):
+            ggml_type, tiles = getattr(layer, name)
+            if tiles.dtype != torch.uint8 or not tiles.is_contiguous() \
+                    or tiles.numel() != cpu_qgemv.packed_bytes(ggml_type, rows, cols):
+                raise ValueError(f"fused decoder: layer {i} {name} is not a packed [{rows}, {cols}] weight")
+            self._keep.append(tiles)
+            weights += [ggml_type, tiles.data_ptr()]
+        qkv_t, qkv_w, o_t, o_w, gu_t, gu_w, dn_t, dn_w = weights
+        return [_ptr(layer.input_norm), _ptr(layer.post_norm), qkv_t, qkv_w, _ptr(layer.qkv_bias),
+                _ptr(layer.q_norm), _ptr(layer.k_norm), o_t, o_w, gu_t, gu_w, dn_t, dn_w,
+                _ptr(layer.k_cache), _ptr(layer.v_cache)]
+
+    def uses(self, k_cache: torch.Tensor) -> bool:
+        """Whether the plan was built over this (first layer's) K cache."""
+        return self.plan[self.lib.nc_dec_header_fields() + 13] == k_cache.data_ptr()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, levels: int | None = None, threads: int | None = None) -> torch.Tensor:
+        """x [n, hidden] float32 (embedded tokens, updated in place and returned as the final-normed
+        hidden states); positions/slots int64 [n]; block_tables int32 [n, max_blocks]; context_lens
+        int32 [n] (KV length after this token)."""
+        n = x.shape[0]
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dims.hidden:
+            raise ValueError(f"fused decoder: x must be contiguous float32 [n, {self.dims.hidden}]")
+        positions, slots = positions.contiguous(), slots.contiguous()
+        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        if positions.dtype != torch.int64 or slots.dtype != torch.int64 or block_tables.dtype != torch.int32 \
+                or context_lens.dtype != torch.int32 or block_tables.shape[0] != n:
+            raise ValueError("fused decoder: batch tensors have the wrong dtypes or shapes")
+        rc = self.lib.nc_dec_forward(self._plan_ptr, x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(),
+                                     block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+                                     (levels or cpu_qgemv.activation_levels()) == 2,
+                                     threads or cpu_qgemv.num_threads())
+        if rc:
+            raise RuntimeError(f"fused decoder: {_ERRORS.get(rc, f'error {rc}')}")
+        return x

@@ -1,0 +1,233 @@
+"""The fused CPU decode step (kernels/cpu_decoder.py, csrc/decoder.cpp, models/fused_decode.py).
+
+Kernel level: one call over a small random stack vs a torch reference written out op by op (RMSNorm,
+the same int8 matmul kernel, q/k norms, RoPE, paged KV store, softmax attention, SwiGLU), paged
+caches with scattered blocks and ragged contexts. Model level: decode logits and greedy tokens of
+tiny GGUF models with the fused path vs the module-by-module forward it replaces.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.kernels import cpu_qgemv
+from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.qweight import QuantWeight
+from tests.kquant_pack import random_rows
+
+pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kernels cannot be built here")
+
+T = gguf.GGMLQuantizationType
+
+
+# ---------------------------------------------------------------- kernel vs torch reference
+
+def _packed(t: int, rows: int, cols: int, rng) -> cpu_qgemv.PackedWeight:
+    data = torch.from_numpy(random_rows(t, rows, cols, rng))
+    return cpu_qgemv.pack(QuantWeight(t, (rows, cols), data))
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    half = rot // 2
+    x1, x2, rest = x[..., :half], x[..., half:rot], x[..., rot:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, tables, lens):
+    """The decode step as plain torch ops on copies of the caches; returns (hidden, caches)."""
+    from nanochat.kernels.cpu_decoder import DecoderDims  # noqa: F401  (dims is one)
+    h, kvh, d, bs = dims.heads, dims.kv_heads, dims.head_dim, dims.block_size
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in layers]
+    x = x.clone()
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    for layer, (kc, vc) in zip(layers, caches):
+        xn = F.rms_norm(x, (dims.hidden,), layer.input_norm, dims.eps)
+        qkv = cpu_qgemv.linear(xn, layer.qkv[0], layer.qkv[1], (h + 2 * kvh) * d, layer.qkv_bias)
+        q = qkv[:, :h * d].view(-1, h, d)
+        k = qkv[:, h * d:(h + kvh) * d].view(-1, kvh, d)
+        v = qkv[:, (h + kvh) * d:].view(-1, kvh, d)
+        if layer.q_norm is not None:
+            q = F.rms_norm(q, (d,), layer.q_norm, dims.eps)
+            k = F.rms_norm(k, (d,), layer.k_norm, dims.eps)
+        q, k = _rope_ref(q, c, s, dims.rotary_dim), _rope_ref(k, c, s, dims.rotary_dim)
+        kc.view(-1, kvh, d)[slots] = k
+        vc.view(-1, kvh, d)[slots] = v
+        out = torch.empty(x.shape[0], h, d)
+        for b in range(x.shape[0]):
+            n = int(lens[b])
+            rows = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(n)])
+            kb = kc.view(-1, kvh, d)[rows].repeat_interleave(h // kvh, dim=1)   # [n, h, d]
+            vb = vc.view(-1, kvh, d)[rows].repeat_interleave(h // kvh, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], kb) / d ** 0.5, dim=-1)
+            out[b] = torch.einsum("hn,nhd->hd", p, vb)
+        x = x + cpu_qgemv.linear(out.reshape(-1, h * d), layer.o[0], layer.o[1], dims.hidden)
+        xn = F.rms_norm(x, (dims.hidden,), layer.post_norm, dims.eps)
+        gate, up = cpu_qgemv.linear(xn, layer.gate_up[0], layer.gate_up[1], 2 * dims.intermediate).chunk(2, -1)
+        x = x + cpu_qgemv.linear(F.silu(gate) * up, layer.down[0], layer.down[1], dims.hidden)
+    return F.rms_norm(x, (dims.hidden,), final_norm, dims.eps), caches
+
+
+def _random_stack(rng, qk_norm: bool, bias: bool, rotary_dim: int, types, num_blocks=24, block_size=4):
+    from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer
+    dims = DecoderDims(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, intermediate=96,
+                       rotary_dim=rotary_dim, block_size=block_size, eps=1e-6)
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+
+    def vec(n, base=1.0, scale=0.2):
+        return base + scale * torch.randn(n, generator=g)
+
+    layers = []
+    for i in range(dims.layers):
+        qkv_rows = (dims.heads + 2 * dims.kv_heads) * dims.head_dim
+        w = {name: _packed(types[(i + j) % len(types)], r, c, rng)
+             for j, (name, r, c) in enumerate([("qkv", qkv_rows, 64), ("o", 64, 128), ("gate_up", 192, 64),
+                                               ("down", 64, 96)])}
+        cache = (num_blocks, block_size, dims.kv_heads, dims.head_dim)
+        layers.append(DecoderLayer(
+            input_norm=vec(64), post_norm=vec(64),
+            qkv=(w["qkv"].ggml_type, w["qkv"].data), o=(w["o"].ggml_type, w["o"].data),
+            gate_up=(w["gate_up"].ggml_type, w["gate_up"].data), down=(w["down"].ggml_type, w["down"].data),
+            k_cache=torch.randn(cache, generator=g), v_cache=torch.randn(cache, generator=g),
+            qkv_bias=vec(qkv_rows, 0.0, 0.5) if bias else None,
+            q_norm=vec(32) if qk_norm else None, k_norm=vec(32) if qk_norm else None))
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), 1.0 / 100.0 ** (torch.arange(rotary_dim // 2) / 8))
+    return dims, layers, freqs.cos(), freqs.sin(), vec(64)
+
+
+def _batch(block_size: int, lens: list[int], rng):
+    """Scattered block tables (distinct blocks across sequences) and each token's slot."""
+    need = [(n + block_size - 1) // block_size for n in lens]
+    blocks = rng.permutation(24)[:sum(need)].tolist()
+    width = max(need)
+    tables, slots, at = [], [], 0
+    for n, k in zip(lens, need):
+        row = blocks[at:at + k]
+        at += k
+        tables.append(row + [0] * (width - k))
+        slots.append(row[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    return (torch.tensor([n - 1 for n in lens]), torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("qk_norm,bias,rotary_dim,types", [
+    (False, False, 32, [T.Q8_0]),                    # Llama
+    (False, True, 32, [T.Q4_1, T.Q5_0]),             # Qwen2 (bias on q/k/v)
+    (True, False, 32, [T.Q4_0, T.Q8_0, T.Q5_1]),    # Qwen3 (q/k head norms)
+    (False, False, 16, [T.Q8_0]),                    # partial rotary
+], ids=["llama", "qwen2", "qwen3", "partial-rope"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_step_matches_torch_reference(qk_norm, bias, rotary_dim, types, threads):
+    from nanochat.kernels.cpu_decoder import FusedDecoder
+    rng = np.random.default_rng(7)
+    dims, layers, cos, sin, final_norm = _random_stack(rng, qk_norm, bias, rotary_dim, [int(t) for t in types])
+    positions, slots, tables, lens = _batch(dims.block_size, [1, 7, 13, 30], rng)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    want, caches = _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, tables, lens)
+
+    dec = FusedDecoder(dims, layers, cos, sin, final_norm)
+    got = dec.forward(x.clone(), positions, slots, tables, lens, threads=threads)
+    # The int8 activation codes of the two runs can differ where fp32 summation order moves an input
+    # across a rounding boundary: a code step is amax / 32512, so allow ~1e-4 of the scale.
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-4 * scale
+    for layer, (kc, vc) in zip(layers, caches):   # K/V written in place, into the right slots only
+        torch.testing.assert_close(layer.k_cache, kc, atol=1e-4 * kc.abs().max().item(), rtol=0)
+        torch.testing.assert_close(layer.v_cache, vc, atol=1e-4 * vc.abs().max().item(), rtol=0)
+
+
+def test_fused_step_rejects_bad_input():
+    from nanochat.kernels.cpu_decoder import FusedDecoder
+    rng = np.random.default_rng(1)
+    dims, layers, cos, sin, final_norm = _random_stack(rng, False, False, 32, [int(T.Q8_0)])
+    dec = FusedDecoder(dims, layers, cos, sin, final_norm)
+    positions, slots, tables, lens = _batch(dims.block_size, [5], rng)
+    with pytest.raises(RuntimeError, match="RoPE table"):
+        dec.forward(torch.zeros(1, 64), torch.tensor([64]), slots, tables, lens)
+    with pytest.raises(ValueError, match="float32"):
+        dec.forward(torch.zeros(1, 64, dtype=torch.bfloat16), positions, slots, tables, lens)
+    bad = layers[0]
+    bad.down = (bad.down[0], bad.down[1][:-1])
+    with pytest.raises(ValueError, match="down is not a packed"):
+        FusedDecoder(dims, layers, cos, sin, final_norm)
+
+
+# ---------------------------------------------------------------- model level
+
+@pytest.fixture(scope="module")
+def q8_models(tmp_path_factory):
+    """Tiny GGUF models with Q8_0 / Q4_1 linears (every linear on the q8 backend)."""
+    from conftest import make_hf_model
+    from gguf_writer import write_gguf_from_hf
+    root = tmp_path_factory.mktemp("fused")
+    out = {}
+    for arch, qtype in (("llama", T.Q8_0), ("qwen2", T.Q4_1), ("qwen3", T.Q8_0)):
+        src = make_hf_model(arch, root / f"{arch}-hf", seed=21)
+        path = root / arch / "model.gguf"
+        path.parent.mkdir()
+        write_gguf_from_hf(src, path, arch, qtype)
+        shutil.copy(src / "tokenizer.json", path.parent / "tokenizer.json")
+        out[arch] = path
+    return out
+
+
+def _decode_logits(llm, prompts, tokens):
+    """Greedy token ids per prompt and the logits of every step (rows in the batch's order)."""
+    from nanochat.engine import SamplingParams
+    model = llm.engine.runner.model
+    logits, orig = [], model.compute_logits
+    model.compute_logits = lambda h: logits.append(orig(h)) or logits[-1]
+    try:
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    finally:
+        del model.compute_logits
+    return [r.token_ids for r in out], logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_decode_matches_module_forward(arch, q8_models):
+    from nanochat.engine import LLM
+    llm = LLM(str(q8_models[arch]), dtype="float32", max_model_len=256, kvcache_block_size=16)
+    fused = llm.engine.runner.model.fused
+    assert fused.why_not is None
+    prompts = [[5, 17, 42, 99, 3], list(range(20, 51)), list(range(100, 118))]   # ragged, crossing blocks
+    calls = []
+    real_run = fused.run
+    fused.run = lambda *a: calls.append(1) or real_run(*a)
+    ids_fused, logits_fused = _decode_logits(llm, prompts, 24)
+    assert len(calls) >= 23    # every pure-decode step went through the fused call
+    fused.why_not = "disabled for the comparison"
+    ids_ref, logits_ref = _decode_logits(llm, prompts, 24)
+    assert ids_fused == ids_ref
+    assert len(logits_fused) == len(logits_ref)
+    for a, b in zip(logits_fused, logits_ref):
+        assert (a - b).abs().max().item() <= 1e-3 * b.abs().max().item()
+
+
+def test_fused_decode_rebuilds_plan_for_a_new_cache(q8_models):
+    from nanochat.engine import LLM
+    llm = LLM(str(q8_models["llama"]), dtype="float32", max_model_len=128)
+    model = llm.engine.runner.model
+    first, _ = _decode_logits(llm, [[1, 2, 3, 4]], 6)
+    old = model.fused._decoder
+    assert old is not None and old.uses(model.layers[0].self_attn.k_cache)
+    llm.engine.runner._allocate_kv_cache()          # new cache tensors: the old plan's pointers are stale
+    again, _ = _decode_logits(llm, [[1, 2, 3, 4]], 6)
+    assert model.fused._decoder is not old and model.fused._decoder.uses(model.layers[0].self_attn.k_cache)
+    assert again == first
+
+
+def test_fused_decode_only_where_it_applies(q8_models, monkeypatch):
+    from nanochat.engine import LLM
+    dense = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128, dequantize=True)
+    assert "q8" in dense.engine.runner.model.fused.why_not
+    bf16 = LLM(str(q8_models["qwen3"]), dtype="bfloat16", max_model_len=128)
+    assert "float32" in bf16.engine.runner.model.fused.why_not
+    monkeypatch.setenv("NANOCHAT_FUSED_DECODE", "0")
+    off = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128)
+    assert off.engine.runner.model.fused.why_not == "NANOCHAT_FUSED_DECODE=0"
