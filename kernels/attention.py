@@ -36,7 +36,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, h, d] at the LAST Lq positions of k/v [Lk, kvh, d]; returns [Lq, h, d]."""
     lq, lk = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # 4-D [1, heads, L, d]: on CPU, SDPA takes its fused (flash) kernel only for 4-D inputs; 3-D ones
+    # fall back to the math path (~3x slower for a 512-token prefill).
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     if lq == 1:
         return _decode_attention(q, k, v, scale)
@@ -47,7 +49,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
         mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

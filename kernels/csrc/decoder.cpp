@@ -18,6 +18,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 extern "C" int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void* x, int x_bf16,
                             int64_t n, int64_t ldx, void* y, int y_bf16, int64_t ldy, const float* bias, int x2,
@@ -123,67 +126,172 @@ void prepare_qkv(const Model& m, const int64_t* L, const Batch& b, float* qkv) {
   }
 }
 
+// ------------------------------------------------------------------ exp
+// exp over an array (attention probabilities, SiLU): AVX-512 where compiled in, else std::exp.
+// exp(x) = 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes'
+// degree-6 polynomial: within 2 ulp of std::exp for x in [-87, 88].
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// s[i] = exp(s[i] - shift); returns the sum.
+float exp_shifted(float* s, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 sh = _mm512_set1_ps(shift);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), sh));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    i = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - shift));
+  return sum;
+}
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u.
+void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+// ------------------------------------------------------------------ attention
+// Each sequence's keys are cut into parts (one per item of the pool: several when there are fewer
+// sequences than threads, "split-K" as in flash-decoding). A part keeps, per query head, the running
+// max m, the sum l of exp(score - m) and the unnormalized output o; parts of a sequence are merged
+// with their exp(m - M) weights. Keys are read a whole cached token row (all KV heads) at a time,
+// straight through each block.
 struct AttnJob {
   const Model* m;
   const Batch* b;
   const float* qkv;
   const float* k_cache;
   const float* v_cache;
-  float* out;  // [n, heads * head_dim]
   float scale;
+  std::vector<int64_t> first_part;  // [n + 1]: parts of sequence t are first_part[t] .. first_part[t + 1]
+  int64_t part_keys = 0;            // keys per part
+  std::vector<float> ml;            // [parts, heads, 2]: m, l
+  std::vector<float> o;             // [parts, heads, head_dim]
 };
 
-// Softmax attention of one token's query heads of KV head g over its sequence's cached keys.
-void attend(const AttnJob& j, int64_t t, int64_t g, std::vector<float>& scores) {
+// Scores, exp and weighted values of keys [p0, p1) of sequence t for all query heads.
+void attend_part(AttnJob& j, int64_t t, int64_t part, int64_t p0, int64_t p1, std::vector<float>& scores) {
   const Model& m = *j.m;
-  const int64_t group = m.heads / m.kv_heads, d = m.head_dim, len = j.b->context_lens[t];
+  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = m.head_dim, bs = m.block_size;
+  const int64_t len = p1 - p0, kv = m.kv_size();
   const int32_t* table = j.b->block_tables + t * j.b->table_stride;
-  const float* q = j.qkv + t * (m.q_size() + 2 * m.kv_size()) + g * group * d;
-  float* out = j.out + t * m.q_size() + g * group * d;
-  scores.resize(group * len);
-  auto row = [&](const float* cache, int64_t p) {
-    return cache + ((table[p / m.block_size] * m.block_size + p % m.block_size) * m.kv_heads + g) * d;
-  };
-  for (int64_t p = 0; p < len; ++p) {
-    const float* k = row(j.k_cache, p);
-    for (int64_t h = 0; h < group; ++h) scores[h * len + p] = dot(q + h * d, k, d) * j.scale;
-  }
-  for (int64_t h = 0; h < group; ++h) {
-    float* s = scores.data() + h * len;
-    const float mx = *std::max_element(s, s + len);
-    float sum = 0.f;
-    for (int64_t p = 0; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
-    const float inv = 1.0f / sum;
-    for (int64_t p = 0; p < len; ++p) s[p] *= inv;
-  }
-  std::fill(out, out + group * d, 0.f);
-  for (int64_t p = 0; p < len; ++p) {
-    const float* v = row(j.v_cache, p);
-    for (int64_t h = 0; h < group; ++h) {
-      const float w = scores[h * len + p];
-      float* o = out + h * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+  const float* q = j.qkv + t * (m.q_size() + 2 * kv);
+  scores.resize(heads * len);
+  auto for_rows = [&](auto&& body) {  // body(p - p0, cached row of position p), block by block
+    for (int64_t p = p0; p < p1;) {
+      const int64_t blk = p / bs, end = std::min(p1, (blk + 1) * bs);
+      const int64_t base = static_cast<int64_t>(table[blk]) * bs - blk * bs;
+      for (; p < end; ++p) body(p - p0, base + p);
     }
+  };
+  for_rows([&](int64_t i, int64_t slot) {
+    const float* krow = j.k_cache + slot * kv;
+    for (int64_t h = 0; h < heads; ++h) scores[h * len + i] = dot(q + h * d, krow + h / group * d, d) * j.scale;
+  });
+  float* ml = &j.ml[(part * heads) * 2];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores.data() + h * len;
+    ml[2 * h] = *std::max_element(s, s + len);
+    ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
   }
+  float* o = &j.o[part * heads * d];
+  std::fill(o, o + heads * d, 0.f);
+  for_rows([&](int64_t i, int64_t slot) {
+    const float* vrow = j.v_cache + slot * kv;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float w = scores[h * len + i];
+      const float* v = vrow + h / group * d;
+      float* oh = o + h * d;
+      for (int64_t e = 0; e < d; ++e) oh[e] += w * v[e];
+    }
+  });
 }
 
-void attention(const AttnJob& job, int threads) {
+// out [n, heads * head_dim] = softmax(q k^T * scale) v per sequence over its cached keys.
+void attention(AttnJob& job, float* out, int threads) {
   const Model& m = *job.m;
-  int64_t keys = 0;
-  for (int64_t t = 0; t < job.b->n; ++t) keys += job.b->context_lens[t];
-  // Small contexts: a second thread costs more than the work (~16 KB of K/V per kv head per 64 keys).
-  const int nt = keys * m.kv_size() < (64 << 10) ? 1 : threads;
-  nc_qg_parallel_for(job.b->n * m.kv_heads, 1, nt, [](const void* ctx, int64_t i0, int64_t i1) {
-    const AttnJob& j = *static_cast<const AttnJob*>(ctx);
+  const Batch& b = *job.b;
+  int64_t keys = 0, longest = 0;
+  for (int64_t t = 0; t < b.n; ++t) {
+    keys += b.context_lens[t];
+    longest = std::max<int64_t>(longest, b.context_lens[t]);
+  }
+  // Small contexts: a second thread costs more than the work (~16 KB of K/V per 64 keys here).
+  const int nt = keys * m.kv_size() < (32 << 10) ? 1 : threads;
+  job.part_keys = std::max<int64_t>(1, longest);
+  if (b.n < 2 * nt)  // too few sequences to keep every thread busy: split the keys too
+    job.part_keys = std::max<int64_t>(m.block_size, (longest + 2 * nt - 1) / (2 * nt));
+  job.first_part.assign(b.n + 1, 0);
+  for (int64_t t = 0; t < b.n; ++t)
+    job.first_part[t + 1] = job.first_part[t] + (b.context_lens[t] + job.part_keys - 1) / job.part_keys;
+  const int64_t parts = job.first_part[b.n];
+  job.ml.resize(parts * m.heads * 2);
+  job.o.resize(parts * m.heads * m.head_dim);
+  nc_qg_parallel_for(parts, 1, nt, [](const void* ctx, int64_t i0, int64_t i1) {
+    AttnJob& j = *const_cast<AttnJob*>(static_cast<const AttnJob*>(ctx));
     thread_local std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) attend(j, i / j.m->kv_heads, i % j.m->kv_heads, scores);
+    for (int64_t part = i0; part < i1; ++part) {
+      const int64_t t = std::upper_bound(j.first_part.begin(), j.first_part.end(), part) - j.first_part.begin() - 1;
+      const int64_t p0 = (part - j.first_part[t]) * j.part_keys;
+      attend_part(j, t, part, p0, std::min<int64_t>(j.b->context_lens[t], p0 + j.part_keys), scores);
+    }
   }, &job);
+  const int64_t H = m.heads, d = m.head_dim;
+  for (int64_t t = 0; t < b.n; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float mx = -INFINITY, l = 0.f;
+      for (int64_t part = job.first_part[t]; part < job.first_part[t + 1]; ++part)
+        mx = std::max(mx, job.ml[(part * H + h) * 2]);
+      float* dst = out + t * m.q_size() + h * d;
+      std::fill(dst, dst + d, 0.f);
+      for (int64_t part = job.first_part[t]; part < job.first_part[t + 1]; ++part) {
+        const float w = std::exp(job.ml[(part * H + h) * 2] - mx);
+        l += w * job.ml[(part * H + h) * 2 + 1];
+        const float* o = &job.o[(part * H + h) * d];
+        for (int64_t e = 0; e < d; ++e) dst[e] += w * o[e];
+      }
+      const float inv = 1.0f / l;
+      for (int64_t e = 0; e < d; ++e) dst[e] *= inv;
+    }
 }
-
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 struct Scratch {
   std::vector<float> normed, qkv, attn, proj, gate_up, act;
+  AttnJob attn_job;
   void fit(const Model& m, int64_t n) {
     normed.resize(n * m.hidden);
     qkv.resize(n * (m.q_size() + 2 * m.kv_size()));
@@ -210,9 +318,13 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   if (!mm(L, L_QKV_TYPE, qkv_w, H, s.normed.data(), n, s.qkv.data(), ptr<const float>(L[L_QKV_BIAS])))
     return ERR_MATMUL;
   prepare_qkv(m, L, b, s.qkv.data());
-  const AttnJob job{&m, &b, s.qkv.data(), ptr<const float>(L[L_K_CACHE]), ptr<const float>(L[L_V_CACHE]),
-                    s.attn.data(), 1.0f / std::sqrt(static_cast<float>(m.head_dim))};
-  attention(job, mm.threads);
+  s.attn_job.m = &m;
+  s.attn_job.b = &b;
+  s.attn_job.qkv = s.qkv.data();
+  s.attn_job.k_cache = ptr<const float>(L[L_K_CACHE]);
+  s.attn_job.v_cache = ptr<const float>(L[L_V_CACHE]);
+  s.attn_job.scale = 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  attention(s.attn_job, s.attn.data(), mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
 
@@ -220,7 +332,7 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   if (!mm(L, L_GU_TYPE, 2 * m.inter, H, s.normed.data(), n, s.gate_up.data())) return ERR_MATMUL;
   for (int64_t t = 0; t < n; ++t) {
     const float* g = &s.gate_up[t * 2 * m.inter];
-    for (int64_t i = 0; i < m.inter; ++i) s.act[t * m.inter + i] = silu(g[i]) * g[m.inter + i];
+    silu_mul(g, g + m.inter, m.inter, &s.act[t * m.inter]);
   }
   if (!mm(L, L_DOWN_TYPE, H, m.inter, s.act.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
