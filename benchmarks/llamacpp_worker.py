@@ -17,7 +17,6 @@ token counts match nanochat's ignore_eos runs.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -86,21 +85,7 @@ def cmd_serve(req: dict) -> dict:
 COMMANDS = {"load": cmd_load, "prefill": cmd_prefill, "decode": cmd_decode, "serve": cmd_serve}
 
 
-def main() -> int:
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        if req.get("cmd") == "quit":
-            break
-        try:
-            reply = COMMANDS[req["cmd"]](req)
-        except Exception as e:   # reported to the parent, which prints one line
-            reply = {"error": f"{e.__class__.__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker_protocol import serve   # beside this file (the script's directory is on sys.path)
+
+    sys.exit(serve(COMMANDS))

@@ -7,8 +7,10 @@ Peers:
   llama.cpp     through llama-cpp-python, run in `--peer-python` (a separate virtualenv: installing
                 llama-cpp-python compiles llama.cpp, ~20 min on 2 cores) by benchmarks/llamacpp_worker.py,
                 which talks JSON over a pipe. n_threads = n_threads_batch = --threads.
-  transformers  `generate` on the same GGUF (gguf_file=..., dequantized to fp32), in this process,
+  transformers  `generate` on the same GGUF (gguf_file=..., dequantized to fp32) by
+                benchmarks/transformers_worker.py in a process of its own (this interpreter),
                 torch.set_num_threads(--threads).
+Each peer runs with the environment this script was given, not with nanochat's own defaults.
 
 Metrics (median over --repeats, engines alternating inside each repeat; the same token ids for every
 engine within a repeat, new ids each repeat so no prefix cache helps):
@@ -37,7 +39,6 @@ from pathlib import Path
 # transformers' GGUF conversion bar ignores its logging switches; tqdm reads this when imported.
 os.environ.setdefault("TQDM_DISABLE", "1")
 HERE = Path(__file__).resolve().parent
-WORKER = HERE / "llamacpp_worker.py"
 INSTALL_HINT = ("llama.cpp peer skipped: llama-cpp-python is not importable by {python}. Install it into a "
                 "separate virtualenv (it compiles llama.cpp: ~20 min on 2 cores; never in CI):\n"
                 "    python3 -m venv /work/peers-venv\n"
@@ -121,15 +122,17 @@ class NanochatRunner:
         pass
 
 
-class LlamaCppRunner:
-    name = "llama.cpp"
+class WorkerRunner:
+    """A peer in a process of its own (llamacpp_worker.py / transformers_worker.py, see
+    worker_protocol.py), started with the environment this script was given: nanochat's own
+    defaults (OMP_WAIT_POLICY, set on import) must not change the peers' speed."""
 
-    def __init__(self, model: str, threads: int, args, python: str):
+    def __init__(self, name: str, worker: Path, python: str, load: dict):
+        self.name = name
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, bufsize=1)
-        ctx = max(args.prompt_tokens, args.decode_prompt_tokens + args.decode_tokens, 128) + 16
-        info = self._call({"cmd": "load", "model": model, "threads": threads, "n_ctx": ctx})
+        self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1, env=peer_env())
+        info = self._call({"cmd": "load", **load})
         self.version, self.vocab = info["version"], info["n_vocab"]
 
     def _call(self, req: dict) -> dict:
@@ -142,10 +145,10 @@ class LlamaCppRunner:
         if not line:
             self.log.seek(0)
             tail = [ln for ln in self.log.read().splitlines() if ln.strip()][-1:] or ["no output"]
-            raise PeerError(f"llama.cpp worker died: {tail[0]}")
+            raise PeerError(f"{self.name} worker died: {tail[0]}")
         reply = json.loads(line)
         if "error" in reply:
-            raise PeerError(f"llama.cpp: {reply['error']}")
+            raise PeerError(f"{self.name}: {reply['error']}")
         return reply
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
@@ -155,7 +158,9 @@ class LlamaCppRunner:
     def prompt(self, ids: list[int]) -> float:
         return len(ids) / self._call({"cmd": "prefill", "ids": ids})["seconds"]
 
-    def batch(self, rnd: Round, seed: int) -> float:
+    def batch(self, rnd: Round, seed: int) -> float | None:
+        if self.name != "llama.cpp":
+            return None   # transformers: HF generate has no continuous batching to compare
         r = self._call({"cmd": "serve", "requests": [[ids, n] for ids, n in rnd.batch]})
         return r["tokens"] / r["seconds"]
 
@@ -168,58 +173,13 @@ class LlamaCppRunner:
             self.proc.kill()
 
 
-class TransformersRunner:
-    name = "transformers"
+def peer_env() -> dict[str, str]:
+    import nanochat
 
-    def __init__(self, model: str, threads: int, args):
-        import torch
-        import transformers
-
-        torch.set_num_threads(threads)
-        path = Path(model)
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-        self.version = transformers.__version__
-        self.vocab = self.model.config.vocab_size
-
-    def _generate(self, ids: list[int], n: int) -> tuple[list[float], list[int]]:
-        """Timestamps of the prompt hand-off and each generated token, and the generated ids."""
-        from transformers.generation.streamers import BaseStreamer
-
-        torch = self.torch
-        stamps: list[float] = []
-
-        class Stamps(BaseStreamer):
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, streamer=Stamps(), pad_token_id=0)
-        return stamps, y[0, len(ids):].tolist()
-
-    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        stamps, out = self._generate(ids, n)
-        stamps = stamps[1:]   # the first put is the prompt
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
-
-    def prompt(self, ids: list[int]) -> float:
-        t0 = time.perf_counter()
-        stamps, _ = self._generate(ids, 1)
-        return len(ids) / (stamps[-1] - t0)
-
-    def batch(self, rnd: Round, seed: int) -> float | None:
-        return None   # not measured: HF generate has no continuous batching to compare
-
-    def close(self) -> None:
-        pass
+    env = dict(os.environ)
+    if nanochat.OMP_WAIT_POLICY_DEFAULTED:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -276,7 +236,9 @@ def start_engines(args, log) -> tuple[list, Results]:
         python = _peer_python(args)
         if _has_llama_cpp(python):
             log(f"loading llama.cpp ({python})")
-            runner = LlamaCppRunner(args.model, args.threads, args, python)
+            ctx = max(args.prompt_tokens, args.decode_prompt_tokens + args.decode_tokens, 128) + 16
+            runner = WorkerRunner("llama.cpp", HERE / "llamacpp_worker.py", python,
+                                  {"model": args.model, "threads": args.threads, "n_ctx": ctx})
             engines.append(runner)
             res.versions["llama.cpp"] = f"llama-cpp-python {runner.version}"
         else:
@@ -285,13 +247,13 @@ def start_engines(args, log) -> tuple[list, Results]:
     if "transformers" in peers:
         try:
             log("loading transformers (GGUF dequantized to fp32)")
-            runner = TransformersRunner(args.model, args.threads, args)
+            runner = WorkerRunner("transformers", HERE / "transformers_worker.py", sys.executable,
+                                  {"model": args.model, "threads": args.threads})
             engines.append(runner)
             res.versions["transformers"] = runner.version
-        except ImportError as e:
+        except PeerError as e:
             res.skipped["transformers"] = f"transformers peer skipped: {e}"
             log(res.skipped["transformers"])
-    torch.set_num_threads(args.threads)   # the transformers load may not leave it as nanochat set it
     return engines, res
 
 
