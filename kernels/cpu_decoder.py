@@ -89,6 +89,7 @@ class FusedDecoder:
             if len(fields) != lib.nc_dec_layer_fields():
                 raise RuntimeError("fused decoder: plan layout does not match the library")
             plan += fields
+        self._first_k_cache = layers[0].k_cache.data_ptr()
         self.plan = array("q", plan)
         self._plan_ptr = ctypes.c_void_p(self.plan.buffer_info()[0])
 
@@ -116,7 +117,7 @@ class FusedDecoder:
 
     def uses(self, k_cache: torch.Tensor) -> bool:
         """Whether the plan was built over this (first layer's) K cache."""
-        return self.plan[self.lib.nc_dec_header_fields() + 13] == k_cache.data_ptr()
+        return self._first_k_cache == k_cache.data_ptr()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, levels: int | None = None, threads: int | None = None) -> torch.Tensor:

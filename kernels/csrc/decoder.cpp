@@ -201,6 +201,15 @@ struct AttnJob {
   int64_t part_keys = 0;            // keys per part
   std::vector<float> ml;            // [parts, heads, 2]: m, l
   std::vector<float> o;             // [parts, heads, head_dim]
+
+  void bind(const Model& model, const Batch& batch, const float* q, const float* kc, const float* vc) {
+    m = &model;
+    b = &batch;
+    qkv = q;
+    k_cache = kc;
+    v_cache = vc;
+    scale = 1.0f / std::sqrt(static_cast<float>(model.head_dim));
+  }
 };
 
 // Scores, exp and weighted values of keys [p0, p1) of sequence t for all query heads.
@@ -318,12 +327,7 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   if (!mm(L, L_QKV_TYPE, qkv_w, H, s.normed.data(), n, s.qkv.data(), ptr<const float>(L[L_QKV_BIAS])))
     return ERR_MATMUL;
   prepare_qkv(m, L, b, s.qkv.data());
-  s.attn_job.m = &m;
-  s.attn_job.b = &b;
-  s.attn_job.qkv = s.qkv.data();
-  s.attn_job.k_cache = ptr<const float>(L[L_K_CACHE]);
-  s.attn_job.v_cache = ptr<const float>(L[L_V_CACHE]);
-  s.attn_job.scale = 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  s.attn_job.bind(m, b, s.qkv.data(), ptr<const float>(L[L_K_CACHE]), ptr<const float>(L[L_V_CACHE]));
   attention(s.attn_job, s.attn.data(), mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
