@@ -14,34 +14,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded, run_standalone
+
 PROG = "nanochat bench"
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16")
 
 
-class _UsageError(Exception):
-    pass
+def _int_at_least(raw: str, least: int, kind: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be a {kind} integer, got {raw!r}")
+    return value
 
 
 def _positive(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
-    return value
+    return _int_at_least(raw, 1, "positive")
 
 
 def _non_negative(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {raw!r}")
-    return value
+    return _int_at_least(raw, 0, "non-negative")
 
 
 def _positive_float(raw: str) -> float:
@@ -124,14 +120,14 @@ def build_spec(args):
     from nanochat.engine.bench import spec_from
 
     if args.multi_turn and (args.workload == "nano-vllm"):
-        raise _UsageError("--multi-turn and --workload nano-vllm do not go together")
+        raise UsageError("--multi-turn and --workload nano-vllm do not go together")
     try:
         return spec_from(args.tier, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
                          max_output_len=args.max_output_len, max_model_len=_opt(args, "max_model_len"),
                          max_batched_tokens=args.max_batched_tokens, warmup=args.warmup, iters=args.iters,
                          seed=_opt(args, "seed"), fixed_lengths=args.fixed_lengths, workload=args.workload)
     except ValueError as e:
-        raise _UsageError(str(e)) from None
+        raise UsageError(str(e)) from None
 
 
 def resolve_model(args) -> str:
@@ -140,7 +136,7 @@ def resolve_model(args) -> str:
         from nanochat.models.catalog import resolve_default_model
     except ImportError:
         if not model:
-            raise _UsageError("no model given: pass --model PATH|HUB_ID") from None
+            raise UsageError("no model given: pass --model PATH|HUB_ID") from None
         return model
     return resolve_default_model(model)
 
@@ -285,8 +281,8 @@ def _multi_turn_spec(args, spec, overhead: int):
     need = multi_turn_context(args.turns, args.user_tokens, args.reply_tokens, overhead)
     given = _opt(args, "max_model_len")
     if given is not None and given < need:
-        raise _UsageError(f"--max-model-len {given} is too small for {args.turns} turns of "
-                          f"{args.user_tokens} + {args.reply_tokens} tokens (needs about {need})")
+        raise UsageError(f"--max-model-len {given} is too small for {args.turns} turns of "
+                         f"{args.user_tokens} + {args.reply_tokens} tokens (needs about {need})")
     max_len = given or need
     return replace(spec, num_seqs=args.sessions, max_model_len=max_len,
                    max_input_len=min(spec.max_input_len, max_len // 2),
@@ -294,32 +290,16 @@ def _multi_turn_spec(args, spec, overhead: int):
                    max_batched_tokens=args.max_batched_tokens or max(max_len, args.sessions * args.user_tokens))
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    if isinstance(exc, MemoryError):
-        text = "out of memory" + (f" ({text})" if text else "") + "; try a smaller tier or --kv-cache-gib"
-    return text or exc.__class__.__name__
+# ModelLoadError, RequestError, BenchError, MemoryError, ... on one line: an OSError as its str(),
+# out of memory with bench's advice
+_one_line = partial(one_line, oom_advice="a smaller tier or --kv-cache-gib", os_filename=False)
 
 
 def run_bench_cli(args) -> int:
     """Run `nanochat bench` for parsed `args`; returns the exit code (errors are one line on stderr)."""
-    import os
-
     from nanochat.engine.bench import BenchCancelled
 
-    try:
-        return _run(args)
-    except _UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except (KeyboardInterrupt, BenchCancelled):
-        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    except Exception as e:   # ModelLoadError, RequestError, BenchError, MemoryError, OSError, ...
-        if os.environ.get("NANOCHAT_DEBUG", "") not in ("", "0"):
-            raise
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr, flush=True)
-        return EXIT_RUNTIME
+    return run_guarded(lambda: _run(args), PROG, describe=_one_line, interrupts=(KeyboardInterrupt, BenchCancelled))
 
 
 run_bench = run_bench_cli   # the name app/cli.py's dispatch imports
@@ -327,11 +307,7 @@ run_bench = run_bench_cli   # the name app/cli.py's dispatch imports
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (python -m nanochat.app.bench_cli ...), used when app/cli.py is absent."""
-    parser = argparse.ArgumentParser(prog="nanochat")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_standalone("bench", add_bench_parser, argv)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+from nanochat.app.errors import EXIT_OK, one_line, run_guarded, run_standalone
+
 PROG = "nanochat convert-model"
 
 
@@ -64,27 +66,23 @@ def _resolve_model(args) -> str:
 
 
 def run_convert_cli(args) -> int:
+    """Run `nanochat convert-model` for parsed `args`; returns the exit code. ModelLoadError, OSError,
+    ValueError: one line on stderr, no traceback; Ctrl-C: 130 without a message."""
+    return run_guarded(lambda: _convert(args), PROG, describe=partial(one_line, oom_advice=None),
+                       say_interrupted=False)
+
+
+def _convert(args) -> int:
     from nanochat.models.weight_map import make_plan, plan_json, write_plan
 
-    try:
-        model = _resolve_model(args)
-        plan = make_plan(model)
-        out = getattr(args, "out", None)
-        if out == "-":
-            sys.stdout.write(plan_json(plan))
-            sys.stdout.flush()
-            return EXIT_OK
-        path = write_plan(plan, out or default_out(model))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:   # ModelLoadError, OSError, ValueError: one line, no traceback
-        if os.environ.get("NANOCHAT_DEBUG", "") not in ("", "0"):
-            raise
-        text = " ".join(str(e).split()) or e.__class__.__name__
-        if isinstance(e, OSError) and e.filename and e.strerror:
-            text = f"{e.filename}: {e.strerror}"
-        print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
-        return EXIT_RUNTIME
+    model = _resolve_model(args)
+    plan = make_plan(model)
+    out = getattr(args, "out", None)
+    if out == "-":
+        sys.stdout.write(plan_json(plan))
+        sys.stdout.flush()
+        return EXIT_OK
+    path = write_plan(plan, out or default_out(model))
     if not getattr(args, "quiet", False):
         fused = sum(1 for t in plan["targets"].values() if t["op"] != "copy")
         print(f"wrote {path}: {len(plan['targets'])} engine tensors ({fused} fused) from "
@@ -96,11 +94,7 @@ run_convert = run_convert_cli   # the name app/cli.py's dispatch imports
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanochat")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_convert_parser(sub)
-    args = parser.parse_args(["convert-model", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_standalone("convert-model", add_convert_parser, argv)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""How the command line reports failures: one line on stderr, exit 1 (runtime) or 2 (usage)."""
+"""How the command line reports failures: one line on stderr, exit 1 (runtime) or 2 (usage).
+
+`run_guarded` is the try/except every subcommand entry point (`nanochat bench`, `convert-model`) wraps
+its work in; `run_standalone` is their `python -m nanochat.app.<module>` entry.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEBUG_ENV = "NANOCHAT_DEBUG"   # set to 1 to get tracebacks instead of one-line messages
@@ -13,13 +18,17 @@ class UsageError(Exception):
     """A bad combination of command-line options found after argparse (exit code 2)."""
 
 
-def one_line(exc: BaseException) -> str:
-    """The exception's message squeezed onto one line (the class name when it has none)."""
+def one_line(exc: BaseException, oom_advice: str | None = "a smaller model or --kv-cache-gib",
+             os_filename: bool = True) -> str:
+    """The exception's message squeezed onto one line (the class name when it has none).
+
+    os_filename: an OSError with a file name reads "FILE: strerror". oom_advice: a MemoryError reads
+    "out of memory (...); try <oom_advice>" (None: its plain message)."""
     text = " ".join(str(exc).split())
-    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+    if os_filename and isinstance(exc, OSError) and exc.filename and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}"
-    if isinstance(exc, MemoryError):
-        text = "out of memory" + (f" ({text})" if text else "") + "; try a smaller model or --kv-cache-gib"
+    if oom_advice is not None and isinstance(exc, MemoryError):
+        text = "out of memory" + (f" ({text})" if text else "") + f"; try {oom_advice}"
     return text or exc.__class__.__name__
 
 
@@ -29,3 +38,38 @@ def report(message: str, prog: str = "nanochat") -> None:
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def run_guarded(body: Callable[[], int], prog: str, describe: Callable[[BaseException], str] = one_line,
+                interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+                say_interrupted: bool = True) -> int:
+    """body()'s exit code, or the exit code of what it raised, reported as one line on stderr:
+    UsageError -> "PROG: error: MESSAGE", 2; one of `interrupts` -> "PROG: interrupted" (unless not
+    say_interrupted), 130; any other Exception -> "PROG: error: describe(e)", 1 (re-raised instead
+    when NANOCHAT_DEBUG is set)."""
+    try:
+        return body()
+    except UsageError as e:
+        report(str(e), prog)
+        return EXIT_USAGE
+    except interrupts:
+        if say_interrupted:
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if debug_enabled():
+            raise
+        report(describe(e), prog)
+        return EXIT_RUNTIME
+
+
+def run_standalone(command: str, add_parser: Callable, argv: list[str] | None = None) -> int:
+    """`python -m nanochat.app.<module> ARGS` (used when app/cli.py is absent): parse ARGS (default
+    sys.argv[1:]) as `nanochat COMMAND ARGS` with the subparser `add_parser` adds, and run it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="nanochat")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)

@@ -2,15 +2,19 @@
 
 Both host kernel libraries (cpu_qgemv, moe_cpu) are plain shared libraries loaded with ctypes; the
 build is keyed by the source and the CPU's feature flags, since -march=native code only runs on CPUs
-with the same features.
+with the same features. Each module keeps its library in a `LazyLibrary`: built on first use, once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
+import threading
+import warnings
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root() -> Path:
@@ -53,3 +57,36 @@ def build_library(sources: Path | list[Path], variants: list[tuple[str, list[str
         except Exception as e:  # compiler errors come as RuntimeError / CalledProcessError / OSError
             errors.append(f"{name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
     raise RuntimeError("; ".join(errors))
+
+
+class LazyLibrary:
+    """A library built on first use, at most once per process: `lib` once built, else `error` (the
+    build failed; it is not retried) with `warned` set after the one warning.
+
+    `lib` may be read without the lock (it is only ever set once): `x.lib or x.get(...)` is the fast path."""
+
+    __slots__ = ("lib", "error", "warned", "_lock")
+
+    def __init__(self) -> None:
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self.warned = False
+        self._lock = threading.Lock()
+
+    def get(self, load: Callable[[], ctypes.CDLL], warning: str) -> ctypes.CDLL | None:
+        """The library, built with `load()` on the first call; None when that raised, after one
+        RuntimeWarning `warning.format(error=...)` on the first such call. Meant to be called from a
+        module's `extension()`: the warning names the line that called the caller of extension()."""
+        lib = self.lib
+        if lib is not None:
+            return lib
+        with self._lock:
+            if self.lib is None and self.error is None:
+                try:
+                    self.lib = load()
+                except Exception as e:
+                    self.error = str(e) or type(e).__name__
+            if self.lib is None and not self.warned:
+                self.warned = True
+                warnings.warn(warning.format(error=self.error), RuntimeWarning, stacklevel=4)
+            return self.lib

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.cpp_build import LazyLibrary, build_library
 from nanochat.kernels.qweight import QuantWeight
 
 KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q4_K, gq.Q5_K, gq.Q6_K})
@@ -53,10 +53,7 @@ _ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of
 
 # ---------------------------------------------------------------- the compiled extension
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
-_warned = False
+_kernels = LazyLibrary()
 _threads: int | None = None
 _levels = 2
 
@@ -65,8 +62,6 @@ _levels = 2
 
 def _load_extension() -> ctypes.CDLL:
     """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
-    from nanochat.kernels.cpp_build import build_library
-
     # -march=native first; a plain (scalar) build if the compiler rejects it.
     # -ffp-contract=off: the scalar path must round like the SIMD paths (bit-identical outputs).
     flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
@@ -96,21 +91,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def extension() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (after one warning) when they cannot be built."""
-    global _lib, _lib_error, _warned
-    if _lib is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _lib_error is None:
-            try:
-                _lib = _load_extension()
-            except Exception as e:
-                _lib_error = str(e) or type(e).__name__
-        if _lib is None and not _warned:
-            _warned = True
-            warnings.warn(f"nanochat: the CPU int8 matmul kernels could not be built ({_lib_error}); quantized "
-                          "linears use torch's int4 kernel instead (slower decode). Install g++ and ninja to fix it.",
-                          RuntimeWarning, stacklevel=3)
-        return _lib
+    return _kernels.get(_load_extension, "nanochat: the CPU int8 matmul kernels could not be built ({error}); "
+                        "quantized linears use torch's int4 kernel instead (slower decode). Install g++ and ninja "
+                        "to fix it.")
 
 
 def available() -> bool:
@@ -120,7 +103,7 @@ def available() -> bool:
 def _need() -> ctypes.CDLL:
     lib = extension()
     if lib is None:
-        raise RuntimeError(f"the CPU int8 matmul kernels are not available ({_lib_error})")
+        raise RuntimeError(f"the CPU int8 matmul kernels are not available ({_kernels.error})")
     return lib
 
 
@@ -242,7 +225,7 @@ def linear(x: torch.Tensor, ggml_type: int, data: torch.Tensor, out_features: in
            levels: int | None = None) -> torch.Tensor:
     """`matmul` on the fields of a PackedWeight, for the per-token hot path (x: [n, in], checked by the
     caller). Runs torch.get_num_threads() threads unless set_threads() fixed a count."""
-    lib = _lib or _need()
+    lib = _kernels.lib or _need()
     if x.dtype not in _IO_DTYPES:
         x = x.float()
     if not x.is_cpu or not (x.is_contiguous() or x.stride(-1) == 1):

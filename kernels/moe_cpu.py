@@ -30,8 +30,6 @@ import ctypes
 import os
 import shutil
 import sys
-import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.cpp_build import LazyLibrary, build_library
 from nanochat.kernels.qweight import QuantWeight
 
 KERNEL_TYPES = frozenset({gq.Q8_0, gq.Q4_K, gq.Q5_K, gq.Q6_K})
@@ -131,10 +130,7 @@ def cpu_threads() -> int:
 
 # ---------------------------------------------------------------- the compiled extension
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
-_warned = False
+_kernels = LazyLibrary()
 
 
 
@@ -155,8 +151,6 @@ def _put_ninja_on_path() -> None:
 
 def _load_extension() -> ctypes.CDLL:
     """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
-    from nanochat.kernels.cpp_build import build_library
-
     # -march=native + OpenMP first; a plain build if the compiler rejects either.
     variants = [("nanochat_moe_cpu", ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]),
                 ("nanochat_moe_cpu_plain", ["-O3"], [])]
@@ -180,19 +174,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def extension() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (after one warning) when they cannot be built."""
-    global _lib, _lib_error, _warned
-    with _lock:
-        if _lib is None and _lib_error is None:
-            try:
-                _lib = _load_extension()
-            except Exception as e:
-                _lib_error = str(e) or type(e).__name__
-        if _lib is None and not _warned:
-            _warned = True
-            warnings.warn(f"nanochat: the CPU expert kernels could not be built ({_lib_error}); routed experts "
-                          "fall back to dequantize + matmul in torch (slower). Install g++ and ninja to fix it.",
-                          RuntimeWarning, stacklevel=3)
-        return _lib
+    return _kernels.get(_load_extension, "nanochat: the CPU expert kernels could not be built ({error}); routed "
+                        "experts fall back to dequantize + matmul in torch (slower). Install g++ and ninja to fix it.")
 
 
 def available() -> bool:

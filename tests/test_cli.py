@@ -280,6 +280,35 @@ def test_keyboard_interrupt_exits_130(home, capsys, monkeypatch):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_run_guarded_exit_codes_and_messages(capsys, monkeypatch):
+    """The try/except of the subcommands (bench, convert-model), with the options each of them uses."""
+    from functools import partial
+
+    from nanochat.app.errors import UsageError, one_line, run_guarded
+
+    def run(exc, **kw):
+        def body():
+            raise exc
+        return run_guarded(body, "nanochat x", **kw), capsys.readouterr().err
+
+    monkeypatch.delenv("NANOCHAT_DEBUG", raising=False)
+    assert run_guarded(lambda: 0, "nanochat x") == 0 and capsys.readouterr().err == ""
+    assert run(UsageError("bad flag")) == (2, "nanochat x: error: bad flag\n")
+    assert run(KeyboardInterrupt()) == (130, "nanochat x: interrupted\n")
+    assert run(KeyboardInterrupt(), say_interrupted=False) == (130, "")
+    assert run(TimeoutError(), interrupts=(KeyboardInterrupt, TimeoutError)) == (130, "nanochat x: interrupted\n")
+    missing = FileNotFoundError(2, "No such file or directory", "m.gguf")
+    assert run(missing) == (1, "nanochat x: error: m.gguf: No such file or directory\n")
+    assert run(missing, describe=partial(one_line, os_filename=False)) == \
+        (1, "nanochat x: error: [Errno 2] No such file or directory: 'm.gguf'\n")
+    assert run(MemoryError(), describe=partial(one_line, oom_advice="less")) == \
+        (1, "nanochat x: error: out of memory; try less\n")
+    assert run(MemoryError(), describe=partial(one_line, oom_advice=None)) == (1, "nanochat x: error: MemoryError\n")
+    monkeypatch.setenv("NANOCHAT_DEBUG", "1")
+    with pytest.raises(ValueError, match="shown"):
+        run(ValueError("shown"))
+
+
 # ---------------------------------------------------------------------------------- settings
 def test_settings_roundtrip_and_defaults(tmp_path):
     path = tmp_path / "cfg" / "settings.json"

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kquant_pack import random_rows
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels import moe_cpu
+from nanochat.kernels.cpp_build import LazyLibrary
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 
@@ -195,14 +196,13 @@ def test_torch_fallback_when_the_extension_cannot_be_built(monkeypatch):
         raise RuntimeError("g++: command not found")
 
     monkeypatch.setattr(moe_cpu, "_load_extension", no_compiler)
-    monkeypatch.setattr(moe_cpu, "_lib", None)
-    monkeypatch.setattr(moe_cpu, "_lib_error", None)
-    monkeypatch.setattr(moe_cpu, "_warned", False)
+    monkeypatch.setattr(moe_cpu, "_kernels", LazyLibrary())     # not built yet in this process
     rng = np.random.default_rng(10)
     g, u, d = stack(gq.Q4_K, 4, 256, 256, rng), stack(gq.Q4_K, 4, 256, 256, rng), stack(gq.Q8_0, 4, 256, 256, rng)
-    with pytest.warns(RuntimeWarning, match="g\\+\\+: command not found"):
+    with pytest.warns(RuntimeWarning, match=r"expert kernels could not be built \(g\+\+: command not found\)") as w:
         host = HostExperts(g, u, d)
-    assert host.backend == "torch"
+    assert w[0].filename == __file__                 # points at the code that asked for the kernels
+    assert host.backend == "torch" and moe_cpu.extension() is None and not moe_cpu.available()
     import warnings
 
     with warnings.catch_warnings():

@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels import triton_gguf  # import is guarded: works without triton
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.kernels import cpu_qgemv
+from nanochat.kernels.cpp_build import LazyLibrary
 from nanochat.kernels.quant_matmul import CPU_INT4_TYPES, prepare_quant_weight, quant_linear
 from tests.kquant_pack import quantize_k, random_rows
 
@@ -85,6 +87,27 @@ def test_cpu_dense_backend_is_exact_in_fp32(t):
     w = gq.dequantize(qw)
     assert torch.equal(pw.weight, w)
     _check(quant_linear(x, pw, bias), x, w, FP32_TOL, bias)
+
+
+def test_cpu_fallback_when_the_q8_kernels_cannot_be_built(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(cpu_qgemv, "_load_extension", no_compiler)
+    monkeypatch.setattr(cpu_qgemv, "_kernels", LazyLibrary())    # not built yet in this process
+    monkeypatch.delenv("NANOCHAT_QUANT_BACKEND", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"int8 matmul kernels could not be built \(g\+\+: command not found\)") as w:
+        assert not cpu_qgemv.available()
+    assert w[0].filename == __file__                 # points at the code that asked for the kernels
+    qw = _weight(gq.Q4_1, 32, 256, seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # warned once only
+        assert cpu_qgemv.extension() is None
+        assert prepare_quant_weight(qw, "cpu", torch.bfloat16).backend == _cpu_auto(gq.Q4_1) != "q8"
+        with pytest.raises(RuntimeError, match=r"not available \(g\+\+: command not found\)"):
+            cpu_qgemv.simd_level()
+    with pytest.raises(ValueError, match="q8 backend needs the compiled CPU kernels"):
+        prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="q8")
 
 
 def test_cpu_int4_forced_for_fp32_model(monkeypatch):
