@@ -1,9 +1,10 @@
-"""A whole decode step of a dense decoder stack in one compiled call (csrc/decoder.cpp).
+"""A whole model step of a dense decoder stack in one compiled call (csrc/decoder.cpp).
 
 Decode on the CPU is one row per sequence: the int8 matmuls take ~5 ms per SmolLM2 token, and the ~25
 small torch ops around them per layer took as long again. `FusedDecoder.forward` runs every layer
-(RMSNorm, fused qkv matmul + bias, q/k head norms, RoPE, paged KV store, softmax attention, o_proj,
-residuals, SwiGLU MLP) and the final norm inside the library of cpu_qgemv, on its thread pool.
+(RMSNorm, fused qkv matmul + bias, q/k head norms, RoPE, paged KV store, causal softmax attention,
+o_proj, residuals, SwiGLU MLP) and the final norm inside the library of cpu_qgemv, on its thread
+pool, for any ragged batch: decode rows and prefill chunks (rows after cached keys included).
 
 The model describes itself once as plain tensors (`DecoderDims`, `DecoderLayer`); the plan keeps
 references to them (the C side holds raw pointers), so a plan is valid as long as those tensors are
@@ -21,7 +22,8 @@ import torch
 
 from nanochat.kernels import cpu_qgemv
 
-_ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table"}
+_ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table",
+           5: "the rows of a sequence do not end at its context length"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def _fp32(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
 
 
 class FusedDecoder:
-    """The plan for one model; `forward` runs a pure-decode step (one query token per sequence)."""
+    """The plan for one model; `forward` runs one engine step."""
 
     def __init__(self, dims: DecoderDims, layers: list[DecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
                  final_norm: torch.Tensor):
@@ -74,7 +76,8 @@ class FusedDecoder:
             raise RuntimeError("the CPU kernels are not available")
         if len(layers) != dims.layers:
             raise ValueError(f"fused decoder: {len(layers)} layers given, dims say {dims.layers}")
-        if dims.heads % dims.kv_heads or dims.rotary_dim % 2 or dims.rotary_dim > dims.head_dim:
+        if dims.heads % dims.kv_heads or dims.rotary_dim % 2 or dims.rotary_dim > dims.head_dim \
+                or dims.head_dim > 256:
             raise ValueError("fused decoder: unsupported head layout")
         self.lib, self.dims = lib, dims
         self._keep = [_fp32(cos, "cos"), _fp32(sin, "sin"), _fp32(final_norm, "final norm")]
@@ -119,22 +122,27 @@ class FusedDecoder:
         """Whether the plan was built over this (first layer's) K cache."""
         return self._first_k_cache == k_cache.data_ptr()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, levels: int | None = None, threads: int | None = None) -> torch.Tensor:
-        """x [n, hidden] float32 (embedded tokens, updated in place and returned as the final-normed
-        hidden states); positions/slots int64 [n]; block_tables int32 [n, max_blocks]; context_lens
-        int32 [n] (KV length after this token)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, levels: int | None = None,
+                threads: int | None = None) -> torch.Tensor:
+        """One step over a ragged batch: x [n, hidden] float32 (embedded tokens, updated in place and
+        returned as the final-normed hidden states); positions/slots int64 [n]; sequence b owns rows
+        cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32 [B + 1], consecutive positions ending at
+        context_lens[b] - 1); block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dims.hidden:
             raise ValueError(f"fused decoder: x must be contiguous float32 [n, {self.dims.hidden}]")
-        positions, slots = positions.contiguous(), slots.contiguous()
+        positions, slots, cu_seqlens_q = positions.contiguous(), slots.contiguous(), cu_seqlens_q.contiguous()
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        seqs = context_lens.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or block_tables.dtype != torch.int32 \
-                or context_lens.dtype != torch.int32 or block_tables.shape[0] != n:
+                or context_lens.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 \
+                or positions.shape[0] != n or slots.shape[0] != n or block_tables.shape[0] != seqs \
+                or cu_seqlens_q.shape[0] != seqs + 1:
             raise ValueError("fused decoder: batch tensors have the wrong dtypes or shapes")
-        rc = self.lib.nc_dec_forward(self._plan_ptr, x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(),
-                                     block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
-                                     (levels or cpu_qgemv.activation_levels()) == 2,
+        rc = self.lib.nc_dec_forward(self._plan_ptr, x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), seqs,
+                                     cu_seqlens_q.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                     context_lens.data_ptr(), (levels or cpu_qgemv.activation_levels()) == 2,
                                      threads or cpu_qgemv.num_threads())
         if rc:
             raise RuntimeError(f"fused decoder: {_ERRORS.get(rc, f'error {rc}')}")

@@ -13,7 +13,7 @@ from torch import nn
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.fused_decode import FusedDecodePath
+from nanochat.models.fused_forward import FusedForward
 from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
 
 
@@ -113,14 +113,14 @@ class DenseForCausalLM(nn.Module):
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in w.names \
             else "lm_head.weight"
         self.lm_head = Linear(w.linear_weight([head]))
-        self.fused = FusedDecodePath(self)
+        self.fused = FusedForward(self)
 
     def attention_layers(self) -> list[DenseAttention]:
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.fused.usable(meta, x.shape[0]):
+        if self.fused.usable():
             return self.fused.run(x, positions, meta)
         for layer in self.layers:
             x = layer(positions, x, meta)

@@ -1,13 +1,15 @@
-// One decode step of a dense Llama / Qwen2 / Qwen3 decoder stack on the CPU, all layers in one call.
+// One step of a dense Llama / Qwen2 / Qwen3 decoder stack on the CPU, all layers in one call: any
+// ragged batch of decode rows and prefill chunks.
 //
 // Why: at one token per sequence the matmuls read ~80 MB of quantized weights in ~5 ms, while the
-// same step as ~25 torch ops per layer spends as long again in dispatch and small-op overhead
-// (rms_norm, RoPE, KV gather, softmax, casts). Here each layer is
+// same step as ~25 torch ops per layer spent as long again in dispatch and small-op overhead
+// (rms_norm, RoPE, KV gather, softmax, casts); in prefill the same ops cost ~25% of the step. Each
+// layer is
 //   x += o_proj(attn(rope(norm_qk(qkv_proj(rms(x))))));  x += down(silu(gate) * up(rms(x)))
 // with the matmuls on the int8-activation kernels of qgemv.cpp (nc_qg_matmul, same library, same
-// thread pool) and everything else in plain loops over the step's few rows. Arithmetic is fp32 in
-// the order of the torch path (the compiler may not contract a*b+c: -ffp-contract=off), so results
-// match it to summation-order rounding.
+// thread pool) and everything else in loops over the step's rows. Arithmetic is fp32 in the order
+// of the torch path except where noted (FMA in the attention kernels, a polynomial exp), so
+// results match it to rounding.
 //
 // The model is described once by an int64 "plan" (pointers as integers, see the layout below) built
 // in Python from the model's own tensors; the KV cache is the engine's paged fp32 cache
@@ -39,7 +41,7 @@ enum Layer : int {
   L_IN_NORM, L_POST_NORM, L_QKV_TYPE, L_QKV_W, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O_TYPE, L_O_W,
   L_GU_TYPE, L_GU_W, L_DOWN_TYPE, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_FIELDS
 };
-enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4 };
+enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5 };
 
 template <class T>
 T* ptr(int64_t v) {
@@ -64,14 +66,17 @@ struct Model {
   int64_t kv_size() const { return kv_heads * head_dim; }
 };
 
-// The step's sequences: one query row each.
+// The step's ragged batch: n token rows, sequence t owning rows cu_q[t] .. cu_q[t + 1] (consecutive
+// positions, one row for a decode step, a prefill chunk otherwise).
 struct Batch {
   int64_t n;
-  const int64_t* positions;
-  const int64_t* slots;
-  const int32_t* block_tables;
+  const int64_t* positions;     // [n]
+  const int64_t* slots;         // [n] flat cache slot of each row's K/V
+  int64_t seqs;
+  const int32_t* cu_q;          // [seqs + 1]
+  const int32_t* block_tables;  // [seqs, table_stride]
   int64_t table_stride;
-  const int32_t* context_lens;
+  const int32_t* context_lens;  // [seqs] KV length after this step
 };
 
 // Sum of a[i] * b[i] in 16 independent fp32 lanes (vectorizes without reassociation flags).
@@ -185,61 +190,81 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out) {
 }
 
 // ------------------------------------------------------------------ attention
-// Each sequence's keys are cut into parts (one per item of the pool: several when there are fewer
-// sequences than threads, "split-K" as in flash-decoding). A part keeps, per query head, the running
-// max m, the sum l of exp(score - m) and the unnormalized output o; parts of a sequence are merged
-// with their exp(m - M) weights. Keys are read a whole cached token row (all KV heads) at a time,
-// straight through each block.
+// Work items for the pool, per sequence by its query rows in this step:
+// - one row (decode): its keys are cut into parts (several when there are fewer sequences than
+//   threads, "split-K" as in flash-decoding). A part keeps, per query head, the max m of its scores,
+//   the sum l of exp(score - m) and the unnormalized output o; a sequence's parts are merged with
+//   exp(m - M) weights. Keys are read a whole cached row (all KV heads) at a time, block by block.
+// - several rows (prefill chunk): blocks of up to ROW_BLOCK rows x one KV head, with the scores of
+//   all their query heads computed against tiles of 16 keys transposed once (an outer-product form
+//   that vectorizes over keys), then a causal softmax per row and the weighted sum of values.
+constexpr int64_t ROW_BLOCK = 16, KEY_TILE = 16;
+
+struct Item {
+  int64_t seq;
+  int64_t lo, hi;   // one row: keys [lo, hi); several rows: batch rows [lo, hi)
+  int64_t index;    // one row: the part's index in ml / o; several rows: the KV head
+  bool rows;
+};
+
 struct AttnJob {
   const Model* m;
   const Batch* b;
   const float* qkv;
   const float* k_cache;
   const float* v_cache;
+  float* out;                       // [n, heads * head_dim]
   float scale;
-  std::vector<int64_t> first_part;  // [n + 1]: parts of sequence t are first_part[t] .. first_part[t + 1]
-  int64_t part_keys = 0;            // keys per part
+  std::vector<Item> items;
+  std::vector<int64_t> first_part;  // [seqs + 1]: parts of sequence t (one-row sequences only)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
   std::vector<float> o;             // [parts, heads, head_dim]
 
-  void bind(const Model& model, const Batch& batch, const float* q, const float* kc, const float* vc) {
+  void bind(const Model& model, const Batch& batch, const float* q, const float* kc, const float* vc,
+            float* dst) {
     m = &model;
     b = &batch;
     qkv = q;
     k_cache = kc;
     v_cache = vc;
+    out = dst;
     scale = 1.0f / std::sqrt(static_cast<float>(model.head_dim));
+  }
+  int64_t width() const { return m->q_size() + 2 * m->kv_size(); }
+  // Flat cache slot of key position p of sequence t.
+  int64_t slot(int64_t t, int64_t p) const {
+    const int64_t bs = m->block_size;
+    return static_cast<int64_t>(b->block_tables[t * b->table_stride + p / bs]) * bs + p % bs;
   }
 };
 
-// Scores, exp and weighted values of keys [p0, p1) of sequence t for all query heads.
-void attend_part(AttnJob& j, int64_t t, int64_t part, int64_t p0, int64_t p1, std::vector<float>& scores) {
+// Scores, exp and weighted values of keys [p0, p1) of one-row sequence t, for all query heads.
+void attend_part(AttnJob& j, const Item& it, std::vector<float>& scores) {
   const Model& m = *j.m;
   const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = m.head_dim, bs = m.block_size;
-  const int64_t len = p1 - p0, kv = m.kv_size();
-  const int32_t* table = j.b->block_tables + t * j.b->table_stride;
-  const float* q = j.qkv + t * (m.q_size() + 2 * kv);
+  const int64_t p0 = it.lo, p1 = it.hi, len = p1 - p0, kv = m.kv_size();
+  const int64_t t = it.seq;
+  const float* q = j.qkv + j.b->cu_q[t] * j.width();
   scores.resize(heads * len);
-  auto for_rows = [&](auto&& body) {  // body(p - p0, cached row of position p), block by block
+  auto for_keys = [&](auto&& body) {  // body(p - p0, slot of position p), block by block
     for (int64_t p = p0; p < p1;) {
-      const int64_t blk = p / bs, end = std::min(p1, (blk + 1) * bs);
-      const int64_t base = static_cast<int64_t>(table[blk]) * bs - blk * bs;
+      const int64_t end = std::min(p1, (p / bs + 1) * bs), base = j.slot(t, p) - p;
       for (; p < end; ++p) body(p - p0, base + p);
     }
   };
-  for_rows([&](int64_t i, int64_t slot) {
+  for_keys([&](int64_t i, int64_t slot) {
     const float* krow = j.k_cache + slot * kv;
     for (int64_t h = 0; h < heads; ++h) scores[h * len + i] = dot(q + h * d, krow + h / group * d, d) * j.scale;
   });
-  float* ml = &j.ml[(part * heads) * 2];
+  float* ml = &j.ml[(it.index * heads) * 2];
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * len;
     ml[2 * h] = *std::max_element(s, s + len);
     ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
   }
-  float* o = &j.o[part * heads * d];
+  float* o = &j.o[it.index * heads * d];
   std::fill(o, o + heads * d, 0.f);
-  for_rows([&](int64_t i, int64_t slot) {
+  for_keys([&](int64_t i, int64_t slot) {
     const float* vrow = j.v_cache + slot * kv;
     for (int64_t h = 0; h < heads; ++h) {
       const float w = scores[h * len + i];
@@ -250,52 +275,160 @@ void attend_part(AttnJob& j, int64_t t, int64_t part, int64_t p0, int64_t p1, st
   });
 }
 
-// out [n, heads * head_dim] = softmax(q k^T * scale) v per sequence over its cached keys.
-void attention(AttnJob& job, float* out, int threads) {
-  const Model& m = *job.m;
-  const Batch& b = *job.b;
-  int64_t keys = 0, longest = 0;
-  for (int64_t t = 0; t < b.n; ++t) {
-    keys += b.context_lens[t];
-    longest = std::max<int64_t>(longest, b.context_lens[t]);
-  }
-  // Small contexts: a second thread costs more than the work (~16 KB of K/V per 64 keys here).
-  const int nt = keys * m.kv_size() < (32 << 10) ? 1 : threads;
-  job.part_keys = std::max<int64_t>(1, longest);
-  if (b.n < 2 * nt)  // too few sequences to keep every thread busy: split the keys too
-    job.part_keys = std::max<int64_t>(m.block_size, (longest + 2 * nt - 1) / (2 * nt));
-  job.first_part.assign(b.n + 1, 0);
-  for (int64_t t = 0; t < b.n; ++t)
-    job.first_part[t + 1] = job.first_part[t] + (b.context_lens[t] + job.part_keys - 1) / job.part_keys;
-  const int64_t parts = job.first_part[b.n];
-  job.ml.resize(parts * m.heads * 2);
-  job.o.resize(parts * m.heads * m.head_dim);
-  nc_qg_parallel_for(parts, 1, nt, [](const void* ctx, int64_t i0, int64_t i1) {
-    AttnJob& j = *const_cast<AttnJob*>(static_cast<const AttnJob*>(ctx));
-    thread_local std::vector<float> scores;
-    for (int64_t part = i0; part < i1; ++part) {
-      const int64_t t = std::upper_bound(j.first_part.begin(), j.first_part.end(), part) - j.first_part.begin() - 1;
-      const int64_t p0 = (part - j.first_part[t]) * j.part_keys;
-      attend_part(j, t, part, p0, std::min<int64_t>(j.b->context_lens[t], p0 + j.part_keys), scores);
-    }
-  }, &job);
+// The parts of each one-row sequence, merged into its output row.
+void merge_parts(AttnJob& j) {
+  const Model& m = *j.m;
   const int64_t H = m.heads, d = m.head_dim;
-  for (int64_t t = 0; t < b.n; ++t)
+  for (int64_t t = 0; t < j.b->seqs; ++t) {
+    if (j.first_part[t + 1] == j.first_part[t]) continue;
     for (int64_t h = 0; h < H; ++h) {
       float mx = -INFINITY, l = 0.f;
-      for (int64_t part = job.first_part[t]; part < job.first_part[t + 1]; ++part)
-        mx = std::max(mx, job.ml[(part * H + h) * 2]);
-      float* dst = out + t * m.q_size() + h * d;
+      for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
+        mx = std::max(mx, j.ml[(part * H + h) * 2]);
+      float* dst = j.out + j.b->cu_q[t] * m.q_size() + h * d;
       std::fill(dst, dst + d, 0.f);
-      for (int64_t part = job.first_part[t]; part < job.first_part[t + 1]; ++part) {
-        const float w = std::exp(job.ml[(part * H + h) * 2] - mx);
-        l += w * job.ml[(part * H + h) * 2 + 1];
-        const float* o = &job.o[(part * H + h) * d];
+      for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part) {
+        const float w = std::exp(j.ml[(part * H + h) * 2] - mx);
+        l += w * j.ml[(part * H + h) * 2 + 1];
+        const float* o = &j.o[(part * H + h) * d];
         for (int64_t e = 0; e < d; ++e) dst[e] += w * o[e];
       }
       const float inv = 1.0f / l;
       for (int64_t e = 0; e < d; ++e) dst[e] *= inv;
     }
+  }
+}
+
+// s[c] = scale * q . K[c] for the 16 keys of a tile transposed into kt[e][c].
+inline void tile_scores(const float* q, const float* kt, int64_t d, float scale, float* s) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_loadu_ps(kt + e * KEY_TILE), acc);
+  _mm512_storeu_ps(s, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+#else
+  float acc[KEY_TILE] = {};
+  for (int64_t e = 0; e < d; ++e)
+    for (int64_t c = 0; c < KEY_TILE; ++c) acc[c] += q[e] * kt[e * KEY_TILE + c];
+  for (int64_t c = 0; c < KEY_TILE; ++c) s[c] = acc[c] * scale;
+#endif
+}
+
+// out[e] = sum_p w[p] * V[slot[p]][e] for one head's values (row stride `stride` floats).
+template <int D>
+void weighted_values(const float* w, int64_t n, const float* v, int64_t stride, const int64_t* slots, int64_t d,
+                     float* out) {
+#if defined(__AVX512F__)
+  if constexpr (D > 0 && D % 16 == 0) {
+    __m512 acc[D / 16];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; ++p) {
+      const __m512 wp = _mm512_set1_ps(w[p]);
+      const float* row = v + slots[p] * stride;
+      for (int c = 0; c < D / 16; ++c) acc[c] = _mm512_fmadd_ps(wp, _mm512_loadu_ps(row + 16 * c), acc[c]);
+    }
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+    return;
+  }
+#endif
+  std::fill(out, out + d, 0.f);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* row = v + slots[p] * stride;
+    for (int64_t e = 0; e < d; ++e) out[e] += w[p] * row[e];
+  }
+}
+
+struct RowScratch {
+  std::vector<float> scores, kt;
+  std::vector<int64_t> slots;
+};
+
+// Causal attention of batch rows [lo, hi) (consecutive positions of one sequence) for the query
+// heads of KV head g. D: the head dimension (a constant for the common sizes, so the inner loops
+// have fixed trip counts; 0 = read it from the model).
+template <int D>
+void attend_rows(AttnJob& j, const Item& it, RowScratch& rs) {
+  const Model& m = *j.m;
+  const int64_t d = D ? D : m.head_dim, group = m.heads / m.kv_heads, g = it.index, kv = m.kv_size();
+  const int64_t nq = (it.hi - it.lo) * group;             // query vectors: (row, head of the group)
+  const int64_t keys = j.b->positions[it.hi - 1] + 1;     // the last row sees the most keys
+  const int64_t ld = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+  rs.scores.resize(nq * ld);
+  rs.kt.resize(d * KEY_TILE);
+  rs.slots.resize(keys);
+  for (int64_t p = 0; p < keys; ++p) rs.slots[p] = j.slot(it.seq, p);
+  auto query = [&](int64_t i) { return j.qkv + (it.lo + i / group) * j.width() + (g * group + i % group) * d; };
+
+  for (int64_t k0 = 0; k0 < keys; k0 += KEY_TILE) {
+    const int64_t kn = std::min(KEY_TILE, keys - k0);
+    float* kt = rs.kt.data();  // kt[e][c] = K[k0 + c][g][e]
+    for (int64_t c = 0; c < KEY_TILE; ++c) {
+      const float* krow = j.k_cache + rs.slots[k0 + std::min(c, kn - 1)] * kv + g * d;
+      for (int64_t e = 0; e < d; ++e) kt[e * KEY_TILE + c] = krow[e];
+    }
+    for (int64_t i = 0; i < nq; ++i) tile_scores(query(i), kt, d, j.scale, &rs.scores[i * ld + k0]);
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t row = it.lo + i / group, seen = j.b->positions[row] + 1;
+    float* s = &rs.scores[i * ld];
+    const float inv = 1.0f / exp_shifted(s, seen, *std::max_element(s, s + seen));
+    for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
+    weighted_values<D>(s, seen, j.v_cache + g * d, kv, rs.slots.data(), d,
+                       j.out + row * m.q_size() + (g * group + i % group) * d);
+  }
+}
+
+void run_item(AttnJob& j, const Item& it) {
+  thread_local std::vector<float> scores;
+  thread_local RowScratch rs;
+  if (!it.rows)
+    attend_part(j, it, scores);
+  else if (j.m->head_dim == 64)
+    attend_rows<64>(j, it, rs);
+  else if (j.m->head_dim == 128)
+    attend_rows<128>(j, it, rs);
+  else
+    attend_rows<0>(j, it, rs);
+}
+
+// out [n, heads * head_dim] = softmax(q k^T * scale) v per row over its sequence's cached keys
+// (positions up to its own: this step's K/V are already in the cache).
+void attention(AttnJob& job, int threads) {
+  const Model& m = *job.m;
+  const Batch& b = *job.b;
+  int64_t keys = 0, longest = 0, one_row = 0;
+  for (int64_t t = 0; t < b.seqs; ++t) {
+    keys += b.context_lens[t] * (b.cu_q[t + 1] - b.cu_q[t]);
+    if (b.cu_q[t + 1] - b.cu_q[t] == 1) {
+      longest = std::max<int64_t>(longest, b.context_lens[t]);
+      ++one_row;
+    }
+  }
+  // Small contexts: a second thread costs more than the work (~16 KB of K/V per 64 keys here).
+  const int nt = keys * m.kv_size() < (32 << 10) ? 1 : threads;
+  int64_t part_keys = std::max<int64_t>(1, longest);
+  if (one_row < 2 * nt && b.n == one_row)  // too few sequences to keep every thread busy: split keys
+    part_keys = std::max<int64_t>(m.block_size, (longest + 2 * nt - 1) / (2 * nt));
+  job.items.clear();
+  job.first_part.assign(b.seqs + 1, 0);
+  for (int64_t t = 0; t < b.seqs; ++t) {
+    const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
+    job.first_part[t + 1] = job.first_part[t];
+    if (r1 - r0 == 1) {
+      for (int64_t p = 0; p < b.context_lens[t]; p += part_keys)
+        job.items.push_back({t, p, std::min<int64_t>(b.context_lens[t], p + part_keys), job.first_part[t + 1]++,
+                             false});
+    } else {
+      for (int64_t r = r0; r < r1; r += ROW_BLOCK)
+        for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, r, std::min(r1, r + ROW_BLOCK), g, true});
+    }
+  }
+  job.ml.resize(job.first_part[b.seqs] * m.heads * 2);
+  job.o.resize(job.first_part[b.seqs] * m.heads * m.head_dim);
+  nc_qg_parallel_for(static_cast<int64_t>(job.items.size()), 1, nt, [](const void* ctx, int64_t i0, int64_t i1) {
+    AttnJob& j = *const_cast<AttnJob*>(static_cast<const AttnJob*>(ctx));
+    for (int64_t i = i0; i < i1; ++i) run_item(j, j.items[i]);
+  }, &job);
+  merge_parts(job);
 }
 
 struct Scratch {
@@ -327,8 +460,9 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   if (!mm(L, L_QKV_TYPE, qkv_w, H, s.normed.data(), n, s.qkv.data(), ptr<const float>(L[L_QKV_BIAS])))
     return ERR_MATMUL;
   prepare_qkv(m, L, b, s.qkv.data());
-  s.attn_job.bind(m, b, s.qkv.data(), ptr<const float>(L[L_K_CACHE]), ptr<const float>(L[L_V_CACHE]));
-  attention(s.attn_job, s.attn.data(), mm.threads);
+  s.attn_job.bind(m, b, s.qkv.data(), ptr<const float>(L[L_K_CACHE]), ptr<const float>(L[L_V_CACHE]),
+                  s.attn.data());
+  attention(s.attn_job, mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
 
@@ -352,15 +486,17 @@ extern "C" {
 int nc_dec_header_fields() { return H_FIELDS; }
 int nc_dec_layer_fields() { return L_FIELDS; }
 
-// x [n, hidden] fp32: the embedded tokens in, the final-normed hidden states out (one row per
-// sequence). slots: flat cache slot of each token; block_tables [n, table_stride] int32.
+// x [n, hidden] fp32: the embedded tokens in, the final-normed hidden states out. Rows as in Batch.
 int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* positions, const int64_t* slots,
-                   const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens, int x2,
-                   int threads) {
+                   int64_t seqs, const int32_t* cu_q, const int32_t* block_tables, int64_t table_stride,
+                   const int32_t* context_lens, int x2, int threads) {
   const Model m(plan);
   for (int64_t t = 0; t < n; ++t)
     if (positions[t] < 0 || positions[t] >= m.max_pos) return ERR_POSITION;
-  const Batch b{n, positions, slots, block_tables, table_stride, context_lens};
+  if (seqs < 1 || cu_q[0] != 0 || cu_q[seqs] != n) return ERR_BATCH;
+  for (int64_t t = 0; t < seqs; ++t)
+    if (cu_q[t + 1] <= cu_q[t] || context_lens[t] != positions[cu_q[t + 1] - 1] + 1) return ERR_BATCH;
+  const Batch b{n, positions, slots, seqs, cu_q, block_tables, table_stride, context_lens};
   Scratch& s = g_scratch;
   s.fit(m, n);
   const Matmul mm{x2, threads};

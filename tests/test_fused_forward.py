@@ -1,9 +1,10 @@
-"""The fused CPU decode step (kernels/cpu_decoder.py, csrc/decoder.cpp, models/fused_decode.py).
+"""The fused CPU forward (kernels/cpu_decoder.py, csrc/decoder.cpp, models/fused_forward.py).
 
 Kernel level: one call over a small random stack vs a torch reference written out op by op (RMSNorm,
 the same int8 matmul kernel, q/k norms, RoPE, paged KV store, softmax attention, SwiGLU), paged
-caches with scattered blocks and ragged contexts. Model level: decode logits and greedy tokens of
-tiny GGUF models with the fused path vs the module-by-module forward it replaces.
+caches with scattered blocks, decode rows and prefill chunks in one ragged step. Model level: logits
+and greedy tokens of tiny GGUF models with the fused path vs the module-by-module forward it replaces
+(whole prompts, and chunked prefill mixed with decode).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
-def _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, tables, lens):
-    """The decode step as plain torch ops on copies of the caches; returns (hidden, caches)."""
-    from nanochat.kernels.cpu_decoder import DecoderDims  # noqa: F401  (dims is one)
+def _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, cu, tables, lens):
+    """The step as plain torch ops on copies of the caches; returns (hidden, caches). Row i of
+    sequence b sits at positions[i] and sees that sequence's keys 0..positions[i]."""
     h, kvh, d, bs = dims.heads, dims.kv_heads, dims.head_dim, dims.block_size
     caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in layers]
     x = x.clone()
@@ -59,13 +60,14 @@ def _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, tab
         kc.view(-1, kvh, d)[slots] = k
         vc.view(-1, kvh, d)[slots] = v
         out = torch.empty(x.shape[0], h, d)
-        for b in range(x.shape[0]):
-            n = int(lens[b])
-            rows = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(n)])
-            kb = kc.view(-1, kvh, d)[rows].repeat_interleave(h // kvh, dim=1)   # [n, h, d]
-            vb = vc.view(-1, kvh, d)[rows].repeat_interleave(h // kvh, dim=1)
-            p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], kb) / d ** 0.5, dim=-1)
-            out[b] = torch.einsum("hn,nhd->hd", p, vb)
+        for b in range(len(lens)):
+            for i in range(int(cu[b]), int(cu[b + 1])):
+                n = int(positions[i]) + 1
+                rows = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(n)])
+                kb = kc.view(-1, kvh, d)[rows].repeat_interleave(h // kvh, dim=1)   # [n, h, d]
+                vb = vc.view(-1, kvh, d)[rows].repeat_interleave(h // kvh, dim=1)
+                p = torch.softmax(torch.einsum("hd,nhd->hn", q[i], kb) / d ** 0.5, dim=-1)
+                out[i] = torch.einsum("hn,nhd->hd", p, vb)
         x = x + cpu_qgemv.linear(out.reshape(-1, h * d), layer.o[0], layer.o[1], dims.hidden)
         xn = F.rms_norm(x, (dims.hidden,), layer.post_norm, dims.eps)
         gate, up = cpu_qgemv.linear(xn, layer.gate_up[0], layer.gate_up[1], 2 * dims.intermediate).chunk(2, -1)
@@ -73,9 +75,10 @@ def _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, tab
     return F.rms_norm(x, (dims.hidden,), final_norm, dims.eps), caches
 
 
-def _random_stack(rng, qk_norm: bool, bias: bool, rotary_dim: int, types, num_blocks=24, block_size=4):
+def _random_stack(rng, qk_norm: bool, bias: bool, head_dim: int, rotary_dim: int, types, num_blocks=48,
+                  block_size=4):
     from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer
-    dims = DecoderDims(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, intermediate=96,
+    dims = DecoderDims(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=head_dim, intermediate=96,
                        rotary_dim=rotary_dim, block_size=block_size, eps=1e-6)
     g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
 
@@ -86,7 +89,7 @@ def _random_stack(rng, qk_norm: bool, bias: bool, rotary_dim: int, types, num_bl
     for i in range(dims.layers):
         qkv_rows = (dims.heads + 2 * dims.kv_heads) * dims.head_dim
         w = {name: _packed(types[(i + j) % len(types)], r, c, rng)
-             for j, (name, r, c) in enumerate([("qkv", qkv_rows, 64), ("o", 64, 128), ("gate_up", 192, 64),
+             for j, (name, r, c) in enumerate([("qkv", qkv_rows, 64), ("o", 64, 4 * head_dim), ("gate_up", 192, 64),
                                                ("down", 64, 96)])}
         cache = (num_blocks, block_size, dims.kv_heads, dims.head_dim)
         layers.append(DecoderLayer(
@@ -95,43 +98,55 @@ def _random_stack(rng, qk_norm: bool, bias: bool, rotary_dim: int, types, num_bl
             gate_up=(w["gate_up"].ggml_type, w["gate_up"].data), down=(w["down"].ggml_type, w["down"].data),
             k_cache=torch.randn(cache, generator=g), v_cache=torch.randn(cache, generator=g),
             qkv_bias=vec(qkv_rows, 0.0, 0.5) if bias else None,
-            q_norm=vec(32) if qk_norm else None, k_norm=vec(32) if qk_norm else None))
+            q_norm=vec(head_dim) if qk_norm else None, k_norm=vec(head_dim) if qk_norm else None))
     freqs = torch.outer(torch.arange(64, dtype=torch.float32), 1.0 / 100.0 ** (torch.arange(rotary_dim // 2) / 8))
     return dims, layers, freqs.cos(), freqs.sin(), vec(64)
 
 
-def _batch(block_size: int, lens: list[int], rng):
-    """Scattered block tables (distinct blocks across sequences) and each token's slot."""
-    need = [(n + block_size - 1) // block_size for n in lens]
-    blocks = rng.permutation(24)[:sum(need)].tolist()
+def _batch(block_size: int, seqs: list[tuple[int, int]], rng, num_blocks: int = 48):
+    """A ragged step: per sequence (context length after the step, rows in the step), scattered
+    block tables (distinct blocks across sequences), each row's position and slot."""
+    need = [(n + block_size - 1) // block_size for n, _ in seqs]
+    blocks = rng.permutation(num_blocks)[:sum(need)].tolist()
     width = max(need)
-    tables, slots, at = [], [], 0
-    for n, k in zip(lens, need):
+    tables, positions, slots, cu, at = [], [], [], [0], 0
+    for (n, rows), k in zip(seqs, need):
         row = blocks[at:at + k]
         at += k
         tables.append(row + [0] * (width - k))
-        slots.append(row[(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    return (torch.tensor([n - 1 for n in lens]), torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32))
+        for p in range(n - rows, n):
+            positions.append(p)
+            slots.append(row[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + rows)
+    return (torch.tensor(positions), torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32), torch.tensor([n for n, _ in seqs], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("qk_norm,bias,rotary_dim,types", [
-    (False, False, 32, [T.Q8_0]),                    # Llama
-    (False, True, 32, [T.Q4_1, T.Q5_0]),             # Qwen2 (bias on q/k/v)
-    (True, False, 32, [T.Q4_0, T.Q8_0, T.Q5_1]),    # Qwen3 (q/k head norms)
-    (False, False, 16, [T.Q8_0]),                    # partial rotary
+DECODE = [(1, 1), (7, 1), (13, 1), (30, 1)]
+# a whole prompt, a chunk after cached keys, decode rows, a prompt of one token
+MIXED = [(21, 21), (40, 17), (9, 1), (33, 1), (1, 1)]
+
+
+# head_dim 64 and 128 run the kernel's fixed-size instantiations, 32 its generic one
+@pytest.mark.parametrize("qk_norm,bias,head_dim,rotary_dim,types", [
+    (False, False, 64, 64, [T.Q8_0]),                   # Llama
+    (False, True, 32, 32, [T.Q4_1, T.Q5_0]),            # Qwen2 (bias on q/k/v)
+    (True, False, 128, 128, [T.Q4_0, T.Q8_0, T.Q5_1]),  # Qwen3 (q/k head norms)
+    (False, False, 32, 16, [T.Q8_0]),                   # partial rotary
 ], ids=["llama", "qwen2", "qwen3", "partial-rope"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_step_matches_torch_reference(qk_norm, bias, rotary_dim, types, threads):
+@pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_fused_step_matches_torch_reference(qk_norm, bias, head_dim, rotary_dim, types, threads, seqs):
     from nanochat.kernels.cpu_decoder import FusedDecoder
     rng = np.random.default_rng(7)
-    dims, layers, cos, sin, final_norm = _random_stack(rng, qk_norm, bias, rotary_dim, [int(t) for t in types])
-    positions, slots, tables, lens = _batch(dims.block_size, [1, 7, 13, 30], rng)
-    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
-    want, caches = _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, tables, lens)
+    dims, layers, cos, sin, final_norm = _random_stack(rng, qk_norm, bias, head_dim, rotary_dim,
+                                                       [int(t) for t in types])
+    positions, slots, cu, tables, lens = _batch(dims.block_size, seqs, rng)
+    x = torch.randn(len(positions), 64, generator=torch.Generator().manual_seed(3))
+    want, caches = _reference_step(dims, layers, cos, sin, final_norm, x, positions, slots, cu, tables, lens)
 
     dec = FusedDecoder(dims, layers, cos, sin, final_norm)
-    got = dec.forward(x.clone(), positions, slots, tables, lens, threads=threads)
+    got = dec.forward(x.clone(), positions, slots, cu, tables, lens, threads=threads)
     # The int8 activation codes of the two runs can differ where fp32 summation order moves an input
     # across a rounding boundary: a code step is amax / 32512, so allow ~1e-4 of the scale.
     scale = want.abs().max().item()
@@ -144,13 +159,15 @@ def test_fused_step_matches_torch_reference(qk_norm, bias, rotary_dim, types, th
 def test_fused_step_rejects_bad_input():
     from nanochat.kernels.cpu_decoder import FusedDecoder
     rng = np.random.default_rng(1)
-    dims, layers, cos, sin, final_norm = _random_stack(rng, False, False, 32, [int(T.Q8_0)])
+    dims, layers, cos, sin, final_norm = _random_stack(rng, False, False, 32, 32, [int(T.Q8_0)])
     dec = FusedDecoder(dims, layers, cos, sin, final_norm)
-    positions, slots, tables, lens = _batch(dims.block_size, [5], rng)
+    positions, slots, cu, tables, lens = _batch(dims.block_size, [(5, 1)], rng)
     with pytest.raises(RuntimeError, match="RoPE table"):
-        dec.forward(torch.zeros(1, 64), torch.tensor([64]), slots, tables, lens)
+        dec.forward(torch.zeros(1, 64), torch.tensor([64]), slots, cu, tables, lens)
+    with pytest.raises(RuntimeError, match="context length"):
+        dec.forward(torch.zeros(1, 64), positions, slots, cu, tables, lens + 1)
     with pytest.raises(ValueError, match="float32"):
-        dec.forward(torch.zeros(1, 64, dtype=torch.bfloat16), positions, slots, tables, lens)
+        dec.forward(torch.zeros(1, 64, dtype=torch.bfloat16), positions, slots, cu, tables, lens)
     bad = layers[0]
     bad.down = (bad.down[0], bad.down[1][:-1])
     with pytest.raises(ValueError, match="down is not a packed"):
@@ -189,10 +206,14 @@ def _decode_logits(llm, prompts, tokens):
     return [r.token_ids for r in out], logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fused_decode_matches_module_forward(arch, q8_models):
+@pytest.mark.parametrize("arch,budget", [("llama", 512), ("qwen2", 512), ("qwen3", 512), ("qwen3", 12)],
+                         ids=["llama", "qwen2", "qwen3", "qwen3-chunked"])
+def test_fused_forward_matches_module_forward(arch, budget, q8_models):
+    """budget 12: prompts are prefilled in chunks of up to 12 tokens, mixed with other rows' decode."""
     from nanochat.engine import LLM
-    llm = LLM(str(q8_models[arch]), dtype="float32", max_model_len=256, kvcache_block_size=16)
+    # no prefix caching: the second run must compute every token itself, with the first run's schedule
+    llm = LLM(str(q8_models[arch]), dtype="float32", max_model_len=256, kvcache_block_size=16,
+              max_num_batched_tokens=budget, enable_prefix_caching=False)
     fused = llm.engine.runner.model.fused
     assert fused.why_not is None
     prompts = [[5, 17, 42, 99, 3], list(range(20, 51)), list(range(100, 118))]   # ragged, crossing blocks
@@ -200,7 +221,7 @@ def test_fused_decode_matches_module_forward(arch, q8_models):
     real_run = fused.run
     fused.run = lambda *a: calls.append(1) or real_run(*a)
     ids_fused, logits_fused = _decode_logits(llm, prompts, 24)
-    assert len(calls) >= 23    # every pure-decode step went through the fused call
+    assert len(calls) >= len(logits_fused)    # every step went through the fused call
     fused.why_not = "disabled for the comparison"
     ids_ref, logits_ref = _decode_logits(llm, prompts, 24)
     assert ids_fused == ids_ref
@@ -209,7 +230,7 @@ def test_fused_decode_matches_module_forward(arch, q8_models):
         assert (a - b).abs().max().item() <= 1e-3 * b.abs().max().item()
 
 
-def test_fused_decode_rebuilds_plan_for_a_new_cache(q8_models):
+def test_fused_forward_rebuilds_plan_for_a_new_cache(q8_models):
     from nanochat.engine import LLM
     llm = LLM(str(q8_models["llama"]), dtype="float32", max_model_len=128)
     model = llm.engine.runner.model
@@ -222,12 +243,12 @@ def test_fused_decode_rebuilds_plan_for_a_new_cache(q8_models):
     assert again == first
 
 
-def test_fused_decode_only_where_it_applies(q8_models, monkeypatch):
+def test_fused_forward_only_where_it_applies(q8_models, monkeypatch):
     from nanochat.engine import LLM
     dense = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128, dequantize=True)
     assert "q8" in dense.engine.runner.model.fused.why_not
     bf16 = LLM(str(q8_models["qwen3"]), dtype="bfloat16", max_model_len=128)
     assert "float32" in bf16.engine.runner.model.fused.why_not
-    monkeypatch.setenv("NANOCHAT_FUSED_DECODE", "0")
+    monkeypatch.setenv("NANOCHAT_FUSED_FORWARD", "0")
     off = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128)
-    assert off.engine.runner.model.fused.why_not == "NANOCHAT_FUSED_DECODE=0"
+    assert off.engine.runner.model.fused.why_not == "NANOCHAT_FUSED_FORWARD=0"

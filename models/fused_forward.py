@@ -1,9 +1,10 @@
-"""The CPU fast path for decode steps of dense models: the whole layer stack in one compiled call.
+"""The CPU fast path of dense models: each engine step's whole layer stack in one compiled call.
 
-`FusedDecodePath.run` is used by DenseForCausalLM for pure-decode steps (one query token per sequence)
-when the model can run on kernels/cpu_decoder.py: on the CPU in float32, every linear on the q8 backend.
-Anything else (prefill, chunked mixes, dense or int4 weights, GPUs) runs the module-by-module forward,
-which stays the reference the fused path is tested against. NANOCHAT_FUSED_DECODE=0 turns it off.
+`FusedForward.run` replaces DenseForCausalLM's module-by-module forward for every step (decode rows,
+prefill chunks, mixes of both) when the model can run on kernels/cpu_decoder.py: on the CPU in
+float32, every linear on the q8 backend. Anything else (dense or int4 weights, other dtypes, GPUs)
+runs the module forward, which also stays the reference the fused path is tested against.
+NANOCHAT_FUSED_FORWARD=0 turns it off.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 from nanochat.models.attention import AttnMetadata
 
 
-def fused_decode_enabled() -> bool:
-    return os.environ.get("NANOCHAT_FUSED_DECODE", "1").strip() not in ("0", "false", "no", "off")
+def fused_forward_enabled() -> bool:
+    return os.environ.get("NANOCHAT_FUSED_FORWARD", "1").strip() not in ("0", "false", "no", "off")
 
 
 def _q8(linear) -> tuple[int, torch.Tensor] | None:
@@ -26,7 +27,7 @@ def _q8(linear) -> tuple[int, torch.Tensor] | None:
     return pw.ggml_type, pw.weight
 
 
-class FusedDecodePath:
+class FusedForward:
     """Builds the fused decoder for a model on first use (after the KV cache exists) and rebuilds it if
     the cache is reallocated. `why_not` says why a model cannot use it (None when it can)."""
 
@@ -37,8 +38,8 @@ class FusedDecodePath:
 
     @staticmethod
     def _check(model) -> str | None:
-        if not fused_decode_enabled():
-            return "NANOCHAT_FUSED_DECODE=0"
+        if not fused_forward_enabled():
+            return "NANOCHAT_FUSED_FORWARD=0"
         if model.backend.kind != "torch" or model.norm.weight.device.type != "cpu":
             return "not on the CPU"
         if model.norm.weight.dtype != torch.float32:
@@ -52,8 +53,8 @@ class FusedDecodePath:
             return "the CPU kernels are not available"
         return None
 
-    def usable(self, meta: AttnMetadata, n_tokens: int) -> bool:
-        return self.why_not is None and meta.max_q_len == 1 and n_tokens == meta.block_tables.shape[0]
+    def usable(self) -> bool:
+        return self.why_not is None
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         model = self.model
@@ -61,7 +62,8 @@ class FusedDecodePath:
         if self._decoder is None or not self._decoder.uses(first.k_cache):
             self._decoder = self._build()
         x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-        return self._decoder.forward(x, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        return self._decoder.forward(x, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.block_tables,
+                                     meta.context_lens)
 
     def _build(self):
         from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer, FusedDecoder
