@@ -76,6 +76,9 @@ def add_engine_options(parser, suppress: bool = False) -> None:
     _add(parser, suppress, "--kv-cache-gib", type=positive_float, metavar="GIB", help="CPU KV-cache budget")
     _add(parser, suppress, "--dequantize", action="store_true", default=argparse.SUPPRESS if suppress else False,
          help="materialise GGUF weights as dense tensors (more memory, exact fp32/bf16 maths)")
+    _add(parser, suppress, "--quantize", choices=["q8_0"],
+         help="quantize a Hugging Face checkpoint's linears to Q8_0 at load (~4x less memory than fp32, "
+              "the fast CPU path)")
 
 
 def add_generation_options(parser, suppress: bool = False) -> None:
@@ -170,7 +173,8 @@ def engine_config(args, settings) -> dict:
     cfg = {"device": _pick(args, "device", settings.device), "dtype": _pick(args, "dtype", settings.dtype),
            "max_model_len": _pick(args, "max_model_len", settings.max_model_len),
            "kv_cache_gib": _pick(args, "kv_cache_gib", settings.kv_cache_gib),
-           "dequantize": True if getattr(args, "dequantize", False) else None}
+           "dequantize": True if getattr(args, "dequantize", False) else None,
+           "quantize": getattr(args, "quantize", None)}
     return {k: v for k, v in cfg.items() if v is not None}
 
 

@@ -37,6 +37,7 @@ class Config:
     enable_prefix_caching: bool = True
     cpu_threads: int | None = None
     dequantize: bool = False            # materialise GGUF weights as dense tensors
+    quantize: str | None = None         # "q8_0": quantize a dense checkpoint's linears at load
     moe_offload: str = "auto"           # routed MoE experts on the host: auto | cpu | none
 
     @classmethod
@@ -79,6 +80,10 @@ class Config:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.quantize not in (None, "q8_0"):
+            raise ValueError(f"quantize must be q8_0 (or unset), got {self.quantize!r}")
+        if self.quantize and self.dequantize:
+            raise ValueError("quantize and dequantize exclude each other")
         if self.moe_offload not in ("auto", "cpu", "none"):
             raise ValueError(f"moe_offload must be auto, cpu or none, got {self.moe_offload!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -51,7 +51,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
         model_obj = build_model(self.loaded.source, self.device, self.dtype, self.config.kvcache_block_size,
-                                self.config.max_model_len, self.config.dequantize, self.config.moe_offload)
+                                self.config.max_model_len, self.config.dequantize, self.config.moe_offload,
+                                self.config.quantize)
         self.runner = ModelRunner(self.config, model_obj, self.device, self.dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_state_slots)

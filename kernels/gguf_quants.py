@@ -258,3 +258,23 @@ def dequantize_rows(qw: QuantWeight, row_ids: torch.Tensor, dtype=torch.float32)
     rows = qw.data.index_select(0, ids)
     out = dequantize_raw(qw.ggml_type, rows, (ids.numel(), qw.in_features), dtype)
     return out.view(*row_ids.shape, qw.in_features)
+
+
+# ---------------------------------------------------------------- quantization (load-time, --quantize)
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Dense [rows, k] (k a multiple of 32) -> raw Q8_0 blocks uint8 [rows, k / 32 * 34], bit for bit as
+    gguf.quants.quantize (= ggml's reference): d = amax / 127 per 32 values, q = round-half-away(x / d)
+    computed as x * (1 / d), d stored as f16."""
+    rows, k = w.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs rows that are a multiple of 32 long, got {k}")
+    blocks = w.detach().to(torch.float32).reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = blocks * inv
+    a = v.abs()
+    floored = a.floor()
+    q = torch.sign(v) * (floored + (2 * (a - floored)).floor())   # gguf's np_roundf, operation by operation
+    out = torch.cat([d.to(torch.float16).view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1)
+    return out.reshape(rows, k // 32 * 34)

@@ -120,6 +120,7 @@ class WeightLoader:
     dtype: torch.dtype
     dequantize: bool = False
     moe_offload: str = "auto"      # routed MoE experts: "auto" | "cpu" (host kernels) | "none" (see models/moe.py)
+    quantize: str | None = None    # "q8_0": dense linears (not GGUF blocks) are quantized to Q8_0 here
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         w = self.source.get(name)
@@ -139,7 +140,14 @@ class WeightLoader:
             qw = QuantWeight(parts[0].ggml_type, (rows, parts[0].shape[1]), data)
             from nanochat.kernels.quant_matmul import prepare_quant_weight
             return prepare_quant_weight(qw, self.device, self.dtype)
-        return torch.cat([self.dense(n) for n in names]) if len(names) > 1 else self.dense(names[0])
+        dense = torch.cat([self.dense(n) for n in names]) if len(names) > 1 else self.dense(names[0])
+        if self.quantize == "q8_0" and dense.shape[-1] % 32 == 0:
+            # Like a Q8_0 GGUF (the same blocks gguf would write): quantized kernels, the CPU fused path.
+            from nanochat.kernels.gguf_quants import Q8_0, quantize_q8_0
+            from nanochat.kernels.quant_matmul import prepare_quant_weight
+            qw = QuantWeight(Q8_0, tuple(dense.shape), quantize_q8_0(dense).to(self.device))
+            return prepare_quant_weight(qw, self.device, self.dtype)
+        return dense
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.dense(name) if name in self.names else None

@@ -68,12 +68,12 @@ def load(model: str) -> LoadedModel:
 
 
 def build_model(source, device: torch.device, dtype: torch.dtype, block_size: int, max_positions: int,
-                dequantize: bool = False, moe_offload: str = "auto"):
+                dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None):
     from nanochat.models.dense import DenseForCausalLM
     from nanochat.models.layers import WeightLoader
 
     cfg = source.config
-    loader = WeightLoader(source, device, dtype, dequantize, moe_offload)
+    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize)
     if cfg.arch in DENSE_ARCHS:
         return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
     if cfg.arch in MOE_ARCHS:

@@ -369,3 +369,6 @@ def test_dequantize_flag_reaches_the_engine(home):
     assert engine_config(args, Settings())["dequantize"] is True
     args = build_parser().parse_args(["--prompt", "x"])
     assert "dequantize" not in engine_config(args, Settings())
+    assert "quantize" not in engine_config(args, Settings())
+    args = build_parser().parse_args(["--quantize", "q8_0", "--prompt", "x"])
+    assert engine_config(args, Settings())["quantize"] == "q8_0"
