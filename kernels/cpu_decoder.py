@@ -70,8 +70,8 @@ class FusedDecoder:
     """The plan for one model; `forward` runs one engine step."""
 
     def __init__(self, dims: DecoderDims, layers: list[DecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
-                 final_norm: torch.Tensor):
-        lib = cpu_qgemv.extension()
+                 final_norm: torch.Tensor, lib=None):
+        lib = lib or cpu_qgemv.extension()
         if lib is None:
             raise RuntimeError("the CPU kernels are not available")
         if len(layers) != dims.layers:

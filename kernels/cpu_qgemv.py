@@ -60,14 +60,23 @@ _levels = 2
 
 
 
+# -ffp-contract=off: the scalar path must round like the SIMD paths (bit-identical outputs).
+_FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off"]
+
+
 def _load_extension() -> ctypes.CDLL:
     """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
     # -march=native first; a plain (scalar) build if the compiler rejects it.
-    # -ffp-contract=off: the scalar path must round like the SIMD paths (bit-identical outputs).
-    flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
-    variants = [("nanochat_qgemv", flags + ["-march=native"], ["-pthread"]),
-                ("nanochat_qgemv_plain", flags, ["-pthread"])]
+    variants = [("nanochat_qgemv", _FLAGS + ["-march=native"], ["-pthread"]),
+                ("nanochat_qgemv_plain", _FLAGS, ["-pthread"])]
     return _bind(ctypes.CDLL(build_library(_SOURCES, variants)))
+
+
+def build_variant(name: str, arch_flags: list[str]) -> ctypes.CDLL:
+    """The library compiled for other CPU features (tests: the AVX2 and scalar code of csrc/*.cpp on a
+    machine whose native build takes the AVX-512 paths), loaded beside the native one."""
+    return _bind(ctypes.CDLL(build_library(_SOURCES, [(f"nanochat_qgemv_{name}", _FLAGS + arch_flags,
+                                                       ["-pthread"])])))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
