@@ -1,8 +1,8 @@
 """The CPU fast path of dense models: each engine step's whole layer stack in one compiled call.
 
-`FusedForward.run` replaces DenseForCausalLM's module-by-module forward for its steps (decode rows,
-prefill chunks, mixes of both; not long prefills, see `usable`) when the model can run on
-kernels/cpu_decoder.py: on the CPU in float32, every linear on the q8 backend. Anything else (dense or int4 weights, other dtypes, GPUs)
+`FusedForward.run` replaces DenseForCausalLM's module-by-module forward for every step (decode rows,
+prefill chunks, mixes of both) when the model can run on kernels/cpu_decoder.py: on the CPU in
+float32, every linear on the q8 backend. Anything else (dense or int4 weights, other dtypes, GPUs)
 runs the module forward, which also stays the reference the fused path is tested against.
 NANOCHAT_FUSED_FORWARD=0 turns it off.
 """
@@ -14,9 +14,6 @@ import os
 import torch
 
 from nanochat.models.attention import AttnMetadata
-
-
-MAX_PREFILL_PAIRS = 1_500_000
 
 
 def fused_forward_enabled() -> bool:
@@ -56,18 +53,8 @@ class FusedForward:
             return "the CPU kernels are not available"
         return None
 
-    def usable(self, meta: AttnMetadata) -> bool:
-        """Whether this step runs fused. Long prefills do not: the fused attention recomputes each
-        16-row block's transposed keys, and past ~1.5M (query row x key) pairs torch's flash SDPA wins
-        (SmolLM2, 2 threads: a 512-token prompt 0.58 s fused vs 0.79 s module-by-module, 1024 tokens
-        1.37 vs 1.49 s, 2048 tokens 3.75 vs 3.3 s)."""
-        if self.why_not is not None:
-            return False
-        if meta.max_q_len == 1 or meta.host_lists is None:
-            return True
-        starts, lens = meta.host_lists
-        pairs = sum((starts[b + 1] - starts[b]) * n for b, n in enumerate(lens))
-        return pairs <= MAX_PREFILL_PAIRS
+    def usable(self) -> bool:
+        return self.why_not is None
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         model = self.model

@@ -280,19 +280,3 @@ def test_fused_forward_only_where_it_applies(q8_models, monkeypatch):
     monkeypatch.setenv("NANOCHAT_FUSED_FORWARD", "0")
     off = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128)
     assert off.engine.runner.model.fused.why_not == "NANOCHAT_FUSED_FORWARD=0"
-
-
-def test_long_prefills_take_the_module_forward(q8_models, monkeypatch):
-    from nanochat.engine import LLM
-    from nanochat.models import fused_forward
-    monkeypatch.setattr(fused_forward, "MAX_PREFILL_PAIRS", 30 * 30)
-    llm = LLM(str(q8_models["llama"]), dtype="float32", max_model_len=128)
-    fused = llm.engine.runner.model.fused
-    steps = []
-    real_run = fused.run
-    fused.run = lambda x, positions, meta: steps.append(meta.max_q_len) or real_run(x, positions, meta)
-    _decode_logits(llm, [list(range(10, 50))], 4)          # 40 x 40 pairs: the prefill runs module by module
-    assert steps == [1, 1, 1]
-    steps.clear()
-    _decode_logits(llm, [list(range(60, 80))], 4)          # 20 x 20: fused
-    assert steps == [20, 1, 1, 1]

@@ -195,16 +195,19 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out) {
 //   threads, "split-K" as in flash-decoding). A part keeps, per query head, the max m of its scores,
 //   the sum l of exp(score - m) and the unnormalized output o; a sequence's parts are merged with
 //   exp(m - M) weights. Keys are read a whole cached row (all KV heads) at a time, block by block.
-// - several rows (prefill chunk): blocks of up to ROW_BLOCK rows x one KV head, with the scores of
-//   all their query heads computed against tiles of 16 keys transposed once (an outer-product form
-//   that vectorizes over keys), then a causal softmax per row and the weighted sum of values.
+// - several rows (prefill chunk): first the sequence's keys are transposed per KV head into tiles of
+//   16 (one item per KV head), then blocks of up to ROW_BLOCK rows x one KV head compute the scores
+//   of all their query heads against those tiles (an outer-product form that vectorizes over keys),
+//   a causal softmax per row and the weighted sum of values.
 constexpr int64_t ROW_BLOCK = 16, KEY_TILE = 16;
+
+enum class Work { PART, TRANSPOSE, ROWS };
 
 struct Item {
   int64_t seq;
-  int64_t lo, hi;   // one row: keys [lo, hi); several rows: batch rows [lo, hi)
-  int64_t index;    // one row: the part's index in ml / o; several rows: the KV head
-  bool rows;
+  int64_t lo, hi;   // PART: keys [lo, hi); ROWS: batch rows [lo, hi)
+  int64_t index;    // PART: the part's index in ml / o; TRANSPOSE, ROWS: the KV head
+  Work work;
 };
 
 struct AttnJob {
@@ -219,6 +222,14 @@ struct AttnJob {
   std::vector<int64_t> first_part;  // [seqs + 1]: parts of sequence t (one-row sequences only)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
   std::vector<float> o;             // [parts, heads, head_dim]
+  // Several-row sequences: their keys' cache slots and transposed keys [kv_heads][tiles][head_dim][16].
+  std::vector<int64_t> slots, slots_at, keys_t_at;
+  std::vector<float> keys_t;
+
+  int64_t tiles(int64_t t) const { return (b->context_lens[t] + KEY_TILE - 1) / KEY_TILE; }
+  const float* key_tile(int64_t t, int64_t g, int64_t tile) const {
+    return &keys_t[keys_t_at[t] + (g * tiles(t) + tile) * m->head_dim * KEY_TILE];
+  }
 
   void bind(const Model& model, const Batch& batch, const float* q, const float* kc, const float* vc,
             float* dst) {
@@ -299,95 +310,146 @@ void merge_parts(AttnJob& j) {
   }
 }
 
-// s[c] = scale * q . K[c] for the 16 keys of a tile transposed into kt[e][c].
-inline void tile_scores(const float* q, const float* kt, int64_t d, float scale, float* s) {
+// s[v][c] = scale * q[v] . K[c] for NV query vectors and the 16 keys of a tile transposed into
+// kt[e][c]. NV independent accumulators: one would wait on its own FMA latency every step.
+template <int NV>
+inline void tile_scores(const float* const* q, const float* kt, int64_t d, float scale, float* const* s) {
 #if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t e = 0; e < d; ++e) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[e]), _mm512_loadu_ps(kt + e * KEY_TILE), acc);
-  _mm512_storeu_ps(s, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+  __m512 acc[NV];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    const __m512 k = _mm512_loadu_ps(kt + e * KEY_TILE);
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(q[v][e]), k, acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s[v], _mm512_mul_ps(acc[v], _mm512_set1_ps(scale)));
 #else
-  float acc[KEY_TILE] = {};
-  for (int64_t e = 0; e < d; ++e)
-    for (int64_t c = 0; c < KEY_TILE; ++c) acc[c] += q[e] * kt[e * KEY_TILE + c];
-  for (int64_t c = 0; c < KEY_TILE; ++c) s[c] = acc[c] * scale;
+  for (int v = 0; v < NV; ++v) {
+    float acc[KEY_TILE] = {};
+    for (int64_t e = 0; e < d; ++e)
+      for (int64_t c = 0; c < KEY_TILE; ++c) acc[c] += q[v][e] * kt[e * KEY_TILE + c];
+    for (int64_t c = 0; c < KEY_TILE; ++c) s[v][c] = acc[c] * scale;
+  }
 #endif
 }
 
-// out[e] = sum_p w[p] * V[slot[p]][e] for one head's values (row stride `stride` floats).
-template <int D>
-void weighted_values(const float* w, int64_t n, const float* v, int64_t stride, const int64_t* slots, int64_t d,
-                     float* out) {
+// out[v][e] = sum_p w[v][p] * V[slot[p]][e] for NV query vectors over the same keys (one head's
+// values, row stride `stride` floats): each value row is loaded once for all NV.
+template <int D, int NV>
+void weighted_values(const float* const* w, int64_t n, const float* v, int64_t stride, const int64_t* slots,
+                     int64_t d, float* const* out) {
 #if defined(__AVX512F__)
   if constexpr (D > 0 && D % 16 == 0) {
-    __m512 acc[D / 16];
-    for (auto& a : acc) a = _mm512_setzero_ps();
+    __m512 acc[NV][D / 16];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
     for (int64_t p = 0; p < n; ++p) {
-      const __m512 wp = _mm512_set1_ps(w[p]);
       const float* row = v + slots[p] * stride;
-      for (int c = 0; c < D / 16; ++c) acc[c] = _mm512_fmadd_ps(wp, _mm512_loadu_ps(row + 16 * c), acc[c]);
+      __m512 vals[D / 16];
+      for (int c = 0; c < D / 16; ++c) vals[c] = _mm512_loadu_ps(row + 16 * c);
+      for (int u = 0; u < NV; ++u) {
+        const __m512 wp = _mm512_set1_ps(w[u][p]);
+        for (int c = 0; c < D / 16; ++c) acc[u][c] = _mm512_fmadd_ps(wp, vals[c], acc[u][c]);
+      }
     }
-    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+    for (int u = 0; u < NV; ++u)
+      for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out[u] + 16 * c, acc[u][c]);
     return;
   }
 #endif
-  std::fill(out, out + d, 0.f);
-  for (int64_t p = 0; p < n; ++p) {
-    const float* row = v + slots[p] * stride;
-    for (int64_t e = 0; e < d; ++e) out[e] += w[p] * row[e];
+  for (int u = 0; u < NV; ++u) {
+    std::fill(out[u], out[u] + d, 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* row = v + slots[p] * stride;
+      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * row[e];
+    }
   }
 }
 
-struct RowScratch {
-  std::vector<float> scores, kt;
-  std::vector<int64_t> slots;
-};
+// Keys of several-row sequence t, KV head g, transposed into tiles: kt[e][c] = K[16 tile + c][g][e]
+// (positions past the last key repeat it; their scores are never used).
+void transpose_keys(AttnJob& j, int64_t t, int64_t g) {
+  const int64_t d = j.m->head_dim, kv = j.m->kv_size(), keys = j.b->context_lens[t];
+  const int64_t* slots = &j.slots[j.slots_at[t]];
+  for (int64_t tile = 0; tile < j.tiles(t); ++tile) {
+    float* kt = const_cast<float*>(j.key_tile(t, g, tile));
+    for (int64_t c = 0; c < KEY_TILE; ++c) {
+      const float* krow = j.k_cache + slots[std::min(tile * KEY_TILE + c, keys - 1)] * kv + g * d;
+      for (int64_t e = 0; e < d; ++e) kt[e * KEY_TILE + c] = krow[e];
+    }
+  }
+}
 
 // Causal attention of batch rows [lo, hi) (consecutive positions of one sequence) for the query
 // heads of KV head g. D: the head dimension (a constant for the common sizes, so the inner loops
 // have fixed trip counts; 0 = read it from the model).
 template <int D>
-void attend_rows(AttnJob& j, const Item& it, RowScratch& rs) {
+void attend_rows(AttnJob& j, const Item& it, std::vector<float>& scores) {
   const Model& m = *j.m;
   const int64_t d = D ? D : m.head_dim, group = m.heads / m.kv_heads, g = it.index, kv = m.kv_size();
   const int64_t nq = (it.hi - it.lo) * group;             // query vectors: (row, head of the group)
   const int64_t keys = j.b->positions[it.hi - 1] + 1;     // the last row sees the most keys
   const int64_t ld = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-  rs.scores.resize(nq * ld);
-  rs.kt.resize(d * KEY_TILE);
-  rs.slots.resize(keys);
-  for (int64_t p = 0; p < keys; ++p) rs.slots[p] = j.slot(it.seq, p);
+  const int64_t* slots = &j.slots[j.slots_at[it.seq]];
+  scores.resize(nq * ld);
   auto query = [&](int64_t i) { return j.qkv + (it.lo + i / group) * j.width() + (g * group + i % group) * d; };
 
-  for (int64_t k0 = 0; k0 < keys; k0 += KEY_TILE) {
-    const int64_t kn = std::min(KEY_TILE, keys - k0);
-    float* kt = rs.kt.data();  // kt[e][c] = K[k0 + c][g][e]
-    for (int64_t c = 0; c < KEY_TILE; ++c) {
-      const float* krow = j.k_cache + rs.slots[k0 + std::min(c, kn - 1)] * kv + g * d;
-      for (int64_t e = 0; e < d; ++e) kt[e * KEY_TILE + c] = krow[e];
+  constexpr int QV = 8;   // query vectors per pass over a key tile
+  for (int64_t tile = 0; tile * KEY_TILE < keys; ++tile) {
+    const float* kt = j.key_tile(it.seq, g, tile);
+    const float* q[QV];
+    float* s[QV];
+    int64_t i = 0;
+    for (; i < nq; ++i) {
+      q[i % QV] = query(i);
+      s[i % QV] = &scores[i * ld + tile * KEY_TILE];
+      if (i % QV == QV - 1) tile_scores<QV>(q, kt, d, j.scale, s);
     }
-    for (int64_t i = 0; i < nq; ++i) tile_scores(query(i), kt, d, j.scale, &rs.scores[i * ld + k0]);
+    for (int64_t r = i - i % QV; r < nq; ++r) tile_scores<1>(&q[r % QV], kt, d, j.scale, &s[r % QV]);
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t row = it.lo + i / group, seen = j.b->positions[row] + 1;
-    float* s = &rs.scores[i * ld];
-    const float inv = 1.0f / exp_shifted(s, seen, *std::max_element(s, s + seen));
-    for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
-    weighted_values<D>(s, seen, j.v_cache + g * d, kv, rs.slots.data(), d,
-                       j.out + row * m.q_size() + (g * group + i % group) * d);
+  for (int64_t row = it.lo; row < it.hi; ++row) {   // a row's query heads share their keys
+    const int64_t seen = j.b->positions[row] + 1;
+    const float* w[8];
+    float* out[8];
+    for (int64_t h = 0; h < group; ++h) {
+      float* s = &scores[((row - it.lo) * group + h) * ld];
+      const float inv = 1.0f / exp_shifted(s, seen, *std::max_element(s, s + seen));
+      for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
+    }
+    constexpr int PV = D > 64 ? 2 : 4;   // accumulators: PV x D / 16 registers
+    for (int64_t h0 = 0; h0 < group; h0 += PV) {
+      const int64_t nv = std::min<int64_t>(PV, group - h0);
+      for (int64_t u = 0; u < nv; ++u) {
+        w[u] = &scores[((row - it.lo) * group + h0 + u) * ld];
+        out[u] = j.out + row * m.q_size() + (g * group + h0 + u) * d;
+      }
+      const float* vbase = j.v_cache + g * d;
+      if (nv == PV)
+        weighted_values<D, PV>(w, seen, vbase, kv, slots, d, out);
+      else
+        for (int64_t u = 0; u < nv; ++u) weighted_values<D, 1>(&w[u], seen, vbase, kv, slots, d, &out[u]);
+    }
   }
 }
 
 void run_item(AttnJob& j, const Item& it) {
   thread_local std::vector<float> scores;
-  thread_local RowScratch rs;
-  if (!it.rows)
+  if (it.work == Work::PART)
     attend_part(j, it, scores);
+  else if (it.work == Work::TRANSPOSE)
+    transpose_keys(j, it.seq, it.index);
   else if (j.m->head_dim == 64)
-    attend_rows<64>(j, it, rs);
+    attend_rows<64>(j, it, scores);
   else if (j.m->head_dim == 128)
-    attend_rows<128>(j, it, rs);
+    attend_rows<128>(j, it, scores);
   else
-    attend_rows<0>(j, it, rs);
+    attend_rows<0>(j, it, scores);
+}
+
+void run_items(AttnJob& job, int threads) {
+  nc_qg_parallel_for(static_cast<int64_t>(job.items.size()), 1, threads, [](const void* ctx, int64_t i0, int64_t i1) {
+    AttnJob& j = *const_cast<AttnJob*>(static_cast<const AttnJob*>(ctx));
+    for (int64_t i = i0; i < i1; ++i) run_item(j, j.items[i]);
+  }, &job);
 }
 
 // out [n, heads * head_dim] = softmax(q k^T * scale) v per row over its sequence's cached keys
@@ -410,24 +472,37 @@ void attention(AttnJob& job, int threads) {
     part_keys = std::max<int64_t>(m.block_size, (longest + 2 * nt - 1) / (2 * nt));
   job.items.clear();
   job.first_part.assign(b.seqs + 1, 0);
+  job.slots.clear();
+  job.slots_at.assign(b.seqs, -1);
+  job.keys_t_at.assign(b.seqs, -1);
+  int64_t keys_t_size = 0;
   for (int64_t t = 0; t < b.seqs; ++t) {
     const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
     job.first_part[t + 1] = job.first_part[t];
     if (r1 - r0 == 1) {
       for (int64_t p = 0; p < b.context_lens[t]; p += part_keys)
         job.items.push_back({t, p, std::min<int64_t>(b.context_lens[t], p + part_keys), job.first_part[t + 1]++,
-                             false});
+                             Work::PART});
     } else {
-      for (int64_t r = r0; r < r1; r += ROW_BLOCK)
-        for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, r, std::min(r1, r + ROW_BLOCK), g, true});
+      job.slots_at[t] = static_cast<int64_t>(job.slots.size());
+      for (int64_t p = 0; p < b.context_lens[t]; ++p) job.slots.push_back(job.slot(t, p));
+      job.keys_t_at[t] = keys_t_size;
+      keys_t_size += m.kv_heads * job.tiles(t) * m.head_dim * KEY_TILE;
+      for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, 0, 0, g, Work::TRANSPOSE});
     }
   }
   job.ml.resize(job.first_part[b.seqs] * m.heads * 2);
   job.o.resize(job.first_part[b.seqs] * m.heads * m.head_dim);
-  nc_qg_parallel_for(static_cast<int64_t>(job.items.size()), 1, nt, [](const void* ctx, int64_t i0, int64_t i1) {
-    AttnJob& j = *const_cast<AttnJob*>(static_cast<const AttnJob*>(ctx));
-    for (int64_t i = i0; i < i1; ++i) run_item(j, j.items[i]);
-  }, &job);
+  job.keys_t.resize(keys_t_size);
+  run_items(job, nt);   // decode parts and key transposes
+  job.items.clear();
+  for (int64_t t = 0; t < b.seqs; ++t) {
+    const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
+    if (r1 - r0 > 1)
+      for (int64_t r = r0; r < r1; r += ROW_BLOCK)
+        for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, r, std::min(r1, r + ROW_BLOCK), g, Work::ROWS});
+  }
+  if (!job.items.empty()) run_items(job, nt);
   merge_parts(job);
 }
 
