@@ -423,10 +423,12 @@ void attend_rows(AttnJob& j, const Item& it, std::vector<float>& scores) {
         out[u] = j.out + row * m.q_size() + (g * group + h0 + u) * d;
       }
       const float* vbase = j.v_cache + g * d;
-      if (nv == PV)
-        weighted_values<D, PV>(w, seen, vbase, kv, slots, d, out);
-      else
-        for (int64_t u = 0; u < nv; ++u) weighted_values<D, 1>(&w[u], seen, vbase, kv, slots, d, &out[u]);
+      switch (nv) {
+        case 4: weighted_values<D, 4>(w, seen, vbase, kv, slots, d, out); break;
+        case 3: weighted_values<D, 3>(w, seen, vbase, kv, slots, d, out); break;
+        case 2: weighted_values<D, 2>(w, seen, vbase, kv, slots, d, out); break;
+        default: weighted_values<D, 1>(w, seen, vbase, kv, slots, d, out);
+      }
     }
   }
 }
