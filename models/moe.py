@@ -32,24 +32,11 @@ from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
-from nanochat.models.layers import Linear, WeightLoader
+from nanochat.models.layers import GatedMLP, Linear, WeightLoader
 
 OFFLOAD_MODES = ("auto", "cpu", "none")
 _DENSE_IDS = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}
 _GPU_HEADROOM = 1 << 30   # KV cache and activations need room beside the weights
-
-
-class GatedMLP(nn.Module):
-    """down(silu(gate x) * up x) with gate/up fused into one matmul."""
-
-    def __init__(self, w: WeightLoader, prefix: str):
-        super().__init__()
-        self.gate_up_proj = Linear(w.linear_weight([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]))
-        self.down_proj = Linear(w.linear_weight([f"{prefix}.down_proj.weight"]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,8 @@ from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.dense import DenseAttention, Embedding
 from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
-from nanochat.models.moe import GatedMLP, SparseMoeBlock
+from nanochat.models.layers import GatedMLP
+from nanochat.models.moe import SparseMoeBlock
 
 
 def load_embedding(w: WeightLoader) -> Embedding:
