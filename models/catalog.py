@@ -1,7 +1,7 @@
 """Where models come from: the default model, and a cheap inventory for the model picker.
 
 Nothing here loads weights. GGUF entries are described from the first keys of the metadata
-header (the scan stops before the large vocabulary arrays when it can); Hugging Face folders
+header (the read stops before the large vocabulary arrays when it can); Hugging Face folders
 from config.json and the sizes of their safetensors files.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,66 +63,15 @@ def resolve_default_model(configured: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------- GGUF header
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
 _WANTED = ("general.architecture", "general.name", "general.file_type")
 
 
-class _Header:
-    """Sequential reader over a GGUF header; reads only what it is asked for."""
-
-    def __init__(self, f, endian: str):
-        self.f, self.e = f, endian
-
-    def read(self, code: str):
-        size = struct.calcsize(code)
-        raw = self.f.read(size)
-        if len(raw) != size:
-            raise ValueError("truncated GGUF header")
-        return struct.unpack(self.e + code, raw)[0]
-
-    def string(self, keep: bool = True) -> str | None:
-        n = self.read("Q")
-        if n > 1 << 24:
-            raise ValueError("implausible string length in GGUF header")
-        if not keep:
-            self.f.seek(n, os.SEEK_CUR)
-            return None
-        return self.f.read(n).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int, keep: bool = True):
-        if vtype in _SCALARS:
-            return self.read(_SCALARS[vtype])
-        if vtype == _STRING:
-            return self.string(keep)
-        if vtype == _ARRAY:
-            etype, count = self.read("I"), self.read("Q")
-            if etype in _SCALARS:
-                self.f.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    self.value(etype, keep=False)
-            return None
-        raise ValueError(f"unknown GGUF value type {vtype}")
-
-
 def gguf_summary(path: str | os.PathLike) -> dict:
-    """general.architecture / name / file_type (and <arch>.* scalars seen on the way), stopping as
-    soon as the wanted keys are known. Raises ValueError for files that are not GGUF."""
-    out: dict = {}
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        version = struct.unpack("<I", f.read(4))[0]
-        header = _Header(f, ">" if version & 0xFFFF == 0 else "<")
-        header.read("Q")                      # tensor count
-        for _ in range(header.read("Q")):     # metadata key/value count
-            key = header.string()
-            vtype = header.read("I")
-            out[key] = header.value(vtype, keep=not key.startswith("tokenizer."))
-            if all(k in out for k in _WANTED):
-                break
-    return {k: v for k, v in out.items() if v is not None}
+    """The metadata up to general.architecture / name / file_type (llama.cpp writes them before the
+    vocabulary arrays, so those are usually not read). Raises ValueError for files that are not GGUF."""
+    from nanochat.models.gguf_file import read_metadata   # numpy + gguf: only when a GGUF is described
+
+    return read_metadata(path, until=_WANTED)
 
 
 def _gguf_quant(file_type) -> str | None:
@@ -141,7 +89,7 @@ def describe_gguf(path: Path, origin: str = "dir") -> ModelEntry | None:
     try:
         meta = gguf_summary(path)
         size = path.stat().st_size
-    except (OSError, ValueError, struct.error):
+    except (OSError, ValueError):
         return None
     name = meta.get("general.name") or path.stem
     return ModelEntry(name=str(name), path=str(path), kind="gguf", arch=meta.get("general.architecture"),

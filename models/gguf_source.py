@@ -34,10 +34,8 @@ Layers without a router (`ffn_gate_inp`) are dense MLP layers (config.mlp_only_l
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
-import struct
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,6 +49,7 @@ from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig, layer_types_from_interval
+from nanochat.models.gguf_file import GGUFError, GGUFFile, to_python
 
 T = gguf.GGMLQuantizationType
 
@@ -155,68 +154,10 @@ class _Ref:
 # Checkpoint dtype reported for unquantized files; quantized ones keep the bf16 default.
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
+_MISSING = object()
+
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-_MIN_HEADER = 24  # magic, version, tensor count, kv count
-# Sizes of the fixed-size GGUF metadata value types (GGUFValueType numbering).
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-class _HeaderScan:
-    """Walks the GGUF header with bounds checks before gguf.GGUFReader parses it: the reader
-    trusts length fields, and a corrupt array length past the end of the file makes it loop
-    for ~2**64 iterations instead of failing."""
-
-    def __init__(self, buf, size: int):
-        self.buf, self.size, self.pos = buf, size, 0
-
-    def take(self, n: int) -> int:
-        if n < 0 or self.pos + n > self.size:
-            raise ValueError(f"field at byte {self.pos} runs past the end of the file")
-        start, self.pos = self.pos, self.pos + n
-        return start
-
-    def u32(self) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4))[0]
-
-    def u64(self) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8))[0]
-
-    def string(self) -> None:
-        self.take(self.u64())
-
-    def value(self, vtype: int) -> None:
-        if vtype in _SCALAR_SIZES:
-            self.take(_SCALAR_SIZES[vtype])
-        elif vtype == _STRING:
-            self.string()
-        elif vtype == _ARRAY:
-            itype, count = self.u32(), self.u64()
-            if itype in _SCALAR_SIZES:
-                self.take(count * _SCALAR_SIZES[itype])
-            elif count * 8 > self.size - self.pos:  # every string/array item is >= 8 bytes
-                raise ValueError(f"array of {count} items at byte {self.pos} exceeds the file")
-            else:
-                for _ in range(count):
-                    self.value(itype)
-        else:
-            raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos}")
-
-    def run(self) -> None:
-        self.take(8)  # magic, version
-        n_tensors, n_kv = self.u64(), self.u64()
-        for _ in range(n_kv):
-            self.string()
-            self.value(self.u32())
-        if n_tensors * 24 > self.size - self.pos:
-            raise ValueError(f"tensor count {n_tensors} does not fit in the file")
-        for _ in range(n_tensors):
-            self.string()
-            n_dims = self.u32()
-            if n_dims > 4:
-                raise ValueError(f"tensor with {n_dims} dimensions at byte {self.pos}")
-            self.take(8 * n_dims + 12)  # dims, type, offset
 
 
 def grouped_from_tiled(nk: int, r: int, head: int) -> torch.Tensor:
@@ -248,8 +189,8 @@ class GGUFSource:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        self.reader = self._open(self.path)
-        self.file_size = os.path.getsize(self.path)
+        self.reader = self._open(self.path)   # the parsed file (metadata, tensor infos, mmap)
+        self.file_size = self.reader.size
         self.arch = self._str_meta("general.architecture")
         if self.arch is None:
             raise ModelLoadError(f"{self.path}: GGUF has no general.architecture")
@@ -258,7 +199,7 @@ class GGUFSource:
                 f"{self.path}: unsupported GGUF architecture '{self.arch}' "
                 f"(supported: {', '.join(sorted(ARCHS))})")
         self.spec = ARCHS[self.arch]
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._tensors = self.reader.tensors
         self._n_layers: int | None = None
         self._check_tensors()
         self._hf_to_gguf = self._map_names()
@@ -267,45 +208,21 @@ class GGUFSource:
     # ---- opening and validation ----
 
     @staticmethod
-    def _open(path: str) -> gguf.GGUFReader:
+    def _open(path: str) -> GGUFFile:
         if not os.path.exists(path):
             raise ModelLoadError(f"{path}: no such file")
         if not os.path.isfile(path):
             raise ModelLoadError(f"{path}: not a regular file")
-        with open(path, "rb") as f:
-            head = f.read(_MIN_HEADER)
-        if not head:
-            raise ModelLoadError(f"{path}: empty file, not a GGUF model")
-        if head[:4] != b"GGUF":
-            raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
-        if len(head) < _MIN_HEADER:
-            raise ModelLoadError(f"{path}: truncated GGUF file ({len(head)} bytes)")
-        version = struct.unpack_from("<I", head, 4)[0]
-        if version & 0xFFFF == 0:
-            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
-        if version not in (2, 3):
-            raise ModelLoadError(f"{path}: unsupported GGUF version {version} (need 2 or 3)")
         try:
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _HeaderScan(buf, len(buf)).run()
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: truncated or corrupt GGUF header ({e})") from None
-        try:
-            reader = gguf.GGUFReader(path, "r")
-        except Exception as e:  # the reader raises many types on garbage; report one line
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({msg})") from None
-        if reader.byte_order != "I":
-            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
-        return reader
+            return GGUFFile(path)
+        except GGUFError as e:  # already one line naming the file
+            raise ModelLoadError(str(e)) from None
+        except OSError as e:
+            raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
 
     def _check_tensors(self) -> None:
-        for t in self.reader.tensors:
-            end = t.data_offset + t.n_bytes
-            if end > self.file_size or t.data.nbytes != t.n_bytes:
-                raise ModelLoadError(
-                    f"{self.path}: truncated GGUF file (tensor {t.name} ends at byte {end}, "
-                    f"file has {self.file_size})")
+        # GGUFFile has checked that every tensor's data lies inside the file.
+        for t in self._tensors.values():
             if self._hf_name(t.name) is not None and t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"{self.path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
@@ -403,7 +320,7 @@ class GGUFSource:
 
     def _expert_stack(self, gguf_name: str, part: int, parts: int) -> StackedWeight:
         t = self._tensors[gguf_name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.torch_shape
         if len(shape) != 3:
             raise ModelLoadError(f"{self.path}: expert tensor {gguf_name} is {len(shape)}-D, expected 3-D")
         e, rows, cols = shape
@@ -414,6 +331,12 @@ class GGUFSource:
             data = data.view(torch.bfloat16)
         step = rows // parts
         return StackedWeight(int(t.tensor_type), (e, step, cols), data[:, part * step:(part + 1) * step])
+
+    def release(self, name: str) -> None:
+        """Let the memory map drop the pages of HF-named tensor `name` (copied elsewhere at load)."""
+        ref = self._hf_to_gguf.get(name)
+        if ref is not None and ref.kind == "plain":
+            self.reader.release(ref.gguf)
 
     def get_gguf(self, gguf_name: str) -> torch.Tensor | QuantWeight:
         """A tensor by its GGUF name, exactly as stored (no q/k un-permutation)."""
@@ -427,7 +350,7 @@ class GGUFSource:
             return _from_numpy(t.data)
         if ttype == T.BF16:  # the reader yields raw bytes [..., 2*n]
             return _from_numpy(t.data).view(torch.bfloat16)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # torch order
+        shape = t.torch_shape
         if len(shape) == 1:  # quantized vectors are rare and small: dequantize them
             deq = gguf.quants.dequantize(np.asarray(t.data), ttype)
             return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)).reshape(shape)
@@ -491,10 +414,8 @@ class GGUFSource:
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """A metadata value (str, int, float, bool, or list), or `default` when absent."""
-        f = self.reader.get_field(key)
-        if f is None or not f.types:
-            return default
-        return f.contents()
+        v = self.reader.get(key, _MISSING)
+        return default if v is _MISSING else to_python(v)
 
     def _str_meta(self, key: str) -> str | None:
         v = self.metadata(key)

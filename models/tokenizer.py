@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from nanochat.models.gguf_file import GGUFFile, read_metadata, to_python
 
 log = logging.getLogger(__name__)
 
@@ -128,78 +127,24 @@ def _spell_byte_level(token: str) -> str:
 # GGUF metadata
 # ---------------------------------------------------------------------------------------------
 
-# GGUF value type -> (struct code, size); 8 = string, 9 = array
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file (no tensors), as Python values.
-
-    Much faster than gguf.GGUFReader for vocabularies of 100k+ strings, which matters for startup.
-    """
-    path = str(path)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file (bad magic {bytes(mm[:4])!r})")
-        endian = "<"
-        version = struct.unpack_from("<I", mm, 4)[0]
-        if version & 0xFFFF == 0:  # a big-endian file reads as a huge little-endian number
-            endian = ">"
-            version = struct.unpack_from(">I", mm, 4)[0]
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported (need >= 2)")
-        _, n_kv = struct.unpack_from(endian + "QQ", mm, 8)
-        reader = _KVReader(mm, 24, endian, path)
-        out = {}
-        for _ in range(n_kv):
-            key = reader.string()
-            out[key] = reader.value(reader.u32())
-        return out
-
-
-class _KVReader:
-    def __init__(self, buf, pos: int, endian: str, path: str):
-        self.buf, self.pos, self.e, self.path = buf, pos, endian, path
-
-    def _unpack(self, code: str):
-        val = struct.unpack_from(self.e + code, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(code)
-        return val
-
-    def u32(self) -> int:
-        return self._unpack("I")
-
-    def string(self) -> str:
-        n = self._unpack("Q")
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int):
-        if vtype in _GGUF_SCALARS:
-            return self._unpack(_GGUF_SCALARS[vtype])
-        if vtype == 8:
-            return self.string()
-        if vtype == 9:
-            etype, count = self.u32(), self._unpack("Q")
-            if etype in _GGUF_SCALARS:
-                dtype = np.dtype(self.e + _GGUF_SCALARS[etype].replace("?", "b1"))
-                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-                self.pos += dtype.itemsize * count
-                return arr.tolist()
-            return [self.value(etype) for _ in range(count)]
-        raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+    """All key/value metadata of a GGUF file (no tensors), arrays as plain Python lists."""
+    return {k: to_python(v) for k, v in read_metadata(path).items()}
 
 
 def _metadata_from(source) -> Mapping[str, Any]:
-    """A metadata mapping from a path, a gguf.GGUFReader, or a mapping already extracted."""
+    """A metadata mapping from a path, a GGUFFile, a gguf.GGUFReader, or a mapping already extracted
+    (numeric arrays may be numpy arrays or lists)."""
     if isinstance(source, (str, os.PathLike)):
-        return read_gguf_metadata(source)
+        return read_metadata(source)
+    if isinstance(source, GGUFFile):
+        return source.metadata
     if isinstance(source, Mapping):
         return source
     fields = getattr(source, "fields", None)
     if fields is None:
-        raise TypeError(f"expected a GGUF path, a gguf.GGUFReader or a metadata dict, got {type(source).__name__}")
+        raise TypeError("expected a GGUF path, a GGUFFile, a gguf.GGUFReader or a metadata dict, "
+                        f"got {type(source).__name__}")
     keep = ("tokenizer.", "general.architecture")
     return {k: f.contents() for k, f in fields.items() if k.startswith(keep)}
 
@@ -309,9 +254,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source, name: str = "") -> "Tokenizer":
-        """From GGUF metadata: a .gguf path, a gguf.GGUFReader, or a dict of its fields."""
+        """From GGUF metadata: a .gguf path, a GGUFFile, a gguf.GGUFReader, or a dict of its fields."""
         meta = _metadata_from(source)
-        name = name or (str(source) if isinstance(source, (str, os.PathLike)) else "gguf")
+        if not name:
+            name = str(source) if isinstance(source, (str, os.PathLike)) else \
+                source.path if isinstance(source, GGUFFile) else "gguf"
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise UnsupportedTokenizerError(f"{name}: no tokenizer in GGUF metadata (tokenizer.ggml.model missing)")
@@ -323,7 +270,8 @@ class Tokenizer:
         merges = meta.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
             raise ValueError(f"{name}: GGUF byte-level BPE needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
-        types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens))
+        types = meta.get("tokenizer.ggml.token_type")
+        types = [TOKEN_TYPE_NORMAL] * len(tokens) if types is None else to_python(types)
         pre_name = meta.get("tokenizer.ggml.pre") or "default"
         pre = PRE_TOKENIZERS.get(pre_name)
         if pre is None:
@@ -406,12 +354,13 @@ def _find_tokenizer_json(path: Path) -> Path | None:
     return None
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, parsed: GGUFFile | None = None) -> Tokenizer:
     """The tokenizer for a model path: a .gguf file or a folder with tokenizer.json.
 
     Overrides, strongest first: env NANO_VLLM_TOKENIZER_PATH (a tokenizer.json or a folder with
     one), then a tokenizer.json beside a .gguf file. With an override, BOS/EOS and the chat
     template come from the tokenizer_config.json beside it, else from the GGUF metadata.
+    `parsed` is the GGUF at `path` when the caller has already parsed it (it is not read again).
     """
     path = Path(path)
     override = None
@@ -420,7 +369,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         override = _find_tokenizer_json(Path(env))
         if override is None:
             raise FileNotFoundError(f"{TOKENIZER_PATH_ENV}={env}: no tokenizer.json there")
-    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    is_gguf = parsed is not None or (path.is_file() and path.suffix.lower() == ".gguf")
+    gguf_meta = parsed if parsed is not None else path
     if override is None and is_gguf and (path.parent / "tokenizer.json").is_file():
         override = path.parent / "tokenizer.json"
 
@@ -428,11 +378,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         cfg = _read_tokenizer_config(override.parent)
         if is_gguf:
             # Fill what the folder does not say from the GGUF (which it is meant to tokenize for).
-            for key, val in _gguf_tokenizer_config(read_gguf_metadata(path)).items():
+            for key, val in _gguf_tokenizer_config(_metadata_from(gguf_meta)).items():
                 cfg.setdefault(key, val)
         return Tokenizer.from_file(override, cfg)
     if is_gguf:
-        return Tokenizer.from_gguf(path)
+        return Tokenizer.from_gguf(gguf_meta, name=str(path))
     found = _find_tokenizer_json(path)
     if found is None:
         raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with tokenizer.json")
