@@ -8,12 +8,16 @@ bf16 F.linear ("bf16"), fp32 activations in and out (as the engine runs on CPU).
 machine may be shared), in microseconds per call; "GB/s" is the q8 weight bytes read per second.
 --step: the matmuls of one whole decode token (30 layers of qkv, o, gate_up, down, then the LM
 head: 121 calls, ~96 MB of weights, so they stream from DRAM as in the model), per backend.
+--types Q4_K Q3_K Q2_K F16 [--shape 4096 1024] [--levels 2 1]: the kernels of cpu_qgemv per weight type
+on one shape, "hot" (the same weight each call: it stays in cache) and "cold" (rotating over copies of
+it, 256 MB in all: read from DRAM, as in decode), per activation levels (dense types: one line).
 --decode: also time whole-model decode (benchmarks/bench_decode.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -30,15 +34,24 @@ SHAPES = [("o_proj", 576, 576, gq.Q4_1), ("qkv", 960, 576, gq.Q4_1), ("gate_up",
           ("down", 576, 1536, gq.Q4_1), ("lm_head", 49152, 576, gq.Q8_0)]
 
 
+# byte offsets of the f16 scale fields per block (default: d at 0)
+_F16_FIELDS = {gq.Q4_1: (0, 2), gq.Q5_1: (0, 2), gq.Q2_K: (80, 82), gq.Q3_K: (108,), gq.Q4_K: (0, 2),
+               gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
+COLD_BYTES = 256 << 20
+
+
 def random_weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
-    """Random blocks with f16 scales ~0.01 (the quants' bit patterns do not change the timing)."""
-    elems, nbytes = gq.BLOCK_SIZES[t]
+    """Random blocks with f16 scales 0.01 (the quants' bit patterns do not change the timing); dense
+    types: N(0, 0.02) values."""
     rng = np.random.default_rng(seed)
+    if t in cpu_qgemv.DENSE_TYPES:
+        w = torch.from_numpy(rng.standard_normal((out_f, in_f), dtype=np.float32) * 0.02)
+        return QuantWeight(t, (out_f, in_f), w.to(cpu_qgemv.DENSE_TYPES[t]).view(torch.uint8))
+    elems, nbytes = gq.BLOCK_SIZES[t]
     raw = rng.integers(0, 256, (out_f * in_f // elems, nbytes), dtype=np.uint8)
     scale = np.full(raw.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
-    raw[:, 0:2] = scale
-    if t in (gq.Q4_1, gq.Q5_1):
-        raw[:, 2:4] = scale
+    for off in _F16_FIELDS.get(t, (0,)):
+        raw[:, off:off + 2] = scale
     return QuantWeight(t, (out_f, in_f), torch.from_numpy(raw.reshape(out_f, -1)))
 
 
@@ -86,6 +99,31 @@ def bench(threads: list[int], rows: list[int], repeats: int) -> None:
                       flush=True)
 
 
+def bench_types(names: list[str], out_f: int, in_f: int, threads: list[int], rows: list[int], repeats: int,
+                levels: list[int] | None = None) -> None:
+    """cpu_qgemv per weight type on one shape: hot (cached) and cold (DRAM) weights, per activation levels
+    (default: activation_levels())."""
+    ids = {v: k for k, v in gq.TYPE_NAMES.items()}
+    print(f"simd: {cpu_qgemv.simd_level()}; {out_f}x{in_f}; us per call (min of {repeats}); GB/s = weight bytes / time")
+    print(f"{'type':<6}{'MB':>7}{'thr':>4}{'rows':>6}{'lev':>4}{'hot':>10}{'cold':>10}{'hot GB/s':>10}{'cold GB/s':>10}")
+    for name in names:
+        t = ids[name.upper()]
+        pw = cpu_qgemv.pack(random_weight(t, out_f, in_f))
+        nbytes = pw.data.numel()
+        copies = [pw.data] + [pw.data.clone() for _ in range(-(-COLD_BYTES // nbytes) - 1)]
+        for th in threads:
+            torch.set_num_threads(th)
+            for n in rows:
+                x = torch.randn(n, in_f)
+                for lev in ([2] if t in cpu_qgemv.DENSE_TYPES else levels or [cpu_qgemv.activation_levels()]):
+                    hot = time_call(lambda: cpu_qgemv.linear(x, t, pw.data, out_f, levels=lev), repeats)
+                    cycle = itertools.cycle(copies)
+                    cold = time_call(lambda: cpu_qgemv.linear(x, t, next(cycle), out_f, levels=lev), repeats)
+                    print(f"{name:<6}{nbytes / 1e6:>7.2f}{th:>4}{n:>6}{'-' if t in cpu_qgemv.DENSE_TYPES else lev:>4}"
+                          f"{hot:>10.1f}{cold:>10.1f}{nbytes / hot / 1e3:>10.1f}{nbytes / cold / 1e3:>10.1f}", flush=True)
+        del copies  # before the next type's copies are made
+
+
 def bench_step(threads: list[int], repeats: int, layers: int = 30) -> None:
     """One decode token's matmuls, in model order, weights distinct per layer (no cache reuse)."""
     per_layer = SHAPES[:4]
@@ -120,12 +158,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--step", action="store_true", help="time one decode token's matmuls (real model order)")
+    ap.add_argument("--types", nargs="+", metavar="TYPE", help="time cpu_qgemv per type (e.g. Q4_K Q3_K Q2_K F16)")
+    ap.add_argument("--shape", type=int, nargs=2, default=[4096, 1024], metavar=("OUT", "IN"),
+                    help="the weight shape for --types")
+    ap.add_argument("--levels", type=int, nargs="+", choices=[1, 2], help="activation levels for --types")
     ap.add_argument("--decode", action="store_true", help="also run benchmarks/bench_decode.py")
     args = ap.parse_args()
     if not cpu_qgemv.available():
         raise SystemExit("the int8 CPU kernels could not be built")
     if args.step:
         bench_step(args.threads, args.repeats)
+    elif args.types:
+        bench_types(args.types, *args.shape, args.threads, args.rows, args.repeats, args.levels)
     else:
         bench(args.threads, args.rows, args.repeats)
     if args.decode:

@@ -73,6 +73,11 @@ class LazyLibrary:
         self.warned = False
         self._lock = threading.Lock()
 
+    def replace(self, lib: ctypes.CDLL) -> None:
+        """Use `lib` from now on (another build of the same sources)."""
+        with self._lock:
+            self.lib, self.error = lib, None
+
     def get(self, load: Callable[[], ctypes.CDLL], warning: str) -> ctypes.CDLL | None:
         """The library, built with `load()` on the first call; None when that raised, after one
         RuntimeWarning `warning.format(error=...)` on the first such call. Meant to be called from a

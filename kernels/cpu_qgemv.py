@@ -1,9 +1,10 @@
-"""Quantized linear layers on the CPU with int8 activations: the compiled kernels of csrc/qgemv.cpp.
+"""Linear layers on the CPU for GGML weights: the compiled kernels of csrc/qgemv.cpp.
 
-y = x @ W^T (+ bias) for W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Each row of
-x is quantized per call to int8 blocks of 32 (scale d = amax / 127), the dot products run in integer
-arithmetic (AVX-512 VNNI, AVX2, or scalar C++) and are scaled per block in fp32. The result is
-x_hat @ W^T to fp32 rounding (~1e-6 relative), x_hat being x on the activation grid:
+y = x @ W^T (+ bias) for W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+or dense (F32, F16, BF16). For the block types each row of x is quantized per call to int8 blocks of
+32 (scale d = amax / 127), the dot products run in integer arithmetic (AVX-512 VNNI, AVX2, or scalar
+C++) and are scaled per block in fp32. The result is x_hat @ W^T to fp32 rounding (~1e-6 relative),
+x_hat being x on the activation grid:
 
     |y - x @ W^T| <= sum over 32-blocks b of err_b * sum_{i in b} |W[o, i]|,
     levels=1 (llama.cpp's scheme):  err_b = amax_b(x) / 254      (int8 codes)
@@ -14,9 +15,14 @@ SmolLM2's logits by ~6% of their max (llama.cpp shows the same); two levels run 
 dot product on the residual x - d q (grid d / 256) against the same unpacked weights: ~15-bit
 activations, ~7% of the matmul time in decode (memory-bound), 1.3-1.7x the time for prefill.
 
+Dense weights are exact, and so is their maths: fp32 x (not quantized; `levels` does not apply),
+fp32 FMA accumulation, |y - x @ W^T| within fp32 rounding of sum_i |x_i| |W[o, i]|.
+
 `pack(qw)` repacks the raw blocks once at load into tiles of 16 rows with the same number of bytes
-(plus the padding of the last tile to 16 rows); `matmul(x, packed, ...)` runs a call. Outputs are
-bit-identical across the SIMD paths and independent of the other rows of the batch.
+(plus the padding of the last tile to 16 rows), `pack_dense(t)` a float tensor; `matmul(x, packed,
+...)` runs a call; `dequantize_rows(packed, ids)` reads rows back (an embedding lookup on a weight
+tied to the LM head: one copy). Outputs are bit-identical across the SIMD paths and independent of
+the other rows of the batch.
 
 The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja), cached under
 $NANOCHAT_HOME/cache or the platformdirs user cache dir (keyed by the source and the CPU's flags:
@@ -43,12 +49,16 @@ from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.cpp_build import LazyLibrary, build_library
 from nanochat.kernels.qweight import QuantWeight
 
-KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q4_K, gq.Q5_K, gq.Q6_K})
+# dense weight types -> the torch dtype of their values
+DENSE_TYPES = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
+KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K,
+                          *DENSE_TYPES})
 ROWS_PER_TILE = 16
 SIMD_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 # decoder.cpp (the fused decode step, kernels/cpu_decoder.py) shares this library and its thread pool.
 _SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qgemv.cpp", "decoder.cpp")]
-_ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of the block size"}
+_ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of the block size",
+           3: "row id out of range"}
 
 
 # ---------------------------------------------------------------- the compiled extension
@@ -79,6 +89,19 @@ def build_variant(name: str, arch_flags: list[str]) -> ctypes.CDLL:
                                                        ["-pthread"])])))
 
 
+# Builds for a lower ISA than the machine's (benchmarks, and tests on an AVX-512 machine).
+ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
+
+
+def use_isa(isa: str) -> None:
+    """Make the kernels of a lower ISA build ("avx2", "scalar") the ones every caller gets, as on a CPU
+    that has no more than that. The tile layout is the same for every build, so weights packed by
+    another build stay valid."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown CPU ISA {isa!r} (have {', '.join(ISA_FLAGS)})")
+    _kernels.replace(build_variant(isa, ISA_FLAGS[isa]))
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.nc_qg_matmul.argtypes = [c_int, p, i64, i64, p, c_int, i64, i64, p, c_int, i64, p, c_int, c_int]
@@ -87,13 +110,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_qg_packed_bytes.argtypes = [c_int, i64, i64]
     lib.nc_qg_packed_bytes.restype = i64
     lib.nc_qg_dequantized_acts.argtypes = [p, i64, i64, c_int, p]
+    lib.nc_qg_dequant_rows.argtypes = [c_int, p, i64, i64, p, i64, p]
     lib.nc_qg_set_simd.argtypes = [c_int]
     lib.nc_qg_set_simd.restype = None
     lib.nc_qg_set_spin_us.argtypes = [c_int]
     lib.nc_qg_set_spin_us.restype = None
     lib.nc_dec_forward.argtypes = [p, p, i64, p, p, i64, p, p, i64, p, c_int, c_int]
     for fn in ("nc_dec_forward", "nc_dec_header_fields", "nc_dec_layer_fields",
-               "nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts", "nc_qg_simd", "nc_qg_simd_compiled"):
+               "nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts", "nc_qg_dequant_rows",
+               "nc_qg_simd", "nc_qg_simd_compiled"):
         getattr(lib, fn).restype = c_int
     return lib
 
@@ -184,17 +209,20 @@ class PackedWeight:
 
 
 def packed_bytes(ggml_type: int, out_features: int, in_features: int) -> int:
-    """Bytes of the packed layout: the raw blocks' size, with the rows padded to a multiple of 16."""
+    """Bytes of the packed layout: the raw blocks' size (dense: the values'), with the rows padded to a
+    multiple of 16."""
     rows = -(-out_features // ROWS_PER_TILE) * ROWS_PER_TILE
     return rows * gq.row_bytes(ggml_type, in_features)
 
 
 def pack(qw: QuantWeight, tensor_name: str = "<tensor>") -> PackedWeight:
-    """Repack a GGML weight (raw uint8 blocks [out, bytes_per_row]) into the kernels' tile layout."""
+    """Repack a GGML weight into the kernels' tile layout. `qw.data` is the raw rows as uint8
+    [out, bytes_per_row]: the blocks for the quantized types, the little-endian values for F32 / F16 /
+    BF16 ([out, 4 * in] / [out, 2 * in]; `pack_dense` takes a float tensor instead)."""
     lib = _need()
     t = qw.ggml_type
     if t not in KERNEL_TYPES:
-        raise ValueError(f"tensor {tensor_name!r}: no int8 CPU kernel for {gq.type_name(t)} "
+        raise ValueError(f"tensor {tensor_name!r}: no CPU kernel for {gq.type_name(t)} "
                          f"(have {sorted(gq.type_name(k) for k in KERNEL_TYPES)})")
     out_f, in_f = qw.shape
     if in_f % gq.BLOCK_SIZES[t][0]:
@@ -210,6 +238,34 @@ def pack(qw: QuantWeight, tensor_name: str = "<tensor>") -> PackedWeight:
     return PackedWeight(t, (out_f, in_f), out)
 
 
+def pack_dense(t: torch.Tensor, ggml_type: int | None = None, tensor_name: str = "<tensor>") -> PackedWeight:
+    """Pack a float weight [out, in] (float32, float16 or bfloat16) as F32 / F16 / BF16 (default: the type
+    of t's dtype; another type rounds the values to it once, here)."""
+    if t.dim() != 2 or not t.is_floating_point():
+        raise ValueError(f"tensor {tensor_name!r}: pack_dense needs a 2-D float tensor, got {t.dtype} {list(t.shape)}")
+    if ggml_type is None:
+        ggml_type = {v: k for k, v in DENSE_TYPES.items()}.get(t.dtype, gq.F32)
+    if ggml_type not in DENSE_TYPES:
+        raise ValueError(f"tensor {tensor_name!r}: pack_dense packs F32, F16 or BF16, not {gq.type_name(ggml_type)}")
+    t = t.detach().cpu().to(DENSE_TYPES[ggml_type])
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return pack(QuantWeight(ggml_type, tuple(t.shape), t.view(torch.uint8)), tensor_name)
+
+
+def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed weight as float32 [*ids.shape, in], equal to gguf's dequantization of the raw
+    rows (an embedding lookup that needs no second copy of a tied LM head). ValueError for an id out of
+    range."""
+    lib = _need()
+    flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+    out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+    _check(lib.nc_qg_dequant_rows(w.ggml_type, w.data.data_ptr(), w.out_features, w.in_features, flat.data_ptr(),
+                                  flat.numel(), out.data_ptr()),
+           f"rows of a {gq.type_name(w.ggml_type)} {list(w.shape)} weight")
+    return out.view(*ids.shape, w.in_features)
+
+
 # ---------------------------------------------------------------- matmul
 
 
@@ -221,7 +277,7 @@ def matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, levels: int | None = None) -> torch.Tensor:
     """y [n, out] = x [n, in] @ W^T (+ bias); x float32 or bfloat16, y in out_dtype (float32 or
     bfloat16; default x's dtype, float32 for other input dtypes); `levels` of activation
-    quantization (1 or 2, default activation_levels())."""
+    quantization (1 or 2, default activation_levels(); dense weights take x unquantized)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8 matmul: input {list(x.shape)} does not fit the weight {list(w.shape)}")
     if levels not in (None, 1, 2):

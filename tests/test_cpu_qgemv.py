@@ -1,8 +1,10 @@
-"""The int8-activation CPU kernels (kernels/cpu_qgemv.py, csrc/qgemv.cpp) against x @ dequantize(W)^T.
+"""The CPU kernels (kernels/cpu_qgemv.py, csrc/qgemv.cpp) against x @ dequantize(W)^T.
 
-Bounds checked (cpu_qgemv's docstring): y equals x_hat @ W^T up to fp32 rounding, where x_hat is x on
-the activation grid, and |x_hat - x| <= amax(block) / 254 (one level) or / 32512 (two levels) per
-element, so |y - x W^T| <= sum_b err_b * sum_{i in b} |W[o, i]|.
+Bounds checked (cpu_qgemv's docstring): for the block types y equals x_hat @ W^T up to fp32 rounding,
+where x_hat is x on the activation grid, and |x_hat - x| <= amax(block) / 254 (one level) or / 32512
+(two levels) per element, so |y - x W^T| <= sum_b err_b * sum_{i in b} |W[o, i]|. For dense weights
+(F32, F16, BF16) y is x @ W^T to fp32 rounding: 4 FMA chains of at most k // 4 + 1 terms, two additions
+and the bias, |y - x W^T - b| <= (k // 4 + 4) * 2^-24 * (sum_i |x_i| |W[o, i]| + |b|).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from tests.kquant_pack import quantize_k, random_rows
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kernels cannot be built here")
 
 TYPES = sorted(cpu_qgemv.KERNEL_TYPES)
+DENSE = sorted(cpu_qgemv.DENSE_TYPES)
+QUANT = [t for t in TYPES if t not in DENSE]
+NEW_TYPES = [gq.Q2_K, gq.Q3_K, *DENSE]
 NAMES = gq.TYPE_NAMES.get
 ERR_PER_AMAX = {1: 1 / 254, 2: 1 / 32512}
 SMOLLM = (Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
@@ -34,7 +39,18 @@ def _weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
 
 
 def _in_sizes(t: int) -> list[int]:
+    if t in DENSE:
+        return [96, 576, 99]  # 99: the last k % 4 columns go through the kernels' tail
     return [256, 512] if gq.BLOCK_SIZES[t][0] == 256 else [32, 96, 576]
+
+
+def _gguf_dequantize(qw: QuantWeight) -> torch.Tensor:
+    """The oracle: gguf-py's dequantization of the raw rows."""
+    import gguf
+
+    raw = qw.data.numpy()
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qw.ggml_type)),
+                                       dtype=np.float32).reshape(qw.shape).copy())
 
 
 def _fp32_slack(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -61,7 +77,20 @@ def _check_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, levels: int,
     assert excess <= 0, f"error exceeds the bound by {excess:.3g}"
 
 
-@pytest.mark.parametrize("t", TYPES, ids=NAMES)
+def _check_dense_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None) -> None:
+    """Dense weights: |y - (x W^T + b)| <= fp32 rounding of the summed terms, elementwise."""
+    xd, wd = x.double(), w.double()
+    ref = xd @ wd.T
+    mag = xd.abs() @ wd.abs().T
+    if bias is not None:
+        ref = ref + bias.double()
+        mag = mag + bias.double().abs()
+    bound = (x.shape[1] // 4 + 4) * 2.0 ** -24 * mag
+    excess = ((y.double() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"error exceeds the bound by {excess:.3g}"
+
+
+@pytest.mark.parametrize("t", QUANT, ids=NAMES)
 @pytest.mark.parametrize("levels", [1, 2])
 def test_matches_reference_within_bound(t, levels):
     for i, in_f in enumerate(_in_sizes(t)):
@@ -69,7 +98,7 @@ def test_matches_reference_within_bound(t, levels):
         qw = _weight(t, out_f, in_f, seed=10 * t + i)
         pw = cpu_qgemv.pack(qw)
         w = gq.dequantize(qw)
-        for n in (1, 3, 16):
+        for n in (1, 3, 8, 17):
             x = torch.randn(n, in_f) * torch.rand(n, 1) * 4
             bias = torch.randn(out_f)
             y = cpu_qgemv.matmul(x, pw, bias, levels=levels)
@@ -79,6 +108,50 @@ def test_matches_reference_within_bound(t, levels):
             xh = cpu_qgemv.dequantized_activations(x, levels)
             err = (y.double() - bias.double() - xh.double() @ w.double().T).abs()
             assert (err <= _fp32_slack(xh, w) + 2.0 ** -23 * y.double().abs()).all()
+
+
+@pytest.mark.parametrize("t", DENSE, ids=NAMES)
+def test_dense_matches_reference_within_fp32_rounding(t):
+    """F32 / F16 / BF16 weights: x is not quantized, the result is x @ W^T to fp32 rounding."""
+    for i, in_f in enumerate(_in_sizes(t) + [1, 3]):
+        out_f = (37, 5, 19)[i % 3]
+        qw = _weight(t, out_f, in_f, seed=10 * t + i)
+        pw = cpu_qgemv.pack(qw)
+        w = gq.dequantize(qw)
+        for n in (1, 3, 8, 17):
+            x = torch.randn(n, in_f) * torch.rand(n, 1) * 4
+            bias = torch.randn(out_f)
+            for levels in (1, 2):  # not used by the dense kernels
+                y = cpu_qgemv.matmul(x, pw, bias, levels=levels)
+                assert y.shape == (n, out_f) and y.dtype == torch.float32
+                _check_dense_bound(y, x, w, bias)
+            assert torch.equal(cpu_qgemv.matmul(x, pw, bias, levels=1), y)
+
+
+@pytest.mark.parametrize("t", NEW_TYPES, ids=NAMES)
+def test_bf16_io(t):
+    """bf16 x is read exactly; bf16 y is the fp32 result rounded once."""
+    in_f = _in_sizes(t)[-1]
+    pw = cpu_qgemv.pack(_weight(t, 21, in_f, seed=5))
+    xb, bias = torch.randn(6, in_f).bfloat16(), torch.randn(21)
+    yb = cpu_qgemv.matmul(xb, pw, bias)
+    assert yb.dtype == torch.bfloat16
+    assert torch.equal(yb, cpu_qgemv.matmul(xb.float(), pw, bias).bfloat16())
+    assert torch.equal(cpu_qgemv.matmul(xb, pw, bias, out_dtype=torch.float32), cpu_qgemv.matmul(xb.float(), pw, bias))
+
+
+@pytest.mark.parametrize("t", [gq.Q3_K, gq.F16], ids=NAMES)
+def test_vocab_sized_weight(t):
+    """1003 rows (not a multiple of 16): every tile, the padded last one included."""
+    in_f = 256
+    qw = _weight(t, 1003, in_f, seed=12)
+    pw = cpu_qgemv.pack(qw)
+    x = torch.randn(3, in_f)
+    y = cpu_qgemv.matmul(x, pw)
+    if t in DENSE:
+        _check_dense_bound(y, x, gq.dequantize(qw))
+    else:
+        _check_bound(y, x, gq.dequantize(qw), cpu_qgemv.activation_levels())
 
 
 @pytest.mark.parametrize("levels", [1, 2])
@@ -114,7 +187,7 @@ def test_simd_paths_are_bit_identical(t):
     assert cpu_qgemv.simd_level() == best
 
 
-@pytest.mark.parametrize("t", [gq.Q4_1, gq.Q8_0, gq.Q6_K], ids=NAMES)
+@pytest.mark.parametrize("t", [gq.Q4_1, gq.Q8_0, gq.Q6_K, gq.Q3_K, gq.F16], ids=NAMES)
 def test_batch_invariant_and_thread_invariant(t):
     """A row's output does not depend on the rest of the batch or the thread count (greedy invariance)."""
     in_f = _in_sizes(t)[-1]
@@ -129,6 +202,39 @@ def test_batch_invariant_and_thread_invariant(t):
         cpu_qgemv.set_threads(None)
     assert torch.equal(torch.cat([cpu_qgemv.matmul(x[i:i + 1], pw) for i in range(19)]), full)
     assert torch.equal(cpu_qgemv.matmul(x[5:12], pw), full[5:12])
+
+
+@pytest.mark.parametrize("t", [gq.Q4_0, gq.Q8_0, gq.Q4_K, gq.Q6_K, gq.F16], ids=NAMES)
+def test_weight_ending_at_unmapped_memory(t):
+    """The kernels prefetch the weight stream ahead of the block they read, past the end of the weight on
+    the last tiles: prefetches must stay prefetches (never fault). The weight here ends where an
+    inaccessible page begins."""
+    import ctypes
+    import mmap
+
+    in_f = 1024 if t in DENSE else 512  # a tile of 16 rows: 4-32 KB, so prefetches reach the guard page
+    pw = cpu_qgemv.pack(_weight(t, 40, in_f, seed=6))
+    nbytes, page = pw.data.numel(), mmap.PAGESIZE
+    pages = -(-nbytes // page)
+    buf = mmap.mmap(-1, (pages + 4) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    guard = base + (pages + 1) * page
+    assert libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), 0) == 0  # PROT_NONE
+    data = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=guard - base - nbytes)
+    data.copy_(pw.data.view(-1))
+    data = data.view(pw.data.shape)
+    x = torch.randn(9, in_f)
+    try:
+        for threads in (1, 2):
+            cpu_qgemv.set_threads(threads)
+            for n in (1, 9):
+                y = cpu_qgemv.linear(x[:n], t, data, 40)
+                assert torch.equal(y, cpu_qgemv.matmul(x[:n], pw))
+    finally:
+        cpu_qgemv.set_threads(None)
+        libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), mmap.PROT_READ | mmap.PROT_WRITE)
+        del data
 
 
 def test_bf16_and_strided_io():
@@ -156,7 +262,7 @@ def test_packed_layout_keeps_the_size():
 
 def test_realistic_k_quants():
     w = np.random.default_rng(4).standard_normal((24, 512)).astype(np.float32) * 0.05
-    for t in (gq.Q4_K, gq.Q5_K, gq.Q6_K):
+    for t in (gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K):
         qw = QuantWeight(t, (24, 512), torch.from_numpy(quantize_k(t, w)))
         x = torch.randn(3, 512)
         _check_bound(cpu_qgemv.matmul(x, cpu_qgemv.pack(qw)), x, gq.dequantize(qw), 2)
@@ -167,12 +273,99 @@ def test_errors():
     pw = cpu_qgemv.pack(qw)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_qgemv.matmul(torch.randn(2, 32), pw)
-    with pytest.raises(ValueError, match="no int8 CPU kernel for Q2_K"):
-        cpu_qgemv.pack(_weight(gq.Q2_K, 16, 256), "blk.0.ffn_down.weight")
+    with pytest.raises(ValueError, match="no CPU kernel for Q8_1"):
+        cpu_qgemv.pack(_weight(gq.Q8_1, 16, 256), "blk.0.ffn_down.weight")
     with pytest.raises(ValueError, match="levels"):
         cpu_qgemv.matmul(torch.randn(2, 64), pw, levels=3)
     with pytest.raises(ValueError, match="threads"):
         cpu_qgemv.set_threads(0)
+
+
+# ---------------------------------------------------------------- other builds
+
+
+@pytest.fixture(scope="module")
+def other_builds():
+    """The library built without AVX-512 (the AVX2 paths) and for no x86 extension (the scalar paths, f16
+    converted in software, std::fma from libm): compiled code, not just the runtime switch of the native
+    build."""
+    return {name: cpu_qgemv.build_variant(name, flags)
+            for name, flags in (("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("scalar", []))}
+
+
+def _lib_matmul(lib, x: torch.Tensor, pw, bias: torch.Tensor, levels: int) -> torch.Tensor:
+    """matmul through another build of the library (fp32 or bf16 x, fp32 y)."""
+    n, k = x.shape
+    y = torch.empty(n, pw.out_features)
+    rc = lib.nc_qg_matmul(pw.ggml_type, pw.data.data_ptr(), pw.out_features, k, x.data_ptr(),
+                          int(x.dtype == torch.bfloat16), n, x.stride(0), y.data_ptr(), 0, pw.out_features,
+                          bias.data_ptr(), int(levels == 2), 2)
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES)
+def test_other_builds_are_bit_identical(t, other_builds):
+    """The AVX2 and scalar builds give the native build's outputs bit for bit (matmul and row reads)."""
+    in_f = _in_sizes(t)[-1]
+    qw = _weight(t, 37, in_f, seed=t + 1)
+    pw = cpu_qgemv.pack(qw)
+    x, bias = torch.randn(11, in_f), torch.randn(37)
+    ids = torch.tensor([36, 0, 17, 5])
+    for name, lib in other_builds.items():
+        for levels in (1, 2):
+            for xx in (x, x.bfloat16()):
+                want = cpu_qgemv.matmul(xx, pw, bias, out_dtype=torch.float32, levels=levels)
+                assert torch.equal(_lib_matmul(lib, xx, pw, bias, levels), want), (name, levels, xx.dtype)
+        rows = torch.empty(len(ids), in_f)
+        assert lib.nc_qg_dequant_rows(t, pw.data.data_ptr(), 37, in_f, ids.data_ptr(), len(ids),
+                                      rows.data_ptr()) == 0
+        assert torch.equal(rows, cpu_qgemv.dequantize_rows(pw, ids)), name
+
+
+# ---------------------------------------------------------------- reading rows back
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES)
+def test_dequantize_rows_equals_gguf(t):
+    """Rows read from the tiles are gguf's dequantization of the raw rows, bit for bit."""
+    in_f = _in_sizes(t)[0]
+    qw = _weight(t, 1003, in_f, seed=30 + t)  # the last tile holds 11 rows and 5 of padding
+    pw = cpu_qgemv.pack(qw)
+    ref = _gguf_dequantize(qw)
+    ids = torch.tensor([0, 1002, 992, 15, 16, 500, 500, 1001])
+    assert torch.equal(cpu_qgemv.dequantize_rows(pw, ids), ref[ids])
+    every = torch.arange(1003).flip(0)
+    assert torch.equal(cpu_qgemv.dequantize_rows(pw, every), ref[every])
+    grid = torch.tensor([[3, 1000], [7, 7]], dtype=torch.int32)  # any shape and integer dtype
+    assert torch.equal(cpu_qgemv.dequantize_rows(pw, grid), ref[grid.long()])
+    assert cpu_qgemv.dequantize_rows(pw, torch.tensor([], dtype=torch.long)).shape == (0, in_f)
+
+
+def test_dequantize_rows_rejects_out_of_range_ids():
+    pw = cpu_qgemv.pack(_weight(gq.Q4_K, 1003, 256))
+    for bad in ([1003], [0, -1], [5, 1 << 40]):
+        with pytest.raises(ValueError, match="row id out of range"):
+            cpu_qgemv.dequantize_rows(pw, torch.tensor(bad))
+
+
+def test_pack_dense():
+    w = torch.randn(37, 99)
+    for dtype, t in ((torch.float32, gq.F32), (torch.float16, gq.F16), (torch.bfloat16, gq.BF16)):
+        wt = w.to(dtype)
+        pw = cpu_qgemv.pack_dense(wt)  # the type follows the dtype
+        raw = QuantWeight(t, (37, 99), wt.view(torch.uint8))
+        assert pw.ggml_type == t and torch.equal(pw.data, cpu_qgemv.pack(raw).data)
+        assert pw.data.numel() == cpu_qgemv.packed_bytes(t, 37, 99) == 48 * 99 * wt.element_size()
+        assert torch.equal(cpu_qgemv.dequantize_rows(pw, torch.arange(37)), wt.float())
+    rounded = cpu_qgemv.pack_dense(w, gq.F16)  # rounded to f16 once
+    assert torch.equal(rounded.data, cpu_qgemv.pack_dense(w.half()).data)
+    strided = torch.randn(99, 37).half().T  # a transposed view: copied to rows first
+    assert torch.equal(cpu_qgemv.dequantize_rows(cpu_qgemv.pack_dense(strided), torch.arange(37)), strided.float())
+    with pytest.raises(ValueError, match="F32, F16 or BF16"):
+        cpu_qgemv.pack_dense(w, gq.Q8_0)
+    with pytest.raises(ValueError, match="2-D float"):
+        cpu_qgemv.pack_dense(torch.zeros(4, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------- through quant_linear
@@ -190,9 +383,10 @@ def test_quant_linear_picks_q8(xdtype):
     if xdtype == torch.float32:
         _check_bound(y.view(6, 40), x.view(6, 512), gq.dequantize(qw), cpu_qgemv.activation_levels(), bias)
     # types without a kernel keep their old backends; q8 can be forced only where it exists
-    assert prepare_quant_weight(_weight(gq.Q2_K, 16, 256), "cpu").backend == "int4"
+    assert prepare_quant_weight(_weight(gq.Q2_K, 16, 256), "cpu").backend == "q8"
+    assert prepare_quant_weight(_weight(gq.Q8_1, 16, 256), "cpu").backend == "int4"
     with pytest.raises(ValueError, match="q8 backend"):
-        prepare_quant_weight(_weight(gq.Q3_K, 16, 256), "cpu", backend="q8")
+        prepare_quant_weight(_weight(gq.Q8_1, 16, 256), "cpu", backend="q8")
 
 
 def test_quant_linear_prefill_copy_is_opt_in():

@@ -1,11 +1,12 @@
-// Quantized linear layers on the CPU: y = x @ W^T (+ bias) with W in GGML blocks
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), for decode (a few rows of x) and prefill.
+// Linear layers on the CPU: y = x @ W^T (+ bias) with W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or dense (F32, F16, BF16), for decode (a few rows of x) and prefill.
 //
-// Scheme (as llama.cpp does it): each row of x is quantized once per call to int8 blocks of 32
-// (fp32 scale d = amax / 127, integer sums of every 16), so the inner products are integer dot
-// products of the weights' small unsigned codes with int8 activations (AVX-512 VNNI `vpdpbusd`,
-// AVX2 `maddubs`), scaled per 32-block and accumulated in fp32. The result is x_hat @ W^T up to
-// fp32 rounding, where x_hat is the int8-rounded x: |x_hat - x| <= d / 2 per element.
+// Scheme for the quantized types (as llama.cpp does it): each row of x is quantized once per call to
+// int8 blocks of 32 (fp32 scale d = amax / 127, integer sums of every 16), so the inner products are
+// integer dot products of the weights' small unsigned codes with int8 activations (AVX-512 VNNI
+// `vpdpbusd`, AVX2 `maddubs`), scaled per 32-block (per 16 for Q2_K, Q3_K, Q6_K) and accumulated in
+// fp32. The result is x_hat @ W^T up to fp32 rounding, where x_hat is the int8-rounded x:
+// |x_hat - x| <= d / 2 per element.
 //
 // "Two-level" mode (x2): the rounding residual is quantized again to int8 on a 256x finer grid
 // (x = d * q1 + d / 256 * q2 + r, |r| <= d / 512, or d / 256 where q2 clamps at +-127, i.e.
@@ -13,16 +14,27 @@
 // unpacked weights, combined exactly in int32 as 256 * dot(q1) + dot(q2). ~15-bit activations for
 // twice the integer work, which is nearly free while decode waits on memory.
 //
+// Dense weights are exact, so x is not quantized for them: fp32 x (bf16 converted exactly) times the
+// fp32 weights with fp32 FMAs, 4 partial sums per output row (column i into partial i % 4: independent
+// FMA chains), combined as (p0 + p1) + (p2 + p3). Within fp32 rounding of x @ W^T.
+//
 // Weights are repacked once at load into "tiles" of 16 output rows, the same number of bytes as
 // the GGML blocks: per tile and block, the 16 rows' scales are stored side by side (one vector
 // load) and the quants are interleaved 4 bytes per row, so one `vpdpbusd` against a broadcast
 // group of 4 activations advances 16 rows at once and no horizontal sums are needed. A tile's
-// codes are unpacked once per block for up to 8 rows of x (prefill reuses them).
+// codes are unpacked once per block for up to 8 rows of x (prefill reuses them). Dense tiles hold
+// the 16 rows' values of each column side by side: one vector load per column, FMA'd with x[i].
+// The SIMD kernels prefetch the weight stream in software (PF_AHEAD): decode reads each weight once
+// from DRAM, and the hardware prefetchers alone leave the K-quant kernels at a third to a half of the
+// memory bandwidth.
 //
 // Three code paths, picked at compile time (-march=native) with a runtime override for tests:
 // AVX-512 VNNI, AVX2 (+FMA, F16C) and scalar. All three perform the same fp32 operations in the
 // same order, so their outputs are bit-identical, and a row's output does not depend on the
 // other rows of the batch.
+//
+// nc_qg_dequant_rows reads rows back from the tiles (a tied embedding / LM head keeps one copy),
+// equal to gguf's dequantization of the raw rows bit for bit.
 //
 // Plain C ABI (ctypes). Parallel over tiles with a small pool of its own (see Pool): the caller
 // never waits for a worker that has not started, so a busy machine costs at most the 1-thread time.
@@ -56,8 +68,11 @@ namespace {
 
 constexpr int ROWS = 16;  // output rows per tile
 constexpr int TMAX = 8;   // rows of x per pass over a tile
-enum : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2 };
+enum : int {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30
+};
+enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_RANGE = 3 };
 enum : int { SIMD_SCALAR = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
 
 int g_simd = QG_AVX512 ? SIMD_AVX512 : (QG_AVX2 ? SIMD_AVX2 : SIMD_SCALAR);
@@ -65,20 +80,24 @@ int g_simd = QG_AVX512 ? SIMD_AVX512 : (QG_AVX2 ? SIMD_AVX2 : SIMD_SCALAR);
 // ------------------------------------------------------------------ formats
 // Per type: raw GGML block (elements, bytes) and the layout of one tile block (16 rows x 1 block).
 // Offsets inside a tile block:
-//   D     16 x f16 d                     M   16 x f16 m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
-//   SC    K-quants: Q4_K/Q5_K the 12 packed scale bytes as 12 planes of 16 (plane k = byte k of
-//         each row); Q6_K 16 planes of 16 int8 scales
-//   QH    high bits as 64-bit masks, mask bit 4r+i = element 4G+i of row r (Q5_*: one mask per
-//         group G; Q5_K: 8 per sub-block)
+//   D     16 x f16 d                     M   16 x f16 m (Q4_1, Q5_1) or dmin (Q2_K, Q4_K, Q5_K)
+//   SC    K-quants: Q3_K/Q4_K/Q5_K the 12 packed scale bytes as 12 planes of 16 (plane k = byte k of
+//         each row); Q2_K 16 planes of its scale bytes (scale | min << 4); Q6_K 16 planes of 16
+//         int8 scales
+//   QH    one bit per element as 64-bit masks, mask bit 4r+i = element 4G+i of row r (Q5_*: bit 4
+//         of the code, one mask per group G; Q5_K: 8 per sub-block; Q3_K: bit 2 of the code, i.e.
+//         the raw hmask bit, 8 per sub-block)
 //   QS    4-bit codes: per 32 elements (two sub-blocks for K-quants) 4 or 8 chunks of 64 bytes,
 //         byte 4r+i of chunk p: low nibble element 4p+i, high nibble element 16+4p+i (Q4_0..Q5_1)
 //         or element 4p+i of the next sub-block (K-quants); Q8_0: 8 chunks of int8, byte 4r+i
 //         of chunk G = element 4G+i
-//   QH6   Q6_K's 2 high bits: per 4 sub-blocks 8 chunks of 64 bytes, bits 2k..2k+1 of byte
-//         4r+i of chunk G = element 4G+i of sub-block 4c+k
+//   Q2    2-bit fields: per 4 sub-blocks 8 chunks of 64 bytes, bits 2k..2k+1 of byte 4r+i of
+//         chunk G = element 4G+i of sub-block 4c+k; Q6_K's code bits 4..5, Q2_K's and Q3_K's 0..1
+// Codes are unsigned: Q2_K 0..3, Q3_K 0..7 (q + 4), Q4 0..15, Q5 0..31, Q6_K 0..63 (q + 32).
+// Dense types (elems 1): a tile block is one column, the 16 rows' values side by side.
 struct Fmt {
   int type, elems, raw_bytes, tile_bytes;
-  int d, m, sc, qh, qs, qh6;
+  int d, m, sc, qh, qs, q2;
 };
 
 constexpr Fmt FMTS[] = {
@@ -87,10 +106,18 @@ constexpr Fmt FMTS[] = {
     {Q5_0, 32, 22, 352, 0, -1, -1, 32, 96, -1},
     {Q5_1, 32, 24, 384, 0, 32, -1, 64, 128, -1},
     {Q8_0, 32, 34, 544, 0, -1, -1, -1, 32, -1},
+    {Q2_K, 256, 84, 1344, 0, 32, 64, -1, -1, 320},
+    {Q3_K, 256, 110, 1760, 0, -1, 32, 224, -1, 736},
     {Q4_K, 256, 144, 2304, 0, 32, 64, -1, 256, -1},
     {Q5_K, 256, 176, 2816, 0, 32, 64, 256, 768, -1},
     {Q6_K, 256, 210, 3360, 0, -1, 32, -1, 288, 2336},
+    {F32, 1, 4, 64, -1, -1, -1, -1, -1, -1},
+    {F16, 1, 2, 32, -1, -1, -1, -1, -1, -1},
+    {BF16, 1, 2, 32, -1, -1, -1, -1, -1, -1},
 };
+
+// Bit position of the Q2 fields in the code.
+constexpr int q2_shift(int type) { return type == Q6_K ? 4 : 0; }
 
 const Fmt* find_fmt(int type) {
   for (const Fmt& f : FMTS)
@@ -102,6 +129,23 @@ constexpr Fmt fmt_of(int type) {
   for (const Fmt& f : FMTS)
     if (f.type == type) return f;
   return FMTS[0];
+}
+
+// Software prefetch of the weight stream, PF_AHEAD bytes ahead of the block being read. A 1-row GEMV
+// walks each tile (and, on one thread, the whole weight) front to back, but the hardware prefetchers
+// do not run far enough ahead of these kernels (each 64-byte line is consumed over ~10-20 cycles of
+// unpacking and dot products): without it a weight read from DRAM streams at 12-30 GB/s, with it at
+// the machine's bandwidth (35-45 GB/s on one Zen 5 core). The lines are issued a few at a time, spread
+// over a block's sub-blocks (measured: a burst of a whole block's 36-56 lines streams 15-30% slower, and
+// as a loop costs ~20% in cache-resident calls). Prefetches never fault: running past the end is harmless.
+// Only the pass over a tile for the first rows of x prefetches: the passes for the next rows find the
+// tile in cache, and prefetching ahead again would only evict their working set (prefill: -10%).
+constexpr int PF_AHEAD = 12 << 10;
+
+template <int LINES>
+__attribute__((always_inline)) inline void prefetch_lines(const uint8_t* p) {
+#pragma GCC unroll 16
+  for (int i = 0; i < LINES; ++i) __builtin_prefetch(p + 64 * i, 0, 3);
 }
 
 inline float f16_to_f32(uint16_t h) {
@@ -153,8 +197,15 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// Q3_K: signed scale j (0..15) of the 12 packed bytes: low 4 bits in the nibbles of bytes 0..7
+// (scales 0..7 low, 8..15 high), 2 high bits in bytes 8..11 (byte 8 + j % 4, bits 2 (j / 4)).
+inline int q3_scale(const uint8_t* s, int j) {
+  const int lo = j < 8 ? s[j] & 15 : s[j - 8] >> 4;
+  return (lo | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
 // ------------------------------------------------------------------ repacking
-// Decode one raw block's codes into `q` (unsigned: Q4 0..15, Q5 0..31, Q6_K 0..63; Q8_0 as int8).
+// Decode one raw block's codes into `q` (unsigned as in the tiles; Q8_0 as int8).
 
 void raw_codes(int type, const uint8_t* b, uint8_t* q) {
   switch (type) {
@@ -186,6 +237,15 @@ void raw_codes(int type, const uint8_t* b, uint8_t* q) {
           for (int j = 0; j < 32; ++j) q[32 * s + j] |= ((b[16 + j] >> s) & 1) << 4;
       break;
     }
+    case Q2_K: case Q3_K:  // per 128 elements 32 bytes of 4 two-bit fields: element 32j + l in byte l
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l) {
+            const int e = 128 * h + 32 * j + l;
+            q[e] = (b[(type == Q2_K ? 16 : 32) + 32 * h + l] >> (2 * j)) & 3;
+            if (type == Q3_K) q[e] |= ((b[l] >> (4 * h + j)) & 1) << 2;  // hmask bit e / 32 of byte l
+          }
+      break;
     case Q6_K:
       for (int h = 0; h < 2; ++h) {
         const uint8_t* ql = b + 64 * h;
@@ -212,13 +272,13 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
     raw_codes(f.type, b, q);
   }
   const int type = f.type;
-  const int d_src = type == Q6_K ? 208 : 0;
+  const int d_src = type == Q6_K ? 208 : type == Q2_K ? 80 : type == Q3_K ? 108 : 0;
   std::memcpy(t + f.d + 2 * r, b + d_src, 2);
-  if (f.m >= 0) std::memcpy(t + f.m + 2 * r, b + 2, 2);
-  if (type == Q4_K || type == Q5_K)
-    for (int k = 0; k < 12; ++k) t[f.sc + 16 * k + r] = b[4 + k];
-  if (type == Q6_K)
-    for (int g = 0; g < 16; ++g) t[f.sc + 16 * g + r] = b[192 + g];
+  if (f.m >= 0) std::memcpy(t + f.m + 2 * r, b + (type == Q2_K ? 82 : 2), 2);
+  if (type == Q4_K || type == Q5_K || type == Q3_K)
+    for (int k = 0; k < 12; ++k) t[f.sc + 16 * k + r] = b[(type == Q3_K ? 96 : 4) + k];
+  if (type == Q6_K || type == Q2_K)
+    for (int g = 0; g < 16; ++g) t[f.sc + 16 * g + r] = b[(type == Q6_K ? 192 : 0) + g];
   auto set_bit = [&](int off, int mask_index, int r_, int i, int bit) {
     if (bit) t[off + 8 * mask_index + (4 * r_ + i) / 8] |= static_cast<uint8_t>(1u << ((4 * r_ + i) % 8));
   };
@@ -236,15 +296,16 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
         if (f.elems == 32) {  // nibble pairs inside the block: chunk g % 4, high nibble for g >= 4
           uint8_t& dst = t[f.qs + 64 * (g % 4) + 4 * r + i];
           dst |= static_cast<uint8_t>((qq[e] & 15) << (g >= 4 ? 4 : 0));
-        } else {  // sub-block pairs: chunk g of pair s / 2, high nibble for odd s
+        } else if (f.qs >= 0) {  // sub-block pairs: chunk g of pair s / 2, high nibble for odd s
           uint8_t& dst = t[f.qs + 512 * (s / 2) + 64 * g + 4 * r + i];
           dst |= static_cast<uint8_t>((qq[e] & 15) << (s % 2 ? 4 : 0));
         }
         if (type == Q5_0 || type == Q5_1) set_bit(f.qh, g, r, i, (qq[e] >> 4) & 1);
         if (type == Q5_K) set_bit(f.qh, 8 * s + g, r, i, (qq[e] >> 4) & 1);
-        if (type == Q6_K) {
-          uint8_t& dst = t[f.qh6 + 512 * (s / 4) + 64 * g + 4 * r + i];
-          dst |= static_cast<uint8_t>(((qq[e] >> 4) & 3) << (2 * (s % 4)));
+        if (type == Q3_K) set_bit(f.qh, 8 * s + g, r, i, (qq[e] >> 2) & 1);
+        if (f.q2 >= 0) {
+          uint8_t& dst = t[f.q2 + 512 * (s / 4) + 64 * g + 4 * r + i];
+          dst |= static_cast<uint8_t>(((qq[e] >> q2_shift(type)) & 3) << (2 * (s % 4)));
         }
       }
   }
@@ -254,7 +315,7 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
 
 // x quantized per row: int8 codes q (and q2, the residual's, in two-level mode), the per-32 scale
 // of one unit of the combined code c = q (or 256 q + q2), the per-16 integer sums of c, and
-// scale * sum32(c). x_hat = d * c.
+// scale * sum32(c). x_hat = d * c. For dense weights x itself, fp32 (row stride ldx).
 struct Acts {
   const int8_t* q;
   const int8_t* q2;
@@ -262,6 +323,8 @@ struct Acts {
   const int32_t* s16;
   const float* ds;
   int64_t k;
+  const float* x;
+  int64_t ldx;
 };
 
 inline float load_x(const void* x, int bf16, int64_t i) {
@@ -377,21 +440,38 @@ inline int code(const Fmt& f, const uint8_t* b, int s, int r, int e) {
   const int g = e / 4, i = e % 4;
   auto bit = [&](int off, int mask_index) { return (b[off + 8 * mask_index + (4 * r + i) / 8] >> ((4 * r + i) % 8)) & 1; };
   if (f.type == Q8_0) return static_cast<int8_t>(b[f.qs + 64 * g + 4 * r + i]);
-  int v;
+  int v = 0;
   if (f.elems == 32) {
     const uint8_t byte = b[f.qs + 64 * (g % 4) + 4 * r + i];
     v = g >= 4 ? byte >> 4 : byte & 15;
-  } else {
+  } else if (f.qs >= 0) {
     const uint8_t byte = b[f.qs + 512 * (s / 2) + 64 * g + 4 * r + i];
     v = s % 2 ? byte >> 4 : byte & 15;
   }
   if (f.type == Q5_0 || f.type == Q5_1) v |= bit(f.qh, g) << 4;
   if (f.type == Q5_K) v |= bit(f.qh, 8 * s + g) << 4;
-  if (f.type == Q6_K) v |= ((b[f.qh6 + 512 * (s / 4) + 64 * g + 4 * r + i] >> (2 * (s % 4))) & 3) << 4;
+  if (f.type == Q3_K) v |= bit(f.qh, 8 * s + g) << 2;
+  if (f.q2 >= 0) v |= ((b[f.q2 + 512 * (s / 4) + 64 * g + 4 * r + i] >> (2 * (s % 4))) & 3) << q2_shift(f.type);
   return v;
 }
 
 int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+
+// K-quants: row r's integer scale and min of the two 16-element halves of sub-block s (Q4_K / Q5_K
+// have one per 32: both halves alike).
+inline void sub_scales(const Fmt& f, const uint8_t* b, int r, int s, int sc[2], int mn[2]) {
+  uint8_t raw[16];
+  for (int k = 0; k < (f.type == Q6_K || f.type == Q2_K ? 16 : 12); ++k) raw[k] = b[f.sc + 16 * k + r];
+  for (int h = 0; h < 2; ++h) {
+    mn[h] = 0;
+    switch (f.type) {
+      case Q4_K: case Q5_K: k_scale_min(raw, s, sc[h], mn[h]); break;
+      case Q6_K: sc[h] = static_cast<int8_t>(raw[2 * s + h]); break;
+      case Q3_K: sc[h] = q3_scale(raw, 2 * s + h); break;
+      default: sc[h] = raw[2 * s + h] & 15; mn[h] = raw[2 * s + h] >> 4; break;  // Q2_K
+    }
+  }
+}
 
 void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o,
                  int64_t row0) {
@@ -405,17 +485,17 @@ void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, in
       for (int s = 0; s < subs; ++s) {
         int c[32];
         for (int e = 0; e < 32; ++e) c[e] = code(f, b, s, r, e);
-        float dsc = d, cm = m;  // per sub-block weight scale and min
-        float dg[2] = {0, 0};
-        if (f.type == Q4_K || f.type == Q5_K) {
-          uint8_t raw[12];
-          for (int k = 0; k < 12; ++k) raw[k] = b[f.sc + 16 * k + r];
-          int sc, mn;
-          k_scale_min(raw, s, sc, mn);
-          dsc = d * static_cast<float>(sc);
-          cm = m * static_cast<float>(mn);
-        } else if (f.type == Q6_K) {
-          for (int h = 0; h < 2; ++h) dg[h] = d * static_cast<float>(static_cast<int8_t>(b[f.sc + 16 * (2 * s + h) + r]));
+        float dsc = d, cm = m;  // per sub-block weight scale and min (per 16 elements: dg, mg)
+        float dg[2] = {0, 0}, mg[2] = {0, 0};
+        if (f.elems == 256) {
+          int sc[2], mn[2];
+          sub_scales(f, b, r, s, sc, mn);
+          for (int h = 0; h < 2; ++h) {
+            dg[h] = d * static_cast<float>(sc[h]);
+            mg[h] = m * static_cast<float>(mn[h]);
+          }
+          dsc = dg[0];
+          cm = mg[0];
         }
         for (int t = 0; t < nt; ++t) {
           const int64_t blk = kb * subs + s;
@@ -431,9 +511,15 @@ void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, in
             for (int h = 0; h < 2; ++h) isum[h] = 256 * isum[h] + isum2[h];
           }
           float& y = acc[t][r];
-          if (f.type == Q6_K) {
+          if (f.type == Q6_K || f.type == Q3_K) {
+            const int off = f.type == Q6_K ? 32 : 4;
             for (int h = 0; h < 2; ++h)
-              y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - 32 * s16[h]), y);
+              y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - off * s16[h]), y);
+            continue;
+          }
+          if (f.type == Q2_K) {
+            for (int h = 0; h < 2; ++h) y = std::fma(dg[h] * dx, static_cast<float>(isum[h]), y);
+            for (int h = 0; h < 2; ++h) y = std::fma(-mg[h], dx * static_cast<float>(s16[h]), y);
             continue;
           }
           const int off = int_offset(f.type);
@@ -468,14 +554,15 @@ struct V256 {
   static I lo4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
   static I hi4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  template <int SH>  // (v shifted so bits SH..SH+1 land on 4..5) & 0x30
-  static I bits45(I v) {
-    const I m = _mm256_set1_epi8(0x30);
-    if constexpr (SH < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - SH), m);
-    else if constexpr (SH == 4) return _mm256_and_si256(v, m);
-    else return _mm256_and_si256(_mm256_srli_epi16(v, SH - 4), m);
+  template <int SH, int TO>  // bits SH..SH+1 of each byte moved to TO..TO+1, the others cleared
+  static I bits2(I v) {
+    const I m = _mm256_set1_epi8(3 << TO);
+    if constexpr (SH < TO) return _mm256_and_si256(_mm256_slli_epi16(v, TO - SH), m);
+    else if constexpr (SH == TO) return _mm256_and_si256(v, m);
+    else return _mm256_and_si256(_mm256_srli_epi16(v, SH - TO), m);
   }
-  static I bit4(I v, const uint8_t* mask, int h) {  // add 16 to the bytes whose mask bit is set
+  template <int BIT>
+  static I setbit(I v, const uint8_t* mask, int h) {  // set bit BIT (clear) of the bytes whose mask bit is set
     uint32_t bits;
     std::memcpy(&bits, mask + 4 * h, 4);
     const I shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
@@ -483,7 +570,7 @@ struct V256 {
     const I sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
     I m = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
     m = _mm256_cmpeq_epi8(m, sel);
-    return _mm256_or_si256(v, _mm256_and_si256(m, _mm256_set1_epi8(16)));
+    return _mm256_or_si256(v, _mm256_and_si256(m, _mm256_set1_epi8(1 << BIT)));
   }
   static I dotu(I acc, I u, I x) {  // u <= 63: the int16 pair sums cannot saturate
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
@@ -498,10 +585,16 @@ struct V256 {
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I shl8(I a) { return _mm256_slli_epi32(a, 8); }
   static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F bf16(const uint8_t* p) {
+    const I v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  static F loadf(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
   static F u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F s8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F addf(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
@@ -525,17 +618,18 @@ struct V512 {
   static I lo4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
   static I hi4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  template <int SH>
-  static I bits45(I v) {
-    const I m = _mm512_set1_epi8(0x30);
-    if constexpr (SH < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - SH), m);
-    else if constexpr (SH == 4) return _mm512_and_si512(v, m);
-    else return _mm512_and_si512(_mm512_srli_epi16(v, SH - 4), m);
+  template <int SH, int TO>
+  static I bits2(I v) {
+    const I m = _mm512_set1_epi8(3 << TO);
+    if constexpr (SH < TO) return _mm512_and_si512(_mm512_slli_epi16(v, TO - SH), m);
+    else if constexpr (SH == TO) return _mm512_and_si512(v, m);
+    else return _mm512_and_si512(_mm512_srli_epi16(v, SH - TO), m);
   }
-  static I bit4(I v, const uint8_t* mask, int) {
+  template <int BIT>
+  static I setbit(I v, const uint8_t* mask, int) {
     uint64_t bits;
     std::memcpy(&bits, mask, 8);
-    return _mm512_mask_add_epi8(v, static_cast<__mmask64>(bits), v, _mm512_set1_epi8(16));
+    return _mm512_mask_add_epi8(v, static_cast<__mmask64>(bits), v, _mm512_set1_epi8(1 << BIT));
   }
   static I dotu(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
   static constexpr int Q8_BIAS = 128;
@@ -547,10 +641,16 @@ struct V512 {
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I shl8(I a) { return _mm512_slli_epi32(a, 8); }
   static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F bf16(const uint8_t* p) {
+    const I v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+  static F loadf(const uint8_t* p) { return _mm512_loadu_ps(p); }
   static F u8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F s8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F addf(F a, F b) { return _mm512_add_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
@@ -561,7 +661,7 @@ struct V512 {
 
 #if QG_AVX2
 // Q4_K / Q5_K: the 16 rows' 6-bit scales and mins of all 8 sub-blocks from the 12 byte planes.
-inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][16]) {
+__attribute__((always_inline)) inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][16]) {
   __m128i p[12];
   for (int k = 0; k < 12; ++k) p[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * k));
   const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48);
@@ -574,6 +674,35 @@ inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][1
     st(mn[j + 4], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(p[j + 8], 4), m15),
                                _mm_and_si128(_mm_srli_epi16(p[j + 4], 2), m48)));
   }
+}
+
+// Q2_K: the 16 rows' scales (low nibbles) and mins (high nibbles) of the 16 sub-blocks of 16.
+__attribute__((always_inline)) inline void q2k_scales16(const uint8_t* planes, uint8_t sc[16][16], uint8_t mn[16][16]) {
+  const __m128i m15 = _mm_set1_epi8(15);
+  for (int j = 0; j < 16; ++j) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * j));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sc[j]), _mm_and_si128(p, m15));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(mn[j]), _mm_and_si128(_mm_srli_epi16(p, 4), m15));
+  }
+}
+
+// Q3_K: the 16 rows' signed scales (int8 bytes) of the 16 sub-blocks from the 12 planes (q3_scale).
+__attribute__((always_inline)) inline void q3k_scales16(const uint8_t* planes, uint8_t sc[16][16]) {
+  __m128i p[12], lo[16], hi[16];
+  for (int k = 0; k < 12; ++k) p[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * k));
+  const __m128i m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48);
+  for (int j = 0; j < 8; ++j) {
+    lo[j] = _mm_and_si128(p[j], m15);
+    lo[j + 8] = _mm_and_si128(_mm_srli_epi16(p[j], 4), m15);
+  }
+  for (int i = 0; i < 4; ++i) {  // bits 2 (j / 4) of plane 8 + j % 4 land on bits 4..5
+    hi[i] = _mm_and_si128(_mm_slli_epi16(p[8 + i], 4), m48);
+    hi[i + 4] = _mm_and_si128(_mm_slli_epi16(p[8 + i], 2), m48);
+    hi[i + 8] = _mm_and_si128(p[8 + i], m48);
+    hi[i + 12] = _mm_and_si128(_mm_srli_epi16(p[8 + i], 2), m48);
+  }
+  for (int j = 0; j < 16; ++j)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sc[j]), _mm_sub_epi8(_mm_or_si128(lo[j], hi[j]), _mm_set1_epi8(32)));
 }
 
 // Unsigned codes of sub-block s (groups G = 0..7 of 4 elements) for half h of a tile block.
@@ -590,29 +719,33 @@ inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
       u[p + 4] = V::hi4(c);
     }
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1)
-      for (int g = 0; g < 8; ++g) u[g] = V::bit4(u[g], b + f.qh + 8 * g, h);
+      for (int g = 0; g < 8; ++g) u[g] = V::template setbit<4>(u[g], b + f.qh + 8 * g, h);
   } else {
-    const uint8_t* q = b + f.qs + 512 * (s / 2) + B * h;
-    for (int g = 0; g < 8; ++g) {
-      const typename V::I c = V::load(q + 64 * g);
-      u[g] = (s & 1) ? V::hi4(c) : V::lo4(c);
-    }
-    if constexpr (TYPE == Q5_K)
-      for (int g = 0; g < 8; ++g) u[g] = V::bit4(u[g], b + f.qh + 64 * s + 8 * g, h);
-    if constexpr (TYPE == Q6_K) {
-      const uint8_t* q6 = b + f.qh6 + 512 * (s / 4) + B * h;
+    if constexpr (f.qs >= 0) {
+      const uint8_t* q = b + f.qs + 512 * (s / 2) + B * h;
       for (int g = 0; g < 8; ++g) {
-        const typename V::I c = V::load(q6 + 64 * g);
-        typename V::I hi;
-        switch (s % 4) {
-          case 0: hi = V::template bits45<0>(c); break;
-          case 1: hi = V::template bits45<2>(c); break;
-          case 2: hi = V::template bits45<4>(c); break;
-          default: hi = V::template bits45<6>(c); break;
-        }
-        u[g] = V::or_(u[g], hi);
+        const typename V::I c = V::load(q + 64 * g);
+        u[g] = (s & 1) ? V::hi4(c) : V::lo4(c);
       }
     }
+    if constexpr (f.q2 >= 0) {
+      constexpr int TO = q2_shift(TYPE);
+      const uint8_t* q2 = b + f.q2 + 512 * (s / 4) + B * h;
+      for (int g = 0; g < 8; ++g) {
+        const typename V::I c = V::load(q2 + 64 * g);
+        typename V::I v;
+        switch (s % 4) {
+          case 0: v = V::template bits2<0, TO>(c); break;
+          case 1: v = V::template bits2<2, TO>(c); break;
+          case 2: v = V::template bits2<4, TO>(c); break;
+          default: v = V::template bits2<6, TO>(c); break;
+        }
+        if constexpr (f.qs >= 0) u[g] = V::or_(u[g], v);
+        else u[g] = v;
+      }
+    }
+    if constexpr (TYPE == Q5_K || TYPE == Q3_K)
+      for (int g = 0; g < 8; ++g) u[g] = V::template setbit<TYPE == Q5_K ? 4 : 2>(u[g], b + f.qh + 64 * s + 8 * g, h);
   }
 }
 
@@ -647,18 +780,31 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
       const typename V::F d = V::f16(b + f.d + 2 * V::L * h);
       typename V::F m = V::zerof();
       if constexpr (f.m >= 0) m = V::f16(b + f.m + 2 * V::L * h);
-      alignas(16) uint8_t sc[8][16], mn[8][16];
+      alignas(16) uint8_t sc[16][16], mn[16][16];  // K-quants: the 16 rows' scales (and mins) decoded
       if constexpr (TYPE == Q4_K || TYPE == Q5_K) k_scales16(b + f.sc, sc, mn);
+      if constexpr (TYPE == Q2_K) q2k_scales16(b + f.sc, sc, mn);
+      if constexpr (TYPE == Q3_K) q3k_scales16(b + f.sc, sc);
       for (int s = 0; s < SUBS; ++s) {
+        if (h == 0 && t0 == 0) {  // this sub-block's share of the tile block PF_AHEAD bytes ahead
+          constexpr int N = (f.tile_bytes + 64 * SUBS - 1) / (64 * SUBS);
+          prefetch_lines<N>(b + PF_AHEAD + 64 * N * s);
+        }
         typename V::I u[8];
         unpack<V, TYPE>(b, s, h, u);
-        typename V::F dsc = d, cm = m, dg0 = d, dg1 = d;
+        // scale and min of the sub-block, or of its halves (dg0 / dg1, cm0 / cm1)
+        typename V::F dsc = d, cm = m, dg0 = d, dg1 = d, cm0 = m, cm1 = m;
         if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
           dsc = V::mul(d, V::u8f(sc[s] + V::L * h));
           cm = V::mul(m, V::u8f(mn[s] + V::L * h));
-        } else if constexpr (TYPE == Q6_K) {
-          dg0 = V::mul(d, V::s8f(b + f.sc + 16 * (2 * s) + V::L * h));
-          dg1 = V::mul(d, V::s8f(b + f.sc + 16 * (2 * s + 1) + V::L * h));
+        } else if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+          const uint8_t* planes = TYPE == Q6_K ? b + f.sc : sc[0];
+          dg0 = V::mul(d, V::s8f(planes + 16 * (2 * s) + V::L * h));
+          dg1 = V::mul(d, V::s8f(planes + 16 * (2 * s + 1) + V::L * h));
+        } else if constexpr (TYPE == Q2_K) {
+          dg0 = V::mul(d, V::u8f(sc[2 * s] + V::L * h));
+          dg1 = V::mul(d, V::u8f(sc[2 * s + 1] + V::L * h));
+          cm0 = V::mul(m, V::u8f(mn[2 * s] + V::L * h));
+          cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
         }
         const int64_t blk = kb * SUBS + s;
         for (int t = 0; t < T; ++t) {
@@ -673,9 +819,16 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
           }
           const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
           const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
-          if constexpr (TYPE == Q6_K) {
-            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(32 * s16[0]))), acc[t]);
-            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(32 * s16[1]))), acc[t]);
+          if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+            constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
+            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(OFF16 * s16[0]))), acc[t]);
+            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(OFF16 * s16[1]))), acc[t]);
+          } else if constexpr (TYPE == Q2_K) {
+            const float dxs = a.d[row * kb32 + blk];
+            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
+            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
+            acc[t] = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), acc[t]);
+            acc[t] = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), acc[t]);
           } else {
             typename V::I tot = V::add(lo, hi);
             if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
@@ -713,6 +866,91 @@ void tile_any(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt,
 }
 #endif
 
+// ------------------------------------------------------------------ dense weights (F32, F16, BF16)
+// A tile block is one column of the 16 rows. Per row of x and output row, partial p (0..3) sums the
+// columns i = p mod 4 with fp32 FMAs in column order (4 independent chains), y = (p0 + p1) + (p2 + p3).
+
+constexpr int DSPLIT = 4;
+
+inline float dense_w(int type, const uint8_t* p) {
+  if (type == F32) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return type == F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+void dense_scalar(const Fmt& f, const uint8_t* w, int64_t k, const Acts& a, int64_t t0, int nt, const Out& o,
+                  int64_t row0) {
+  float acc[TMAX][ROWS];
+  for (int t = 0; t < nt; ++t) {
+    const float* x = a.x + (t0 + t) * a.ldx;
+    for (int r = 0; r < ROWS; ++r) {
+      float p[DSPLIT] = {};
+      for (int64_t i = 0; i < k; ++i)
+        p[i % DSPLIT] = std::fma(dense_w(f.type, w + (i * ROWS + r) * f.raw_bytes), x[i], p[i % DSPLIT]);
+      acc[t][r] = (p[0] + p[1]) + (p[2] + p[3]);
+    }
+  }
+  for (int t = 0; t < nt; ++t) store_rows(o, t0 + t, row0, acc[t]);
+}
+
+#if QG_AVX2
+template <class V, int TYPE>
+inline typename V::F dense_load(const uint8_t* p) {
+  if constexpr (TYPE == F32) return V::loadf(p);
+  else if constexpr (TYPE == F16) return V::f16(p);
+  else return V::bf16(p);
+}
+
+template <class V, int TYPE, int T>
+inline void dense_simd(const uint8_t* w, int64_t k, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
+  constexpr int ESZ = fmt_of(TYPE).raw_bytes, COL = ROWS * ESZ;
+  alignas(64) float out[T][ROWS];
+  for (int h = 0; h < V::HALVES; ++h) {
+    const uint8_t* wh = w + V::L * ESZ * h;
+    const float* x[T];
+    typename V::F p[T][DSPLIT];
+    for (int t = 0; t < T; ++t) {
+      x[t] = a.x + (t0 + t) * a.ldx;
+      for (int j = 0; j < DSPLIT; ++j) p[t][j] = V::zerof();
+    }
+    int64_t i = 0;
+    for (; i + DSPLIT <= k; i += DSPLIT) {
+      if (h == 0 && t0 == 0) prefetch_lines<(DSPLIT * COL + 63) / 64>(wh + i * COL + PF_AHEAD);
+      for (int j = 0; j < DSPLIT; ++j) {
+        const typename V::F wv = dense_load<V, TYPE>(wh + (i + j) * COL);
+        for (int t = 0; t < T; ++t) p[t][j] = V::fma(wv, V::set1f(x[t][i + j]), p[t][j]);
+      }
+    }
+    for (int j = 0; j < DSPLIT - 1; ++j)  // the last k % 4 columns (constant indices keep p in registers)
+      if (i + j < k) {
+        const typename V::F wv = dense_load<V, TYPE>(wh + (i + j) * COL);
+        for (int t = 0; t < T; ++t) p[t][j] = V::fma(wv, V::set1f(x[t][i + j]), p[t][j]);
+      }
+    for (int t = 0; t < T; ++t) V::store(out[t] + V::L * h, V::addf(V::addf(p[t][0], p[t][1]), V::addf(p[t][2], p[t][3])));
+  }
+  for (int t = 0; t < T; ++t) store_rows(o, t0 + t, row0, out[t]);
+}
+
+template <class V, int TYPE>
+void dense_any(const uint8_t* w, int64_t k, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
+  // Passes over up to 4 rows of x (AVX2: 2) keep the 4 partials per row in registers; the tile stays
+  // in cache between passes.
+  while (nt > 0) {
+    if constexpr (V::L == 16) {
+      if (nt >= 4) { dense_simd<V, TYPE, 4>(w, k, a, t0, o, row0); t0 += 4; nt -= 4; continue; }
+    }
+    if (nt >= 2) { dense_simd<V, TYPE, 2>(w, k, a, t0, o, row0); t0 += 2; nt -= 2; }
+    else { dense_simd<V, TYPE, 1>(w, k, a, t0, o, row0); t0 += 1; nt -= 1; }
+  }
+}
+#endif
+
+// Both kinds: (tile, blocks per row (dense: k), activations, first row of x, rows of x, out, first output row).
 using TileFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int, const Out&, int64_t);
 
 template <class V>
@@ -724,9 +962,14 @@ TileFn simd_fn(int type) {
     case Q5_0: return tile_any<V, Q5_0>;
     case Q5_1: return tile_any<V, Q5_1>;
     case Q8_0: return tile_any<V, Q8_0>;
+    case Q2_K: return tile_any<V, Q2_K>;
+    case Q3_K: return tile_any<V, Q3_K>;
     case Q4_K: return tile_any<V, Q4_K>;
     case Q5_K: return tile_any<V, Q5_K>;
     case Q6_K: return tile_any<V, Q6_K>;
+    case F32: return dense_any<V, F32>;
+    case F16: return dense_any<V, F16>;
+    case BF16: return dense_any<V, BF16>;
   }
 #endif
   (void)type;
@@ -741,6 +984,41 @@ TileFn pick(int type) {
   if (g_simd >= SIMD_AVX2) return simd_fn<V256>(type);
 #endif
   return nullptr;
+}
+
+// ------------------------------------------------------------------ reading rows back
+
+// Row r of a tile as fp32 into out[k]: gguf's dequantization formulas, the same fp32 operations.
+void dequant_row(const Fmt& f, const uint8_t* w, int64_t nblk, int r, float* out) {
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    const uint8_t* b = w + kb * f.tile_bytes;
+    float* o = out + kb * f.elems;
+    if (f.elems == 1) {
+      o[0] = dense_w(f.type, b + r * f.raw_bytes);
+      continue;
+    }
+    const float d = rd_f16(b + f.d + 2 * r);
+    const float m = f.m >= 0 ? rd_f16(b + f.m + 2 * r) : 0.0f;
+    for (int s = 0; s < f.elems / 32; ++s) {
+      int sc[2] = {0, 0}, mn[2] = {0, 0};
+      if (f.elems == 256) sub_scales(f, b, r, s, sc, mn);
+      for (int e = 0; e < 32; ++e) {
+        const int c = code(f, b, s, r, e), h = e / 16;
+        float v;
+        switch (f.type) {
+          case Q4_0: v = d * static_cast<float>(c - 8); break;
+          case Q5_0: v = d * static_cast<float>(c - 16); break;
+          case Q4_1: case Q5_1: v = d * static_cast<float>(c) + m; break;
+          case Q8_0: v = static_cast<float>(c) * d; break;
+          case Q6_K: v = d * static_cast<float>(sc[h]) * static_cast<float>(c - 32); break;
+          case Q3_K: v = d * static_cast<float>(sc[h]) * static_cast<float>(c - 4); break;
+          default:  // Q2_K, Q4_K, Q5_K
+            v = d * static_cast<float>(sc[h]) * static_cast<float>(c) - m * static_cast<float>(mn[h]);
+        }
+        o[32 * s + e] = v;
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------ thread pool
@@ -869,16 +1147,22 @@ void parallel_for(int64_t items, int64_t chunk, int threads, const F& body) {
               [](const void* ctx, int64_t i0, int64_t i1) { (*static_cast<const F*>(ctx))(i0, i1); }, &body);
 }
 
-struct Scratch {  // per calling thread: the quantized activations
+struct Scratch {  // per calling thread: the quantized activations (dense weights: bf16 x as fp32)
   std::vector<int8_t> q, q2;
-  std::vector<float> d, ds;
+  std::vector<float> d, ds, xf;
   std::vector<int32_t> s16;
 };
 
 thread_local Scratch g_scratch;
 
 constexpr int64_t MIN_PARALLEL_BYTES = 64 << 10;  // below this, a second thread costs more than it saves
-constexpr int64_t CHUNK_BYTES = 32 << 10;          // weight bytes (times rows of x) per claimed chunk
+constexpr int64_t CHUNK_BYTES = 32 << 10;          // min weight bytes (times rows of x) per claimed chunk
+// Chunks per thread (at least CHUNK_BYTES each): each thread streams its chunks front to back, and each
+// chunk start costs a prefetch ramp (its first PF_AHEAD bytes are read on demand), so few large chunks
+// stream best. 1-row calls on 2 threads, weights from DRAM: 4096 x 1024 Q4_K 55 us with 32 KB chunks,
+// 44-47 us with 4 chunks per thread; 576 x 1536 Q4_1 14-15 us with 4 per thread, 12-14 us with 2 or 1.
+// 2 still lets a faster (or less busy) core take a larger share of a prefill.
+constexpr int64_t CHUNKS_PER_THREAD = 2;
 
 }  // namespace
 
@@ -910,7 +1194,20 @@ int nc_qg_repack(int type, const uint8_t* src, int64_t rows, int64_t k, int64_t 
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const Fmt fm = *f;
   parallel_for(tiles, 16, threads, [&](int64_t t0, int64_t t1) {
-    for (int64_t tile = t0; tile < t1; ++tile)
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      if (fm.elems == 1) {  // dense: element i of row r at column block i, slot r
+        const int esz = fm.raw_bytes;
+        uint8_t* t = dst + tile * nblk * fm.tile_bytes;
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t row = tile * ROWS + r;
+          for (int64_t i = 0; i < k; ++i)
+            if (row < rows)
+              std::memcpy(t + i * fm.tile_bytes + r * esz, src + row * row_stride + i * esz, esz);
+            else
+              std::memset(t + i * fm.tile_bytes + r * esz, 0, esz);
+        }
+        continue;
+      }
       for (int64_t kb = 0; kb < nblk; ++kb) {
         uint8_t* t = dst + (tile * nblk + kb) * fm.tile_bytes;
         std::memset(t, 0, fm.tile_bytes);
@@ -919,7 +1216,23 @@ int nc_qg_repack(int type, const uint8_t* src, int64_t rows, int64_t k, int64_t 
           pack_row(fm, row < rows ? src + row * row_stride + kb * fm.raw_bytes : nullptr, r, t);
         }
       }
+    }
   });
+  return OK;
+}
+
+// Rows ids[0..n) of a packed [rows, k] weight as fp32 into out [n, k], equal to gguf's dequantization
+// of the raw rows. ERR_RANGE (nothing written) for an id outside [0, rows).
+int nc_qg_dequant_rows(int type, const uint8_t* tiles, int64_t rows, int64_t k, const int64_t* ids, int64_t n,
+                       float* out) {
+  const Fmt* f = find_fmt(type);
+  if (!f) return ERR_TYPE;
+  if (k % f->elems) return ERR_SHAPE;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= rows) return ERR_RANGE;
+  const int64_t nblk = k / f->elems, tile_stride = nblk * f->tile_bytes;
+  for (int64_t i = 0; i < n; ++i)
+    dequant_row(*f, tiles + ids[i] / ROWS * tile_stride, nblk, static_cast<int>(ids[i] % ROWS), out + i * k);
   return OK;
 }
 
@@ -940,46 +1253,69 @@ int nc_qg_dequantized_acts(const float* x, int64_t n, int64_t k, int x2, float* 
 }
 
 // y [n, rows] (row stride ldy; float32 or bf16) = x [n, k] (row stride ldx; float32 or bf16) @ W^T + bias.
+// x2: two-level activations (quantized types; dense weights take x as it is).
 int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void* x, int x_bf16, int64_t n,
                  int64_t ldx, void* y, int y_bf16, int64_t ldy, const float* bias, int x2, int threads) {
   const Fmt* f = find_fmt(type);
   if (!f) return ERR_TYPE;
-  if (k % f->elems || k % 32) return ERR_SHAPE;
+  const bool dense = f->elems == 1;
+  if (!dense && (k % f->elems || k % 32)) return ERR_SHAPE;
   if (n <= 0 || rows <= 0) return OK;
-  Scratch& sc = g_scratch;
-  if (static_cast<int64_t>(sc.q.size()) < n * k) sc.q.resize(n * k);
-  if (x2 && static_cast<int64_t>(sc.q2.size()) < n * k) sc.q2.resize(n * k);
-  if (static_cast<int64_t>(sc.d.size()) < n * k / 32) {
-    sc.d.resize(n * k / 32);
-    sc.ds.resize(n * k / 32);
-  }
-  if (static_cast<int64_t>(sc.s16.size()) < n * k / 16) sc.s16.resize(n * k / 16);
-  int8_t* q2 = x2 ? sc.q2.data() : nullptr;
-  const Acts a{sc.q.data(), q2, sc.d.data(), sc.s16.data(), sc.ds.data(), k};
-  const Out o{y, y_bf16, ldy, bias, rows};
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const int64_t tile_stride = nblk * f->tile_bytes;
   const int64_t groups = (n + TMAX - 1) / TMAX, items = tiles * groups;
-  const TileFn fn = pick(type);
-  const Fmt fm = *f;
   const int64_t work = tiles * tile_stride * std::min<int64_t>(n, TMAX);
   const int nt = work < MIN_PARALLEL_BYTES ? 1 : std::max(1, threads);
   const size_t esz = x_bf16 ? 2 : 4;
-  parallel_for(n, n < 4 * TMAX ? n : TMAX, n < 4 * TMAX ? 1 : nt, [&](int64_t r0, int64_t r1) {
-    for (int64_t t = r0; t < r1; ++t)
-      quantize_any(static_cast<const char*>(x) + t * ldx * esz, x_bf16, k, sc.q.data() + t * k,
-                   q2 ? q2 + t * k : nullptr, sc.d.data() + t * (k / 32), sc.s16.data() + t * (k / 16),
-                   sc.ds.data() + t * (k / 32));
-  });
+  const auto x_row = [&](int64_t t) { return static_cast<const char*>(x) + t * ldx * esz; };
+  Scratch& sc = g_scratch;
+  Acts a{};
+  a.k = k;
+  if (dense && !x_bf16) {  // read in place
+    a.x = static_cast<const float*>(x);
+    a.ldx = ldx;
+  } else if (dense) {  // bf16 converted once, exactly
+    if (static_cast<int64_t>(sc.xf.size()) < n * k) sc.xf.resize(n * k);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < k; ++i) sc.xf[t * k + i] = load_x(x_row(t), 1, i);
+    a.x = sc.xf.data();
+    a.ldx = k;
+  } else {
+    if (static_cast<int64_t>(sc.q.size()) < n * k) sc.q.resize(n * k);
+    if (x2 && static_cast<int64_t>(sc.q2.size()) < n * k) sc.q2.resize(n * k);
+    if (static_cast<int64_t>(sc.d.size()) < n * k / 32) {
+      sc.d.resize(n * k / 32);
+      sc.ds.resize(n * k / 32);
+    }
+    if (static_cast<int64_t>(sc.s16.size()) < n * k / 16) sc.s16.resize(n * k / 16);
+    int8_t* q2 = x2 ? sc.q2.data() : nullptr;
+    a.q = sc.q.data();
+    a.q2 = q2;
+    a.d = sc.d.data();
+    a.s16 = sc.s16.data();
+    a.ds = sc.ds.data();
+    parallel_for(n, n < 4 * TMAX ? n : TMAX, n < 4 * TMAX ? 1 : nt, [&](int64_t r0, int64_t r1) {
+      for (int64_t t = r0; t < r1; ++t)
+        quantize_any(x_row(t), x_bf16, k, sc.q.data() + t * k, q2 ? q2 + t * k : nullptr, sc.d.data() + t * (k / 32),
+                     sc.s16.data() + t * (k / 16), sc.ds.data() + t * (k / 32));
+    });
+  }
+  const Out o{y, y_bf16, ldy, bias, rows};
+  const TileFn fn = pick(type);
+  const Fmt fm = *f;
   // Items are (tile, group of 8 rows of x), tile-major: a chunk's tile stays in cache across its groups.
   const int64_t per_item = tile_stride * std::min<int64_t>(n, TMAX);
-  parallel_for(items, std::max<int64_t>(1, CHUNK_BYTES / per_item), nt, [&](int64_t i0, int64_t i1) {
+  const int64_t chunks = nt * CHUNKS_PER_THREAD;
+  const int64_t chunk = std::max<int64_t>({1, CHUNK_BYTES / per_item, (items + chunks - 1) / chunks});
+  parallel_for(items, chunk, nt, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t tile = it / groups, t0 = (it % groups) * TMAX;
       const int cnt_t = static_cast<int>(std::min<int64_t>(TMAX, n - t0));
       const uint8_t* tw = w + tile * tile_stride;
       if (fn)
         fn(tw, nblk, a, t0, cnt_t, o, tile * ROWS);
+      else if (dense)
+        dense_scalar(fm, tw, nblk, a, t0, cnt_t, o, tile * ROWS);
       else
         tile_scalar(fm, tw, nblk, a, t0, cnt_t, o, tile * ROWS);
     }
