@@ -8,7 +8,10 @@ pool, for any ragged batch: decode rows and prefill chunks (rows after cached ke
 
 The model describes itself once as plain tensors (`DecoderDims`, `DecoderLayer`); the plan keeps
 references to them (the C side holds raw pointers), so a plan is valid as long as those tensors are
-the ones the model uses: rebuild it when the KV cache is reallocated.
+the ones the model uses: rebuild it when the KV cache is reallocated. The qkv and gate_up projections
+may come as row segments of their own weight types (GGUF files quantize q, k, v and gate, up
+separately); the KV cache may be float16 (K/V rounded to nearest even when stored, all arithmetic
+in fp32) or float32.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from nanochat.kernels import cpu_qgemv
 
 _ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table",
            5: "the rows of a sequence do not end at its context length"}
+# Row segments per layer in the plan (csrc/decoder.cpp: QKV_SEGS, GU_SEGS).
+_QKV_SEGMENTS, _GATE_UP_SEGMENTS = 3, 2
+_KV_DTYPES = (torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -41,14 +47,18 @@ class DecoderDims:
 
 @dataclass
 class DecoderLayer:
-    """One layer's tensors: fp32 norms/bias, q8-packed weights as (ggml type, tiles), fp32 KV cache."""
+    """One layer's tensors. qkv: row segments in output order whose rows add up to
+    (heads + 2 kv_heads) * head_dim (one fused q|k|v weight, or q, k, v, or any other split in 2-3);
+    gate_up: gate|up fused or (gate, up); each segment of its own ggml type. KV caches
+    [num_blocks, block_size, kv_heads, head_dim], float16 or float32 (every layer the same);
+    norms and the qkv bias (all segments') fp32."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: tuple[int, torch.Tensor]
-    o: tuple[int, torch.Tensor]
-    gate_up: tuple[int, torch.Tensor]
-    down: tuple[int, torch.Tensor]
+    qkv: list[cpu_qgemv.PackedWeight]
+    o: cpu_qgemv.PackedWeight
+    gate_up: list[cpu_qgemv.PackedWeight]
+    down: cpu_qgemv.PackedWeight
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     qkv_bias: torch.Tensor | None = None
@@ -81,10 +91,13 @@ class FusedDecoder:
             raise ValueError("fused decoder: unsupported head layout")
         self.lib, self.dims = lib, dims
         self._keep = [_fp32(cos, "cos"), _fp32(sin, "sin"), _fp32(final_norm, "final norm")]
+        self.kv_dtype = layers[0].k_cache.dtype
+        if self.kv_dtype not in _KV_DTYPES:
+            raise ValueError(f"fused decoder: KV cache dtype {self.kv_dtype} is not float16 or float32")
         eps_bits = struct.unpack("<q", struct.pack("<d", dims.eps))[0]
         plan = [dims.layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate,
                 dims.rotary_dim, dims.block_size, cos.shape[0], cos.data_ptr(), sin.data_ptr(),
-                final_norm.data_ptr(), eps_bits]
+                final_norm.data_ptr(), eps_bits, int(self.kv_dtype == torch.float16)]
         if len(plan) != lib.nc_dec_header_fields():
             raise RuntimeError("fused decoder: plan header does not match the library")
         for i, layer in enumerate(layers):
@@ -98,25 +111,47 @@ class FusedDecoder:
 
     def _layer_fields(self, i: int, layer: DecoderLayer) -> list[int]:
         d = self.dims
-        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache"):
+        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm"):
             self._keep.append(_fp32(getattr(layer, name), f"layer {i} {name}"))
         cache_shape = (d.block_size, d.kv_heads, d.head_dim)
-        if tuple(layer.k_cache.shape[1:]) != cache_shape or layer.v_cache.shape != layer.k_cache.shape:
-            raise ValueError(f"fused decoder: layer {i} KV cache shape {list(layer.k_cache.shape)} does not fit")
-        weights = []
-        for name, (rows, cols) in (("qkv", ((d.heads + 2 * d.kv_heads) * d.head_dim, d.hidden)),
-                                   ("o", (d.hidden, d.heads * d.head_dim)),
-                                   ("gate_up", (2 * d.intermediate, d.hidden)), ("down", (d.hidden, d.intermediate))):
-            ggml_type, tiles = getattr(layer, name)
-            if tiles.dtype != torch.uint8 or not tiles.is_contiguous() \
-                    or tiles.numel() != cpu_qgemv.packed_bytes(ggml_type, rows, cols):
-                raise ValueError(f"fused decoder: layer {i} {name} is not a packed [{rows}, {cols}] weight")
-            self._keep.append(tiles)
-            weights += [ggml_type, tiles.data_ptr()]
-        qkv_t, qkv_w, o_t, o_w, gu_t, gu_w, dn_t, dn_w = weights
-        return [_ptr(layer.input_norm), _ptr(layer.post_norm), qkv_t, qkv_w, _ptr(layer.qkv_bias),
-                _ptr(layer.q_norm), _ptr(layer.k_norm), o_t, o_w, gu_t, gu_w, dn_t, dn_w,
-                _ptr(layer.k_cache), _ptr(layer.v_cache)]
+        for name in ("k_cache", "v_cache"):
+            cache = getattr(layer, name)
+            if cache.dtype != self.kv_dtype or not cache.is_contiguous() or not cache.is_cpu:
+                raise ValueError(f"fused decoder: layer {i} {name} must be a contiguous {self.kv_dtype} CPU tensor "
+                                 "(every layer's K and V caches of one dtype)")
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != cache_shape or cache.shape != layer.k_cache.shape:
+                raise ValueError(f"fused decoder: layer {i} {name} shape {list(cache.shape)} does not fit")
+            self._keep.append(cache)
+        qkv_rows = (d.heads + 2 * d.kv_heads) * d.head_dim
+        if layer.qkv_bias is not None and layer.qkv_bias.shape != (qkv_rows,):
+            raise ValueError(f"fused decoder: layer {i} qkv_bias must have {qkv_rows} values")
+        qkv = self._segments(i, "qkv", layer.qkv, _QKV_SEGMENTS, qkv_rows, d.hidden)
+        gate_up = self._segments(i, "gate_up", layer.gate_up, _GATE_UP_SEGMENTS, 2 * d.intermediate, d.hidden)
+        o = self._weight(i, "o", layer.o, d.hidden, d.heads * d.head_dim)
+        down = self._weight(i, "down", layer.down, d.hidden, d.intermediate)
+        return [_ptr(layer.input_norm), _ptr(layer.post_norm), *qkv, _ptr(layer.qkv_bias), _ptr(layer.q_norm),
+                _ptr(layer.k_norm), *o, *gate_up, *down, _ptr(layer.k_cache), _ptr(layer.v_cache)]
+
+    def _weight(self, i: int, name: str, w: cpu_qgemv.PackedWeight, rows: int, cols: int) -> list[int]:
+        """(type, tiles) of a packed [rows, cols] weight, kept alive by the plan."""
+        if not isinstance(w, cpu_qgemv.PackedWeight) or tuple(w.shape) != (rows, cols) \
+                or w.data.dtype != torch.uint8 or not w.data.is_contiguous() \
+                or w.data.numel() != cpu_qgemv.packed_bytes(w.ggml_type, rows, cols):
+            raise ValueError(f"fused decoder: layer {i} {name} is not a packed [{rows}, {cols}] weight")
+        self._keep.append(w.data)
+        return [w.ggml_type, w.data.data_ptr()]
+
+    def _segments(self, i: int, name: str, segs: list[cpu_qgemv.PackedWeight], most: int, rows: int,
+                  cols: int) -> list[int]:
+        """(type, tiles, rows) per row segment, padded to `most` segments with rows = 0."""
+        seg_rows = [getattr(w, "out_features", 0) for w in segs] if isinstance(segs, (list, tuple)) else []
+        if not 1 <= len(seg_rows) <= most or min(seg_rows) < 1 or sum(seg_rows) != rows:
+            raise ValueError(f"fused decoder: layer {i} {name} must be 1 to {most} packed weights whose rows add "
+                             f"up to {rows}")
+        fields = []
+        for j, w in enumerate(segs):
+            fields += self._weight(i, f"{name}[{j}]", w, w.out_features, cols) + [w.out_features]
+        return fields + [0, 0, 0] * (most - len(segs))
 
     def uses(self, k_cache: torch.Tensor) -> bool:
         """Whether the plan was built over this (first layer's) K cache."""

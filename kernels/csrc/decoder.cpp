@@ -12,8 +12,13 @@
 // results match it to rounding.
 //
 // The model is described once by an int64 "plan" (pointers as integers, see the layout below) built
-// in Python from the model's own tensors; the KV cache is the engine's paged fp32 cache
-// [num_blocks, block_size, kv_heads, head_dim] per layer, written and read in place.
+// in Python from the model's own tensors; the KV cache is the engine's paged cache
+// [num_blocks, block_size, kv_heads, head_dim] per layer, fp16 (as llama.cpp: half the memory
+// traffic of attention; K/V rounded to nearest even when stored, widened to fp32 when read) or
+// fp32, written and read in place.
+//
+// SIMD: the attention and elementwise kernels are written once over a vector of VL floats, AVX-512
+// (16 lanes) or AVX2 + FMA + F16C (8 lanes), with scalar loops in builds that have neither.
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +27,13 @@
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define DEC_VL 16
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DEC_VL 8
+#else
+#define DEC_VL 0
 #endif
 
 extern "C" int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void* x, int x_bf16,
@@ -32,14 +44,19 @@ extern "C" void nc_qg_parallel_for(int64_t items, int64_t chunk, int threads,
 
 namespace {
 
-// Plan layout (int64): header, then LAYER_FIELDS per layer. Weight = (ggml type, packed tiles).
+// Plan layout (int64): header, then L_FIELDS per layer. Weight = (ggml type, packed tiles). The
+// qkv and gate_up projections are row segments (type, tiles, rows), each with its own type (GGUF
+// quantizers give q, k, v and gate, up different ones), in output order (q | k | v, gate | up, or
+// one fused segment); unused segments at the end have rows = 0. L_QKV_BIAS (0 = none) spans all qkv
+// segments. H_KV_F16: the caches are fp16 (else fp32).
+constexpr int SEG_FIELDS = 3, QKV_SEGS = 3, GU_SEGS = 2;
 enum Header : int {
   H_LAYERS, H_HIDDEN, H_HEADS, H_KV_HEADS, H_HEAD_DIM, H_INTER, H_ROT_DIM, H_BLOCK_SIZE, H_MAX_POS,
-  H_COS, H_SIN, H_FINAL_NORM, H_EPS_BITS, H_FIELDS
+  H_COS, H_SIN, H_FINAL_NORM, H_EPS_BITS, H_KV_F16, H_FIELDS
 };
 enum Layer : int {
-  L_IN_NORM, L_POST_NORM, L_QKV_TYPE, L_QKV_W, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O_TYPE, L_O_W,
-  L_GU_TYPE, L_GU_W, L_DOWN_TYPE, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_FIELDS
+  L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS = L_QKV + QKV_SEGS * SEG_FIELDS, L_Q_NORM, L_K_NORM, L_O_TYPE,
+  L_O_W, L_GU, L_DOWN_TYPE = L_GU + GU_SEGS * SEG_FIELDS, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_FIELDS
 };
 enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5 };
 
@@ -52,12 +69,13 @@ struct Model {
   int64_t layers, hidden, heads, kv_heads, head_dim, inter, rot_dim, block_size, max_pos;
   const float *cos, *sin, *final_norm;
   float eps;
+  bool kv_f16;
 
   explicit Model(const int64_t* p)
       : layers(p[H_LAYERS]), hidden(p[H_HIDDEN]), heads(p[H_HEADS]), kv_heads(p[H_KV_HEADS]),
         head_dim(p[H_HEAD_DIM]), inter(p[H_INTER]), rot_dim(p[H_ROT_DIM]), block_size(p[H_BLOCK_SIZE]),
         max_pos(p[H_MAX_POS]), cos(ptr<const float>(p[H_COS])), sin(ptr<const float>(p[H_SIN])),
-        final_norm(ptr<const float>(p[H_FINAL_NORM])) {
+        final_norm(ptr<const float>(p[H_FINAL_NORM])), kv_f16(p[H_KV_F16] != 0) {
     double e;
     std::memcpy(&e, &p[H_EPS_BITS], sizeof e);
     eps = static_cast<float>(e);
@@ -79,16 +97,184 @@ struct Batch {
   const int32_t* context_lens;  // [seqs] KV length after this step
 };
 
-// Sum of a[i] * b[i] in 16 independent fp32 lanes (vectorizes without reassociation flags).
+// ------------------------------------------------------------------ SIMD
+// vf: VL fp32 lanes. Loads and stores of uint16_t are fp16 (widened; rounded to nearest even).
+#if DEC_VL == 16
+constexpr int VL = 16;
+using vf = __m512;
+inline vf vset(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void vstore(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+// y * 2^n for integral n.
+inline vf vscale2(vf y, vf n) { return _mm512_scalef_ps(y, n); }
+// Lanes [0, k) (k < VL): their load (zeros above), store, and v with the other lanes zeroed.
+inline __mmask16 lanes(int64_t k) { return static_cast<__mmask16>((1u << k) - 1); }
+inline vf vload_part(const float* p, int64_t k) { return _mm512_maskz_loadu_ps(lanes(k), p); }
+inline void vstore_part(float* p, vf v, int64_t k) { _mm512_mask_storeu_ps(p, lanes(k), v); }
+inline vf vkeep(vf v, int64_t k) { return _mm512_maskz_mov_ps(lanes(k), v); }
+#elif DEC_VL == 8
+constexpr int VL = 8;
+using vf = __m256;
+inline vf vset(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void vstore(uint16_t* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float vsum(vf a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float vhmax(vf a) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+// y * 2^n for integral n in [-126, 127]: no scalef in AVX2, but such a 2^n is a normal float, built
+// directly in the exponent field (the products are then the same as scalef's).
+inline vf vscale2(vf y, vf n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+inline __m256i lanes(int64_t k) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf vload_part(const float* p, int64_t k) { return _mm256_maskload_ps(p, lanes(k)); }
+inline void vstore_part(float* p, vf v, int64_t k) { _mm256_maskstore_ps(p, lanes(k), v); }
+inline vf vkeep(vf v, int64_t k) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes(k))); }
+#endif
+
+// One fp16 value <-> fp32, rounding to nearest even: F16C where compiled in, else the same in
+// software (as in F. Giesen's half_to_float / float_to_half_fast3_rtne).
+#if defined(__F16C__)
+inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t f32_to_f16(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+#else
+inline float as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint32_t as_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float f16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent and mantissa in place
+  const uint32_t exp = u & (0x7c00u << 13);
+  u += (127u - 15u) << 23;
+  if (exp == 0x7c00u << 13)
+    u += (128u - 16u) << 23;                              // inf / nan: all exponent bits set
+  else if (exp == 0)
+    u = as_bits(as_float(u + (1u << 23)) - as_float(113u << 23));  // zero / subnormal: renormalized by fp32
+  return as_float(u | static_cast<uint32_t>(h & 0x8000u) << 16);
+}
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u = as_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint32_t h;
+  if (u >= (127u + 16u) << 23)   // |f| >= 2^16, inf or nan: inf (nan stays a quiet nan)
+    h = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  else if (u < 113u << 23)       // below 2^-14: a subnormal, rounded by the fp32 add that aligns it
+    h = as_bits(as_float(u) + 0.5f) - as_bits(0.5f);
+  else                           // rebias, round the 13 dropped bits to nearest even (may carry to inf)
+    h = (u + ((15u - 127u) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  return static_cast<uint16_t>(h | sign);
+}
+#endif
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t h) { return f16_to_f32(h); }
+
+// A KV cache row of n values as fp32: the row itself (fp32 cache), or widened into buf (fp16).
+inline const float* as_f32(const float* row, int64_t, float*) { return row; }
+inline const float* as_f32(const uint16_t* row, int64_t n, float* buf) {
+  int64_t i = 0;
+#if DEC_VL
+  for (; i + VL <= n; i += VL) vstore(buf + i, vload(row + i));
+#endif
+  for (; i < n; ++i) buf[i] = f16_to_f32(row[i]);
+  return buf;
+}
+
+// dst = src in the cache's type.
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if DEC_VL
+  for (; i + VL <= n; i += VL) vstore(dst + i, vload(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+
+// ------------------------------------------------------------------ elementwise
+// Sum of a[i] * b[i] in 16 independent fp32 lanes (vectorizes without reassociation flags). The tail
+// starts at n16 rather than where the main loop stopped: g++ 12 warns falsely otherwise
+// (-Waggressive-loop-optimizations) where n is a constant.
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
+  const int64_t n16 = n / 16 * 16;
+  for (int64_t i = 0; i < n16; i += 16)
     for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
   float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = n16; i < n; ++i) s += a[i] * b[i];
   for (int j = 0; j < 16; ++j) s += acc[j];
   return s;
+}
+
+// a . b and o += w * b over one head of D dims (D = 0: d, known at run time), b in a KV cache row:
+// decode attention's inner loops, FMA in VL lanes with one horizontal sum per dot where D allows,
+// else the scalar loops (fp16 widened into buf, d floats).
+template <int D, class T>
+inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
+#if DEC_VL
+  if constexpr (D > 0 && D % VL == 0) {
+    vf acc = vmul(vload(a), vload(b));
+    for (int c = 1; c < D / VL; ++c) acc = vfmadd(vload(a + VL * c), vload(b + VL * c), acc);
+    return vsum(acc);
+  }
+#endif
+  return dot(a, as_f32(b, d, buf), d);
+}
+
+template <int D, class T>
+inline void head_axpy(float* o, float w, const T* b, int64_t d) {
+#if DEC_VL
+  if constexpr (D > 0 && D % VL == 0) {
+    const vf wv = vset(w);
+    for (int c = 0; c < D / VL; ++c) vstore(o + VL * c, vfmadd(wv, vload(b + VL * c), vload(o + VL * c)));
+    return;
+  }
+#endif
+  for (int64_t e = 0; e < d; ++e) o[e] += w * widen(b[e]);
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * w (out may alias x).
@@ -108,13 +294,15 @@ void rope(float* h, const float* cos, const float* sin, int64_t rot_dim) {
   }
 }
 
-// Per-token work before attention: q/k head norms, RoPE, K/V written to their cache slots.
+// Per-token work before attention: q/k head norms, RoPE, K/V written to their cache slots (T: the
+// caches' element type, float or fp16 bits).
+template <class T>
 void prepare_qkv(const Model& m, const int64_t* L, const Batch& b, float* qkv) {
   const int64_t width = m.q_size() + 2 * m.kv_size();
   const float* q_norm = ptr<const float>(L[L_Q_NORM]);
   const float* k_norm = ptr<const float>(L[L_K_NORM]);
-  float* k_cache = ptr<float>(L[L_K_CACHE]);
-  float* v_cache = ptr<float>(L[L_V_CACHE]);
+  T* k_cache = ptr<T>(L[L_K_CACHE]);
+  T* v_cache = ptr<T>(L[L_V_CACHE]);
   for (int64_t t = 0; t < b.n; ++t) {
     float* row = qkv + t * width;
     const float* c = m.cos + b.positions[t] * (m.rot_dim / 2);
@@ -126,50 +314,62 @@ void prepare_qkv(const Model& m, const int64_t* L, const Batch& b, float* qkv) {
       rope(head, c, s, m.rot_dim);
     }
     const int64_t slot = b.slots[t];
-    std::memcpy(k_cache + slot * m.kv_size(), row + m.q_size(), m.kv_size() * sizeof(float));
-    std::memcpy(v_cache + slot * m.kv_size(), row + m.q_size() + m.kv_size(), m.kv_size() * sizeof(float));
+    store_row(k_cache + slot * m.kv_size(), row + m.q_size(), m.kv_size());
+    store_row(v_cache + slot * m.kv_size(), row + m.q_size() + m.kv_size(), m.kv_size());
   }
 }
 
-// ------------------------------------------------------------------ exp
-// exp over an array (attention probabilities, SiLU): AVX-512 where compiled in, else std::exp.
-// exp(x) = 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes'
-// degree-6 polynomial: within 2 ulp of std::exp for x in [-87, 88].
-#if defined(__AVX512F__)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+// exp over an array (attention probabilities, SiLU): exp(x) = 2^n e^r with n = round(x / ln 2),
+// r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' degree-6 polynomial: within 2 ulp of std::exp
+// for x in [-87, 88]. std::exp in builds without SIMD.
+#if DEC_VL
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset(-87.3f)), vset(88.3f));   // so n is in [-126, 127]
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfnmadd(n, vset(0.693359375f), x);
+  r = vfnmadd(n, vset(-2.12194440e-4f), r);
+  vf p = vset(1.9875691500e-4f);
   for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
+    p = vfmadd(p, r, vset(c));
+  const vf y = vadd(vfmadd(vmul(p, r), r, r), vset(1.0f));
+  return vscale2(y, n);
 }
 #endif
+
+// The largest of s[0 .. n), n >= 1 (std::max_element is a scalar loop).
+float max_of(const float* s, int64_t n) {
+  int64_t i = 0;
+  float mx = s[0];
+#if DEC_VL
+  if (n >= VL) {
+    vf acc = vload(s);
+    for (i = VL; i + VL <= n; i += VL) acc = vmax(acc, vload(s + i));
+    mx = vhmax(acc);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
+}
 
 // s[i] = exp(s[i] - shift); returns the sum.
 float exp_shifted(float* s, int64_t n, float shift) {
   int64_t i = 0;
   float sum = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 sh = _mm512_set1_ps(shift);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh));
-    _mm512_storeu_ps(s + i, e);
-    acc = _mm512_add_ps(acc, e);
+#if DEC_VL
+  vf acc = vset(0.f);
+  const vf sh = vset(shift);
+  for (; i + VL <= n; i += VL) {
+    const vf e = vexp(vsub(vload(s + i), sh));
+    vstore(s + i, e);
+    acc = vadd(acc, e);
   }
   if (i < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), sh));
-    _mm512_mask_storeu_ps(s + i, k, e);
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    const vf e = vexp(vsub(vload_part(s + i, n - i), sh));
+    vstore_part(s + i, e, n - i);
+    acc = vadd(acc, vkeep(e, n - i));
     i = n;
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = vsum(acc);
 #endif
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - shift));
   return sum;
@@ -178,12 +378,12 @@ float exp_shifted(float* s, int64_t n, float shift) {
 // out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u.
 void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+#if DEC_VL
+  const vf one = vset(1.0f);
+  for (; i + VL <= n; i += VL) {
+    const vf x = vload(g + i);
+    const vf e = vexp(vsub(vset(0.f), x));
+    vstore(out + i, vmul(vdiv(x, vadd(one, e)), vload(u + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
@@ -199,6 +399,7 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out) {
 //   16 (one item per KV head), then blocks of up to ROW_BLOCK rows x one KV head compute the scores
 //   of all their query heads against those tiles (an outer-product form that vectorizes over keys),
 //   a causal softmax per row and the weighted sum of values.
+// The kernels over cached K/V are templates on the caches' element type T (float or fp16 bits).
 constexpr int64_t ROW_BLOCK = 16, KEY_TILE = 16;
 
 enum class Work { PART, TRANSPOSE, ROWS };
@@ -214,8 +415,8 @@ struct AttnJob {
   const Model* m;
   const Batch* b;
   const float* qkv;
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;              // float or fp16 bits, as m->kv_f16 says
+  const void* v_cache;
   float* out;                       // [n, heads * head_dim]
   float scale;
   std::vector<Item> items;
@@ -231,8 +432,7 @@ struct AttnJob {
     return &keys_t[keys_t_at[t] + (g * tiles(t) + tile) * m->head_dim * KEY_TILE];
   }
 
-  void bind(const Model& model, const Batch& batch, const float* q, const float* kc, const float* vc,
-            float* dst) {
+  void bind(const Model& model, const Batch& batch, const float* q, const void* kc, const void* vc, float* dst) {
     m = &model;
     b = &batch;
     qkv = q;
@@ -249,14 +449,27 @@ struct AttnJob {
   }
 };
 
-// Scores, exp and weighted values of keys [p0, p1) of one-row sequence t, for all query heads.
-void attend_part(AttnJob& j, const Item& it, std::vector<float>& scores) {
+// A pool thread's buffers: scores, and one cached row widened to fp32.
+struct Local {
+  std::vector<float> scores, row;
+};
+
+// Scores, exp and weighted values of keys [p0, p1) of one-row sequence t, for all query heads. Keys
+// and values are read a whole cache row (all KV heads) at a time, in order: passes per KV head, as
+// attend_rows makes them, stream a long context's cache slower. D: the head dimension as in
+// attend_rows.
+template <int D, class T>
+void attend_part(AttnJob& j, const Item& it, Local& local) {
   const Model& m = *j.m;
-  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = m.head_dim, bs = m.block_size;
+  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim, bs = m.block_size;
   const int64_t p0 = it.lo, p1 = it.hi, len = p1 - p0, kv = m.kv_size();
   const int64_t t = it.seq;
   const float* q = j.qkv + j.b->cu_q[t] * j.width();
+  const T* k_cache = static_cast<const T*>(j.k_cache);
+  const T* v_cache = static_cast<const T*>(j.v_cache);
+  std::vector<float>& scores = local.scores;
   scores.resize(heads * len);
+  local.row.resize(d);
   auto for_keys = [&](auto&& body) {  // body(p - p0, slot of position p), block by block
     for (int64_t p = p0; p < p1;) {
       const int64_t end = std::min(p1, (p / bs + 1) * bs), base = j.slot(t, p) - p;
@@ -264,25 +477,23 @@ void attend_part(AttnJob& j, const Item& it, std::vector<float>& scores) {
     }
   };
   for_keys([&](int64_t i, int64_t slot) {
-    const float* krow = j.k_cache + slot * kv;
-    for (int64_t h = 0; h < heads; ++h) scores[h * len + i] = dot(q + h * d, krow + h / group * d, d) * j.scale;
+    const T* krow = k_cache + slot * kv;
+    for (int64_t g = 0, h = 0; g < m.kv_heads; ++g)
+      for (int64_t u = 0; u < group; ++u, ++h)
+        scores[h * len + i] = head_dot<D>(q + h * d, krow + g * d, d, local.row.data()) * j.scale;
   });
   float* ml = &j.ml[(it.index * heads) * 2];
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * len;
-    ml[2 * h] = *std::max_element(s, s + len);
+    ml[2 * h] = max_of(s, len);
     ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
   }
   float* o = &j.o[it.index * heads * d];
   std::fill(o, o + heads * d, 0.f);
   for_keys([&](int64_t i, int64_t slot) {
-    const float* vrow = j.v_cache + slot * kv;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float w = scores[h * len + i];
-      const float* v = vrow + h / group * d;
-      float* oh = o + h * d;
-      for (int64_t e = 0; e < d; ++e) oh[e] += w * v[e];
-    }
+    const T* vrow = v_cache + slot * kv;
+    for (int64_t g = 0, h = 0; g < m.kv_heads; ++g)
+      for (int64_t u = 0; u < group; ++u, ++h) head_axpy<D>(o + h * d, scores[h * len + i], vrow + g * d, d);
   });
 }
 
@@ -311,17 +522,24 @@ void merge_parts(AttnJob& j) {
 }
 
 // s[v][c] = scale * q[v] . K[c] for NV query vectors and the 16 keys of a tile transposed into
-// kt[e][c]. NV independent accumulators: one would wait on its own FMA latency every step.
+// kt[e][c]. NV x 16 / VL independent accumulators: one would wait on its own FMA latency every step.
 template <int NV>
 inline void tile_scores(const float* const* q, const float* kt, int64_t d, float scale, float* const* s) {
-#if defined(__AVX512F__)
-  __m512 acc[NV];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+#if DEC_VL
+  constexpr int KV = KEY_TILE / VL;   // vectors per row of a tile
+  vf acc[NV][KV];
+  for (auto& row : acc)
+    for (auto& a : row) a = vset(0.f);
   for (int64_t e = 0; e < d; ++e) {
-    const __m512 k = _mm512_loadu_ps(kt + e * KEY_TILE);
-    for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(q[v][e]), k, acc[v]);
+    vf k[KV];
+    for (int c = 0; c < KV; ++c) k[c] = vload(kt + e * KEY_TILE + c * VL);
+    for (int v = 0; v < NV; ++v) {
+      const vf qe = vset(q[v][e]);
+      for (int c = 0; c < KV; ++c) acc[v][c] = vfmadd(qe, k[c], acc[v][c]);
+    }
   }
-  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s[v], _mm512_mul_ps(acc[v], _mm512_set1_ps(scale)));
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < KV; ++c) vstore(s[v] + c * VL, vmul(acc[v][c], vset(scale)));
 #else
   for (int v = 0; v < NV; ++v) {
     float acc[KEY_TILE] = {};
@@ -332,48 +550,67 @@ inline void tile_scores(const float* const* q, const float* kt, int64_t d, float
 #endif
 }
 
-// out[v][e] = sum_p w[v][p] * V[slot[p]][e] for NV query vectors over the same keys (one head's
-// values, row stride `stride` floats): each value row is loaded once for all NV.
+#if DEC_VL
+// Columns (of VL floats) of the output that weighted_values<D, NV> accumulates per pass over the
+// keys: NV x cols accumulators, at most 16 of AVX-512's 32 registers (one pass for the sizes used)
+// or 8 of AVX2's 16 (the rest hold the NV weights and the values).
 template <int D, int NV>
-void weighted_values(const float* const* w, int64_t n, const float* v, int64_t stride, const int64_t* slots,
+constexpr int pass_cols() {
+  int c = std::min(D / VL, (VL == 16 ? 16 : 8) / NV);
+  while ((D / VL) % c) --c;
+  return c;
+}
+#endif
+
+// out[v][e] = sum_p w[v][p] * V[slot[p]][e] for NV query vectors over the same keys (one head's
+// values, row stride `stride` values): each value row is loaded once per pass for all NV.
+template <int D, int NV, class T>
+void weighted_values(const float* const* w, int64_t n, const T* v, int64_t stride, const int64_t* slots,
                      int64_t d, float* const* out) {
-#if defined(__AVX512F__)
-  if constexpr (D > 0 && D % 16 == 0) {
-    __m512 acc[NV][D / 16];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm512_setzero_ps();
-    for (int64_t p = 0; p < n; ++p) {
-      const float* row = v + slots[p] * stride;
-      __m512 vals[D / 16];
-      for (int c = 0; c < D / 16; ++c) vals[c] = _mm512_loadu_ps(row + 16 * c);
-      for (int u = 0; u < NV; ++u) {
-        const __m512 wp = _mm512_set1_ps(w[u][p]);
-        for (int c = 0; c < D / 16; ++c) acc[u][c] = _mm512_fmadd_ps(wp, vals[c], acc[u][c]);
+#if DEC_VL
+  if constexpr (D > 0 && D % VL == 0) {
+    constexpr int CW = pass_cols<D, NV>();
+    for (int c0 = 0; c0 < D / VL; c0 += CW) {
+      vf acc[NV][CW];
+      for (auto& row : acc)
+        for (auto& a : row) a = vset(0.f);
+      for (int64_t p = 0; p < n; ++p) {
+        const T* row = v + slots[p] * stride + c0 * VL;
+        vf vals[CW];
+        for (int c = 0; c < CW; ++c) vals[c] = vload(row + VL * c);
+        for (int u = 0; u < NV; ++u) {
+          const vf wp = vset(w[u][p]);
+          for (int c = 0; c < CW; ++c) acc[u][c] = vfmadd(wp, vals[c], acc[u][c]);
+        }
       }
+      for (int u = 0; u < NV; ++u)
+        for (int c = 0; c < CW; ++c) vstore(out[u] + VL * (c0 + c), acc[u][c]);
     }
-    for (int u = 0; u < NV; ++u)
-      for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out[u] + 16 * c, acc[u][c]);
     return;
   }
 #endif
   for (int u = 0; u < NV; ++u) {
     std::fill(out[u], out[u] + d, 0.f);
     for (int64_t p = 0; p < n; ++p) {
-      const float* row = v + slots[p] * stride;
-      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * row[e];
+      const T* row = v + slots[p] * stride;
+      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * widen(row[e]);
     }
   }
 }
 
 // Keys of several-row sequence t, KV head g, transposed into tiles: kt[e][c] = K[16 tile + c][g][e]
 // (positions past the last key repeat it; their scores are never used).
-void transpose_keys(AttnJob& j, int64_t t, int64_t g) {
+template <class T>
+void transpose_keys(AttnJob& j, int64_t t, int64_t g, Local& local) {
   const int64_t d = j.m->head_dim, kv = j.m->kv_size(), keys = j.b->context_lens[t];
   const int64_t* slots = &j.slots[j.slots_at[t]];
+  const T* k_cache = static_cast<const T*>(j.k_cache);
+  local.row.resize(d);
   for (int64_t tile = 0; tile < j.tiles(t); ++tile) {
     float* kt = const_cast<float*>(j.key_tile(t, g, tile));
     for (int64_t c = 0; c < KEY_TILE; ++c) {
-      const float* krow = j.k_cache + slots[std::min(tile * KEY_TILE + c, keys - 1)] * kv + g * d;
+      const float* krow = as_f32(k_cache + slots[std::min(tile * KEY_TILE + c, keys - 1)] * kv + g * d, d,
+                                 local.row.data());
       for (int64_t e = 0; e < d; ++e) kt[e * KEY_TILE + c] = krow[e];
     }
   }
@@ -382,18 +619,20 @@ void transpose_keys(AttnJob& j, int64_t t, int64_t g) {
 // Causal attention of batch rows [lo, hi) (consecutive positions of one sequence) for the query
 // heads of KV head g. D: the head dimension (a constant for the common sizes, so the inner loops
 // have fixed trip counts; 0 = read it from the model).
-template <int D>
-void attend_rows(AttnJob& j, const Item& it, std::vector<float>& scores) {
+template <int D, class T>
+void attend_rows(AttnJob& j, const Item& it, Local& local) {
   const Model& m = *j.m;
   const int64_t d = D ? D : m.head_dim, group = m.heads / m.kv_heads, g = it.index, kv = m.kv_size();
   const int64_t nq = (it.hi - it.lo) * group;             // query vectors: (row, head of the group)
   const int64_t keys = j.b->positions[it.hi - 1] + 1;     // the last row sees the most keys
   const int64_t ld = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
   const int64_t* slots = &j.slots[j.slots_at[it.seq]];
+  std::vector<float>& scores = local.scores;
   scores.resize(nq * ld);
   auto query = [&](int64_t i) { return j.qkv + (it.lo + i / group) * j.width() + (g * group + i % group) * d; };
 
-  constexpr int QV = 8;   // query vectors per pass over a key tile
+  // Query vectors per pass over a key tile: QV x 16 / VL accumulators (8 registers).
+  constexpr int QV = DEC_VL ? DEC_VL / 2 : 8;
   for (int64_t tile = 0; tile * KEY_TILE < keys; ++tile) {
     const float* kt = j.key_tile(it.seq, g, tile);
     const float* q[QV];
@@ -412,17 +651,17 @@ void attend_rows(AttnJob& j, const Item& it, std::vector<float>& scores) {
     float* out[8];
     for (int64_t h = 0; h < group; ++h) {
       float* s = &scores[((row - it.lo) * group + h) * ld];
-      const float inv = 1.0f / exp_shifted(s, seen, *std::max_element(s, s + seen));
+      const float inv = 1.0f / exp_shifted(s, seen, max_of(s, seen));
       for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
     }
-    constexpr int PV = D > 64 ? 2 : 4;   // accumulators: PV x D / 16 registers
+    constexpr int PV = D > 64 ? 2 : 4;   // query heads per pass over the values
     for (int64_t h0 = 0; h0 < group; h0 += PV) {
       const int64_t nv = std::min<int64_t>(PV, group - h0);
       for (int64_t u = 0; u < nv; ++u) {
         w[u] = &scores[((row - it.lo) * group + h0 + u) * ld];
         out[u] = j.out + row * m.q_size() + (g * group + h0 + u) * d;
       }
-      const float* vbase = j.v_cache + g * d;
+      const T* vbase = static_cast<const T*>(j.v_cache) + g * d;
       switch (nv) {
         case 4: weighted_values<D, 4>(w, seen, vbase, kv, slots, d, out); break;
         case 3: weighted_values<D, 3>(w, seen, vbase, kv, slots, d, out); break;
@@ -433,24 +672,28 @@ void attend_rows(AttnJob& j, const Item& it, std::vector<float>& scores) {
   }
 }
 
-void run_item(AttnJob& j, const Item& it) {
-  thread_local std::vector<float> scores;
-  if (it.work == Work::PART)
-    attend_part(j, it, scores);
-  else if (it.work == Work::TRANSPOSE)
-    transpose_keys(j, it.seq, it.index);
+template <class T>
+void run_item(AttnJob& j, const Item& it, Local& local) {
+  if (it.work == Work::TRANSPOSE)
+    transpose_keys<T>(j, it.seq, it.index, local);
   else if (j.m->head_dim == 64)
-    attend_rows<64>(j, it, scores);
+    it.work == Work::PART ? attend_part<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
   else if (j.m->head_dim == 128)
-    attend_rows<128>(j, it, scores);
+    it.work == Work::PART ? attend_part<128, T>(j, it, local) : attend_rows<128, T>(j, it, local);
   else
-    attend_rows<0>(j, it, scores);
+    it.work == Work::PART ? attend_part<0, T>(j, it, local) : attend_rows<0, T>(j, it, local);
 }
 
 void run_items(AttnJob& job, int threads) {
   nc_qg_parallel_for(static_cast<int64_t>(job.items.size()), 1, threads, [](const void* ctx, int64_t i0, int64_t i1) {
+    thread_local Local local;
     AttnJob& j = *const_cast<AttnJob*>(static_cast<const AttnJob*>(ctx));
-    for (int64_t i = i0; i < i1; ++i) run_item(j, j.items[i]);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (j.m->kv_f16)
+        run_item<uint16_t>(j, j.items[i], local);
+      else
+        run_item<float>(j, j.items[i], local);
+    }
   }, &job);
 }
 
@@ -523,28 +766,42 @@ struct Scratch {
 
 struct Matmul {
   int x2, threads;
-  // y [n, rows] = x [n, k] @ W^T (+ bias) for W = (type, tiles) at plan fields [type_field, type_field + 1].
-  bool operator()(const int64_t* L, int type_field, int64_t rows, int64_t k, const float* x, int64_t n, float* y,
-                  const float* bias = nullptr) const {
-    return nc_qg_matmul(static_cast<int>(L[type_field]), ptr<const uint8_t>(L[type_field + 1]), rows, k, x, 0, n,
-                        k, y, 0, rows, bias, x2, threads) == 0;
+  // y [n, rows] = x [n, k] @ W^T for W = (type, tiles) at plan fields [field, field + 1].
+  bool operator()(const int64_t* L, int field, int64_t rows, int64_t k, const float* x, int64_t n, float* y) const {
+    return nc_qg_matmul(static_cast<int>(L[field]), ptr<const uint8_t>(L[field + 1]), rows, k, x, 0, n, k, y, 0,
+                        rows, nullptr, x2, threads) == 0;
+  }
+  // y [n, ldy] = x [n, k] @ [W_0; W_1; ...]^T (+ bias) for the row segments at plan field `field`:
+  // one call per segment (its own weight type) into its columns of y, with its slice of the bias.
+  bool segments(const int64_t* L, int field, int count, int64_t k, const float* x, int64_t n, float* y,
+                int64_t ldy, const float* bias = nullptr) const {
+    int64_t col = 0;
+    for (const int64_t* seg = L + field; seg < L + field + count * SEG_FIELDS && seg[2] > 0; seg += SEG_FIELDS) {
+      if (nc_qg_matmul(static_cast<int>(seg[0]), ptr<const uint8_t>(seg[1]), seg[2], k, x, 0, n, k, y + col, 0, ldy,
+                       bias ? bias + col : nullptr, x2, threads))
+        return false;
+      col += seg[2];
+    }
+    return true;
   }
 };
 
 int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Scratch& s, const Matmul& mm) {
   const int64_t n = b.n, H = m.hidden, qkv_w = m.q_size() + 2 * m.kv_size();
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * H, ptr<const float>(L[L_IN_NORM]), H, m.eps, &s.normed[t * H]);
-  if (!mm(L, L_QKV_TYPE, qkv_w, H, s.normed.data(), n, s.qkv.data(), ptr<const float>(L[L_QKV_BIAS])))
+  if (!mm.segments(L, L_QKV, QKV_SEGS, H, s.normed.data(), n, s.qkv.data(), qkv_w, ptr<const float>(L[L_QKV_BIAS])))
     return ERR_MATMUL;
-  prepare_qkv(m, L, b, s.qkv.data());
-  s.attn_job.bind(m, b, s.qkv.data(), ptr<const float>(L[L_K_CACHE]), ptr<const float>(L[L_V_CACHE]),
-                  s.attn.data());
+  if (m.kv_f16)
+    prepare_qkv<uint16_t>(m, L, b, s.qkv.data());
+  else
+    prepare_qkv<float>(m, L, b, s.qkv.data());
+  s.attn_job.bind(m, b, s.qkv.data(), ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]), s.attn.data());
   attention(s.attn_job, mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
 
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * H, ptr<const float>(L[L_POST_NORM]), H, m.eps, &s.normed[t * H]);
-  if (!mm(L, L_GU_TYPE, 2 * m.inter, H, s.normed.data(), n, s.gate_up.data())) return ERR_MATMUL;
+  if (!mm.segments(L, L_GU, GU_SEGS, H, s.normed.data(), n, s.gate_up.data(), 2 * m.inter)) return ERR_MATMUL;
   for (int64_t t = 0; t < n; ++t) {
     const float* g = &s.gate_up[t * 2 * m.inter];
     silu_mul(g, g + m.inter, m.inter, &s.act[t * m.inter]);
