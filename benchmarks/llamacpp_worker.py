@@ -1,10 +1,13 @@
 """llama.cpp side of benchmarks/peers.py, run in an interpreter that has llama-cpp-python.
 
-Protocol: one JSON object per line on stdin, one JSON reply per line on stdout (errors as
-{"error": "..."}). Stand-alone on purpose: it imports neither nanochat nor torch, so it runs in
-a separate virtualenv (llama-cpp-python compiles llama.cpp at install time).
+Stand-alone on purpose: it imports neither nanochat nor torch, so it runs in a separate virtualenv
+(llama-cpp-python compiles llama.cpp at install time).
 
-    {"cmd": "load", "model": PATH, "threads": N, "n_ctx": N}  -> {"version", "n_vocab"}
+Without arguments it serves the line protocol: one JSON object per line on stdin, one JSON reply per
+line on stdout (errors as {"error": "..."}).
+
+    {"cmd": "load", "model": PATH, "threads": N, "n_ctx": N}  -> {"version", "n_vocab", "load_s", "isa",
+                                                                  "system_info"} (load_s: Llama(...) alone)
     {"cmd": "prefill", "ids": [...]}                           -> {"seconds"}
     {"cmd": "decode", "ids": [...], "n": N}                    -> {"seconds", "tokens", "ids"} (timed after the
                                                                   first token; ids: the n greedy tokens)
@@ -13,10 +16,23 @@ a separate virtualenv (llama-cpp-python compiles llama.cpp at install time).
 
 Generation is greedy (argmax of the last logits), and never stops early (EOS is ignored), so the
 token counts match nanochat's ignore_eos runs.
+
+With arguments it runs one job and exits (each in a fresh process):
+
+    llamacpp_worker.py oneshot MODEL [--prompt Hi] [--max-tokens 8] [--threads N] [--n-ctx 4096]
+        load the model and answer one chat message (the GGUF's chat template, greedy, end-of-generation
+        tokens banned so that exactly --max-tokens tokens come out, as `nanochat --ignore-eos`); prints
+        {"tokens", "load_s", "isa"} on stdout. peers.py times the whole process and its peak RSS.
+    llamacpp_worker.py quantize IN OUT TYPE [THREADS]
+        llama.cpp's quantizer (llama_model_quantize, allow_requantize) to TYPE: q4_0, q4_1, q5_0, q5_1,
+        q8_0, q4_k_m, q5_k_m, q6_k, ... (a LLAMA_FTYPE_MOSTLY_* name)
+    llamacpp_worker.py check MODEL      Llama(model_path=MODEL) loads (exit 0) or the error (exit 1)
+    llamacpp_worker.py isa              the ISA summary and llama_print_system_info() as JSON
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -38,14 +54,45 @@ def _fresh_eval(llm, ids: list[int]) -> None:
     llm.eval(ids)
 
 
+def system_info() -> dict:
+    """{"isa": "avx512-vnni" | "avx512" | "avx2" | ..., "system_info": llama_print_system_info()}: the
+    features the CPU backend was built with (GGML_NATIVE: the build machine's)."""
+    import llama_cpp
+
+    raw = llama_cpp.llama_print_system_info()
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    flags = {}
+    for part in text.replace("|", "\n").splitlines():
+        key, sep, val = part.partition("=")
+        if sep:
+            flags[key.strip().split(":")[-1].strip()] = val.strip() == "1"
+    if flags.get("AVX512"):
+        isa = "avx512-vnni" if flags.get("AVX512_VNNI") else "avx512"
+    elif flags.get("AVX2"):
+        isa = "avx2-vnni" if flags.get("AVX_VNNI") else "avx2"
+    elif flags.get("NEON"):
+        isa = "neon"
+    else:
+        isa = "scalar" if flags else "?"
+    return {"isa": isa, "system_info": " ".join(text.split())}
+
+
+def _llama(model: str, threads: int, n_ctx: int):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                           n_threads_batch=threads, logits_all=False, verbose=False)
+
+
 def cmd_load(req: dict) -> dict:
     import llama_cpp
 
-    threads = int(req["threads"])
-    llm = llama_cpp.Llama(model_path=req["model"], n_ctx=int(req.get("n_ctx", 2048)), n_batch=512,
-                          n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+    t0 = time.perf_counter()
+    llm = _llama(req["model"], int(req["threads"]), int(req.get("n_ctx", 2048)))
+    load_s = time.perf_counter() - t0
     STATE["llm"], STATE["n_vocab"] = llm, llm.n_vocab()
-    return {"version": getattr(llama_cpp, "__version__", "?"), "n_vocab": llm.n_vocab()}
+    return {"version": getattr(llama_cpp, "__version__", "?"), "n_vocab": llm.n_vocab(), "load_s": load_s,
+            **system_info()}
 
 
 def cmd_prefill(req: dict) -> dict:
@@ -85,7 +132,87 @@ def cmd_serve(req: dict) -> dict:
 COMMANDS = {"load": cmd_load, "prefill": cmd_prefill, "decode": cmd_decode, "serve": cmd_serve}
 
 
+# ---------------------------------------------------------------------------------- one-off jobs
+def _eog_ids(llm) -> list[int]:
+    """End-of-generation tokens to ban: EOS, EOT and the usual chat end markers, when single tokens."""
+    import llama_cpp
+
+    ids = {llm.token_eos()}
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    ids.add(llama_cpp.llama_vocab_eot(vocab))
+    for text in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        toks = llm.tokenize(text.encode(), add_bos=False, special=True)
+        if len(toks) == 1:
+            ids.add(toks[0])
+    return sorted(i for i in ids if 0 <= i < llm.n_vocab() and llama_cpp.llama_vocab_is_eog(vocab, i))
+
+
+def job_oneshot(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="llamacpp_worker.py oneshot")
+    p.add_argument("model")
+    p.add_argument("--prompt", default="Hi")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-ctx", type=int, default=4096)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    llm = _llama(a.model, a.threads, a.n_ctx)
+    load_s = time.perf_counter() - t0
+    out = llm.create_chat_completion(messages=[{"role": "user", "content": a.prompt}], max_tokens=a.max_tokens,
+                                     temperature=0.0, logit_bias={i: -1e9 for i in _eog_ids(llm)})
+    sys.stderr.write(out["choices"][0]["message"]["content"] + "\n")
+    print(json.dumps({"tokens": out["usage"]["completion_tokens"], "load_s": load_s, **system_info()}))
+    return 0
+
+
+def job_quantize(argv: list[str]) -> int:
+    import ctypes
+
+    import llama_cpp
+
+    src, dst, kind = argv[0], argv[1], argv[2].upper()
+    threads = int(argv[3]) if len(argv) > 3 else 0
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}", None)
+    if ftype is None:
+        print(f"unknown quantization type {argv[2]!r}", file=sys.stderr)
+        return 2
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        print(f"llama_model_quantize({src}, {dst}, {kind}) returned {rc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def job_check(argv: list[str]) -> int:
+    try:
+        llm = _llama(argv[0], 1, 512)
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"n_vocab": llm.n_vocab()}))
+    return 0
+
+
+def job_isa(argv: list[str]) -> int:
+    print(json.dumps(system_info()))
+    return 0
+
+
+JOBS = {"oneshot": job_oneshot, "quantize": job_quantize, "check": job_check, "isa": job_isa}
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        if sys.argv[1] not in JOBS:
+            print(f"usage: llamacpp_worker.py [{' | '.join(JOBS)}] ...", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(JOBS[sys.argv[1]](sys.argv[2:]))
     from worker_protocol import serve   # beside this file (the script's directory is on sys.path)
 
     sys.exit(serve(COMMANDS))

@@ -4,7 +4,7 @@ Same line protocol as llamacpp_worker.py (one JSON request per line on stdin, on
 stdout). A process of its own so that it runs with torch's default environment: nanochat sets
 OMP_WAIT_POLICY=PASSIVE for itself on import, which would change transformers' speed too.
 
-    {"cmd": "load", "model": PATH, "threads": N}  -> {"version", "n_vocab"}
+    {"cmd": "load", "model": PATH, "threads": N}  -> {"version", "n_vocab", "load_s"} (from_pretrained alone)
     {"cmd": "prefill", "ids": [...]}              -> {"seconds"} (prompt to its first token)
     {"cmd": "decode", "ids": [...], "n": N}       -> {"seconds", "tokens", "ids"} (timed after the first token)
     {"cmd": "quit"}
@@ -29,10 +29,12 @@ def cmd_load(req: dict) -> dict:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     path = Path(req["model"])
+    t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     STATE["model"] = model
-    return {"version": transformers.__version__, "n_vocab": model.config.vocab_size}
+    return {"version": transformers.__version__, "n_vocab": model.config.vocab_size,
+            "load_s": time.perf_counter() - t0}
 
 
 def _generate(ids: list[int], n: int) -> tuple[list[float], list[int]]:
