@@ -119,6 +119,10 @@ def build_parser(argv: list[str] | None = None) -> Parser:
     add_generation_options(repl, suppress=True)
     _add(repl, True, "--quiet", "-q", action="store_true", help="no loading indicator")
 
+    info = sub.add_parser("info", help="load a model and say what it runs on (types, kernels, fast path, KV cache)")
+    add_engine_options(info, suppress=True)
+    _add(info, True, "--json", action="store_true", help="one JSON object on stdout")
+
     argv = sys.argv[1:] if argv is None else argv
     for name, module, adder, summary in EXTERNAL:
         _add_external(sub, name, module, adder, summary, argv)
@@ -249,6 +253,26 @@ def cmd_repl(args, settings) -> int:
     return run_repl(opts, quiet=bool(getattr(args, "quiet", False)), on_loaded=lambda: _remember(args, settings))
 
 
+def cmd_info(args, settings) -> int:
+    """`nanochat info`: what the model runs on, and why not the CPU fast path when it does not."""
+    import json
+
+    from nanochat.app.oneshot import loading_indicator, model_label
+    from nanochat.engine import LLM
+
+    model = resolve_model(args, settings)
+    with loading_indicator(f"Loading {model_label(model)}") as progress:
+        report = LLM(model, load_progress=progress, **engine_config(args, settings)).describe()
+    rows = report.lines()
+    if getattr(args, "json", False):
+        print(json.dumps(dict(rows), indent=1))
+    else:
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            print(f"{key:<{width}}  {value}")
+    return EXIT_OK
+
+
 def cmd_tui(args, settings) -> int:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):   # a full-screen app needs a terminal
         return cmd_repl(args, settings)
@@ -280,6 +304,8 @@ def dispatch(args) -> int:
         return run_convert(args)
     if command == "repl":
         return cmd_repl(args, settings)
+    if command == "info":
+        return cmd_info(args, settings)
     from nanochat.app.oneshot import read_piped_stdin
 
     if command == "run" or args.prompt:

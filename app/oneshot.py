@@ -64,10 +64,18 @@ def combine_prompt(piped: str, prompt: str | None) -> str:
 
 @contextlib.contextmanager
 def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDICATOR_DELAY):
-    """A rich spinner on stderr, shown only if the block takes longer than `delay` and stderr is a
-    terminal (so logs and pipes stay clean)."""
+    """A rich progress bar on stderr, shown only if the block takes longer than `delay` and stderr is a
+    terminal (so logs and pipes stay clean). Yields `update(done, total)` for the bar (a spinner until
+    the first call)."""
+    state = {"started": False, "done": False, "task": None, "at": (0, 0)}
+
+    def update(done: int, total: int) -> None:
+        state["at"] = (done, total)
+        if state["task"] is not None:
+            progress.update(state["task"], completed=done, total=total)
+
     if not enabled or not sys.stderr.isatty():
-        yield
+        yield update
         return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -76,20 +84,20 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
                         console=Console(stderr=True), transient=True, redirect_stdout=False,
                         redirect_stderr=False)
     lock = threading.Lock()
-    state = {"started": False, "done": False}
 
     def start():
         with lock:
             if not state["done"]:
                 progress.start()
-                progress.add_task(label, total=None)
+                done, total = state["at"]
+                state["task"] = progress.add_task(label, total=total or None, completed=done)
                 state["started"] = True
 
     timer = threading.Timer(delay, start)
     timer.daemon = True
     timer.start()
     try:
-        yield
+        yield update
     finally:
         timer.cancel()
         with lock:
@@ -137,8 +145,8 @@ def load_engine(model: str, engine_config: dict, quiet: bool):
     from nanochat.engine import LLMEngine
 
     t0 = time.perf_counter()
-    with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet):
-        engine = LLMEngine(model, **engine_config)
+    with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet) as progress:
+        engine = LLMEngine(model, load_progress=progress, **engine_config)
     return engine, time.perf_counter() - t0
 
 

@@ -219,8 +219,8 @@ def run_repl(opts: ReplOptions, quiet: bool = False, on_loaded=None) -> int:
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     engine = EngineThread()
     try:
-        with loading_indicator(f"Loading {model_label(opts.model)}", enabled=not quiet):
-            engine.load_model(opts.model, **opts.engine_config).result()
+        with loading_indicator(f"Loading {model_label(opts.model)}", enabled=not quiet) as progress:
+            engine.load_model(opts.model, load_progress=progress, **opts.engine_config).result()
         if on_loaded is not None:
             on_loaded()
         repl = Repl(opts, engine, interactive)

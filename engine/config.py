@@ -7,6 +7,16 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
 # Environment variable -> Config field. Explicit arguments win over the environment.
 ENV_OVERRIDES = {
     "NANO_VLLM_MAX_NUM_SEQS": ("max_num_seqs", int),
@@ -15,6 +25,9 @@ ENV_OVERRIDES = {
     "NANO_VLLM_GPU_MEMORY_UTILIZATION": ("gpu_memory_utilization", float),
     "NANO_VLLM_KVCACHE_BLOCK_SIZE": ("kvcache_block_size", int),
     "NANO_VLLM_CPU_THREADS": ("cpu_threads", int),
+    "NANO_VLLM_KV_CACHE_DTYPE": ("kv_cache_dtype", str),
+    "NANOCHAT_PACK_CACHE": ("pack_cache", _flag),
+    "NANOCHAT_CPU_ISA": ("cpu_isa", str),
 }
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -31,7 +44,8 @@ class Config:
     max_num_batched_tokens: int = 2048
     kvcache_block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    kv_cache_gib: float = 1.0           # CPU: KV-cache budget
+    kv_cache_gib: float = 1.0           # CPU: KV-cache budget (an upper bound: pages are touched as used)
+    kv_cache_dtype: str = "auto"        # auto: float16 on CPU (as llama.cpp), the compute dtype on CUDA
     num_kvcache_blocks: int | None = None   # explicit block count (tests, tiny budgets)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -39,6 +53,8 @@ class Config:
     dequantize: bool = False            # materialise GGUF weights as dense tensors
     quantize: str | None = None         # "q8_0": quantize a dense checkpoint's linears at load
     moe_offload: str = "auto"           # routed MoE experts on the host: auto | cpu | none
+    pack_cache: bool = True             # CPU: keep a GGUF's repacked kernel weights on disk for the next load
+    cpu_isa: str = "auto"               # CPU kernels' build: auto (native) | avx2 | scalar (benchmarks, tests)
 
     @classmethod
     def create(cls, model: str = "", **kwargs) -> "Config":
@@ -54,7 +70,8 @@ class Config:
                 try:
                     values[name] = cast(raw)
                 except ValueError:
-                    raise ValueError(f"{env}={raw!r} is not a valid {cast.__name__}") from None
+                    kind = "flag (0 or 1)" if cast is _flag else cast.__name__
+                    raise ValueError(f"{env}={raw!r} is not a valid {kind}") from None
         values.update({k: v for k, v in kwargs.items() if v is not None})
         cfg = cls(model=model, **values)
         cfg.validate()
@@ -80,12 +97,17 @@ class Config:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16") \
+                and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.quantize not in (None, "q8_0"):
             raise ValueError(f"quantize must be q8_0 (or unset), got {self.quantize!r}")
         if self.quantize and self.dequantize:
             raise ValueError("quantize and dequantize exclude each other")
         if self.moe_offload not in ("auto", "cpu", "none"):
             raise ValueError(f"moe_offload must be auto, cpu or none, got {self.moe_offload!r}")
+        if self.cpu_isa not in ("auto", "avx2", "scalar"):
+            raise ValueError(f"cpu_isa must be auto, avx2 or scalar, got {self.cpu_isa!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 
@@ -100,6 +122,13 @@ class Config:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def resolved_kv_dtype(self, device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype. On the CPU 16-bit halves the cache's memory and bandwidth; fp16 (not
+        bf16) keeps 10 mantissa bits, and attention widens it to fp32 (see tests/test_kv_cache.py)."""
+        if self.kv_cache_dtype == "auto":
+            return torch.float16 if device.type == "cpu" else compute_dtype
+        return DTYPES[self.kv_cache_dtype]
 
     def with_model_limits(self, max_position_embeddings: int) -> "Config":
         """Clamp max_model_len to what the model supports (a new Config; the original is untouched)."""

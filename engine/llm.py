@@ -12,9 +12,13 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, **config):
-        self.engine = LLMEngine(model, **config)
+    def __init__(self, model: str, load_progress=None, **config):
+        self.engine = LLMEngine(model, load_progress=load_progress, **config)
         self.tokenizer = self.engine.tokenizer
+
+    def describe(self):
+        """What the model runs on: a models.report.ModelReport (weight types, kernels, fast path, KV cache)."""
+        return self.engine.describe()
 
     def _submit(self, prompts, sampling_params) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -38,13 +38,18 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: str, config: Config | None = None, loaded=None, **kwargs):
+    def __init__(self, model: str, config: Config | None = None, loaded=None, load_progress=None, **kwargs):
+        """`load_progress(done, total)`: called as the weights load (a progress bar)."""
         from nanochat.models.loader import build_model, load
 
+        started = time.perf_counter()
         config = config or Config.create(model, **kwargs)
         self.device = config.resolved_device()
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or default_cpu_threads())
+            if config.cpu_isa != "auto":
+                from nanochat.kernels import cpu_qgemv
+                cpu_qgemv.use_isa(config.cpu_isa)
         self.loaded = loaded or load(model)
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
         self.dtype = self.config.resolved_dtype(self.device)
@@ -52,7 +57,7 @@ class LLMEngine:
         self.eos_token_ids = self.loaded.eos_token_ids
         model_obj = build_model(self.loaded.source, self.device, self.dtype, self.config.kvcache_block_size,
                                 self.config.max_model_len, self.config.dequantize, self.config.moe_offload,
-                                self.config.quantize)
+                                self.config.quantize, load_progress, self.config.pack_cache)
         self.runner = ModelRunner(self.config, model_obj, self.device, self.dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_state_slots)
@@ -63,6 +68,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._window: deque[tuple[float, int, int, float, float]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
+        self.load_seconds = time.perf_counter() - started
 
     @property
     def model_config(self):
@@ -231,6 +237,22 @@ class LLMEngine:
         self._window.append((now, prefill, decode, elapsed * prefill / total, elapsed * decode / total))
         while self._window and now - self._window[0][0] > 3.0:
             self._window.popleft()
+
+    def describe(self):
+        """A models.report.ModelReport of the loaded model, with the engine's KV cache and load time."""
+        from nanochat.models.report import describe
+
+        report = describe(self.runner.model)
+        r = self.runner
+        per_token = r.kv_bytes_per_block() // self.config.kvcache_block_size
+        dtype = str(r.kv_dtype).removeprefix("torch.")
+        report.extra["KV cache"] = (f"{dtype}, {per_token / 1024:.1f} KiB per token, up to "
+                                    f"{r.num_blocks * self.config.kvcache_block_size:,} tokens "
+                                    f"(pages are used as tokens are)")
+        report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
+                                  f"{self.loaded.config.max_position_embeddings:,})"
+        report.extra["load time"] = f"{self.load_seconds:.2f} s"
+        return report
 
     def stats(self) -> EngineStats:
         p_tok = sum(w[1] for w in self._window)

@@ -19,6 +19,7 @@ def default_cpu_threads() -> int:
 class ModelRunner:
     def __init__(self, config: Config, model, device: torch.device, dtype: torch.dtype):
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
+        self.kv_dtype = config.resolved_kv_dtype(device, dtype)
         self.block_size = config.kvcache_block_size
         # Hybrid models: one recurrent-state slot per running sequence plus as many for resident chats.
         self.is_hybrid = getattr(model, "is_hybrid", False)
@@ -41,7 +42,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         cfg = self.model.config
         layers = len(self.model.attention_layers())
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -67,9 +68,12 @@ class ModelRunner:
         cfg = self.model.config
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = []
+        # On the CPU the cache is left unwritten: a slot is always stored before it is read, and the OS maps
+        # a page only when it is first written, so memory grows with the blocks in use, not the budget.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         for layer in self.model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
             self.kv_cache.append((layer.k_cache, layer.v_cache))
 
     # ------------------------------------------------------------------ batch

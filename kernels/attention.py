@@ -36,6 +36,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, h, d] at the LAST Lq positions of k/v [Lk, kvh, d]; returns [Lq, h, d]."""
     lq, lk = q.shape[0], k.shape[0]
+    if k.dtype != q.dtype:  # a 16-bit cache under fp32 compute: attention runs in the compute dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
     # 4-D [1, heads, L, d]: on CPU, SDPA takes its fused (flash) kernel only for 4-D inputs; 3-D ones
     # fall back to the math path (~3x slower for a 512-token prefill).
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))

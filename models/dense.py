@@ -7,14 +7,12 @@ q/k/v and gate/up are fused into one matmul each (fewer kernel launches per laye
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.fused_forward import FusedForward
-from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader
+from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head
 
 
 class DenseAttention(nn.Module):
@@ -69,39 +67,16 @@ class DenseDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Embedding(nn.Module):
-    """Token embedding from a dense table or straight from GGML blocks (rows dequantized on lookup)."""
-
-    def __init__(self, weight, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-        self.quant = weight if isinstance(weight, QuantWeight) else None
-        self.weight = None if self.quant else nn.Parameter(weight, requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            return F.embedding(ids, self.weight)
-        from nanochat.kernels.gguf_quants import dequantize_rows
-        return dequantize_rows(self.quant, ids).to(self.dtype)
-
-
 class DenseForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
         super().__init__()
         self.config = cfg
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
-        emb = w.source.get("model.embed_tokens.weight")
-        if isinstance(emb, QuantWeight) and not w.dequantize:
-            self.embed_tokens = Embedding(emb.to(w.device), w.dtype)
-        else:
-            self.embed_tokens = Embedding(w.dense("model.embed_tokens.weight"), w.dtype)
+        self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
         self.layers = nn.ModuleList(DenseDecoderLayer(cfg, w, i, self.backend, self.rotary)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in w.names \
-            else "lm_head.weight"
-        self.lm_head = Linear(w.linear_weight([head]))
         self.fused = FusedForward(self)
 
     def attention_layers(self) -> list[DenseAttention]:

@@ -2,8 +2,9 @@
 
 `FusedForward.run` replaces DenseForCausalLM's module-by-module forward for every step (decode rows,
 prefill chunks, mixes of both) when the model can run on kernels/cpu_decoder.py: on the CPU in
-float32, every linear on the q8 backend. Anything else (dense or int4 weights, other dtypes, GPUs)
-runs the module forward, which also stays the reference the fused path is tested against.
+float32, every linear on the q8 backend (each projection in the file's own type: q/k/v or gate/up of
+different types run as separate kernel calls inside the one compiled step). Anything else (dense or
+int4 weights, other dtypes, GPUs) runs the module forward, which also stays the reference the fused path is tested against.
 NANOCHAT_FUSED_FORWARD=0 turns it off.
 """
 
@@ -20,11 +21,24 @@ def fused_forward_enabled() -> bool:
     return os.environ.get("NANOCHAT_FUSED_FORWARD", "1").strip() not in ("0", "false", "no", "off")
 
 
-def _q8(linear) -> tuple[int, torch.Tensor] | None:
-    pw = linear.quant
-    if pw is None or pw.backend != "q8":
+def _packed(linear) -> list | None:
+    """The q8-packed weights of a Linear, in output order (one, or one per differently typed segment)."""
+    from nanochat.kernels.cpu_qgemv import PackedWeight
+
+    parts = linear.quant_parts()
+    if not parts or any(p.backend != "q8" for p in parts):
         return None
-    return pw.ggml_type, pw.weight
+    return [PackedWeight(p.ggml_type, p.shape, p.weight) for p in parts]
+
+
+def _why_not_q8(name: str, linear) -> str:
+    from nanochat.kernels import gguf_quants as gq
+
+    parts = linear.quant_parts()
+    if not parts:
+        return f"{name} is a dense {tuple(linear.weight.shape)} {linear.weight.dtype} matrix (not GGUF blocks)"
+    off = next(p for p in parts if p.backend != "q8")
+    return f"{name} ({gq.type_name(off.ggml_type)}) is on the {off.backend} backend, not the q8 kernels"
 
 
 class FusedForward:
@@ -44,13 +58,15 @@ class FusedForward:
             return "not on the CPU"
         if model.norm.weight.dtype != torch.float32:
             return f"dtype {model.norm.weight.dtype} (needs float32)"
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            if any(_q8(lin) is None for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
-                return "some linears are not on the q8 backend"
         from nanochat.kernels import cpu_qgemv
         if not cpu_qgemv.available():
             return "the CPU kernels are not available"
+        for i, layer in enumerate(model.layers):
+            a, m = layer.self_attn, layer.mlp
+            for name, lin in (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up_proj", m.gate_up_proj),
+                              ("down_proj", m.down_proj)):
+                if _packed(lin) is None:
+                    return f"layer {i} {name}: " + _why_not_q8(name, lin)
         return None
 
     def usable(self) -> bool:
@@ -72,7 +88,7 @@ class FusedForward:
         attn0 = model.layers[0].self_attn
         dims = DecoderDims(layers=len(model.layers), hidden=cfg.hidden_size, heads=attn0.num_heads,
                            kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
-                           intermediate=model.layers[0].mlp.down_proj.quant.in_features,
+                           intermediate=_packed(model.layers[0].mlp.down_proj)[0].in_features,
                            rotary_dim=model.rotary.rotary_dim, block_size=attn0.k_cache.shape[1],
                            eps=model.norm.eps)
         layers = []
@@ -80,8 +96,8 @@ class FusedForward:
             a, m = layer.self_attn, layer.mlp
             layers.append(DecoderLayer(
                 input_norm=layer.input_layernorm.weight.data, post_norm=layer.post_attention_layernorm.weight.data,
-                qkv=_q8(a.qkv_proj), o=_q8(a.o_proj), gate_up=_q8(m.gate_up_proj), down=_q8(m.down_proj),
-                k_cache=a.k_cache, v_cache=a.v_cache,
+                qkv=_packed(a.qkv_proj), o=_packed(a.o_proj)[0], gate_up=_packed(m.gate_up_proj),
+                down=_packed(m.down_proj)[0], k_cache=a.k_cache, v_cache=a.v_cache,
                 qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.data.float().contiguous(),
                 q_norm=None if a.q_norm is None else a.q_norm.weight.data,
                 k_norm=None if a.k_norm is None else a.k_norm.weight.data))

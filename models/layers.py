@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,25 +91,85 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with W dense or GGML-quantized (consumed by the quant kernels)."""
+    """y = x W^T (+ b) with W dense, GGML-quantized, or row segments of different GGML types.
+
+    Segments: a fused q|k|v or gate|up whose parts the file stores in different types (llama.cpp's
+    quantizer mixes them, e.g. Q5_0 q/k with a Q8_0 v) keeps each part in its own type, one kernel call
+    per part, rather than a dense copy of the whole."""
 
     def __init__(self, weight, bias: torch.Tensor | None = None):
         super().__init__()
         self.quant = None
+        self.segments: list | None = None
         if isinstance(weight, torch.Tensor):
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.out_features = weight.shape[0]
+        elif isinstance(weight, list):  # PreparedQuantWeights stacked along the output
+            self.weight = None
+            self.segments = weight
+            self.out_features = sum(seg.out_features for seg in weight)
         else:  # a PreparedQuantWeight from kernels.quant_matmul
             self.weight = None
             self.quant = weight
-            self.out_features = weight.shape[0] if hasattr(weight, "shape") else weight.out_features
+            self.out_features = weight.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def quant_parts(self) -> list | None:
+        """The PreparedQuantWeights that make up W, in output order (None for a dense W)."""
+        if self.segments is not None:
+            return self.segments
+        return None if self.quant is None else [self.quant]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
+        if self.quant is None and self.segments is None:
             return F.linear(x, self.weight, self.bias)
         from nanochat.kernels.quant_matmul import quant_linear
-        return quant_linear(x, self.quant, self.bias)
+        if self.quant is not None:
+            return quant_linear(x, self.quant, self.bias)
+        y = torch.cat([quant_linear(x, seg) for seg in self.segments], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding from a dense table (fp32, or 16-bit rows widened on lookup), from raw GGML
+    blocks, or from the packed weight of a tied lm_head (one copy for both), rows dequantized on lookup."""
+
+    def __init__(self, weight, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.quant = weight if isinstance(weight, QuantWeight) else None
+        self.packed = None
+        if not isinstance(weight, (torch.Tensor, QuantWeight)):  # a q8 PreparedQuantWeight
+            from nanochat.kernels.cpu_qgemv import PackedWeight
+            self.packed = PackedWeight(weight.ggml_type, weight.shape, weight.weight)
+        table = weight if isinstance(weight, torch.Tensor) else None
+        self.weight = None if table is None else nn.Parameter(table, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight).to(self.dtype)
+        if self.packed is not None:
+            from nanochat.kernels.cpu_qgemv import dequantize_rows
+            return dequantize_rows(self.packed, ids.reshape(-1)).view(*ids.shape, -1).to(self.dtype)
+        from nanochat.kernels.gguf_quants import dequantize_rows
+        return dequantize_rows(self.quant, ids).to(self.dtype)
+
+
+def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, Linear]:
+    """The token embedding and the lm_head, quantized as the file has them. A tied head on the q8
+    kernels serves the embedding too (one copy of a 151k x 896 table instead of two)."""
+    embed = "model.embed_tokens.weight"
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in w.names
+    head = Linear(w.linear_weight([embed if tied else "lm_head.weight"]))
+    if tied and head.quant is not None and head.quant.backend == "q8":
+        return Embedding(head.quant, w.dtype), head
+    table = w.get(embed)
+    if isinstance(table, QuantWeight) and not w.dequantize:
+        return Embedding(table.to(w.device), w.dtype), head
+    if isinstance(table, torch.Tensor) and table.dtype in (torch.float16, torch.bfloat16) and not w.dequantize \
+            and w.device.type == "cpu":
+        return Embedding(table, w.dtype), head   # 16-bit rows straight from the file, widened on lookup
+    return Embedding(w.dense(embed), w.dtype), head
 
 
 class GatedMLP(nn.Module):
@@ -124,6 +185,11 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def _is_gguf(source) -> bool:
+    from nanochat.models.gguf_source import GGUFSource
+    return isinstance(source, GGUFSource)
+
+
 @dataclass
 class WeightLoader:
     """Turns source tensors into device tensors or prepared quantized weights."""
@@ -134,33 +200,89 @@ class WeightLoader:
     dequantize: bool = False
     moe_offload: str = "auto"      # routed MoE experts: "auto" | "cpu" (host kernels) | "none" (see models/moe.py)
     quantize: str | None = None    # "q8_0": dense linears (not GGUF blocks) are quantized to Q8_0 here
+    progress: Callable[[int, int], None] | None = None   # (tensors loaded, of total): a load bar
+    pack_cache: object | None = None   # models.pack_cache.PackCache: packed tiles kept across loads
+
+    def get(self, name: str):
+        """The source tensor `name`, counted for `progress` (routed experts are left out of the count:
+        the MoE code reads them as whole stacks)."""
+        w = self.source.get(name)
+        if self.progress is not None and ".mlp.experts." not in name:
+            if not self._seen:
+                self._total = sum(1 for n in self.names if ".mlp.experts." not in n)
+            self._seen.add(name)
+            self.progress(min(len(self._seen), self._total), self._total)
+        return w
+
+    def __post_init__(self) -> None:
+        self._seen: set[str] = set()
+        self._total = 0
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        w = self.source.get(name)
+        w = self.get(name)
         if isinstance(w, QuantWeight):
             from nanochat.kernels.gguf_quants import dequantize
             w = dequantize(w, torch.float32)
         return w.to(device=self.device, dtype=dtype or self.dtype)
 
     def linear_weight(self, names: list[str]):
-        """One fused weight from the row-concatenation of `names` (e.g. q,k,v)."""
-        parts = [self.source.get(n) for n in names]
-        if all(isinstance(p, QuantWeight) for p in parts) and not self.dequantize \
-                and len({p.ggml_type for p in parts}) == 1:
-            # Rows of GGML blocks are independent, so fusing is a row concatenation of raw bytes.
-            data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
-            rows = sum(p.shape[0] for p in parts)
-            qw = QuantWeight(parts[0].ggml_type, (rows, parts[0].shape[1]), data)
-            from nanochat.kernels.quant_matmul import prepare_quant_weight
-            return prepare_quant_weight(qw, self.device, self.dtype)
+        """One weight for the row-concatenation of `names` (e.g. q,k,v): a PreparedQuantWeight when the
+        parts are GGML blocks of one type, a list of them (segments) when their types differ, else a
+        dense tensor."""
+        from nanochat.kernels.quant_matmul import prepare_quant_weight
+
+        parts = [self._file_weight(n) for n in names]
+        if all(isinstance(p, QuantWeight) for p in parts):
+            if len({p.ggml_type for p in parts}) == 1:
+                return self._prepared(parts, names)
+            return [self._prepared([p], [n]) for p, n in zip(parts, names)]
         dense = torch.cat([self.dense(n) for n in names]) if len(names) > 1 else self.dense(names[0])
         if self.quantize == "q8_0" and dense.shape[-1] % 32 == 0:
             # Like a Q8_0 GGUF (the same blocks gguf would write): quantized kernels, the CPU fused path.
             from nanochat.kernels.gguf_quants import Q8_0, quantize_q8_0
-            from nanochat.kernels.quant_matmul import prepare_quant_weight
             qw = QuantWeight(Q8_0, tuple(dense.shape), quantize_q8_0(dense).to(self.device))
             return prepare_quant_weight(qw, self.device, self.dtype)
         return dense
+
+    def _file_weight(self, name: str):
+        """`name` as stored: GGML blocks as a QuantWeight, and on the CPU a GGUF's F16/BF16/F32 matrix too
+        (as raw bytes, for the kernels that read those types), unless dequantize was asked. Else None."""
+        w = self.get(name)
+        if self.dequantize:
+            return None
+        if isinstance(w, QuantWeight):
+            return w
+        if self.device.type == "cpu" and w.dim() == 2 and _is_gguf(self.source):
+            from nanochat.kernels import cpu_qgemv
+            from nanochat.kernels import gguf_quants as gq
+            t = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}.get(w.dtype)
+            if t in cpu_qgemv.KERNEL_TYPES and cpu_qgemv.available():
+                return QuantWeight(t, tuple(w.shape), w.contiguous().view(torch.uint8))
+        return None
+
+    def _prepared(self, parts: list[QuantWeight], names: list[str]):
+        """The parts (GGML blocks of one type) stacked along the output and prepared for the kernels; the
+        packed tiles come from the pack cache when an earlier load left them there."""
+        from nanochat.kernels.quant_matmul import PreparedQuantWeight, prepare_quant_weight
+
+        name, t = "+".join(names), parts[0].ggml_type
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        tiles = None if self.pack_cache is None else self.pack_cache.lookup(name, t, shape)
+        if tiles is not None:
+            pw = PreparedQuantWeight(t, shape, "q8", self.dtype, tiles)
+        else:
+            # Rows of GGML blocks are independent, so fusing is a row concatenation of raw bytes.
+            data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+            pw = prepare_quant_weight(QuantWeight(t, shape, data), self.device, self.dtype, tensor_name=name)
+            if self.pack_cache is not None and pw.backend == "q8":
+                self.pack_cache.add(name, t, shape, pw.weight)
+        for n in names:   # the file's pages of a packed tensor are not read again: drop them from memory
+            self.source_release(n)
+        return pw
+
+    def source_release(self, name: str) -> None:
+        if _is_gguf(self.source):
+            self.source.release(name)
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.dense(name) if name in self.names else None

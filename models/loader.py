@@ -47,7 +47,7 @@ def load_tokenizer_and_template(source):
             raise ModelLoadError(f"{source.root}: no tokenizer.json")
         tokenizer = Tokenizer.from_file(str(tok_path), source.tokenizer_config())
     else:
-        tokenizer = load_tokenizer(source.path)
+        tokenizer = load_tokenizer(source.path, source.reader)   # reuses the parsed GGUF metadata
     template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
                             eos_token=tokenizer.eos_token or "")
     eos = set(source.config.eos_token_ids)
@@ -68,12 +68,27 @@ def load(model: str) -> LoadedModel:
 
 
 def build_model(source, device: torch.device, dtype: torch.dtype, block_size: int, max_positions: int,
-                dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None):
-    from nanochat.models.dense import DenseForCausalLM
+                dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None,
+                progress=None, pack_cache: bool = False):
+    """The model on `device`; `progress(done, total)` is called as its tensors are loaded. pack_cache: keep
+    the CPU kernels' packed weights of a GGUF on disk (models/pack_cache.py), so the next load maps them."""
     from nanochat.models.layers import WeightLoader
 
     cfg = source.config
-    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize)
+    cache = None
+    if pack_cache and device.type == "cpu" and not dequantize and str(source.path).lower().endswith(".gguf"):
+        from nanochat.models.pack_cache import PackCache, usable
+        if usable():
+            cache = PackCache(source.path)
+    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache)
+    model = _build(cfg, source, loader, block_size, max_positions)
+    if cache is not None:
+        cache.save()
+    return model
+
+
+def _build(cfg, source, loader, block_size: int, max_positions: int):
+    from nanochat.models.dense import DenseForCausalLM
     if cfg.arch in DENSE_ARCHS:
         return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
     if cfg.arch in MOE_ARCHS:

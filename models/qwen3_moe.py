@@ -8,25 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.dense import DenseAttention, Embedding
-from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
+from nanochat.models.dense import DenseAttention
+from nanochat.models.layers import RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head
 from nanochat.models.layers import GatedMLP
 from nanochat.models.moe import SparseMoeBlock
-
-
-def load_embedding(w: WeightLoader) -> Embedding:
-    emb = w.source.get("model.embed_tokens.weight")
-    if isinstance(emb, QuantWeight) and not w.dequantize:
-        return Embedding(emb.to(w.device), w.dtype)
-    return Embedding(w.dense("model.embed_tokens.weight"), w.dtype)
-
-
-def load_lm_head(cfg: ModelConfig, w: WeightLoader) -> Linear:
-    tied = cfg.tie_word_embeddings or "lm_head.weight" not in w.names
-    return Linear(w.linear_weight(["model.embed_tokens.weight" if tied else "lm_head.weight"]))
 
 
 def load_mlp(cfg: ModelConfig, w: WeightLoader, i: int) -> nn.Module:
@@ -56,11 +43,10 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.config = cfg
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
-        self.embed_tokens = load_embedding(w)
+        self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, w, i, self.backend, self.rotary)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
-        self.lm_head = load_lm_head(cfg, w)
 
     def attention_layers(self) -> list[DenseAttention]:
         return [layer.self_attn for layer in self.layers]

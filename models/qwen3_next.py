@@ -33,8 +33,8 @@ from torch import nn
 from nanochat.kernels import gated_delta as gd
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader
-from nanochat.models.qwen3_moe import load_embedding, load_lm_head, load_mlp
+from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head
+from nanochat.models.qwen3_moe import load_mlp
 
 
 def norm_weight(cfg: ModelConfig, w: WeightLoader, name: str) -> torch.Tensor:
@@ -206,11 +206,10 @@ class Qwen3NextForCausalLM(nn.Module):
         self.dtype = w.dtype
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.rotary_dim, max_positions, w.device)
-        self.embed_tokens = load_embedding(w)
+        self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, w, i, self.backend, self.rotary)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(norm_weight(cfg, w, "model.norm.weight"), cfg.rms_norm_eps)
-        self.lm_head = load_lm_head(cfg, w)
         self.num_state_slots = 0
 
     # ------------------------------------------------------------------ engine interface

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Loads in tests do not write packed weights into the user's cache (tests/test_pack_cache.py covers it).
+os.environ.setdefault("NANOCHAT_PACK_CACHE", "0")
 torch.set_num_threads(2)
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -41,14 +43,15 @@ def build_tokenizer(vocab_size: int):
 
 
 def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vocab_size: int = 320,
-                  dtype=torch.float32, rope: dict | None = None) -> Path:
-    """A tiny random transformers model (norms randomised too) saved with tokenizer files."""
+                  dtype=torch.float32, rope: dict | None = None, **shape) -> Path:
+    """A tiny random transformers model (norms randomised too) saved with tokenizer files. `shape`
+    overrides TINY's sizes (e.g. hidden_size=256 for K-quant blocks)."""
     import transformers
 
     tok = build_tokenizer(vocab_size)
     cls_cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config}[arch]
-    kw = dict(TINY, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=None,
+    kw = dict(TINY, **shape, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=None,
               eos_token_id=tok.token_to_id("<|im_end|>"),
               rope_parameters=rope or {"rope_type": "default", "rope_theta": 50000.0})
     cfg = cls_cfg(**kw)

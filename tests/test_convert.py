@@ -17,7 +17,7 @@ from conftest import smollm_gguf_path
 from gguf_writer import write_gguf_from_hf
 from nanochat.kernels.gguf_quants import dequantize
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.dense import Embedding
+from nanochat.models.layers import Embedding
 from nanochat.models.layers import Linear
 from nanochat.models.loader import build_model, open_source
 from nanochat.models.weight_map import (PLAN_FORMAT, apply_plan, build_plan, engine_param_name, make_plan,
@@ -118,6 +118,9 @@ def test_quantized_targets_match_the_loaders_quantized_weights(tiny_gguf, monkey
                 assert isinstance(module, Linear) and leaf == "weight"
                 assert torch.equal(module.quant.weight, dequantize(tensor, torch.float32)), target
             checked += 1
+        elif isinstance(module, Linear) and module.quant is not None:
+            # a file's F32/F16 matrix is prepared for the kernels like GGML blocks (dense backend here)
+            assert torch.equal(module.quant.weight, tensor.float()), target
         else:
             assert torch.equal(getattr(module, leaf).detach(), tensor.float()), target
     assert checked == 1 + 2 * 4   # embedding + per layer qkv, o, gate_up, down

@@ -75,7 +75,8 @@ def test_tiny_gguf_matches_dequantized_reference(arch, qtype, dequantize, wide_m
     path = write_case(src, tmp_path, arch, qtype)
     ref = reference(src, path)
     exact = dequantize or qtype in (T.F32, T.F16, T.BF16, T.Q6_K)   # Q6_K: dense, or q8 (~2e-5 rel.)
-    engine = LLMEngine(str(path), dtype="float32", max_model_len=128, dequantize=dequantize)
+    engine = LLMEngine(str(path), dtype="float32", max_model_len=128, dequantize=dequantize,
+                       kv_cache_dtype="float32")   # fp32 KV: compared at fp32 tolerances
     assert engine.loaded.config.arch == arch
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for p in PROMPTS:

@@ -26,7 +26,8 @@ def hf_greedy(hf, prompt, n):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers_prefill_and_decode(arch, tiny_models, hf_models):
     hf = hf_models(arch)
-    engine = LLMEngine(str(tiny_models[arch]), dtype="float32", max_model_len=256, num_kvcache_blocks=64)
+    engine = LLMEngine(str(tiny_models[arch]), dtype="float32", max_model_len=256, num_kvcache_blocks=64,
+                       kv_cache_dtype="float32")   # fp32 KV: compared at fp32 tolerances
     rids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     seqs = {rid: engine.requests[rid].seq for rid in rids}
     for step in range(5):
@@ -48,7 +49,7 @@ def test_logits_match_transformers_prefill_and_decode(arch, tiny_models, hf_mode
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generation_matches_transformers(arch, tiny_models, hf_models):
     hf = hf_models(arch)
-    llm = LLM(str(tiny_models[arch]), dtype="float32", max_model_len=256)
+    llm = LLM(str(tiny_models[arch]), dtype="float32", max_model_len=256, kv_cache_dtype="float32")
     expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
     batched = llm.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in batched] == expected

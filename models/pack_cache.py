@@ -1,0 +1,144 @@
+"""Packed kernel weights of a model file, kept on disk so that the next load maps them instead of
+repacking them.
+
+The CPU kernels read weights repacked into 16-row tiles (kernels/cpu_qgemv.py). Repacking a 0.5B model
+takes seconds and holds a second copy in anonymous memory; llama.cpp maps its file and starts at once.
+The first load of a file writes every packed tensor into one cache file; later loads map that file
+(read-only pages shared with the page cache, so memory grows only with the pages the kernels touch).
+
+A cache file is keyed by the model file's identity (real path, size, modification time) and the kernel
+sources (the tile layout is theirs), so an edited model or a new kernel build never reads stale tiles.
+Layout: magic, u64 index length, a JSON index {name: [offset, [ggml type, rows,
+cols], tile shape]}, then the tensors at 64-byte
+aligned offsets (from the first aligned byte after the index). Writes go to a temporary file renamed into place (concurrent loads are safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import mmap
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC = b"NCPACK01"
+ALIGN = 64
+KEEP_FILES = 4   # the newest cache files kept; older ones are deleted when a new one is written
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def cache_dir() -> Path:
+    from nanochat.kernels.cpp_build import cache_root
+    return cache_root() / "packed"
+
+
+def usable() -> bool:
+    """Whether loads pack for the q8 kernels, the only tiles the cache holds."""
+    from nanochat.kernels import cpu_qgemv
+    return cpu_qgemv.available() and os.environ.get("NANOCHAT_QUANT_BACKEND", "auto") in ("auto", "q8")
+
+
+def _key(model_path: str) -> str:
+    from nanochat import kernels
+
+    st = os.stat(model_path)
+    h = hashlib.sha256()
+    h.update(f"{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    h.update((Path(kernels.__file__).parent / "csrc" / "qgemv.cpp").read_bytes())   # owns the tile layout
+    return h.hexdigest()[:24]
+
+
+class PackCache:
+    """`lookup` maps a tensor's packed tiles from the cache file; `add` records tiles this load packed;
+    `save` writes the file when anything was added."""
+
+    def __init__(self, model_path: str, root: Path | None = None):
+        self.root = root or cache_dir()
+        self.path = self.root / f"{_key(model_path)}.nc-packed"
+        self._index: dict[str, tuple[int, list[int], list[int]]] = {}   # name -> offset, [type, rows, cols], tiles
+        self._map: mmap.mmap | None = None
+        self._used: dict[str, tuple[list[int], torch.Tensor]] = {}   # every tensor of this load
+        self.hits = self.misses = 0
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return   # no cache yet (or an empty file): pack and write one
+        try:
+            if self._map[:8] != MAGIC:
+                raise ValueError("bad magic")
+            (n,) = struct.unpack_from("<Q", self._map, 8)
+            index = json.loads(bytes(self._map[16:16 + n]))
+            start = _aligned(16 + n)
+            self._index = {k: (start + int(v[0]), [int(d) for d in v[1]], [int(d) for d in v[2]])
+                           for k, v in index.items()}
+            for name, (off, _, tile_shape) in self._index.items():
+                if off + math.prod(tile_shape) > len(self._map):
+                    raise ValueError(f"{name} runs past the end")
+            os.utime(self.path)   # recently used: kept by the pruning in save()
+        except (ValueError, TypeError, IndexError, struct.error, UnicodeDecodeError):
+            self._map.close()
+            self._map = None      # a damaged file is rewritten
+            self._index = {}
+
+    def lookup(self, name: str, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor | None:
+        """The packed tiles of tensor `name` (a ggml_type weight of `shape`) from the cache file, or None."""
+        hit = self._index.get(name)
+        if hit is None or self._map is None or hit[1] != [int(ggml_type), *shape]:
+            return None
+        off, _, tile_shape = hit
+        with warnings.catch_warnings():   # a read-only map: the kernels never write weights
+            warnings.simplefilter("ignore", UserWarning)
+            flat = np.frombuffer(self._map, dtype=np.uint8, count=math.prod(tile_shape), offset=off)
+        tiles = torch.from_numpy(flat).view(tile_shape)
+        self.hits += 1
+        self._used[name] = ([int(ggml_type), *shape], tiles)
+        return tiles
+
+    def add(self, name: str, ggml_type: int, shape: tuple[int, int], tiles: torch.Tensor) -> None:
+        """Tiles this load packed itself: the cache file is (re)written with them by `save()`."""
+        self.misses += 1
+        self._used[name] = ([int(ggml_type), *shape], tiles)
+
+    def save(self) -> None:
+        """Write every tensor of this load when any of them had to be packed. Best effort: a read-only or
+        full disk only means the next load packs again."""
+        if not self.misses:
+            return
+        index, off = {}, 0
+        for name, (meta, t) in self._used.items():
+            index[name] = [off, meta, list(t.shape)]
+            off += _aligned(t.numel())
+        header = json.dumps(index, separators=(",", ":")).encode()
+        start = _aligned(16 + len(header))
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                for name, (_, t) in self._used.items():
+                    f.seek(start + index[name][0])
+                    f.write(memoryview(t.contiguous().numpy()))
+            os.replace(tmp, self.path)
+            self._prune()
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        files = sorted(self.root.glob("*.nc-packed"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[KEEP_FILES:]:
+            old.unlink(missing_ok=True)

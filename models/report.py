@@ -1,0 +1,96 @@
+"""What a built model runs on: each weight's type and kernel backend, and whether the CPU fast path
+(models/fused_forward.py) applies, with the reason when it does not. `nanochat info` prints it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelReport:
+    name: str
+    arch: str
+    layers: int
+    hidden: int
+    vocab: int
+    parameters: int
+    weight_bytes: int                     # bytes the linears, embedding and head hold in memory
+    projections: dict[str, str]           # "q_proj" -> "Q5_0 q8", counted over all layers
+    head: str
+    embedding: str
+    fused: bool                           # the whole-stack CPU kernel runs every step
+    why_not: str | None = None
+    isa: str | None = None                # the CPU kernels' code path ("avx512-vnni", "avx2", "scalar")
+    extra: dict[str, str] = field(default_factory=dict)   # engine-level lines (KV cache, load time)
+
+    def lines(self) -> list[tuple[str, str]]:
+        path = "fused whole-stack CPU kernel" if self.fused else f"module by module ({self.why_not})"
+        rows = [("model", f"{self.name} ({self.arch}, {self.layers} layers, hidden {self.hidden}, "
+                          f"vocab {self.vocab:,})"),
+                ("parameters", f"{self.parameters / 1e6:,.1f} M, {self.weight_bytes / 2**20:,.1f} MiB in memory"),
+                ("forward", path)]
+        if self.isa:
+            rows.append(("CPU kernels", self.isa))
+        rows += [(f"  {name}", desc) for name, desc in self.projections.items()]
+        rows += [("lm_head", self.head), ("embedding", self.embedding)]
+        rows += list(self.extra.items())
+        return rows
+
+
+def _describe_linear(lin) -> tuple[str, int, int]:
+    """'TYPE backend' (segments joined by '+'), parameters, bytes in memory."""
+    from nanochat.kernels import gguf_quants as gq
+
+    parts = lin.quant_parts()
+    if not parts:
+        w = lin.weight
+        return f"dense {str(w.dtype).removeprefix('torch.')}", w.numel(), w.numel() * w.element_size()
+    types = "+".join(gq.type_name(p.ggml_type) for p in parts)
+    backends = sorted({p.backend for p in parts})
+    params = sum(p.out_features * p.in_features for p in parts)
+    return f"{types} {'/'.join(backends)}", params, sum(p.nbytes() for p in parts)
+
+
+def describe(model) -> ModelReport:
+    """The report of a built model (any family: the projections found in its layers are listed)."""
+    cfg = model.config
+    counts: dict[str, Counter] = {}
+    params = nbytes = 0
+    from nanochat.models.dense import DenseForCausalLM
+    from nanochat.models.layers import Linear
+
+    for layer in model.layers:
+        for name, module in layer.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            desc, p, b = _describe_linear(module)
+            counts.setdefault(name.rsplit(".", 1)[-1], Counter())[desc] += 1
+            params, nbytes = params + p, nbytes + b
+    projections = {name: ", ".join(f"{d}" + (f" x{n}" if len(c) > 1 else "") for d, n in c.most_common())
+                   for name, c in counts.items()}
+    head, hp, hb = _describe_linear(model.lm_head)
+    emb = model.embed_tokens
+    if emb.packed is not None:
+        embedding = "shared with lm_head (rows dequantized on lookup)"
+        ep, eb = hp, 0
+    elif emb.quant is not None:
+        from nanochat.kernels import gguf_quants as gq
+        embedding = f"{gq.type_name(emb.quant.ggml_type)} rows from the file, dequantized on lookup"
+        ep, eb = emb.quant.shape[0] * emb.quant.shape[1], 0   # a view of the memory map, read row by row
+    else:
+        embedding = f"{str(emb.weight.dtype).removeprefix('torch.')} table"
+        ep, eb = emb.weight.numel(), emb.weight.numel() * emb.weight.element_size()
+    fused = model.fused if isinstance(model, DenseForCausalLM) else None
+    isa = None
+    if next(model.parameters(), torch.empty(0)).device.type == "cpu":
+        from nanochat.kernels import cpu_qgemv
+        isa = cpu_qgemv.simd_level() if cpu_qgemv.available() else None
+    return ModelReport(
+        name=cfg.name, arch=cfg.arch, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
+        parameters=params + hp + (0 if emb.packed is not None else ep), weight_bytes=nbytes + hb + eb,
+        projections=projections, head=head, embedding=embedding,
+        fused=fused is not None and fused.usable(),
+        why_not="no fused kernel for this family" if fused is None else fused.why_not, isa=isa)

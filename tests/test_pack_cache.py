@@ -1,0 +1,97 @@
+"""The on-disk cache of packed kernel weights (models/pack_cache.py): a second load maps what the first
+packed, with identical results; a changed model file or a damaged cache file is never read as valid."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import pytest
+import torch
+
+from nanochat.kernels import cpu_qgemv
+from nanochat.models import pack_cache
+
+T = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kernels cannot be built here")
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    from conftest import make_hf_model
+    from gguf_writer import write_gguf_from_hf
+    src = make_hf_model("qwen3", tmp_path / "hf", seed=5)
+    (tmp_path / "m").mkdir()
+    shutil.copy(src / "tokenizer.json", tmp_path / "m" / "tokenizer.json")
+    return write_gguf_from_hf(src, tmp_path / "m" / "model.gguf", "qwen3", T.Q8_0,
+                              tensor_qtypes={"blk.0.attn_v.weight": T.Q4_0})
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    root = tmp_path / "packed"
+    monkeypatch.setattr(pack_cache, "cache_dir", lambda: root)
+    return root
+
+
+def _load(path):
+    from nanochat.engine import LLM
+    return LLM(str(path), dtype="float32", max_model_len=64, pack_cache=True)
+
+
+def _logits(llm):
+    from nanochat.engine import SamplingParams
+    out = llm.generate([[3, 9, 27, 81]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    return out[0].token_ids
+
+
+def _cache_files(root):
+    return sorted(root.glob("*.nc-packed"))
+
+
+def _packed_weights(llm):
+    model = llm.engine.runner.model
+    return [seg.weight for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj)
+            for seg in lin.quant_parts()]
+
+
+def test_second_load_maps_the_first_loads_tiles(model_file, cache_root):
+    first = _load(model_file)
+    (written,) = _cache_files(cache_root)
+    second = _load(model_file)
+    assert _cache_files(cache_root) == [written]            # nothing rewritten
+    for a, b in zip(_packed_weights(first), _packed_weights(second), strict=True):
+        assert torch.equal(a, b)
+    assert _logits(first) == _logits(second)
+
+
+def test_a_changed_model_file_gets_a_new_cache(model_file, cache_root):
+    _load(model_file)
+    stat = os.stat(model_file)
+    os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    _load(model_file)
+    assert len(_cache_files(cache_root)) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "magic", "index"])
+def test_a_damaged_cache_file_is_rewritten(model_file, cache_root, damage):
+    reference = _logits(_load(model_file))
+    (path,) = _cache_files(cache_root)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[:len(raw) // 2]
+    elif damage == "magic":
+        raw[:4] = b"XXXX"
+    else:
+        raw[20:24] = b"{{{{"
+    path.write_bytes(bytes(raw))
+    assert _logits(_load(model_file)) == reference
+    assert path.read_bytes()[:8] == pack_cache.MAGIC and path.stat().st_size > len(raw) // 2
+
+
+def test_an_unwritable_cache_only_means_packing_again(model_file, tmp_path, monkeypatch):
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    monkeypatch.setattr(pack_cache, "cache_dir", lambda: blocker / "packed")
+    assert _logits(_load(model_file)) == _logits(_load(model_file))
