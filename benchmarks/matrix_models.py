@@ -148,26 +148,15 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['ro
                    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-ins for raw bytes (the byte-level BPE alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def bpe_vocab(vocab_size: int, first_special: int, specials: list[str]) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types) of a made-up byte-level BPE: the 256 byte tokens, then every pair
     of bytes (the letters and the space first), then triples of the most common characters, up to
     `first_special`; then `specials`; then [PADn] up to `vocab_size`. Each merged token has its merge."""
     import gguf
 
-    table = _bytes_to_unicode()
+    from nanochat.models.tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
     common = [" "] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
     common += [str(d) for d in range(10)] + list("\n.,'-!?:;()\"")
     order = [ord(c) for c in common] + [b for b in range(256) if chr(b) not in common]

@@ -30,7 +30,9 @@ it is compiled with -march=native), and called through ctypes (plain C ABI: no t
 build takes ~10 s). Threads: torch.get_num_threads() at call time unless `set_threads(n)`; the
 kernels run on a small pool of their own (not OpenMP), where the caller never waits for a worker
 that has not started yet: on a busy machine a call degrades to the 1-thread time instead of
-stalling a scheduler tick (4-8 ms) as an OpenMP fork/join does. When the compiler is missing,
+stalling a scheduler tick (4-8 ms) as an OpenMP fork/join does. Each thread streams large contiguous
+shares of the weight (2 per thread), prefetched in software, so a decode call (weights from DRAM) runs
+at about the memory bandwidth. When the compiler is missing,
 `available()` is False (after one warning) and callers fall back to the int4 backend.
 """
 

@@ -99,7 +99,7 @@ def _byte_level_pre_tokenizer(splits: list[str]):
     return pre_tokenizers.Sequence(steps)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     table, extra = {}, 0
@@ -112,7 +112,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_CHARS = _bytes_to_unicode()
+_BYTE_CHARS = bytes_to_unicode()
 _BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
 
 

@@ -37,6 +37,8 @@ import gguf
 import numpy as np
 import torch
 
+from nanochat.models.tokenizer import bytes_to_unicode
+
 T = gguf.GGMLQuantizationType
 VT = gguf.GGUFValueType
 Quantizer = Callable[[np.ndarray], "tuple[np.ndarray, gguf.GGMLQuantizationType] | None"]
@@ -124,7 +126,7 @@ def read_metadata(path: str | os.PathLike, prefix: str = "tokenizer.") -> dict[s
 
 def byte_tokenizer_metadata(vocab_size: int, bos: int | None, eos: int | None) -> dict[str, MetaValue]:
     """A minimal gpt2-style byte-level vocab: ids 0..255 are bytes, the rest control tokens."""
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     tokens = [table[b] for b in range(min(vocab_size, 256))]
     tokens += [f"<|extra_{i}|>" for i in range(256, vocab_size)]
     types = [int(gguf.TokenType.NORMAL)] * min(vocab_size, 256) + [int(gguf.TokenType.CONTROL)] * max(0, vocab_size - 256)
@@ -139,19 +141,6 @@ def byte_tokenizer_metadata(vocab_size: int, bos: int | None, eos: int | None) -
     if eos is not None:
         meta["tokenizer.ggml.eos_token_id"] = MetaValue(int(eos), VT.UINT32)
     return meta
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's printable stand-ins for raw bytes (the byte-level BPE alphabet).
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def llama3_rope_factors(head_dim: int, theta: float, scaling: Mapping[str, Any]) -> np.ndarray:
