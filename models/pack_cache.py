@@ -30,7 +30,9 @@ import torch
 
 MAGIC = b"NCPACK01"
 ALIGN = 64
-KEEP_FILES = 4   # the newest cache files kept; older ones are deleted when a new one is written
+# The newest cache files are kept up to this many bytes in all (the file just written always stays);
+# older ones are deleted when a new one is written.
+KEEP_BYTES = 16 << 30
 
 
 def _aligned(n: int) -> int:
@@ -140,5 +142,8 @@ class PackCache:
 
     def _prune(self) -> None:
         files = sorted(self.root.glob("*.nc-packed"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in files[KEEP_FILES:]:
-            old.unlink(missing_ok=True)
+        total = 0
+        for i, f in enumerate(files):
+            total += f.stat().st_size
+            if i and total > KEEP_BYTES:
+                f.unlink(missing_ok=True)

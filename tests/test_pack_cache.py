@@ -95,3 +95,15 @@ def test_an_unwritable_cache_only_means_packing_again(model_file, tmp_path, monk
     blocker.write_text("")
     monkeypatch.setattr(pack_cache, "cache_dir", lambda: blocker / "packed")
     assert _logits(_load(model_file)) == _logits(_load(model_file))
+
+
+def test_old_cache_files_are_pruned_past_the_budget(model_file, cache_root, monkeypatch):
+    _load(model_file)
+    (first,) = _cache_files(cache_root)
+    monkeypatch.setattr(pack_cache, "KEEP_BYTES", first.stat().st_size)   # room for one file
+    os.utime(first, (1, 1))                                               # and it is the oldest
+    stat = os.stat(model_file)
+    os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))   # another file identity
+    _load(model_file)
+    (second,) = _cache_files(cache_root)
+    assert second != first
