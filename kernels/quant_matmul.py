@@ -3,14 +3,15 @@
 `prepare_quant_weight` runs once at load and picks a backend:
 
 - "q8"     (CPU, the default where the extension builds): the compiled kernels of cpu_qgemv.py for Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. The raw blocks are repacked once into tiles of 16 rows
+  Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, and F16 / BF16 / F32 matrices (read exactly, with fp32
+  activations, not the int8 scheme below). The raw blocks are repacked once into tiles of 16 rows
   (same bytes; the last tile is padded to 16 rows); each call quantizes the rows of x per block of 32
   to int8 codes plus int8 codes of the residual (two levels; one level, as llama.cpp, with
   cpu_qgemv.set_activation_levels(1)), runs integer dot products (AVX-512 VNNI / AVX2 / scalar) and
   scales them per block in fp32. Any number of rows, one copy of the weight for decode and prefill,
   a row's output independent of the batch. Error vs x @ W^T: the activation grid, at most
   amax(block of x) / 32512 per element (two levels; / 254 with one), plus fp32 rounding.
-- "int4"   (CPU, for the other types, and the fallback when the extension cannot be built): torch's
+- "int4"   (CPU, the fallback when the extension cannot be built, or when asked for): torch's
   int4 group-32 kernel `aten._weight_int4pack_mm_for_cpu`, which computes
   W[o, k] = S[g, o] * (q[o, k] - 8) + Z[g, o] per group g of 32 inputs, reading bf16 activations.
   Every GGML type whose values are affine in small unsigned integers per group maps onto it as a
