@@ -139,9 +139,11 @@ constexpr Fmt fmt_of(int type) {
 // over a block's sub-blocks (measured: a burst of a whole block's 36-56 lines streams 15-30% slower, and
 // as a loop costs ~20% in cache-resident calls). Prefetches never fault: running past the end is harmless.
 // Only the pass over a tile for the first rows of x prefetches: the passes for the next rows find the
-// tile in cache, and prefetching ahead again would only evict their working set (prefill: -10%). The
-// choice is a template parameter, not a branch in the loop: the compiler then interleaves the
-// prefetches with the block's loads (a burst before them, behind a branch, streams Q8_0 20% slower).
+// tile in cache, and prefetching ahead again would only evict their working set (prefill: -10%). In the
+// 1-row kernels that test is compile-time (T == 1): the compiler then interleaves the prefetches with
+// the block's loads, where behind a runtime branch they go out as a burst before them and Q8_0 streams
+// 20% slower. (The runtime test costs the 8-row Q6_K kernel 2-4% in cache; a template parameter instead
+// cost Q8_0 prefill 8%.) F32 weights are not prefetched: the hardware keeps up with that kernel.
 constexpr int PF_AHEAD = 12 << 10;
 
 template <int LINES>
@@ -834,8 +836,7 @@ inline void dot32(const typename V::I u[8], const int8_t* xq, typename V::I& lo,
   }
 }
 
-// PF: prefetch the weight stream (the first pass over a tile; see PF_AHEAD).
-template <class V, int TYPE, int T, bool X2, bool PF>
+template <class V, int TYPE, int T, bool X2>
 inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32;
@@ -855,7 +856,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
       if constexpr (TYPE == Q2_K) q2k_scales16(b + f.sc, sc, mn);
       if constexpr (TYPE == Q3_K) q3k_scales16(b + f.sc, sc);
       for (int s = 0; s < SUBS; ++s) {
-        if (PF && h == 0) {  // this sub-block's share of the tile block PF_AHEAD bytes ahead
+        if (h == 0 && (T == 1 || t0 == 0)) {  // this sub-block's share of the block PF_AHEAD bytes ahead
           constexpr int N = (f.tile_bytes + 64 * SUBS - 1) / (64 * SUBS);
           prefetch_lines<N>(b + PF_AHEAD + 64 * N * s);
         }
@@ -916,26 +917,14 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
   for (int t = 0; t < T; ++t) store_rows(o, t0 + t, row0, out[t]);
 }
 
-template <class V, int TYPE, int T, bool X2>
-inline void tile_pass(bool pf, const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, const Out& o,
-                      int64_t row0) {
-  if (pf)
-    tile_simd<V, TYPE, T, X2, true>(w, nblk, a, t0, o, row0);
-  else
-    tile_simd<V, TYPE, T, X2, false>(w, nblk, a, t0, o, row0);
-}
-
 template <class V, int TYPE, bool X2>
 void tile_split(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
-  // Split nt into 8/4/2/1: per row of x the arithmetic is the same whatever the split. The pass for the
-  // first rows of x reads the tile from memory and prefetches; the others find it in cache (and a
-  // prefetch branch in them would cost 2-4% of a prefill, in registers).
+  // Split nt into 8/4/2/1: per row of x the arithmetic is the same whatever the split.
   while (nt > 0) {
-    const bool pf = t0 == 0;
-    if (nt >= 8) { tile_pass<V, TYPE, 8, X2>(pf, w, nblk, a, t0, o, row0); t0 += 8; nt -= 8; }
-    else if (nt >= 4) { tile_pass<V, TYPE, 4, X2>(pf, w, nblk, a, t0, o, row0); t0 += 4; nt -= 4; }
-    else if (nt >= 2) { tile_pass<V, TYPE, 2, X2>(pf, w, nblk, a, t0, o, row0); t0 += 2; nt -= 2; }
-    else { tile_pass<V, TYPE, 1, X2>(pf, w, nblk, a, t0, o, row0); t0 += 1; nt -= 1; }
+    if (nt >= 8) { tile_simd<V, TYPE, 8, X2>(w, nblk, a, t0, o, row0); t0 += 8; nt -= 8; }
+    else if (nt >= 4) { tile_simd<V, TYPE, 4, X2>(w, nblk, a, t0, o, row0); t0 += 4; nt -= 4; }
+    else if (nt >= 2) { tile_simd<V, TYPE, 2, X2>(w, nblk, a, t0, o, row0); t0 += 2; nt -= 2; }
+    else { tile_simd<V, TYPE, 1, X2>(w, nblk, a, t0, o, row0); t0 += 1; nt -= 1; }
   }
 }
 
