@@ -97,8 +97,7 @@ class Config:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
-        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16") \
-                and self.kv_cache_dtype not in DTYPES:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.quantize not in (None, "q8_0"):
             raise ValueError(f"quantize must be q8_0 (or unset), got {self.quantize!r}")
@@ -125,7 +124,7 @@ class Config:
 
     def resolved_kv_dtype(self, device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype. On the CPU 16-bit halves the cache's memory and bandwidth; fp16 (not
-        bf16) keeps 10 mantissa bits, and attention widens it to fp32 (see tests/test_kv_cache.py)."""
+        bf16) keeps 10 mantissa bits, and attention widens it to fp32 (tests/test_fused_models.py pins the cost)."""
         if self.kv_cache_dtype == "auto":
             return torch.float16 if device.type == "cpu" else compute_dtype
         return DTYPES[self.kv_cache_dtype]

@@ -240,13 +240,12 @@ class LLMEngine:
 
     def describe(self):
         """A models.report.ModelReport of the loaded model, with the engine's KV cache and load time."""
-        from nanochat.models.report import describe
+        from nanochat.models.report import describe, dtype_name
 
         report = describe(self.runner.model)
         r = self.runner
         per_token = r.kv_bytes_per_block() // self.config.kvcache_block_size
-        dtype = str(r.kv_dtype).removeprefix("torch.")
-        report.extra["KV cache"] = (f"{dtype}, {per_token / 1024:.1f} KiB per token, up to "
+        report.extra["KV cache"] = (f"{dtype_name(r.kv_dtype)}, {per_token / 1024:.1f} KiB per token, up to "
                                     f"{r.num_blocks * self.config.kvcache_block_size:,} tokens "
                                     f"(pages are used as tokens are)")
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \

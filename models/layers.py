@@ -276,13 +276,10 @@ class WeightLoader:
             pw = prepare_quant_weight(QuantWeight(t, shape, data), self.device, self.dtype, tensor_name=name)
             if self.pack_cache is not None and pw.backend == "q8":
                 self.pack_cache.add(name, t, shape, pw.weight)
-        for n in names:   # the file's pages of a packed tensor are not read again: drop them from memory
-            self.source_release(n)
-        return pw
-
-    def source_release(self, name: str) -> None:
         if _is_gguf(self.source):
-            self.source.release(name)
+            for n in names:   # the file's pages of a packed tensor are not read again: drop them from memory
+                self.source.release(n)
+        return pw
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.dense(name) if name in self.names else None

@@ -70,7 +70,7 @@ class PackCache:
         self._index: dict[str, tuple[int, list[int], list[int]]] = {}   # name -> offset, [type, rows, cols], tiles
         self._map: mmap.mmap | None = None
         self._used: dict[str, tuple[list[int], torch.Tensor]] = {}   # every tensor of this load
-        self.hits = self.misses = 0
+        self._packed_here = False   # some tensor of this load was not in the file: save() rewrites it
         self._open()
 
     def _open(self) -> None:
@@ -106,19 +106,18 @@ class PackCache:
             warnings.simplefilter("ignore", UserWarning)
             flat = np.frombuffer(self._map, dtype=np.uint8, count=math.prod(tile_shape), offset=off)
         tiles = torch.from_numpy(flat).view(tile_shape)
-        self.hits += 1
         self._used[name] = ([int(ggml_type), *shape], tiles)
         return tiles
 
     def add(self, name: str, ggml_type: int, shape: tuple[int, int], tiles: torch.Tensor) -> None:
         """Tiles this load packed itself: the cache file is (re)written with them by `save()`."""
-        self.misses += 1
+        self._packed_here = True
         self._used[name] = ([int(ggml_type), *shape], tiles)
 
     def save(self) -> None:
         """Write every tensor of this load when any of them had to be packed. Best effort: a read-only or
         full disk only means the next load packs again."""
-        if not self.misses:
+        if not self._packed_here:
             return
         index, off = {}, 0
         for name, (meta, t) in self._used.items():

@@ -40,6 +40,10 @@ class ModelReport:
         return rows
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _describe_linear(lin) -> tuple[str, int, int]:
     """'TYPE backend' (segments joined by '+'), parameters, bytes in memory."""
     from nanochat.kernels import gguf_quants as gq
@@ -47,7 +51,7 @@ def _describe_linear(lin) -> tuple[str, int, int]:
     parts = lin.quant_parts()
     if not parts:
         w = lin.weight
-        return f"dense {str(w.dtype).removeprefix('torch.')}", w.numel(), w.numel() * w.element_size()
+        return f"dense {dtype_name(w.dtype)}", w.numel(), w.numel() * w.element_size()
     types = "+".join(gq.type_name(p.ggml_type) for p in parts)
     backends = sorted({p.backend for p in parts})
     params = sum(p.out_features * p.in_features for p in parts)
@@ -75,13 +79,13 @@ def describe(model) -> ModelReport:
     emb = model.embed_tokens
     if emb.packed is not None:
         embedding = "shared with lm_head (rows dequantized on lookup)"
-        ep, eb = hp, 0
+        ep, eb = 0, 0   # counted with the head
     elif emb.quant is not None:
         from nanochat.kernels import gguf_quants as gq
         embedding = f"{gq.type_name(emb.quant.ggml_type)} rows from the file, dequantized on lookup"
         ep, eb = emb.quant.shape[0] * emb.quant.shape[1], 0   # a view of the memory map, read row by row
     else:
-        embedding = f"{str(emb.weight.dtype).removeprefix('torch.')} table"
+        embedding = f"{dtype_name(emb.weight.dtype)} table"
         ep, eb = emb.weight.numel(), emb.weight.numel() * emb.weight.element_size()
     fused = model.fused if isinstance(model, DenseForCausalLM) else None
     isa = None
@@ -90,7 +94,7 @@ def describe(model) -> ModelReport:
         isa = cpu_qgemv.simd_level() if cpu_qgemv.available() else None
     return ModelReport(
         name=cfg.name, arch=cfg.arch, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
-        parameters=params + hp + (0 if emb.packed is not None else ep), weight_bytes=nbytes + hb + eb,
+        parameters=params + hp + ep, weight_bytes=nbytes + hb + eb,
         projections=projections, head=head, embedding=embedding,
         fused=fused is not None and fused.usable(),
         why_not="no fused kernel for this family" if fused is None else fused.why_not, isa=isa)
