@@ -16,7 +16,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from nanochat.app.errors import EXIT_OK, one_line, run_guarded, run_standalone
+from nanochat.app.errors import EXIT_OK, one_line, run_guarded
+from nanochat.app.options import add_option, resolve_model
 
 PROG = "nanochat convert-model"
 
@@ -25,11 +26,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("convert-model", help="write the weight map of a model (checkpoint -> engine tensors)",
                               description="Write a deterministic JSON plan mapping a checkpoint's tensors "
                                           "(HF folder or GGUF file) to the engine's fused parameters.")
-    try:
-        p.add_argument("--model", "-m", metavar="PATH|HUB_ID", default=argparse.SUPPRESS,
-                       help="a .gguf file, a Hugging Face model folder or hub id (default: the built-in model)")
-    except argparse.ArgumentError:
-        pass
+    add_option(p, True, "--model", "-m", metavar="PATH|HUB_ID",
+               help="a .gguf file, a Hugging Face model folder or hub id (default: settings, else the built-in model)")
     p.add_argument("--out", "-o", metavar="FILE",
                    help=f"where to write the map ('-' for stdout; default: DIR/{_default_name()} beside the model)")
     p.add_argument("--quiet", "-q", action="store_true", default=argparse.SUPPRESS, help="no summary on stderr")
@@ -52,19 +50,6 @@ def default_out(model: str) -> Path:
     return Path(_default_name())   # hub id: the current directory
 
 
-def _resolve_model(args) -> str:
-    model = getattr(args, "model", None)
-    settings = getattr(args, "settings", None)
-    model = model or getattr(settings, "default_model", None)
-    try:
-        from nanochat.models.catalog import resolve_default_model
-    except ImportError:
-        if not model:
-            raise ValueError("no model given: pass --model PATH|HUB_ID") from None
-        return model
-    return resolve_default_model(model)
-
-
 def run_convert_cli(args) -> int:
     """Run `nanochat convert-model` for parsed `args`; returns the exit code. ModelLoadError, OSError,
     ValueError: one line on stderr, no traceback; Ctrl-C: 130 without a message."""
@@ -75,7 +60,7 @@ def run_convert_cli(args) -> int:
 def _convert(args) -> int:
     from nanochat.models.weight_map import make_plan, plan_json, write_plan
 
-    model = _resolve_model(args)
+    model = resolve_model(args, args.settings)
     plan = make_plan(model)
     out = getattr(args, "out", None)
     if out == "-":
@@ -88,14 +73,3 @@ def _convert(args) -> int:
         print(f"wrote {path}: {len(plan['targets'])} engine tensors ({fused} fused) from "
               f"{len(plan['tensors'])} checkpoint tensors", file=sys.stderr, flush=True)
     return EXIT_OK
-
-
-run_convert = run_convert_cli   # the name app/cli.py's dispatch imports
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_standalone("convert-model", add_convert_parser, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

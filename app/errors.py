@@ -1,7 +1,7 @@
 """How the command line reports failures: one line on stderr, exit 1 (runtime) or 2 (usage).
 
 `run_guarded` is the try/except every subcommand entry point (`nanochat bench`, `convert-model`) wraps
-its work in; `run_standalone` is their `python -m nanochat.app.<module>` entry.
+its work in.
 """
 
 from __future__ import annotations
@@ -61,15 +61,3 @@ def run_guarded(body: Callable[[], int], prog: str, describe: Callable[[BaseExce
             raise
         report(describe(e), prog)
         return EXIT_RUNTIME
-
-
-def run_standalone(command: str, add_parser: Callable, argv: list[str] | None = None) -> int:
-    """`python -m nanochat.app.<module> ARGS` (used when app/cli.py is absent): parse ARGS (default
-    sys.argv[1:]) as `nanochat COMMAND ARGS` with the subparser `add_parser` adds, and run it."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="nanochat")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)

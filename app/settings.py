@@ -10,38 +10,33 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nanochat.app.options import (DTYPE_NAMES, POSITIVE_FLOAT, POSITIVE_INT, TEMPERATURE, TOP_K, TOP_P, accepts,
+                                  valid_device)
+
 MAX_RECENT = 10
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _optional_str(v) -> bool:
     return v is None or isinstance(v, str)
 
 
-# field -> check of a value read from the file
+# field -> check of a value read from the file (the command line's checks, app/options.py)
 _CHECKS = {
     "default_model": _optional_str,
-    "device": lambda v: isinstance(v, str) and (v in ("cpu", "cuda", "auto") or v.startswith("cuda:")),
-    "dtype": lambda v: isinstance(v, str) and bool(v),
+    "device": valid_device,
+    "dtype": lambda v: v in DTYPE_NAMES,
     "theme": lambda v: isinstance(v, str) and bool(v),
-    "temperature": lambda v: _number(v) and v >= 0,
-    "top_p": lambda v: _number(v) and 0 < v <= 1,
-    "top_k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1,
-    "max_tokens": _positive_int,
+    "temperature": lambda v: accepts(TEMPERATURE, v),
+    "top_p": lambda v: accepts(TOP_P, v),
+    "top_k": lambda v: accepts(TOP_K, v),
+    "max_tokens": lambda v: accepts(POSITIVE_INT, v),
     "system_prompt": _optional_str,
     "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "kv_cache_gib": lambda v: v is None or (_number(v) and v > 0),
-    "max_model_len": _positive_int,
+    "kv_cache_gib": lambda v: v is None or accepts(POSITIVE_FLOAT, v),
+    "max_model_len": lambda v: accepts(POSITIVE_INT, v),
 }
 
 
@@ -120,6 +115,3 @@ def _default_path() -> Path:
     from nanochat.app.paths import get_paths
 
     return get_paths().settings_file
-
-
-SETTING_NAMES = tuple(f.name for f in fields(Settings) if f.name != "warnings")

@@ -1,11 +1,17 @@
-"""Engine configuration: defaults, environment overrides, validation (once, then frozen)."""
+"""Engine configuration: defaults, environment overrides, validation (once, then frozen).
+
+Importing this module loads no torch (the command line imports the dtype names and the device check
+from here); the methods that need torch import it.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _flag(raw: str) -> bool:
@@ -17,7 +23,9 @@ def _flag(raw: str) -> bool:
     raise ValueError(raw)
 
 
-# Environment variable -> Config field. Explicit arguments win over the environment.
+# Environment variable -> (Config field, parser); explicit arguments win over the environment. Every
+# knob of the engine and its kernels is read here, once per Config.create, and nowhere else.
+# NANO_VLLM_*: nano-vllm's names, kept for its users; NANOCHAT_*: the rest (README: "Environment variables").
 ENV_OVERRIDES = {
     "NANO_VLLM_MAX_NUM_SEQS": ("max_num_seqs", int),
     "NANO_VLLM_MAX_MODEL_LEN": ("max_model_len", int),
@@ -28,16 +36,33 @@ ENV_OVERRIDES = {
     "NANO_VLLM_KV_CACHE_DTYPE": ("kv_cache_dtype", str),
     "NANOCHAT_PACK_CACHE": ("pack_cache", _flag),
     "NANOCHAT_CPU_ISA": ("cpu_isa", str),
+    "NANOCHAT_QUANT_BACKEND": ("quant_backend", str),
+    "NANOCHAT_FUSED_FORWARD": ("fused_forward", _flag),
+    "NANOCHAT_ACT_LEVELS": ("act_levels", int),
 }
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# dtype names the engine (and the command line's --dtype, besides "auto") accepts -> torch's name
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DEVICES = "cpu, cuda, cuda:N or auto"   # what valid_device accepts, for messages
+
+
+def valid_device(name) -> bool:
+    """cpu, cuda, cuda:N (N digits) or auto."""
+    return isinstance(name, str) and (name in ("cpu", "cuda", "auto")
+                                      or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit()))
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass(frozen=True)
 class Config:
     model: str = ""
-    device: str = "cpu"                 # "cpu" | "cuda" | "auto"
+    device: str = "cpu"                 # cpu | cuda | cuda:N | auto
     dtype: str = "auto"                 # auto: fp32 on CPU, bf16 on CUDA
     max_num_seqs: int = 16
     max_model_len: int = 4096
@@ -49,21 +74,25 @@ class Config:
     num_kvcache_blocks: int | None = None   # explicit block count (tests, tiny budgets)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    cpu_threads: int | None = None
+    cpu_threads: int | None = None      # torch's and the host MoE kernels' threads (None: all CPUs / half)
     dequantize: bool = False            # materialise GGUF weights as dense tensors
     quantize: str | None = None         # "q8_0": quantize a dense checkpoint's linears at load
     moe_offload: str = "auto"           # routed MoE experts on the host: auto | cpu | none
     pack_cache: bool = True             # CPU: keep a GGUF's repacked kernel weights on disk for the next load
     cpu_isa: str = "auto"               # CPU kernels' build: auto (native) | avx2 | scalar (benchmarks, tests)
+    quant_backend: str = "auto"         # GGUF linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
+    fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/fused_forward.py)
+    act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
 
     @classmethod
     def create(cls, model: str = "", **kwargs) -> "Config":
-        """Defaults <- environment <- explicit kwargs, then validate."""
+        """Defaults <- environment <- explicit kwargs, then validate. A bad environment value is a
+        one-line ValueError naming the variable."""
         known = {f.name for f in fields(cls)}
         unknown = set(kwargs) - known
         if unknown:
             raise ValueError(f"unknown config option(s): {', '.join(sorted(unknown))}")
-        values = {}
+        values, from_env = {}, {}
         for env, (name, cast) in ENV_OVERRIDES.items():
             raw = os.environ.get(env)
             if raw not in (None, "") and name not in kwargs:
@@ -72,12 +101,20 @@ class Config:
                 except ValueError:
                     kind = "flag (0 or 1)" if cast is _flag else cast.__name__
                     raise ValueError(f"{env}={raw!r} is not a valid {kind}") from None
+                from_env[name] = f"{env}={raw!r}"
         values.update({k: v for k, v in kwargs.items() if v is not None})
         cfg = cls(model=model, **values)
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            if name in from_env:
+                raise ValueError(f"{from_env[name]}: {e}") from None
+            raise
         return cfg
 
     def validate(self) -> None:
+        """Raises ValueError("<field> must be ..."), the field's name first."""
         def positive(name):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -87,8 +124,8 @@ class Config:
             positive(name)
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
-        if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if not valid_device(self.device):
+            raise ValueError(f"device must be {DEVICES}, got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -109,8 +146,28 @@ class Config:
             raise ValueError(f"cpu_isa must be auto, avx2 or scalar, got {self.cpu_isa!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        from nanochat.kernels.quant_matmul import BACKENDS
+        if self.quant_backend not in BACKENDS:
+            raise ValueError(f"quant_backend must be one of {', '.join(BACKENDS)}, got {self.quant_backend!r}")
+        if self.act_levels not in (1, 2):
+            raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
+
+    def apply_kernel_switches(self) -> None:
+        """Set the process-wide switches of the kernels to this config: the quant backend, the q8
+        kernels' activation levels, the fused CPU forward, the host MoE kernels' threads. LLMEngine
+        calls it once, before the weights load (they are read then), so the last engine built in a
+        process sets them; code that builds layers without an engine sees what that engine set."""
+        from nanochat.kernels import cpu_qgemv, moe_cpu, quant_matmul
+        from nanochat.models import fused_forward
+
+        quant_matmul.use_backend(self.quant_backend)
+        cpu_qgemv.set_activation_levels(self.act_levels)
+        moe_cpu.set_threads(self.cpu_threads)
+        fused_forward.set_enabled(self.fused_forward)
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -118,16 +175,20 @@ class Config:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return _torch_dtype(self.dtype)
 
     def resolved_kv_dtype(self, device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype. On the CPU 16-bit halves the cache's memory and bandwidth; fp16 (not
         bf16) keeps 10 mantissa bits, and attention widens it to fp32 (tests/test_fused_models.py pins the cost)."""
+        import torch
+
         if self.kv_cache_dtype == "auto":
             return torch.float16 if device.type == "cpu" else compute_dtype
-        return DTYPES[self.kv_cache_dtype]
+        return _torch_dtype(self.kv_cache_dtype)
 
     def with_model_limits(self, max_position_embeddings: int) -> "Config":
         """Clamp max_model_len to what the model supports (a new Config; the original is untouched)."""

@@ -67,14 +67,12 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         cfg = self.model.config
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_cache = []
         # On the CPU the cache is left unwritten: a slot is always stored before it is read, and the OS maps
         # a page only when it is first written, so memory grows with the blocks in use, not the budget.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         for layer in self.model.attention_layers():
             layer.k_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
-            self.kv_cache.append((layer.k_cache, layer.v_cache))
 
     # ------------------------------------------------------------------ batch
     def prepare(self, chunks: list[ScheduledChunk]):

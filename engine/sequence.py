@@ -57,13 +57,5 @@ class Sequence:
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -39,7 +39,6 @@ at about the memory bandwidth. When the compiler is missing,
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from array import array
 from dataclasses import dataclass
@@ -68,8 +67,6 @@ _ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of
 _kernels = LazyLibrary()
 _threads: int | None = None
 _levels = 2
-
-
 
 
 # -ffp-contract=off: the scalar path must round like the SIMD paths (bit-identical outputs).
@@ -160,7 +157,7 @@ def set_simd_level(level: str | None) -> None:
 
 def set_activation_levels(levels: int) -> None:
     """Default activation quantization: 2 (int8 + residual int8, the default) or 1 (int8, as llama.cpp).
-    The env var NANOCHAT_ACT_LEVELS sets it at import."""
+    The engine sets it at start-up from Config.act_levels (env NANOCHAT_ACT_LEVELS)."""
     global _levels
     if levels not in (1, 2):
         raise ValueError(f"activation levels must be 1 or 2, got {levels}")
@@ -340,13 +337,3 @@ def dequantized_activations(x: torch.Tensor, levels: int | None = None) -> torch
                                       out.data_ptr()), "activations")
     return out
 
-
-def _levels_from_env() -> None:
-    raw = os.environ.get("NANOCHAT_ACT_LEVELS", "").strip()
-    if raw:
-        if raw not in ("1", "2"):
-            raise ValueError(f"NANOCHAT_ACT_LEVELS={raw!r}: must be 1 or 2")
-        set_activation_levels(int(raw))
-
-
-_levels_from_env()

@@ -21,15 +21,14 @@ Two backends:
 The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja needed),
 cached under $NANOCHAT_HOME/cache or the platformdirs user cache dir, and called through ctypes
 (plain C ABI, so the build needs no torch headers and takes seconds). It runs an OpenMP team of
-`cpu_threads()` threads: env NANO_VLLM_CPU_THREADS, default half the logical CPUs (at least 1).
+`cpu_threads()` threads: the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them with
+`set_threads`, default half the logical CPUs (at least 1).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,39 +113,26 @@ class StackedWeight:
 # ---------------------------------------------------------------- threads
 
 
+_threads: int | None = None
+
+
+def set_threads(n: int | None) -> None:
+    """Threads for the host expert kernels from now on; None: the default, half the logical CPUs. The
+    engine sets it at start-up from Config.cpu_threads (env NANO_VLLM_CPU_THREADS)."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    _threads = n
+
+
 def cpu_threads() -> int:
-    """Threads for the host expert kernels: NANO_VLLM_CPU_THREADS, else half the logical CPUs (>= 1)."""
-    raw = os.environ.get("NANO_VLLM_CPU_THREADS", "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            raise ValueError(f"NANO_VLLM_CPU_THREADS={raw!r} is not an integer") from None
-        if n < 1:
-            raise ValueError(f"NANO_VLLM_CPU_THREADS must be >= 1, got {n}")
-        return n
-    return max(1, (os.cpu_count() or 2) // 2)
+    """Threads for the host expert kernels: as set_threads set them, else half the logical CPUs (>= 1)."""
+    return _threads or max(1, (os.cpu_count() or 2) // 2)
 
 
 # ---------------------------------------------------------------- the compiled extension
 
 _kernels = LazyLibrary()
-
-
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the pip package's binary may sit in an unactivated venv."""
-    if shutil.which("ninja"):
-        return
-    dirs = [os.path.dirname(sys.executable)]
-    try:
-        import ninja
-
-        dirs.insert(0, ninja.BIN_DIR)
-    except (ImportError, AttributeError):
-        pass
-    os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
 
 
 def _load_extension() -> ctypes.CDLL:

@@ -38,7 +38,6 @@ always computes in bf16 and casts the result back to x's dtype.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -248,10 +247,32 @@ def concat_out_features(qws: list[QuantWeight], tensor_name: str = "<fused>") ->
     return QuantWeight(t, (data.shape[0], in_f), data)
 
 
+BACKENDS = ("auto", "q8", "int4", "dense", "triton")
+_backend = "auto"   # what backend="auto" means: see use_backend
+
+
+def use_backend(name: str) -> None:
+    """The backend `prepare_quant_weight(..., backend="auto")` uses from now on: "auto" (picked per
+    device and type) or one of q8, int4, dense, triton for every weight. The engine sets it at start-up
+    from Config.quant_backend (env NANOCHAT_QUANT_BACKEND)."""
+    global _backend
+    _check_backend(name)
+    _backend = name
+
+
+def current_backend() -> str:
+    """The backend set by use_backend ("auto" unless forced)."""
+    return _backend
+
+
+def _check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown quant backend {name!r} ({', '.join(BACKENDS)})")
+
+
 def _pick_backend(t: int, device: torch.device, compute_dtype: torch.dtype, backend: str) -> str:
     if backend != "auto":
-        if backend not in ("q8", "int4", "dense", "triton"):
-            raise ValueError(f"unknown quant backend {backend!r} (auto, q8, int4, dense, triton)")
+        _check_backend(backend)
         return backend
     if device.type == "cuda":
         from nanochat.kernels import triton_gguf
@@ -272,7 +293,7 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
     `backend` "auto" picks, on CPU: q8 for its types when the extension builds, else int4 where the type
     maps (errors at bf16 level), dense otherwise (whatever compute_dtype is: weights stay quantized);
     on CUDA: triton for the fused types, else dense. "q8" / "int4" / "dense" / "triton" force a backend;
-    the env var NANOCHAT_QUANT_BACKEND overrides "auto" (e.g. NANOCHAT_QUANT_BACKEND=int4).
+    so does use_backend() for "auto" (the engine's quant_backend option, env NANOCHAT_QUANT_BACKEND).
 
     `prefill_min_rows` (q8 / int4, opt-in): also keep a dense bf16 copy and use it for calls with at
     least that many rows, trading 16 extra bits per weight for prefill speed (int4: from ~8 rows on a
@@ -286,7 +307,7 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
         raise ValueError(f"tensor {tensor_name!r}: {qw.type_name} {list(qw.shape)} needs uint8 data of shape "
                          f"{list(expected)}, got {qw.data.dtype} {list(qw.data.shape)}")
     if backend == "auto":
-        backend = os.environ.get("NANOCHAT_QUANT_BACKEND", "auto")
+        backend = _backend
     kind = _pick_backend(qw.ggml_type, device, compute_dtype, backend)
     base = dict(ggml_type=qw.ggml_type, shape=(out_f, in_f), compute_dtype=compute_dtype)
     if kind == "q8":

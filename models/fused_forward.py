@@ -5,20 +5,28 @@ prefill chunks, mixes of both) when the model can run on kernels/cpu_decoder.py:
 float32, every linear on the q8 backend (each projection in the file's own type: q/k/v or gate/up of
 different types run as separate kernel calls inside the one compiled step). Anything else (dense or
 int4 weights, other dtypes, GPUs) runs the module forward, which also stays the reference the fused path is tested against.
-NANOCHAT_FUSED_FORWARD=0 turns it off.
+The engine's fused_forward=False (env NANOCHAT_FUSED_FORWARD=0) turns it off, through set_enabled.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from nanochat.models.attention import AttnMetadata
 
+_enabled = True
+OFF_REASON = "turned off (fused_forward=False, NANOCHAT_FUSED_FORWARD=0)"
+
+
+def set_enabled(on: bool) -> None:
+    """Whether models built from now on use the fused forward where it applies (the engine sets it at
+    start-up from Config.fused_forward)."""
+    global _enabled
+    _enabled = bool(on)
+
 
 def fused_forward_enabled() -> bool:
-    return os.environ.get("NANOCHAT_FUSED_FORWARD", "1").strip() not in ("0", "false", "no", "off")
+    return _enabled
 
 
 def _packed(linear) -> list | None:
@@ -53,7 +61,7 @@ class FusedForward:
     @staticmethod
     def _check(model) -> str | None:
         if not fused_forward_enabled():
-            return "NANOCHAT_FUSED_FORWARD=0"
+            return OFF_REASON
         if model.backend.kind != "torch" or model.norm.weight.device.type != "cpu":
             return "not on the CPU"
         if model.norm.weight.dtype != torch.float32:

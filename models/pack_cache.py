@@ -46,8 +46,8 @@ def cache_dir() -> Path:
 
 def usable() -> bool:
     """Whether loads pack for the q8 kernels, the only tiles the cache holds."""
-    from nanochat.kernels import cpu_qgemv
-    return cpu_qgemv.available() and os.environ.get("NANOCHAT_QUANT_BACKEND", "auto") in ("auto", "q8")
+    from nanochat.kernels import cpu_qgemv, quant_matmul
+    return quant_matmul.current_backend() in ("auto", "q8") and cpu_qgemv.available()
 
 
 def _key(model_path: str) -> str:

@@ -22,6 +22,9 @@ from nanochat.models.gguf_file import GGUFFile, read_metadata, to_python
 
 log = logging.getLogger(__name__)
 
+# nano-vllm's tokenizer override, read by load_tokenizer when a model loads. Not a Config field: it
+# says which files make up the model (like the model path), and models load before and without an
+# engine (the chat front ends, `nanochat bench --multi-turn`, convert-model).
 TOKENIZER_PATH_ENV = "NANO_VLLM_TOKENIZER_PATH"
 
 # llama.cpp token types (gguf.TokenType)
@@ -231,11 +234,6 @@ class Tokenizer:
             if jinja.is_file():
                 tokenizer_config["chat_template"] = jinja.read_text(encoding="utf-8")
         return cls._from_backend(backend, tokenizer_config, name=str(path))
-
-    @classmethod
-    def from_json_str(cls, tokenizer_json: str, tokenizer_config: dict | None = None) -> "Tokenizer":
-        """From a tokenizer.json string (e.g. WeightSource.tokenizer_json())."""
-        return cls._from_backend(_HFTokenizer.from_str(tokenizer_json), dict(tokenizer_config or {}))
 
     @classmethod
     def _from_backend(cls, backend: _HFTokenizer, cfg: dict, name: str = "") -> "Tokenizer":

@@ -1,4 +1,4 @@
-"""engine/bench.py and `nanochat bench`: tiers and overrides, the nano-vllm workload, report schema,
+"""engine/serve/bench.py and `nanochat bench`: tiers and overrides, the nano-vllm workload, report schema,
 tiny-model runs (counts, cancellation, multi-turn cache reuse), and the CLI."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from nanochat.engine import LLMEngine
-from nanochat.engine.bench import (TIERS, BenchCancelled, BenchError, BenchRunner, BenchSpec, make_bench_engine,
+from nanochat.engine.serve.bench import (TIERS, BenchCancelled, BenchError, BenchRunner, BenchSpec, make_bench_engine,
                                    make_workload, percentile, run_bench, run_multi_turn, spec_from)
 
 ARCH = "qwen3"
@@ -119,7 +119,7 @@ def test_make_bench_engine_takes_limits_from_the_spec(engine):
 
 
 def test_nano_vllm_warmup_is_one_short_request(engine):
-    from nanochat.engine.bench import nano_vllm_warmup
+    from nanochat.engine.serve.bench import nano_vllm_warmup
 
     w = nano_vllm_warmup(engine.tokenizer)
     assert w.prompts == [engine.tokenizer.encode("Benchmark: ")]
@@ -223,7 +223,9 @@ def parse(argv):
 
 
 def test_flag_parsing():
-    from nanochat.app.bench_cli import build_spec, engine_config, run_bench_cli
+    from nanochat.app.bench_cli import build_spec, run_bench_cli
+    from nanochat.app.options import engine_config
+    from nanochat.app.settings import Settings
 
     args = parse(["--model", "m.gguf", "--tier", "normal", "--num-seqs", "4", "--max-input-len", "32",
                   "--max-output-len", "16", "--max-batched-tokens", "64", "--warmup", "0", "--iters", "2",
@@ -232,7 +234,8 @@ def test_flag_parsing():
     spec = build_spec(args)
     assert (spec.num_seqs, spec.max_input_len, spec.max_output_len, spec.max_batched_tokens, spec.warmup,
             spec.iters, spec.seed, spec.fixed_lengths, spec.max_model_len) == (4, 32, 16, 64, 0, 2, 5, True, 512)
-    assert engine_config(args) == {"device": "cpu", "cpu_threads": 2}
+    assert engine_config(args, Settings(), cpu_threads=args.threads) == \
+        {"device": "cpu", "dtype": "auto", "max_model_len": 4096, "cpu_threads": 2}
     plain = parse([])
     assert build_spec(plain) == spec_from("fast") and not hasattr(plain, "model")   # SUPPRESS: keeps top-level
     mt = parse(["--multi-turn", "--turns", "3", "--user-tokens", "8", "--reply-tokens", "4", "--sessions", "2"])
@@ -245,13 +248,13 @@ def test_flag_parsing():
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
-    from nanochat.app.bench_cli import main
+    from nanochat.app.cli import main
 
     monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path))
-    assert main(["--model", str(tmp_path / "nope.gguf")]) == 1
+    assert main(["bench", "--model", str(tmp_path / "nope.gguf")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("nanochat bench: error:") and "nope.gguf" in err and "\n" not in err
-    assert main(["--max-input-len", "100", "--max-model-len", "64"]) == 2
+    assert main(["bench", "--max-input-len", "100", "--max-model-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert "exceeds max-model-len" in err and "\n" not in err
 

@@ -44,7 +44,7 @@ def run_cli(args, home, stdin_text=None, timeout=120):
 
 
 def expected_prompt_tokens(model: str, text: str, system: str | None = None) -> int:
-    from nanochat.engine.chat import ChatSession
+    from nanochat.engine.serve.session import ChatSession
     from nanochat.models.loader import load
 
     loaded = load(model)

@@ -98,10 +98,12 @@ def test_round_trip_gguf(tiny_gguf):
     assert plan_json(plan) == plan_json(build_plan(open_source(str(tiny_gguf))))
 
 
-def test_quantized_targets_match_the_loaders_quantized_weights(tiny_gguf, monkeypatch):
+def test_quantized_targets_match_the_loaders_quantized_weights(tiny_gguf):
     """Without dequantizing, fused targets are row-concatenated GGML blocks equal to what the loader
     prepares (read back through the exact dense backend)."""
-    monkeypatch.setenv("NANOCHAT_QUANT_BACKEND", "dense")
+    from nanochat.kernels import quant_matmul
+
+    quant_matmul.use_backend("dense")       # (reset after the test by conftest)
     source = open_source(str(tiny_gguf))
     plan = build_plan(source)
     built = apply_plan(plan, source)
@@ -155,10 +157,11 @@ def test_stack_op_fits_the_schema(tiny_models):
     assert torch.equal(w13[1], torch.cat([source.get(n) for n in groups[1]]))
 
 
-def test_convert_cli_errors_are_one_line(tmp_path, capsys):
-    from nanochat.app.convert_cli import main
+def test_convert_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    from nanochat.app.cli import main
 
-    assert main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x.json")]) == 1
+    monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))
+    assert main(["convert-model", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("nanochat convert-model: error:") and "\n" not in err
 

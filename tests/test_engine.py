@@ -9,6 +9,7 @@ import torch
 
 from nanochat.engine import LLM, Config, LLMEngine, RequestError, SamplingParams
 from nanochat.engine.block_manager import BlockManager
+from nanochat.engine.config import ENV_OVERRIDES
 from nanochat.engine.sequence import Sequence
 
 from test_parity import GREEDY, PROMPTS, hf_greedy
@@ -191,9 +192,53 @@ def test_config_env_overrides_and_validation(monkeypatch):
     with pytest.raises(ValueError, match="NANO_VLLM_MAX_MODEL_LEN"):
         Config.create("m")
     monkeypatch.delenv("NANO_VLLM_MAX_MODEL_LEN")
-    for bad in (dict(kvcache_block_size=24), dict(max_num_seqs=0), dict(device="tpu"), dict(bogus=1)):
+    for bad in (dict(kvcache_block_size=24), dict(max_num_seqs=0), dict(device="tpu"), dict(device="cuda:abc"),
+                dict(bogus=1), dict(quant_backend="fast"), dict(act_levels=3)):
         with pytest.raises(ValueError):
             Config.create("m", **bad)
+
+
+@pytest.mark.parametrize("env, raw, field, value", [
+    ("NANOCHAT_QUANT_BACKEND", "int4", "quant_backend", "int4"),
+    ("NANOCHAT_FUSED_FORWARD", "0", "fused_forward", False),
+    ("NANOCHAT_FUSED_FORWARD", "yes", "fused_forward", True),
+    ("NANOCHAT_ACT_LEVELS", "1", "act_levels", 1),
+    ("NANOCHAT_CPU_ISA", "scalar", "cpu_isa", "scalar"),
+    ("NANO_VLLM_CPU_THREADS", "3", "cpu_threads", 3),
+])
+def test_config_kernel_knobs_from_env(monkeypatch, env, raw, field, value):
+    assert env in ENV_OVERRIDES and ENV_OVERRIDES[env][0] == field
+    monkeypatch.setenv(env, raw)
+    assert getattr(Config.create("m"), field) == value
+
+
+@pytest.mark.parametrize("env, raw", [
+    ("NANOCHAT_QUANT_BACKEND", "fast"), ("NANOCHAT_FUSED_FORWARD", "maybe"), ("NANOCHAT_ACT_LEVELS", "3"),
+    ("NANOCHAT_ACT_LEVELS", "two"), ("NANOCHAT_CPU_ISA", "avx9"), ("NANO_VLLM_CPU_THREADS", "0"),
+    ("NANO_VLLM_MAX_NUM_SEQS", "0"), ("NANOCHAT_PACK_CACHE", "2"),
+])
+def test_config_bad_env_value_is_one_line_naming_the_variable(monkeypatch, env, raw):
+    monkeypatch.setenv(env, raw)
+    with pytest.raises(ValueError) as info:
+        Config.create("m")
+    message = str(info.value)
+    assert f"{env}={raw!r}" in message and "\n" not in message
+
+
+def test_engine_applies_the_kernel_switches(tiny_models, monkeypatch):
+    """LLMEngine sets the process-wide kernel switches from its Config before the weights load."""
+    from nanochat.kernels import cpu_qgemv, moe_cpu, quant_matmul
+    from nanochat.models import fused_forward
+
+    monkeypatch.setenv("NANOCHAT_ACT_LEVELS", "1")
+    LLMEngine(str(tiny_models["qwen3"]), max_model_len=64, quant_backend="dense", fused_forward=False,
+              cpu_threads=2)
+    assert (quant_matmul.current_backend(), cpu_qgemv.activation_levels(), fused_forward.fused_forward_enabled(),
+            moe_cpu.cpu_threads()) == ("dense", 1, False, 2)
+    monkeypatch.delenv("NANOCHAT_ACT_LEVELS")
+    LLMEngine(str(tiny_models["qwen3"]), max_model_len=64)     # the next engine's defaults
+    assert (quant_matmul.current_backend(), cpu_qgemv.activation_levels(),
+            fused_forward.fused_forward_enabled()) == ("auto", 2, True)
 
 
 def test_block_invariant_after_random_workload():

@@ -175,20 +175,30 @@ def test_deterministic_and_thread_count(lib):
     assert empty.shape == (0, 256)
 
 
-def test_cpu_threads_from_env(monkeypatch):
+def test_cpu_threads_from_the_engine_config(monkeypatch):
+    """Config.cpu_threads (env NANO_VLLM_CPU_THREADS) reaches the host expert kernels at engine start-up."""
     import os
 
+    from nanochat.engine.config import Config
+
+    default = max(1, (os.cpu_count() or 2) // 2)
     monkeypatch.delenv("NANO_VLLM_CPU_THREADS", raising=False)
-    assert moe_cpu.cpu_threads() == max(1, (os.cpu_count() or 2) // 2)
-    monkeypatch.setenv("NANO_VLLM_CPU_THREADS", "3")
-    assert moe_cpu.cpu_threads() == 3
+    Config.create().apply_kernel_switches()
+    assert moe_cpu.cpu_threads() == default
+    monkeypatch.setenv("NANO_VLLM_CPU_THREADS", str(default + 2))
+    assert moe_cpu.cpu_threads() == default          # the environment is read by Config only
+    Config.create().apply_kernel_switches()
+    assert moe_cpu.cpu_threads() == default + 2
     rng = np.random.default_rng(9)
     s = stack(gq.Q8_0, 2, 32, 32, rng)
-    assert HostExperts(s, s, s).threads == 3
+    assert HostExperts(s, s, s).threads == default + 2
+    assert HostExperts(s, s, s, threads=1).threads == 1
     for bad in ("0", "two"):
         monkeypatch.setenv("NANO_VLLM_CPU_THREADS", bad)
         with pytest.raises(ValueError, match="NANO_VLLM_CPU_THREADS"):
-            moe_cpu.cpu_threads()
+            Config.create()
+    with pytest.raises(ValueError, match=">= 1"):
+        moe_cpu.set_threads(0)
 
 
 def test_torch_fallback_when_the_extension_cannot_be_built(monkeypatch):

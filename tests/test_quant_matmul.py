@@ -20,7 +20,7 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels import triton_gguf  # import is guarded: works without triton
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.kernels import cpu_qgemv
+from nanochat.kernels import cpu_qgemv, quant_matmul
 from nanochat.kernels.cpp_build import LazyLibrary
 from nanochat.kernels.quant_matmul import CPU_INT4_TYPES, prepare_quant_weight, quant_linear
 from tests.kquant_pack import quantize_k, random_rows
@@ -95,7 +95,6 @@ def test_cpu_fallback_when_the_q8_kernels_cannot_be_built(monkeypatch):
 
     monkeypatch.setattr(cpu_qgemv, "_load_extension", no_compiler)
     monkeypatch.setattr(cpu_qgemv, "_kernels", LazyLibrary())    # not built yet in this process
-    monkeypatch.delenv("NANOCHAT_QUANT_BACKEND", raising=False)
     with pytest.warns(RuntimeWarning, match=r"int8 matmul kernels could not be built \(g\+\+: command not found\)") as w:
         assert not cpu_qgemv.available()
     assert w[0].filename == __file__                 # points at the code that asked for the kernels
@@ -110,7 +109,7 @@ def test_cpu_fallback_when_the_q8_kernels_cannot_be_built(monkeypatch):
         prepare_quant_weight(qw, "cpu", torch.bfloat16, backend="q8")
 
 
-def test_cpu_int4_forced_for_fp32_model(monkeypatch):
+def test_cpu_int4_forced_for_fp32_model():
     qw = _weight(gq.Q4_1, 32, 256, seed=8)
     x = torch.randn(3, 256)
     pw = prepare_quant_weight(qw, "cpu", torch.float32, backend="int4")
@@ -118,8 +117,30 @@ def test_cpu_int4_forced_for_fp32_model(monkeypatch):
     y = quant_linear(x, pw)
     assert y.dtype == torch.float32
     _check(y, x, gq.dequantize(qw), INT4_TOL)
-    monkeypatch.setenv("NANOCHAT_QUANT_BACKEND", "int4")
+    quant_matmul.use_backend("int4")       # what the engine does for quant_backend="int4"
+    assert quant_matmul.current_backend() == "int4"
     assert prepare_quant_weight(qw, "cpu", torch.float32).backend == "int4"
+    assert prepare_quant_weight(qw, "cpu", torch.float32, backend="dense").backend == "dense"   # explicit wins
+    with pytest.raises(ValueError, match="unknown quant backend 'int3'"):
+        quant_matmul.use_backend("int3")
+
+
+def test_quant_backend_from_the_engine_config(monkeypatch):
+    """Config.quant_backend (env NANOCHAT_QUANT_BACKEND) reaches the kernels through the engine's start-up."""
+    from nanochat.engine.config import Config
+
+    qw = _weight(gq.Q4_1, 32, 256, seed=8)
+    monkeypatch.setenv("NANOCHAT_QUANT_BACKEND", "dense")
+    cfg = Config.create()
+    assert cfg.quant_backend == "dense" and quant_matmul.current_backend() == "auto"   # nothing applied yet
+    cfg.apply_kernel_switches()
+    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == "dense"
+    assert Config.create(quant_backend="int4").quant_backend == "int4"    # an explicit option wins
+    Config.create(quant_backend="auto").apply_kernel_switches()
+    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == _cpu_auto(gq.Q4_1)
+    monkeypatch.setenv("NANOCHAT_QUANT_BACKEND", "fast")
+    with pytest.raises(ValueError, match="NANOCHAT_QUANT_BACKEND='fast'.*quant_backend must be one of auto, q8"):
+        Config.create()
 
 
 @pytest.mark.parametrize("n", [1, 16, 64])

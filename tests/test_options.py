@@ -1,0 +1,153 @@
+"""app/options.py: the value checks, engine flags and option merging every command line shares, and the
+dtype names and device check it shares with the settings file and the engine's Config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from nanochat.app import cli, options
+from nanochat.app.settings import Settings
+from nanochat.engine import config as engine_config_module
+from nanochat.engine.config import ENV_OVERRIDES, Config
+
+
+def test_dtype_names_are_the_engines():
+    assert options.DTYPE_NAMES == ("auto", *engine_config_module.DTYPES)
+    parser = cli.build_parser([])
+    dtype = next(a for a in parser._actions if a.dest == "dtype")
+    assert tuple(dtype.choices) == options.DTYPE_NAMES
+    import torch
+
+    for name in engine_config_module.DTYPES:
+        assert isinstance(Config(dtype=name).resolved_dtype(torch.device("cpu")), torch.dtype)
+
+
+@pytest.mark.parametrize("device, ok", [
+    ("cpu", True), ("cuda", True), ("cuda:0", True), ("cuda:12", True), ("auto", True),
+    ("cuda:abc", False), ("cuda:", False), ("cuda:-1", False), ("tpu", False), ("CPU", False), ("", False),
+    (7, False), (None, False),
+])
+def test_one_device_check_everywhere(device, ok, tmp_path):
+    assert options.valid_device(device) is ok
+    # the settings file
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"device": device}))
+    loaded = Settings.load(path)
+    assert loaded.device == (device if ok else "cpu") and bool(loaded.warnings) is (not ok)
+    # Config
+    if ok:
+        assert Config.create("m", device=device).device == device
+    elif device is not None:      # None means "not given" to Config.create
+        with pytest.raises(ValueError, match="device must be cpu, cuda, cuda:N or auto"):
+            Config.create("m", device=device)
+    # the command line
+    if isinstance(device, str):
+        if ok:
+            assert options.device_name(device) == device
+        else:
+            with pytest.raises(argparse.ArgumentTypeError, match="must be cpu, cuda, cuda:N or auto"):
+                options.device_name(device)
+
+
+def test_cuda_abc_is_a_usage_error_on_the_command_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path))
+    assert cli.main(["--prompt", "hi", "--device", "cuda:abc"]) == 2
+    err = capsys.readouterr().err
+    assert "--device" in err and "cuda:abc" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("parser, raw, value", [
+    (options.positive_int, "3", 3), (options.non_negative_int, "0", 0), (options.top_k_int, "-1", -1),
+    (options.temperature_float, "0", 0.0), (options.top_p_float, "1", 1.0), (options.positive_float, "0.5", 0.5),
+])
+def test_value_parsers_accept(parser, raw, value):
+    assert parser(raw) == value
+
+
+@pytest.mark.parametrize("parser, raw, message", [
+    (options.positive_int, "0", "must be a positive integer, got '0'"),
+    (options.positive_int, "x", "expected an integer, got 'x'"),
+    (options.non_negative_int, "-1", "must be a non-negative integer"),
+    (options.top_k_int, "-2", "-1 (off) or a positive integer"),
+    (options.temperature_float, "inf", ">= 0"), (options.temperature_float, "nan", ">= 0"),
+    (options.top_p_float, "0", "in (0, 1]"), (options.positive_float, "0", "> 0"),
+    (options.positive_float, "two", "expected a number"),
+])
+def test_value_parsers_refuse(parser, raw, message):
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        parser(raw)
+    assert message in str(info.value)
+
+
+def test_settings_file_uses_the_same_rules(tmp_path):
+    path = tmp_path / "settings.json"
+    good = {"dtype": "bf16", "temperature": 0, "top_p": 1, "top_k": -1, "max_tokens": 5, "kv_cache_gib": 2,
+            "max_model_len": 128}
+    path.write_text(json.dumps(good))
+    loaded = Settings.load(path)
+    assert not loaded.warnings and {k: getattr(loaded, k) for k in good} == good
+    bad = {"dtype": "int3", "temperature": -0.1, "top_p": 0, "top_k": -2, "max_tokens": 1.5, "kv_cache_gib": 0,
+           "max_model_len": True}
+    path.write_text(json.dumps(bad))
+    loaded = Settings.load(path)
+    assert len(loaded.warnings) == len(bad) and loaded == Settings()
+
+
+def test_one_engine_config_for_every_command():
+    from nanochat.app import bench_cli, convert_cli
+
+    assert cli.engine_config is options.engine_config is bench_cli.engine_config
+    assert cli.sampling_options is options.sampling_options
+    assert cli.resolve_model is options.resolve_model is bench_cli.resolve_model is convert_cli.resolve_model
+    settings = Settings(device="auto", dtype="bf16", max_model_len=1024, kv_cache_gib=None)
+    args = SimpleNamespace(device=None, dtype="float32")
+    # a flag over its settings value over the engine's default; the extra (bench) keys ride along
+    assert options.engine_config(args, settings, cpu_threads=2, other=None) == \
+        {"device": "auto", "dtype": "float32", "max_model_len": 1024, "cpu_threads": 2}
+    assert options.engine_config(SimpleNamespace(), Settings())["device"] == "cpu"   # the default, once
+    flags = cli.build_parser([]).parse_args(["--device", "cuda:1", "--kv-cache-gib", "0.5", "--dequantize"])
+    assert options.engine_config(flags, settings) == {"device": "cuda:1", "dtype": "bf16", "max_model_len": 1024,
+                                                      "kv_cache_gib": 0.5, "dequantize": True}
+
+
+def test_sampling_options_and_model_resolution(tmp_path):
+    settings = Settings(temperature=0.2, max_tokens=9, default_model=str(tmp_path / "s.gguf"))
+    args = SimpleNamespace(temperature=0.0, top_k=None, seed=3, ignore_eos=True)
+    assert options.sampling_options(args, settings) == {"temperature": 0.0, "top_p": settings.top_p,
+                                                        "top_k": settings.top_k, "max_tokens": 9, "seed": 3,
+                                                        "ignore_eos": True}
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    assert options.resolve_model(SimpleNamespace(model=str(model)), settings) == str(model)
+
+
+def test_every_environment_knob_is_documented_once():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    for env, (field, _) in ENV_OVERRIDES.items():
+        assert section.count(f"`{env}`") == 1, env
+        assert f"`{field}`" in section, field
+        assert env.startswith(("NANO_VLLM_", "NANOCHAT_"))
+
+
+def test_imports_read_no_knobs_and_load_no_torch_for_the_command_line():
+    """Importing the package reads no engine knob (a bad value fails at Config.create, not at import) and
+    the command line's modules load no torch."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **{name: "bogus" for name in ENV_OVERRIDES})
+    code = ("import sys, os\n"
+            "before = dict(os.environ)\n"
+            "import nanochat.app.cli, nanochat.app.options, nanochat.app.settings, nanochat.app.convert_cli\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "import nanochat.kernels.cpu_qgemv, nanochat.kernels.moe_cpu, nanochat.kernels.quant_matmul\n"
+            "import nanochat.models.fused_forward, nanochat.models.pack_cache, nanochat.models.loader\n"
+            "import nanochat.engine.llm_engine\n"
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
