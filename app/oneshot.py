@@ -124,30 +124,19 @@ def model_label(model: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- one-shot
-@dataclass
-class _Reply:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    final: object = None          # the finishing TokenEvent
-    printed: int = 0              # chars of text already written to stdout
-
-
-def build_prompt(engine, text: str, system: str | None, chat_template: bool):
-    """Token ids of the chat-templated prompt, or the raw text (the engine encodes it)."""
-    if not chat_template:
-        return text
-    from nanochat.engine.chat import ChatSession
-
-    return ChatSession(engine.tokenizer, engine.loaded.chat_template, system_prompt=system).prepare_turn(text)
-
-
-def load_engine(model: str, engine_config: dict, quiet: bool):
-    from nanochat.engine import LLMEngine
+def load_client(model: str, engine_config: dict, quiet: bool):
+    """An EngineClient with `model` loaded (a progress bar on stderr); (client, load seconds)."""
+    from nanochat.engine.serve.client import EngineClient
 
     t0 = time.perf_counter()
-    with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet) as progress:
-        engine = LLMEngine(model, load_progress=progress, **engine_config)
-    return engine, time.perf_counter() - t0
+    client = EngineClient()
+    try:
+        with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet) as progress:
+            client.load_model(model, progress=progress, **engine_config)
+    except BaseException:
+        client.shutdown()
+        raise
+    return client, time.perf_counter() - t0
 
 
 def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
@@ -156,77 +145,61 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     sp = SamplingParams(**opts.sampling)          # invalid values raise ValueError before loading
-    engine, load_s = load_engine(opts.model, opts.engine_config, opts.quiet)
-    ids = [f"p{i}" for i in range(len(opts.prompts))]
-    replies = {rid: _Reply() for rid in ids}
+    client, load_s = load_client(opts.model, opts.engine_config, opts.quiet)
+    streams = []
     try:
-        for rid, text in zip(ids, opts.prompts):
-            engine.add_request(build_prompt(engine, text, opts.system, opts.chat_template), sp, request_id=rid)
-        _drive(engine, ids, replies, None if opts.json else out)
+        for text in opts.prompts:
+            if opts.chat_template:
+                streams.append(client.submit_turn(client.open_session(opts.system), text, sp))
+            else:
+                streams.append(client.submit(text, sp))
+        _print_in_order(streams, None if opts.json else out)
+        for stream in streams:
+            stream.done.wait()
     except KeyboardInterrupt:
-        if not opts.json and any(r.printed for r in replies.values()):
+        if not opts.json and any(s.reply.token_ids for s in streams):
             out.write("\n")
             out.flush()
         raise
     finally:
-        for rid in ids:
-            engine.abort(rid)   # no-op for finished requests
-    return _report(opts, replies, ids, load_s, out, err)
+        client.shutdown()
+    return _report(opts, [s.reply for s in streams], load_s, out, err)
 
 
-def _drive(engine, ids: list[str], replies: dict[str, _Reply], out) -> None:
-    """Step the engine until every request ends, printing replies in order as they become ready."""
-    pending, cursor = set(ids), 0
-    while pending:
-        for event in engine.step():
-            reply = replies[event.request_id]
-            reply.text.append(event.text)
-            if event.token_id is not None:
-                reply.token_ids.append(event.token_id)
-            if event.finished:
-                reply.final = event
-                pending.discard(event.request_id)
-        if out is not None:
-            cursor = _print_ready(ids, replies, cursor, out)
-        if pending and not engine.has_unfinished():
-            raise RuntimeError("the engine stopped before every request finished")
-
-
-def _print_ready(ids: list[str], replies: dict[str, _Reply], cursor: int, out) -> int:
-    """Write what is new of the earliest unfinished reply (and of any finished ones before it)."""
-    while cursor < len(ids):
-        reply = replies[ids[cursor]]
-        text = "".join(reply.text)
-        if len(text) > reply.printed:
-            if reply.printed == 0 and cursor > 0:
-                out.write("\n")     # a blank line between the replies of several prompts
-            out.write(text[reply.printed:])
-            reply.printed = len(text)
-        if reply.final is None:
-            break
-        if reply.printed or reply.final.finish_reason != "error":
+def _print_in_order(streams: list, out) -> None:
+    """Print the replies in prompt order as they arrive: the earliest unfinished one streams live,
+    the later ones (generated in the same batch) come out of their buffers when their turn comes."""
+    if out is None:
+        return
+    for n, stream in enumerate(streams):
+        printed = False
+        for event in stream:
+            if event.text:
+                if not printed and n > 0:
+                    out.write("\n")     # a blank line between the replies of several prompts
+                out.write(event.text)
+                out.flush()
+                printed = True
+        if printed or stream.reply.final.finish_reason != "error":
             out.write("\n")
-        cursor += 1
-    out.flush()
-    return cursor
+            out.flush()
 
 
-def _report(opts: OneShotOptions, replies: dict[str, _Reply], ids: list[str], load_s: float, out, err) -> int:
-    errors = [replies[r].final.error or "generation failed" for r in ids
-              if replies[r].final.finish_reason == "error"]
+def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int:
+    errors = [r.final.error or "generation failed" for r in replies if r.final.finish_reason == "error"]
     if opts.json:
-        for rid in ids:
-            out.write(json.dumps(_as_json(replies[rid], opts.model), ensure_ascii=False) + "\n")
+        for reply in replies:
+            out.write(json.dumps(_as_json(reply, opts.model), ensure_ascii=False) + "\n")
         out.flush()
     if not opts.quiet:
-        for n, rid in enumerate(ids):
-            st = replies[rid].final.stats
+        for n, reply in enumerate(replies):
+            st = reply.final.stats
             if st is None:
                 continue
             extra = f"load {load_s:.1f}s" if n == 0 else ""
-            if replies[rid].final.finish_reason == "length":
+            if reply.final.finish_reason == "length":
                 extra = " · ".join(x for x in ("max tokens reached", extra) if x)
-            prefix = f"#{n + 1} " if len(ids) > 1 else ""
+            prefix = f"#{n + 1} " if len(replies) > 1 else ""
             line = prefix + format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
                                          st.decode_tok_s, extra)
             dim = hasattr(err, "isatty") and err.isatty()
@@ -237,11 +210,11 @@ def _report(opts: OneShotOptions, replies: dict[str, _Reply], ids: list[str], lo
     return 0
 
 
-def _as_json(reply: _Reply, model: str) -> dict:
+def _as_json(reply, model: str) -> dict:
     final = reply.final
     st = final.stats
     return {
-        "text": "".join(reply.text),
+        "text": reply.text,
         "token_ids": reply.token_ids,
         "prompt_tokens": st.prompt_tokens if st else 0,
         "cached_tokens": st.cached_tokens if st else 0,

@@ -1,9 +1,11 @@
 """A plain line-based chat: `nanochat repl`.
 
-The conversation is a ChatSession on an EngineThread, so turn k+1 prefills only its new message
-(the stats line after each reply shows cached vs new prompt tokens). prompt_toolkit gives line
-editing and a persistent history on a terminal; without one (stdin piped) lines are read with
-input(), replies go to stdout and stats lines to stderr.
+The conversation is a chat session of the engine process (through EngineClient), so turn k+1
+prefills only its new message (the stats line after each reply shows cached vs new prompt tokens).
+If the engine process dies, the reply in progress says why and the next message restarts it.
+
+prompt_toolkit gives line editing and a persistent history on a terminal; without one (stdin
+piped) lines are read with input(), replies go to stdout and stats lines to stderr.
 
 Keys: Ctrl-C during a reply cancels it (the partial reply is kept), Ctrl-C at the prompt clears
 the line, Ctrl-D exits.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from nanochat.app.oneshot import format_stats, loading_indicator, model_label
+from nanochat.app.oneshot import format_stats, model_label
 
 PROMPT = "> "
 COMMANDS = {
@@ -85,17 +87,24 @@ def _line_reader(opts: ReplOptions, interactive: bool):
     return lambda: input(PROMPT if interactive else "")
 
 
+@dataclass
+class _Turn:
+    role: str
+    content: str
+    stats: object = None      # RequestStats of a reply
+
+
 class Repl:
-    def __init__(self, opts: ReplOptions, engine_thread, interactive: bool):
+    def __init__(self, opts: ReplOptions, client, interactive: bool):
         from nanochat.engine import SamplingParams
-        from nanochat.engine.chat import ChatSession
 
         self.opts = opts
-        self.engine = engine_thread
+        self.client = client
         self.sp = SamplingParams(**opts.sampling)
         self.term = _Terminal(interactive)
-        llm = engine_thread.engine
-        self.session = ChatSession(llm.tokenizer, llm.loaded.chat_template, system_prompt=opts.system)
+        self.system_prompt = opts.system
+        self.session = client.open_session(opts.system)
+        self.turns: list[_Turn] = []
 
     # ------------------------------------------------------------------ loop
     def run(self, read_line) -> int:
@@ -118,38 +127,41 @@ class Repl:
                 self.turn(line)
 
     def turn(self, text: str) -> None:
-        from nanochat.engine.chat import send, turn_stats_from_event
-
         try:
-            handle = send(self.session, self.engine, text, self.sp)
+            if not self.client.alive:
+                self.term.note("restarting the engine…")
+            stream = self.client.submit_turn(self.session, text, self.sp)
         except KeyboardInterrupt:     # Ctrl-C before the request was submitted
-            self.session.abandon_turn()
             return
-        final, cancelled = self._stream(handle)
-        handle.done.wait()   # the session records the turn after the final event is queued
+        cancelled = self._stream(stream)
+        reply = stream.result()
+        final = reply.final
+        if reply.token_ids:
+            self.turns += [_Turn("user", text), _Turn("assistant", reply.text, reply.stats)]
         if final.finish_reason == "error":
-            hint = " (type /clear to start over)" if self.session.messages else ""
+            if reply.token_ids:
+                self.term.write("\n")
+            hint = " (type /clear to start over)" if self.turns and self.client.alive else ""
             print(f"nanochat: error: {final.error or 'generation failed'}{hint}", file=sys.stderr, flush=True)
             return
         self.term.write("\n")
-        st = turn_stats_from_event(final)
+        st = reply.stats
         extra = "cancelled" if cancelled else ("max tokens reached" if final.finish_reason == "length" else "")
         self.term.note(format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
                                     st.decode_tok_s, extra))
 
-    def _stream(self, handle):
+    def _stream(self, stream) -> bool:
         """Print deltas as they come; Ctrl-C cancels the request and waits for its final event."""
         cancelled = False
         while True:
             try:
-                for event in handle:
+                for event in stream:
                     if event.text:
                         self.term.reply(event.text)
-                    if event.finished:
-                        return event, cancelled
+                return cancelled
             except KeyboardInterrupt:
                 if not cancelled:
-                    handle.cancel()
+                    stream.cancel()
                     cancelled = True
 
     # ------------------------------------------------------------------ commands
@@ -179,11 +191,10 @@ class Repl:
                           "Ctrl-C stops a reply (the partial reply is kept); Ctrl-D exits."])
 
     def history_text(self) -> str:
-        s = self.session
-        if not s.messages:
+        if not self.turns:
             return "(no messages yet)"
-        lines = [f"system: {s.system_prompt}"] if s.system_prompt else []
-        for m in s.messages:
+        lines = [f"system: {self.system_prompt}"] if self.system_prompt else []
+        for m in self.turns:
             lines.append(f"{m.role}: {m.content}")
             if m.stats is not None:
                 st = m.stats
@@ -199,33 +210,32 @@ class Repl:
         return "\n".join(lines)
 
     def clear(self) -> None:
-        self.session.clear()
-        self.engine.release_session(self.session.session_id).result()
+        self.client.close_session(self.session)
+        self.session = self.client.open_session(self.system_prompt)
+        self.turns = []
 
     def system(self, text: str) -> None:
         if not text:
-            self.term.info(f"system prompt: {self.session.system_prompt or '(none)'}")
+            self.term.info(f"system prompt: {self.system_prompt or '(none)'}")
             return
-        self.session.system_prompt = text
+        self.system_prompt = text
         self.clear()
         self.term.note("system prompt set; conversation cleared")
 
 
 def run_repl(opts: ReplOptions, quiet: bool = False, on_loaded=None) -> int:
-    """Load the model (spinner on stderr), then chat until /exit or end of input.
+    """Load the model (progress on stderr), then chat until /exit or end of input.
     `on_loaded()` runs once the model loaded (the CLI records it as a recent model)."""
-    from nanochat.engine.engine_thread import EngineThread
+    from nanochat.app.oneshot import load_client
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    engine = EngineThread()
+    client, _ = load_client(opts.model, opts.engine_config, quiet)
     try:
-        with loading_indicator(f"Loading {model_label(opts.model)}", enabled=not quiet) as progress:
-            engine.load_model(opts.model, load_progress=progress, **opts.engine_config).result()
         if on_loaded is not None:
             on_loaded()
-        repl = Repl(opts, engine, interactive)
+        repl = Repl(opts, client, interactive)
         if interactive:
             repl.term.note(f"nanochat · {model_label(opts.model)} · /help for commands, Ctrl-D to exit")
         return repl.run(_line_reader(opts, interactive))
     finally:
-        engine.shutdown()
+        client.shutdown()

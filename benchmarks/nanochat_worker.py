@@ -89,14 +89,14 @@ def cmd_decode(req: dict) -> dict:
 
 
 def cmd_bench(req: dict) -> dict:
-    from nanochat.engine.bench import run_bench, spec_from
+    from nanochat.engine.serve.bench import run_bench, spec_from
 
     report = run_bench(STATE["engine"], spec_from("fast", seed=int(req.get("seed", 0))))
     return {"tok_s": report.iterations[0].throughput_tok_s}
 
 
 def cmd_multi_turn(req: dict) -> dict:
-    from nanochat.engine.bench import run_multi_turn
+    from nanochat.engine.serve.bench import run_multi_turn
 
     report = run_multi_turn(STATE["engine"], turns=int(req.get("turns", 8)), user_tokens=int(req.get("user_tokens", 64)),
                             reply_tokens=int(req.get("reply_tokens", 64)), sessions=1, seed=int(req.get("seed", 0)),

@@ -120,7 +120,7 @@ class Round:
 
 
 def make_round(seed: int, args, vocab: int) -> Round:
-    from nanochat.engine.bench import make_workload, spec_from
+    from nanochat.engine.serve.bench import make_workload, spec_from
 
     rng = random.Random(seed)
     ids = lambda n: [rng.randrange(min(vocab, 10001)) for _ in range(n)]   # noqa: E731
@@ -262,7 +262,7 @@ def _has_llama_cpp(python: str) -> bool:
 
 def _context(args) -> int:
     """One context length for every engine: --n-ctx, grown to fit the workloads."""
-    from nanochat.engine.bench import multi_turn_context
+    from nanochat.engine.serve.bench import multi_turn_context
 
     need = max(args.prompt_tokens + 1, args.decode_prompt_tokens + args.decode_tokens,
                multi_turn_context(args.turns, args.turn_tokens, args.reply_tokens, 16))
@@ -272,7 +272,7 @@ def _context(args) -> int:
 # ---------------------------------------------------------------------------------- the run
 def load_request(engine: str, path: str, args) -> dict:
     """The worker's load request: one context length for every engine (--n-ctx, grown to fit)."""
-    from nanochat.engine.bench import spec_from
+    from nanochat.engine.serve.bench import spec_from
 
     ctx = _context(args)
     if engine == "nanochat":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence as Seq
 
 from nanochat.engine.llm_engine import LLMEngine
-from nanochat.engine.output import RequestResult, TokenEvent
+from nanochat.engine.output import Reply, RequestResult, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -47,30 +47,20 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestResult]:
         ids = self._submit(prompts, sampling_params)
-        order = {rid: i for i, rid in enumerate(ids)}
-        texts = {rid: [] for rid in ids}
-        tokens = {rid: [] for rid in ids}
-        results: list[RequestResult | None] = [None] * len(ids)
+        replies = {rid: Reply() for rid in ids}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
         try:
-            while any(r is None for r in results):
+            while not all(r.done for r in replies.values()):
                 for ev in self.engine.step():
-                    texts[ev.request_id].append(ev.text)
-                    if ev.token_id is not None:
-                        tokens[ev.request_id].append(ev.token_id)
-                    if ev.finished:
-                        results[order[ev.request_id]] = RequestResult(
-                            ev.request_id, "".join(texts[ev.request_id]), tokens[ev.request_id],
-                            ev.finish_reason, ev.stats)
-                        if bar:
-                            bar.update(1)
+                    if replies[ev.request_id].add(ev).done and bar:
+                        bar.update(1)
         finally:
-            for rid, i in order.items():
-                if results[i] is None:
+            for rid, reply in replies.items():
+                if not reply.done:
                     self.engine.abort(rid)
             if bar:
                 bar.close()
-        return results
+        return [replies[rid].result(rid) for rid in ids]

@@ -12,15 +12,11 @@ import torch
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
-from nanochat.engine.output import EngineStats, RequestStats, TokenEvent
+from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent
 from nanochat.engine.sampler import Sampler
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take (empty, longer than the context, larger than the KV cache)."""
 
 
 @dataclass
@@ -50,6 +46,7 @@ class LLMEngine:
             if config.cpu_isa != "auto":
                 from nanochat.kernels import cpu_qgemv
                 cpu_qgemv.use_isa(config.cpu_isa)
+        config.apply_kernel_switches()   # quant backend, activation levels, fused forward, MoE threads
         self.loaded = loaded or load(model)
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
         self.dtype = self.config.resolved_dtype(self.device)
@@ -121,7 +118,7 @@ class LLMEngine:
         if req.seq.session_id is not None and req.seq.block_table:
             self.block_manager.pin_session(req.seq.session_id, req.seq)
         self.scheduler.finish(req.seq, "abort")
-        return TokenEvent(request_id, None, "", True, "abort", self._request_stats(req))
+        return TokenEvent(request_id, None, "", True, "abort", self._request_stats(req, "abort"))
 
     def release_session(self, session_id: str) -> None:
         """Drop a conversation's resident KV (on /clear or delete); its blocks stay cached until reused."""
@@ -160,7 +157,7 @@ class LLMEngine:
         req = self.requests.pop(seq.request_id)
         self.scheduler.finish(seq, "error")
         need = len(seq)
-        return [TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req),
+        return [TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req, "error"),
                            error=f"out of KV-cache memory: the sequence needs {need} tokens of cache, "
                                  f"more than the whole cache holds; raise the KV-cache budget")]
 
@@ -195,7 +192,7 @@ class LLMEngine:
                 self.block_manager.pin_session(seq.session_id, seq)
             self.scheduler.finish(seq, reason)
         delta = self._take_delta(req, final=reason is not None)
-        stats = self._request_stats(req) if reason is not None else None
+        stats = self._request_stats(req, reason) if reason is not None else None
         return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats)
 
     @staticmethod
@@ -212,7 +209,7 @@ class LLMEngine:
         req.emitted = end
         return delta
 
-    def _request_stats(self, req: _Request) -> RequestStats:
+    def _request_stats(self, req: _Request, reason: str) -> RequestStats:
         st = req.seq.stats
         end = st.finish_time or time.perf_counter()
         decode = None
@@ -221,10 +218,7 @@ class LLMEngine:
             decode = (n - 1) / (end - st.first_token_time)
         return RequestStats(prompt_tokens=req.seq.num_prompt_tokens, cached_tokens=st.num_cached_tokens,
                             completion_tokens=n, ttft=st.ttft, decode_tok_s=decode,
-                            elapsed=end - st.arrival_time, preemptions=st.num_preemptions)
-
-    def result_text(self, request_id: str) -> str:
-        return self.requests[request_id].text
+                            elapsed=end - st.arrival_time, preemptions=st.num_preemptions, finish_reason=reason)
 
     # ------------------------------------------------------------------ stats
     def _record_throughput(self, chunks, elapsed: float, now: float) -> None:

@@ -1,12 +1,22 @@
-"""What the engine reports: per-token events, finished results, and engine-wide stats."""
+"""What the engine reports: per-token events, the one stats type, finished results, engine-wide stats.
+
+Everything here is plain data without torch, so it crosses the engine-process boundary and is
+importable by front ends that never load torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (empty, longer than the context, larger than the KV cache)."""
 
 
 @dataclass
 class RequestStats:
+    """One request's (or chat turn's) numbers, from the engine to the store and the screen."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0            # prompt tokens served from the prefix cache
     completion_tokens: int = 0
@@ -14,10 +24,22 @@ class RequestStats:
     decode_tok_s: float | None = None # completion tokens after the first / time after the first
     elapsed: float = 0.0
     preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
 
     @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "prefilled_tokens": self.prefilled_tokens}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "RequestStats | None":
+        """Stats read back from storage; unknown keys (older or newer versions) are ignored."""
+        if not data:
+            return None
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass
@@ -31,6 +53,47 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stats: RequestStats | None = None # set on the final event
     error: str = ""                   # why, when finish_reason is "error"
+
+
+@dataclass
+class Reply:
+    """A request's events folded into its text, token ids and final event (the one place that does it)."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    final: TokenEvent | None = None
+
+    def add(self, event: TokenEvent) -> "Reply":
+        if event.text:
+            self.parts.append(event.text)
+        if event.token_id is not None:
+            self.token_ids.append(event.token_id)
+        if event.finished:
+            self.final = event
+        return self
+
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    @property
+    def stats(self) -> RequestStats:
+        """The final event's stats (with its finish reason), or what is known so far."""
+        final = self.final
+        stats = final.stats if final is not None and final.stats is not None else \
+            RequestStats(completion_tokens=len(self.token_ids))
+        if final is not None:
+            stats.finish_reason = final.finish_reason
+        return stats
+
+    def result(self, request_id: str) -> "RequestResult":
+        return RequestResult(request_id, self.text, self.token_ids, self.final.finish_reason, self.stats)
 
 
 @dataclass

@@ -1,14 +1,9 @@
-"""Multi-turn chat: each turn prefills only its new message; eviction, cancellation, threads."""
+"""Chat sessions on the engine: each turn prefills only its new message; canonical history; eviction."""
 
 from __future__ import annotations
 
-import threading
-
-import pytest
-
 from nanochat.engine import LLMEngine, SamplingParams
-from nanochat.engine.chat import ChatSession, send, turn_stats_from_event
-from nanochat.engine.engine_thread import EngineThread
+from nanochat.engine.serve.session import ChatSession
 
 ARCH = "qwen3"
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -31,7 +26,7 @@ def run_turn(engine: LLMEngine, session: ChatSession, user: str, sp=SP):
                 text.append(ev.text)
                 gen.append(ev.token_id)
                 final = ev if ev.finished else None
-    session.complete_turn("".join(text), gen, turn_stats_from_event(final))
+    session.complete_turn("".join(text), gen)
     return ids, gen, final
 
 
@@ -127,81 +122,26 @@ def test_eviction_under_pressure_keeps_outputs_identical(tiny_models):
     assert bm.num_free_blocks == 12
 
 
-def test_clear_releases_the_session(tiny_models):
+def test_releasing_a_session_frees_its_blocks(tiny_models):
     engine = make_engine(tiny_models)
     session = ChatSession(engine.tokenizer, engine.loaded.chat_template, system_prompt="sys")
     run_turn(engine, session, "hello")
     assert engine.block_manager.stats().used > 0
-    session.clear()
     engine.release_session(session.session_id)
     assert engine.block_manager.stats().used == 0
-    assert session.system_prompt == "sys" and session.token_ids == []
 
 
-@pytest.fixture()
-def engine_thread(tiny_models):
-    et = EngineThread(str(tiny_models[ARCH]), dtype="float32", max_model_len=512, kvcache_block_size=16)
-    yield et
-    et.shutdown()
-
-
-def test_cancel_mid_generation_frees_blocks(engine_thread):
-    et = engine_thread
-    started = threading.Event()
-    handle = et.submit(list(range(40)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                       on_event=lambda ev: started.set())
-    assert started.wait(30)
-    handle.cancel()
-    text, ids, final = handle.result(timeout=30)
-    assert final.finish_reason == "abort" and 0 < len(ids) < 400
-    used = et.call(lambda engine: engine.block_manager.stats().used).result(10)
-    assert used == 0
-
-
-def test_concurrent_sessions_from_threads_batch_together(engine_thread, tiny_models):
-    et = engine_thread
-    tok = et.engine.tokenizer
-    template = et.engine.loaded.chat_template
-    sessions = [ChatSession(tok, template, session_id=f"t{i}") for i in range(4)]
-    results, errors, max_running = {}, [], []
-    et.add_stats_listener(lambda s: max_running.append(s.running))
-
-    def worker(s: ChatSession):
-        try:
-            for turn in USER_TURNS[:2]:
-                handle = send(s, et, turn, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-                assert handle.done.wait(60)
-            results[s.session_id] = s.messages[-1].stats
-        except Exception as e:   # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in sessions]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors
-    assert len(results) == 4
-    assert all(st.cached_tokens > 0 for st in results.values())     # second turns hit their own KV
-    assert all(len(s.messages) == 4 for s in sessions)
-
-
-def test_failed_submit_reports_error_and_history_rolls_back(engine_thread):
-    et = engine_thread
-    session = ChatSession(et.engine.tokenizer, et.engine.loaded.chat_template)
-    handle = send(session, et, "x " * 600)         # longer than max_model_len
-    text, ids, final = handle.result(timeout=30)
-    assert final.finish_reason == "error" and "max_model_len" in final.error
-    assert session.messages == [] and session.token_ids == []
-
-
-def test_load_model_failure_keeps_the_previous_model(engine_thread, tmp_path):
-    et = engine_thread
-    before = et.engine
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"not a gguf at all")
-    with pytest.raises(Exception):
-        et.load_model(str(bad)).result(30)
-    assert et.engine is before
-    _, ids, final = et.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)).result(30)
-    assert len(ids) == 3
+def test_a_session_from_its_transcript_continues_like_the_original(tiny_models):
+    """from_history (a model switch, a rebuilt session) renders the transcript to the same ids the
+    turns produced, so the next turn's prompt is identical; a fork shares the history."""
+    engine = make_engine(tiny_models)
+    tok, template = engine.tokenizer, engine.loaded.chat_template
+    session = ChatSession(tok, template, system_prompt="Be brief.")
+    session.prepare_turn("first question")   # a reply whose ids are its text's own encoding
+    session.complete_turn("answer one", tok.encode("answer one", add_special_tokens=False))
+    rebuilt = ChatSession.from_history(tok, template, "Be brief.", session.transcript_messages)
+    fork = session.fork()
+    assert rebuilt.token_ids == session.token_ids == fork.token_ids
+    assert rebuilt.prepare_turn("second") == session.prepare_turn("second") == fork.prepare_turn("second")
+    session.abandon_turn()
+    assert session.token_ids == fork.token_ids[:len(session.token_ids)] and not session.in_turn

@@ -8,7 +8,7 @@ import torch
 
 from conftest import build_tokenizer
 from nanochat.engine import LLM, LLMEngine, SamplingParams
-from nanochat.engine.chat import ChatSession, turn_stats_from_event
+from nanochat.engine.serve.session import ChatSession
 from test_moe_models import VOCAB, _build
 
 ARCHS = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"]
@@ -55,7 +55,7 @@ def run_turn(engine, session, user):
             if ev.request_id == rid:
                 gen.append(ev.token_id)
                 final = ev if ev.finished else None
-    session.complete_turn("", gen, turn_stats_from_event(final))
+    session.complete_turn("", gen)
     return ids, gen, final.stats
 
 

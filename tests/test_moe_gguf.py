@@ -36,7 +36,7 @@ from conftest import CHATML, build_tokenizer
 from gguf_writer import _tile_heads, write_gguf_from_hf
 from kquant_pack import quantize_k
 from nanochat.engine import LLM, LLMEngine, SamplingParams
-from nanochat.engine.chat import ChatSession
+from nanochat.engine.serve.session import ChatSession
 from nanochat.kernels import moe_cpu
 from nanochat.kernels.moe_cpu import HostExperts
 from nanochat.kernels.qweight import QuantWeight

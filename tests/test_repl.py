@@ -121,3 +121,43 @@ def test_repl_without_a_terminal(env, tiny_models):
     assert len(stats) == 2 and int(stats[1][1]) > 0
     assert "user: hello there" in r.stdout and "unknown command /nope" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(stat))
+    return out
+
+
+def test_engine_killed_mid_reply_gives_one_line_and_the_next_message_restarts_it(env, tiny_models):
+    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos")
+    try:
+        engines = child_pids(child.pid)
+        assert len(engines) == 1                   # the engine runs in its own process
+        child.sendline("hello there")
+        child.expect(READING_DONE)
+        child.expect(r"\S")                        # the reply has started (450 tokens take ~0.3 s)
+        os.kill(engines[0], 9)
+        child.expect(r"nanochat: error: the engine process was killed by SIGKILL[^\r\n]*\r?\n")
+        child.expect(PROMPT)
+        child.sendline("/history")
+        child.expect("assistant: ")                # the partial reply is kept
+        child.expect(PROMPT)
+        child.sendline("go on")
+        child.expect("restarting the engine")
+        child.expect(STATS)
+        assert int(child.match.group(2)) == 0      # a new engine: the whole history is prefilled again
+        child.expect(PROMPT)
+        assert len(child_pids(child.pid)) == 1 and child_pids(child.pid) != engines
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0

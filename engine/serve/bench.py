@@ -1,8 +1,8 @@
 """Benchmark workloads for the engine: batch throughput (nano-vllm's bench.py) and multi-turn chat.
 
-Pure engine code: no printing. `run_bench` / `run_multi_turn` drive an LLMEngine to the end;
-`BenchRunner` does the same one engine step at a time (for a UI that wants to interleave), and
-both report progress through a callback and stop at a `threading.Event`.
+Pure engine code, no printing: it runs inside the engine process (EngineClient.bench), where
+`run_bench` / `run_multi_turn` drive the LLMEngine to the end, report progress through a callback
+and stop at a `threading.Event`.
 
 Workload (compatible with nano-vllm's bench.py): a `random.Random(seed)` draws, per request, the
 input length `randint(100, max_input_len)` then the prompt ids `randint(0, 10000)`, and after all
@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
+from nanochat.engine.output import Reply
 from nanochat.engine.sampling_params import SamplingParams
 
 WORKLOADS = ("random", "nano-vllm")
@@ -283,13 +284,17 @@ def model_name(engine) -> str:
     return os.path.basename(path) or getattr(engine.model_config, "name", "") or "model"
 
 
+def engine_limits(spec: BenchSpec) -> dict:
+    """Engine config for a bench: the sequence cap, context and step budget come from `spec`."""
+    return dict(max_num_seqs=spec.num_seqs, max_model_len=spec.max_model_len,
+                max_num_batched_tokens=spec.batched_tokens)
+
+
 def make_bench_engine(model: str, spec: BenchSpec, **config):
-    """An LLMEngine whose sequence cap, context and step budget come from `spec` (they win over config)."""
+    """An in-process LLMEngine for `spec` (its limits win over config): tests and scripts."""
     from nanochat.engine.llm_engine import LLMEngine
 
-    limits = dict(max_num_seqs=spec.num_seqs, max_model_len=spec.max_model_len,
-                  max_num_batched_tokens=spec.batched_tokens)
-    return LLMEngine(model, **{**config, **limits})
+    return LLMEngine(model, **{**config, **engine_limits(spec)})
 
 
 def _check_idle(engine) -> None:
@@ -329,8 +334,7 @@ class _Batch:
         self.timing = _Timing()
         self.total_tokens = sum(p.max_tokens for p in params)
         self.done_tokens = 0
-        self.finals: dict[str, object] = {}
-        self.ids: dict[str, list[int]] = {}     # generated ids per request
+        self.replies: dict[str, Reply] = {}
         self.order: list[str] = []
         self.preempt0 = engine.scheduler.num_preemptions
         self.start, self.end = time.perf_counter(), None
@@ -340,33 +344,34 @@ class _Batch:
                 rid = f"{prefix}-{next(_batch_ids)}-{i}"
                 engine.add_request(ids, sp, request_id=rid, session_id=sid)
                 self.order.append(rid)
-                self.ids[rid] = []
+                self.replies[rid] = Reply()
         except Exception:
             self.abort()
             raise
 
     @property
+    def num_finished(self) -> int:
+        return sum(1 for r in self.replies.values() if r.done)
+
+    @property
     def finished(self) -> bool:
-        return len(self.finals) == len(self.order)
+        return self.num_finished == len(self.order)
 
     def step(self) -> None:
         for ev in self.timing.step(self.engine):
-            if ev.request_id not in self.ids or ev.request_id in self.finals:
+            reply = self.replies.get(ev.request_id)
+            if reply is None or reply.done:
                 continue   # not ours (the bench runs on an idle engine, but be safe)
-            if ev.token_id is not None:
-                self.ids[ev.request_id].append(ev.token_id)
-                self.done_tokens += 1
-            if ev.finished:
-                if ev.finish_reason == "error":
-                    self.abort()
-                    raise BenchError(ev.error or "a bench request failed")
-                self.finals[ev.request_id] = ev
+            self.done_tokens += ev.token_id is not None
+            if reply.add(ev).done and ev.finish_reason == "error":
+                self.abort()
+                raise BenchError(ev.error or "a bench request failed")
         if self.finished:
             self.end = time.perf_counter()
 
     def abort(self) -> None:
-        for rid in self.order:
-            if rid not in self.finals:
+        for rid, reply in self.replies.items():
+            if not reply.done:
                 self.engine.abort(rid)
 
     @property
@@ -374,7 +379,7 @@ class _Batch:
         return (self.end or time.perf_counter()) - self.start
 
     def stats(self) -> list:
-        return [self.finals[rid].stats for rid in self.order]
+        return [self.replies[rid].stats for rid in self.order]
 
 
 
@@ -401,7 +406,7 @@ def _iteration_result(index: int, batch: _Batch) -> IterationResult:
 class BenchRunner:
     """A bench run one engine step at a time: `while runner.step(): ...`, then `runner.report`.
 
-    Must run on the thread that owns the engine (EngineThread.call). `cancel()` aborts the
+    Must run on the thread that owns the engine (the engine process's loop). `cancel()` aborts the
     requests in flight and makes the next `step` raise BenchCancelled."""
 
     def __init__(self, engine, spec: BenchSpec, progress: ProgressFn | None = None,
@@ -469,7 +474,7 @@ class BenchRunner:
             return
         b = self._batch
         count = self.spec.warmup if phase == "warmup" else self.spec.iters
-        self.progress_fn(BenchProgress(phase, index, count, b.done_tokens, b.total_tokens, len(b.finals),
+        self.progress_fn(BenchProgress(phase, index, count, b.done_tokens, b.total_tokens, b.num_finished,
                                        len(b.order), b.elapsed))
 
 
@@ -553,8 +558,13 @@ def chat_overhead(tokenizer) -> int:
     return _ChatShape.of(tokenizer).overhead
 
 
-def multi_turn_context(turns: int, user_tokens: int, reply_tokens: int, overhead: int = 16) -> int:
-    """Context length a multi-turn run needs (the last turn's prompt plus its reply)."""
+CHAT_OVERHEAD_BOUND = 32   # framing tokens per turn, a bound (real ChatML tokenizers need ~10)
+
+
+def multi_turn_context(turns: int, user_tokens: int, reply_tokens: int,
+                       overhead: int = CHAT_OVERHEAD_BOUND) -> int:
+    """Context length a multi-turn run needs (the last turn's prompt plus its reply), by default with
+    room for any usual chat framing, so it can be chosen before the model's tokenizer is at hand."""
     return turns * (user_tokens + reply_tokens + overhead) + 1
 
 
@@ -597,8 +607,8 @@ def run_multi_turn(engine, turns: int = 8, user_tokens: int = 64, reply_tokens: 
             params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=reply_tokens,
                                      seed=seed * 1000 + t * sessions + s) for s in range(sessions)]
             batch = _run_batch(engine, prompts, params, session_ids, "turn", t, turns, progress, cancel)
-            for s, ev in enumerate(batch.finals[rid] for rid in batch.order):
-                histories[s] = histories[s] + batch.ids[ev.request_id] + shape.reply_tail
+            for s, rid in enumerate(batch.order):
+                histories[s] = histories[s] + batch.replies[rid].token_ids + shape.reply_tail
             results.append(_turn_result(t, batch))
     finally:
         for sid in session_ids:
@@ -626,7 +636,7 @@ def _run_batch(engine, prompts, params, session_ids, phase, index, count, progre
             batch.step()
             if progress is not None:
                 progress(BenchProgress(phase, index, count, batch.done_tokens, batch.total_tokens,
-                                       len(batch.finals), len(batch.order), batch.elapsed))
+                                       batch.num_finished, len(batch.order), batch.elapsed))
     except BaseException:
         batch.abort()
         raise

@@ -1,0 +1,543 @@
+"""EngineClient: the one way front ends reach the engine, which runs in its own process.
+
+    client = EngineClient()
+    info = client.load_model("model.gguf", progress=lambda done, total: ...)
+    chat = client.open_session(system_prompt="Be brief.")
+    for event in client.submit_turn(chat, "Hello!", SamplingParams(max_tokens=64)):
+        print(event.text, end="")
+
+The engine process (engine/serve/core.py) holds the model, the KV cache, the scheduler and the chat
+sessions' token histories. This side keeps a mirror of every session (its transcript and canonical
+token ids), so when the process dies (kill -9, the OOM killer, a crash in a kernel) nothing is lost:
+open streams end with one clear error, and the next request starts a new process, reloads the model
+and re-opens each session from its ids, which are then prefilled once.
+
+Nothing here imports torch. Calls may come from any thread; event callbacks run on the client's
+reader thread and must not block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from nanochat.engine.output import EngineStats, Reply, TokenEvent
+from nanochat.engine.sampling_params import SamplingParams
+from nanochat.engine.serve.protocol import Call, EngineDied, EngineError, ModelInfo, remote_error
+
+STDERR_TAIL = 40   # lines of the engine process's stderr kept for the message when it dies
+
+
+@dataclass(eq=False)
+class Session:
+    """A chat session as the client keeps it: enough to rebuild it in a new engine process."""
+
+    id: str
+    system_prompt: str | None = None
+    history: list[dict] = field(default_factory=list)    # finished turns, as the model saw them
+    token_ids: list[int] | None = None     # canonical ids after the last finished turn (None: re-render history)
+    model: str | None = None               # the model the ids belong to
+    epoch: int = -1                        # the engine incarnation that holds it (-1: none)
+    request_id: str | None = None          # the turn in flight
+    pending_user: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.request_id is not None
+
+
+class RequestStream:
+    """The events of one request: iterate (blocking), `async for`, or wait with `result()`."""
+
+    def __init__(self, client: "EngineClient", request_id: str, on_event: Callable[[TokenEvent], None] | None,
+                 session: Session | None = None, replayed: bool = False):
+        self.request_id = request_id
+        self.session = session
+        self.replayed = replayed            # a chat turn whose history is prefilled again (new model or process)
+        self.reply = Reply()
+        self.done = threading.Event()
+        self._client = client
+        self._on_event = on_event
+        self._queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+
+    def _deliver(self, event: TokenEvent, interrupted: bool = False) -> None:
+        self.reply.add(event)
+        if event.finished and self.session is not None and self.session.request_id == self.request_id:
+            EngineClient._end_turn(self.session, self.reply, interrupted)
+        self._queue.put(event)
+        if self._on_event is not None:
+            self._on_event(event)
+        if event.finished:
+            self.done.set()
+
+    def cancel(self) -> None:
+        self._client.cancel(self.request_id)
+
+    def __iter__(self):
+        while True:
+            event = self._queue.get()
+            yield event
+            if event.finished:
+                return
+
+    async def __aiter__(self):
+        while True:
+            event = await asyncio.to_thread(self._queue.get)
+            yield event
+            if event.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> Reply:
+        """Wait for the end; the folded reply (text, ids, final event)."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
+        return self.reply
+
+
+class _Pending:
+    def __init__(self, progress: Callable | None):
+        self.future: Future = Future()
+        self.progress = progress
+
+
+class EngineClient:
+    """Starts and talks to the engine process. `in_process=True` runs the same core on a thread of
+    this process instead (over the same connection and messages): for embedding and tests, at the
+    price that a crash in the engine takes the host down with it."""
+
+    def __init__(self, in_process: bool = False, log_path: str | os.PathLike | None = None):
+        self.in_process = in_process
+        self.log_path = log_path
+        self.model: ModelInfo | None = None
+        self.epoch = 0
+        self._config: dict = {}
+        self._conn = None
+        self._proc: subprocess.Popen | None = None
+        self._core_thread: threading.Thread | None = None
+        self._lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        self._calls = itertools.count(1)
+        self._ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._sessions: dict[str, Session] = {}
+        self._stats = EngineStats()
+        self._stats_listeners: list[Callable[[EngineStats], None]] = []
+        self._death_listeners: list[Callable[[str], None]] = []
+        self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self._closing = False
+        self.died: str | None = None        # why the last engine process ended, until the next start
+
+    # ------------------------------------------------------------------ process
+    @property
+    def alive(self) -> bool:
+        return self._conn is not None
+
+    def start(self) -> None:
+        """Start the engine process (idempotent). Loading a model starts it too."""
+        with self._lock:
+            if self._conn is not None:
+                return
+            from multiprocessing.connection import Connection
+
+            ours, theirs = socket.socketpair()
+            self._closing = False
+            if self.in_process:
+                from nanochat.engine.serve.core import EngineCore
+
+                core_conn = Connection(theirs.detach())
+                self._core_thread = threading.Thread(target=self._run_core, args=(EngineCore(core_conn),),
+                                                     name="nanochat-engine", daemon=True)
+                self._core_thread.start()
+            else:
+                fd = theirs.fileno()
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "nanochat.engine.serve.core", str(fd)], pass_fds=(fd,),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    start_new_session=True)   # terminal signals (Ctrl-C, hang-up) are the front end's to handle
+                theirs.close()
+                threading.Thread(target=self._drain_stderr, args=(self._proc,), name="nanochat-engine-stderr",
+                                 daemon=True).start()
+            self._conn = Connection(ours.detach())
+            self.epoch += 1
+            self.died = None
+            threading.Thread(target=self._read, args=(self._conn,), name="nanochat-client-reader",
+                             daemon=True).start()
+
+    @staticmethod
+    def _run_core(core) -> None:
+        try:
+            core.run()
+        finally:
+            core.conn.close()
+
+    def _drain_stderr(self, proc: subprocess.Popen) -> None:
+        log = None
+        if self.log_path is not None:
+            try:
+                log = open(self.log_path, "ab")
+            except OSError:
+                log = None
+        try:
+            for line in proc.stderr:
+                self._stderr_tail.append(line.decode("utf-8", "replace").rstrip())
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+        finally:
+            if log is not None:
+                log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (requests in flight are aborted). The client can start it again."""
+        with self._lock:
+            conn, proc, thread = self._conn, self._proc, self._core_thread
+            if conn is None:
+                return
+            self._closing = True
+            try:
+                self._call("shutdown", timeout=timeout)
+            except (EngineError, TimeoutError, OSError):
+                pass
+            self._disconnect()
+        if proc is not None:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if thread is not None:
+            thread.join(timeout)
+
+    def kill(self) -> None:
+        """Kill the engine process now (tests; a user's last resort). Its death is reported as usual."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+
+    def restart(self, progress: Callable[[int, int], None] | None = None) -> ModelInfo | None:
+        """Start a new engine process and load the model the last one had (after it died)."""
+        with self._lock:
+            self.start()
+            model = self.model
+        if model is None:
+            return None
+        return self.load_model(model.model, progress=progress, **self._config)
+
+    def _ensure_engine(self) -> None:
+        if self._conn is None:
+            if self.model is None:
+                raise EngineError("no model is loaded")
+            self.restart()
+
+    # ------------------------------------------------------------------ transport
+    def _send(self, call: Call) -> None:
+        conn = self._conn
+        if conn is None:
+            raise EngineDied(self.died or "the engine is not running")
+        try:
+            with self._send_lock:
+                conn.send(call)
+        except OSError as e:
+            raise EngineDied(self.died or f"the engine process is gone ({e.strerror or e})") from None
+
+    def _call(self, op: str, progress: Callable | None = None, timeout: float | None = None, **args):
+        """Send a call and wait for its answer (re-raising the engine's error as a typed one)."""
+        call_id = next(self._calls)
+        pending = _Pending(progress)
+        self._pending[call_id] = pending
+        try:
+            self._send(Call(op, call_id, args))
+            return pending.future.result(timeout)
+        finally:
+            self._pending.pop(call_id, None)
+
+    def _post(self, op: str, **args) -> None:
+        """Send a call whose answer nobody waits for (its outcome shows in the stream it concerns)."""
+        self._send(Call(op, 0, args))
+
+    def _read(self, conn) -> None:
+        handlers = {"done": self._on_done, "failed": self._on_failed, "progress": self._on_progress,
+                    "events": self._on_events, "session": self._on_session, "stats": self._on_stats}
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            handlers[message[0]](*message[1:])
+        self._on_disconnect(conn)
+
+    def _on_done(self, call_id: int, value) -> None:
+        pending = self._pending.get(call_id)
+        if pending is not None:
+            pending.future.set_result(value)
+
+    def _on_failed(self, call_id: int, kind: str, message: str) -> None:
+        pending = self._pending.get(call_id)
+        if pending is not None:
+            pending.future.set_exception(remote_error(kind, message))
+
+    def _on_progress(self, call_id: int, payload) -> None:
+        pending = self._pending.get(call_id)
+        if pending is not None and pending.progress is not None:
+            pending.progress(*payload)
+
+    def _on_events(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is not None:
+                if event.finished:
+                    del self._streams[event.request_id]
+                stream._deliver(event)
+
+    @staticmethod
+    def _end_turn(session: Session, reply: Reply, interrupted: bool = False) -> None:
+        """The session mirror follows the engine's session: a turn that produced tokens joins the
+        history. An interrupted one (the engine died) keeps its partial reply, and the session is then
+        rebuilt from the transcript, since that turn's ids never came back."""
+        if reply.token_ids:
+            session.history = session.history + [{"role": "user", "content": session.pending_user},
+                                                 {"role": "assistant", "content": reply.text}]
+            if interrupted:
+                session.token_ids = None
+        session.request_id = session.pending_user = None
+
+    def _on_session(self, session_id: str, token_ids: list[int]) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.token_ids = token_ids
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+        for fn in list(self._stats_listeners):
+            try:
+                fn(stats)
+            except Exception:
+                pass   # a listener's bug must not stop the client
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _on_disconnect(self, conn) -> None:
+        """The connection ended: after shutdown() that is expected; otherwise the engine died."""
+        if self._conn is conn:     # no lock: a caller may hold it while waiting on a call failed below
+            self._conn = None
+        closing = self._closing
+        reason = "the engine stopped" if closing else self._death_reason()
+        if not closing:
+            self.died = reason
+        error = EngineDied(reason)
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        for request_id, stream in list(self._streams.items()):
+            del self._streams[request_id]
+            stream._deliver(TokenEvent(request_id, None, "", True, "error", error=reason), interrupted=True)
+        if not closing:
+            for fn in list(self._death_listeners):
+                try:
+                    fn(reason)
+                except Exception:
+                    pass
+
+    def _death_reason(self) -> str:
+        if self.in_process:
+            return "the engine thread stopped"
+        code = None
+        if self._proc is not None:
+            try:
+                code = self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = " (out of memory?)" if name == "SIGKILL" else ""
+            return f"the engine process was killed by {name}{hint}"
+        last = next((line for line in reversed(self._stderr_tail) if line.strip()), "")
+        detail = f": {last.strip()}" if last else ""
+        return f"the engine process exited (code {code}){detail}"
+
+    # ------------------------------------------------------------------ listeners
+    def add_stats_listener(self, fn: Callable[[EngineStats], None]) -> None:
+        self._stats_listeners.append(fn)
+
+    def remove_stats_listener(self, fn: Callable[[EngineStats], None]) -> None:
+        if fn in self._stats_listeners:
+            self._stats_listeners.remove(fn)
+
+    def add_death_listener(self, fn: Callable[[str], None]) -> None:
+        """fn(reason) runs (on the reader thread) when the engine process ends unexpectedly."""
+        self._death_listeners.append(fn)
+
+    # ------------------------------------------------------------------ operations
+    def load_model(self, model: str, progress: Callable[[int, int], None] | None = None, **config) -> ModelInfo:
+        """Load (or switch to) `model`; requests in flight are cancelled. On failure the previous model
+        stays loaded and the typed error (ModelLoadError, ValueError, ...) is raised."""
+        self.start()
+        info = self._call("load", progress=progress, model=model, config=dict(config))
+        with self._lock:
+            self.model, self._config = info, dict(config)
+            self.epoch += 1                    # every session is re-opened for the new model
+        return info
+
+    def stats(self, fresh: bool = False) -> EngineStats:
+        """The latest engine stats, as the engine pushed them; `fresh` asks for them now (a round trip)."""
+        if fresh:
+            self._ensure_engine()
+            self._stats = self._call("stats")
+        return self._stats
+
+    def describe(self) -> list[tuple[str, str]]:
+        """What the model runs on, as (label, value) rows (weight types, kernels, fast path, KV cache)."""
+        self._ensure_engine()
+        return self._call("describe")
+
+    def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
+        """A chat session, optionally seeded with a transcript ({"role", "content"} dicts of finished
+        turns) that its first turn prefills. Cheap: the engine builds it on its first turn."""
+        session = Session(f"s{next(self._ids)}", system_prompt or None, list(history or []))
+        self._sessions[session.id] = session
+        return session
+
+    def fork_session(self, session: Session) -> Session:
+        """A new session with the same history; the two share the cached prefix."""
+        if session.busy:
+            raise EngineError("wait for the reply before forking the conversation")
+        other = Session(f"s{next(self._ids)}", session.system_prompt, list(session.history),
+                        list(session.token_ids) if session.token_ids is not None else None, session.model)
+        self._sessions[other.id] = other
+        return other
+
+    def close_session(self, session: Session) -> None:
+        """Forget a session and release its resident KV (a turn in flight is cancelled)."""
+        if session.request_id is not None:
+            self.cancel(session.request_id)
+        self._sessions.pop(session.id, None)
+        if session.epoch == self.epoch and self._conn is not None:
+            try:
+                self._post("close_session", session_id=session.id)
+            except EngineDied:
+                pass
+        session.epoch = -1
+
+    def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None,
+                    on_event: Callable[[TokenEvent], None] | None = None) -> RequestStream:
+        """Send the next user message of `session`; the stream yields the reply's events. A request
+        the engine refuses (too long for the context, ...) ends its stream with an error event."""
+        if session.busy:
+            raise EngineError("the previous reply in this conversation is still being generated")
+        self._ensure_engine()
+        with self._lock:
+            replayed = False
+            if session.epoch != self.epoch:
+                same_model = session.model == self.model.model and session.token_ids is not None
+                self._post("open_session", session_id=session.id, system_prompt=session.system_prompt,
+                           history=session.history, token_ids=session.token_ids if same_model else None)
+                session.epoch, session.model = self.epoch, self.model.model
+                replayed = bool(session.history)
+            request_id = f"r{next(self._ids)}"
+            stream = RequestStream(self, request_id, on_event, session, replayed)
+            session.request_id, session.pending_user = request_id, user
+            self._streams[request_id] = stream
+            try:
+                self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
+                           session_id=session.id, user=user)
+            except EngineDied:
+                self._streams.pop(request_id, None)
+                session.request_id = session.pending_user = None
+                raise
+        return stream
+
+    def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+               on_event: Callable[[TokenEvent], None] | None = None) -> RequestStream:
+        """A raw request: text (encoded without a chat template) or token ids."""
+        self._ensure_engine()
+        with self._lock:
+            request_id = f"r{next(self._ids)}"
+            stream = RequestStream(self, request_id, on_event)
+            self._streams[request_id] = stream
+            try:
+                self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
+                           prompt=prompt if isinstance(prompt, str) else list(prompt))
+            except EngineDied:
+                self._streams.pop(request_id, None)
+                raise
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish reason "abort" (the partial reply is kept)."""
+        try:
+            self._post("cancel", request_id=request_id)
+        except EngineDied:
+            pass
+
+    def bench(self, spec=None, progress: Callable | None = None, multi_turn: dict | None = None):
+        """Run a bench workload (engine/serve/bench.py) on the loaded model; `progress(p, stats)` gets
+        BenchProgress and EngineStats as it runs. cancel_bench() stops it (BenchCancelled is raised)."""
+        self._ensure_engine()
+        return self._call("bench", progress=progress, spec=spec, multi_turn=multi_turn)
+
+    def cancel_bench(self) -> None:
+        try:
+            self._post("cancel_bench")
+        except EngineDied:
+            pass
+
+
+class AsyncEngineClient:
+    """The client for asyncio code: the same operations, awaited; streams support `async for`."""
+
+    def __init__(self, client: EngineClient | None = None, **kwargs):
+        self.client = client or EngineClient(**kwargs)
+
+    async def load_model(self, model: str, progress=None, **config) -> ModelInfo:
+        return await asyncio.to_thread(self.client.load_model, model, progress, **config)
+
+    async def describe(self) -> list[tuple[str, str]]:
+        return await asyncio.to_thread(self.client.describe)
+
+    def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
+        return self.client.open_session(system_prompt, history)
+
+    def fork_session(self, session: Session) -> Session:
+        return self.client.fork_session(session)
+
+    def close_session(self, session: Session) -> None:
+        self.client.close_session(session)
+
+    async def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None) -> RequestStream:
+        return await asyncio.to_thread(self.client.submit_turn, session, user, sampling)
+
+    async def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> RequestStream:
+        return await asyncio.to_thread(self.client.submit, prompt, sampling)
+
+    def cancel(self, request_id: str) -> None:
+        self.client.cancel(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.client.stats()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.client.shutdown)

@@ -1,0 +1,66 @@
+"""What crosses the engine-process boundary, and the typed errors a client raises.
+
+Client -> core: `Call(op, call_id, args)`; the core answers each call once, with
+    ("done", call_id, value)  or  ("failed", call_id, error_kind, one_line_message)
+and may send ("progress", call_id, payload) before that (model loading, a bench).
+Core -> client, unprompted:
+    ("events", [TokenEvent, ...])      every engine step: the deltas of all requests in it
+    ("session", session_id, ids)       a chat session's canonical token ids after a finished turn
+    ("stats", EngineStats)             at most every STATS_INTERVAL seconds, and after loads
+
+Everything is picklable plain data without torch: front ends never import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STATS_INTERVAL = 0.25     # seconds between engine-stats reports while busy
+
+
+@dataclass
+class Call:
+    op: str
+    call_id: int
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelInfo:
+    """What a front end shows about the loaded model."""
+
+    model: str                 # as given: a path or a hub id
+    arch: str
+    device: str
+    dtype: str
+    max_model_len: int
+    load_seconds: float
+
+
+class EngineError(RuntimeError):
+    """The engine could not do what was asked; the message is one line for the user."""
+
+
+class EngineDied(EngineError):
+    """The engine process ended unexpectedly (killed, crashed, out of memory)."""
+
+
+def error_kind(exc: BaseException) -> str:
+    """The name a client maps back to an exception class (see `raise_remote`)."""
+    return type(exc).__name__
+
+
+def remote_error(kind: str, message: str) -> BaseException:
+    """The client-side exception for an error the core reported: the same class where front ends
+    handle it specially (a bad model, a bad request, a bench stop, bad options), else EngineError."""
+    from nanochat.engine.output import RequestError
+    from nanochat.engine.serve.bench import BenchCancelled, BenchError
+    from nanochat.models.errors import ModelLoadError
+
+    known = {cls.__name__: cls for cls in (ModelLoadError, RequestError, BenchError, BenchCancelled,
+                                          ValueError, MemoryError, FileNotFoundError, PermissionError)}
+    return known.get(kind, EngineError)(message)
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,230 @@
+"""EngineClient <-> the engine process: streaming, cancellation, sessions, typed errors, crashes.
+
+A real engine process on tiny random models (their text is gibberish: these tests check plumbing).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from nanochat.engine import LLM, SamplingParams
+from nanochat.engine.serve.client import EngineClient
+from nanochat.engine.serve.protocol import EngineDied, EngineError
+from nanochat.models.errors import ModelLoadError
+
+ENGINE = dict(dtype="float32", max_model_len=256, kvcache_block_size=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def slow_session(client, session, text):
+    """Submit a long turn and wait until its first tokens arrived."""
+    started = threading.Event()
+    stream = client.submit_turn(session, text, LONG, on_event=lambda ev: started.set())
+    assert started.wait(30)
+    return stream
+
+
+@pytest.fixture(scope="module")
+def client(tiny_models):
+    c = EngineClient()
+    c.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    yield c
+    pid = c.pid
+    c.shutdown()
+    assert gone(pid), "the engine process outlived shutdown()"
+
+
+def test_the_front_end_does_not_load_torch(tiny_models):
+    code = textwrap.dedent(f"""
+        import sys
+        from nanochat.engine.serve.client import EngineClient
+        from nanochat.engine import SamplingParams
+        c = EngineClient()
+        c.load_model({str(tiny_models["qwen3"])!r}, dtype="float32", max_model_len=128)
+        s = c.open_session()
+        print(len(c.submit_turn(s, "hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)).result(60).token_ids))
+        c.shutdown()
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "False"]
+
+
+def test_stream_matches_the_in_process_engine(client, tiny_models):
+    prompt = [5, 6, 7, 8, 9, 10]
+    ref = LLM(str(tiny_models["qwen3"]), **ENGINE).generate([prompt], GREEDY)[0]
+    stream = client.submit(prompt, GREEDY)
+    events = list(stream)
+    assert [e.token_id for e in events if e.token_id is not None] == ref.token_ids
+    assert events[-1].finished and [e.finished for e in events[:-1]] == [False] * (len(events) - 1)
+    assert stream.reply.text == ref.text and stream.reply.stats.completion_tokens == 8
+    assert stream.reply.stats.finish_reason == "length"
+
+
+def test_turns_reuse_the_sessions_cache_and_fork_shares_it(client):
+    session = client.open_session("Be brief.")
+    first = client.submit_turn(session, "hello there, how are you?", GREEDY).result(30)
+    second = client.submit_turn(session, "what is the capital of France?", GREEDY).result(30)
+    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens > 0
+    assert [m["role"] for m in session.history] == ["user", "assistant"] * 2
+    assert session.history[-1]["content"] == second.text
+    assert len(session.token_ids) == second.stats.prompt_tokens + 8 + 1     # + the end-of-turn token
+    fork = client.fork_session(session)
+    branch = client.submit_turn(fork, "something else", GREEDY).result(30)
+    assert branch.stats.cached_tokens >= len(session.token_ids) - 16        # the shared prefix is cached
+    assert len(session.history) == 4 and len(fork.history) == 6
+    client.close_session(fork)
+    client.close_session(session)
+
+
+def test_cancel_frees_every_block(client):
+    session = client.open_session()
+    stream = slow_session(client, session, "tell me a long story")
+    stream.cancel()
+    reply = stream.result(30)
+    assert reply.final.finish_reason == "abort" and 0 < len(reply.token_ids) < 200
+    assert session.history[-1]["content"] == reply.text          # a cancelled reply is kept
+    client.close_session(session)
+    stats = client.stats(fresh=True)
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+
+
+def test_two_sessions_from_threads_are_batched(client):
+    sessions = [client.open_session() for _ in range(3)]
+    running, errors = [], []
+    client.add_stats_listener(lambda s: running.append(s.running))
+
+    def chat(session):
+        try:
+            for text in ("hello there", "and again"):
+                reply = client.submit_turn(session, text, SamplingParams(temperature=0, max_tokens=64,
+                                                                         ignore_eos=True)).result(60)
+                assert reply.final.finish_reason == "length"
+        except Exception as e:   # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=chat, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert max(running) >= 2                      # they ran in the same engine steps
+    assert all(len(s.history) == 4 for s in sessions)
+    for s in sessions:
+        client.close_session(s)
+
+
+def test_refused_request_ends_with_an_error_event(client):
+    session = client.open_session()
+    reply = client.submit_turn(session, "x " * 600, GREEDY).result(30)   # longer than max_model_len
+    assert reply.final.finish_reason == "error" and "max_model_len" in reply.final.error
+    assert session.history == [] and not session.busy
+    again = client.submit_turn(session, "short", GREEDY).result(30)      # the session still works
+    assert again.final.finish_reason == "length"
+
+
+def test_typed_errors_cross_the_boundary_and_the_model_stays(client, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    before = client.model
+    with pytest.raises(ModelLoadError) as e:
+        client.load_model(str(bad))
+    assert "\n" not in str(e.value) and str(e.value)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        client.load_model(before.model, max_num_seqs=0)
+    assert client.model is before
+    assert client.submit([1, 2, 3], GREEDY).result(30).final.finish_reason == "length"
+    assert client.describe()[0][0] == "model"
+
+
+def test_a_model_switch_replays_the_sessions(client, tiny_models):
+    session = client.open_session()
+    client.submit_turn(session, "hello there", GREEDY).result(30)
+    try:
+        info = client.load_model(str(tiny_models["llama"]), **ENGINE)
+        assert info.arch == "llama"
+        stream = client.submit_turn(session, "next", GREEDY)
+        reply = stream.result(30)
+        assert stream.replayed and reply.stats.cached_tokens == 0 and reply.final.finish_reason == "length"
+        assert len(session.history) == 4
+    finally:
+        client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+
+
+def test_kill_9_mid_reply_keeps_the_partial_reply_and_restarts(tiny_models):
+    client = EngineClient()
+    deaths = []
+    client.add_death_listener(deaths.append)
+    try:
+        client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+        session = client.open_session("sys")
+        client.submit_turn(session, "hello there", GREEDY).result(30)
+        stream = slow_session(client, session, "tell me a long story")
+        pid = client.pid
+        os.kill(pid, signal.SIGKILL)
+        reply = stream.result(30)
+        assert reply.final.finish_reason == "error" and "SIGKILL" in reply.final.error
+        assert "\n" not in reply.final.error
+        assert deaths == [reply.final.error] and not client.alive
+        assert 0 < len(reply.token_ids) < 200
+        assert session.history[-1] == {"role": "assistant", "content": reply.text}    # kept
+        # the next message starts a new engine process and re-prefills the whole history
+        stream = client.submit_turn(session, "go on", GREEDY)
+        again = stream.result(60)
+        assert client.pid != pid and again.final.finish_reason == "length"
+        assert stream.replayed and again.stats.cached_tokens == 0
+        assert len(session.history) == 6
+    finally:
+        pid = client.pid
+        client.shutdown()
+    assert gone(pid)
+
+
+def test_engine_exits_when_its_front_end_is_killed(tiny_models, tmp_path):
+    code = textwrap.dedent(f"""
+        import time
+        from nanochat.engine.serve.client import EngineClient
+        c = EngineClient()
+        c.load_model({str(tiny_models["qwen3"])!r}, dtype="float32", max_model_len=128)
+        print(c.pid, flush=True)
+        time.sleep(600)
+    """)
+    front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(front.stdout.readline())
+        front.send_signal(signal.SIGKILL)
+        front.wait(10)
+        assert gone(engine_pid), "the engine process was left behind"
+    finally:
+        front.kill()
+
+
+def test_an_engine_that_cannot_start_says_why(monkeypatch):
+    client = EngineClient()
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(EngineDied, match="exited"):
+        client.load_model("whatever")
+    with pytest.raises(EngineError, match="no model"):
+        client.submit([1], GREEDY)
