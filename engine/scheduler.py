@@ -4,6 +4,10 @@ Each step gives every running sequence its next chunk (a decode is a chunk of on
 sequences first, then admits waiting ones while the budget, the sequence cap and the KV blocks
 allow. When blocks run out, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, keeping its generated tokens, to be recomputed later.
+
+Recompute runs the prefill kernels over tokens that decode produced, so their KV (and the logits that
+follow) equal decode's to rounding, not bit for bit: a greedy run can branch differently where two
+logits tie to ~1e-4 (tests/test_fused_models.py pins both the tolerance and that rule).
 """
 
 from __future__ import annotations
