@@ -18,9 +18,8 @@ import sys
 
 from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError,
                                  debug_enabled, one_line, report)
-from nanochat.app.options import (add_engine_options, add_option, engine_config, non_negative_int, pick,
-                                  positive_int, resolve_model, sampling_options, temperature_float, top_k_int,
-                                  top_p_float)
+from nanochat.app.options import (add_engine_options, add_option, engine_config, pick, positive_int, resolve_model,
+                                  sampling_options, seed_int, temperature_float, top_k_int, top_p_float)
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,7 +35,7 @@ def add_generation_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--temperature", "-t", type=temperature_float, metavar="T", help="0 = greedy")
     add_option(parser, suppress, "--top-p", type=top_p_float, metavar="P")
     add_option(parser, suppress, "--top-k", type=top_k_int, metavar="K", help="-1 = off")
-    add_option(parser, suppress, "--seed", type=non_negative_int, metavar="N")
+    add_option(parser, suppress, "--seed", type=seed_int, metavar="N")
     add_option(parser, suppress, "--system", metavar="TEXT", help="system prompt")
     add_option(parser, suppress, "--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
 
@@ -130,13 +129,17 @@ def cmd_paths() -> int:
 def cmd_oneshot(args, settings, piped: str) -> int:
     from nanochat.app.oneshot import OneShotOptions, combine_prompt, run_oneshot
 
-    prompts = list(args.prompt or [])
+    prompts = [_argv_text(p) for p in args.prompt or []]
     if prompts:
         prompts[0] = combine_prompt(piped, prompts[0])
     elif piped.strip():
         prompts = [piped.rstrip()]
     else:
         raise UsageError("no prompt: give --prompt TEXT or pipe text on stdin")
+    blank = [n for n, p in enumerate(prompts, 1) if not p.strip()]
+    if blank:
+        which = "the prompt is" if len(prompts) == 1 else f"prompt {blank[0]} is"
+        raise UsageError(f"{which} empty: give some text")
     if args.no_chat_template and args.system:
         raise UsageError("--system needs the chat template; drop --no-chat-template")
     system = None if args.no_chat_template else pick(args, "system", settings.system_prompt)
@@ -148,6 +151,12 @@ def cmd_oneshot(args, settings, piped: str) -> int:
     if code == EXIT_OK:
         _remember(args, settings)
     return code
+
+
+def _argv_text(raw: str) -> str:
+    """A command-line argument as text: bytes that are not UTF-8 (kept by Python as surrogates)
+    become U+FFFD, as everywhere else nanochat reads text."""
+    return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def cmd_repl(args, settings) -> int:
@@ -219,6 +228,16 @@ def dispatch(args) -> int:
     return cmd_tui(args, settings)
 
 
+class _NeverRaised(BaseException):
+    pass
+
+
+def _extension_panic() -> type[BaseException]:
+    """The panic of a Rust extension (pyo3's PanicException derives from BaseException), when one is loaded."""
+    module = sys.modules.get("pyo3_runtime")
+    return getattr(module, "PanicException", _NeverRaised)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     try:
@@ -234,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_OK
-    except Exception as e:   # ModelLoadError, RequestError, ValueError, OSError, MemoryError, ...
+    except (Exception, _extension_panic()) as e:   # ModelLoadError, RequestError, OSError, MemoryError, ...
         if debug_enabled():
             raise
         report(one_line(e))

@@ -119,6 +119,13 @@ def format_stats(completion: int, prompt: int, cached: int, ttft: float | None, 
     return "[" + " · ".join(parts) + "]"
 
 
+def length_note(stats, max_model_len: int) -> str:
+    """Why a reply that ended on length ended: its max_tokens, or the model's context filling up."""
+    if stats.prompt_tokens + stats.completion_tokens >= max_model_len:
+        return f"context full ({max_model_len} tokens)"
+    return "max tokens reached"
+
+
 def model_label(model: str) -> str:
     return os.path.basename(model.rstrip("/")) or model
 
@@ -163,7 +170,7 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
         raise
     finally:
         client.shutdown()
-    return _report(opts, [s.reply for s in streams], load_s, out, err)
+    return _report(opts, [s.reply for s in streams], load_s, client.model.max_model_len, out, err)
 
 
 def _print_in_order(streams: list, out) -> None:
@@ -185,7 +192,7 @@ def _print_in_order(streams: list, out) -> None:
             out.flush()
 
 
-def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int:
+def _report(opts: OneShotOptions, replies: list, load_s: float, max_model_len: int, out, err) -> int:
     errors = [r.final.error or "generation failed" for r in replies if r.final.finish_reason == "error"]
     if opts.json:
         for reply in replies:
@@ -198,7 +205,7 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int
                 continue
             extra = f"load {load_s:.1f}s" if n == 0 else ""
             if reply.final.finish_reason == "length":
-                extra = " · ".join(x for x in ("max tokens reached", extra) if x)
+                extra = " · ".join(x for x in (length_note(st, max_model_len), extra) if x)
             prefix = f"#{n + 1} " if len(replies) > 1 else ""
             line = prefix + format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
                                          st.decode_tok_s, extra)

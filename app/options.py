@@ -37,6 +37,7 @@ TOP_K = Rule(int, lambda v: v >= -1, "-1 (off) or a positive integer")
 TEMPERATURE = Rule(float, lambda v: 0 <= v < math.inf, ">= 0")
 TOP_P = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
 POSITIVE_FLOAT = Rule(float, lambda v: 0 < v < math.inf, "> 0")
+SEED = Rule(int, lambda v: 0 <= v < 2 ** 64, "an integer from 0 to 2**64 - 1")
 
 
 def accepts(rule: Rule, value) -> bool:
@@ -68,6 +69,7 @@ top_k_int = arg_type(TOP_K)
 temperature_float = arg_type(TEMPERATURE)
 top_p_float = arg_type(TOP_P)
 positive_float = arg_type(POSITIVE_FLOAT)
+seed_int = arg_type(SEED)
 
 
 def device_name(raw: str) -> str:

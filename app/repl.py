@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from nanochat.app.oneshot import format_stats, model_label
+from nanochat.app.oneshot import format_stats, length_note, model_label
 
 PROMPT = "> "
 COMMANDS = {
@@ -146,7 +146,8 @@ class Repl:
             return
         self.term.write("\n")
         st = reply.stats
-        extra = "cancelled" if cancelled else ("max tokens reached" if final.finish_reason == "length" else "")
+        extra = "cancelled" if cancelled else \
+            (length_note(st, self.client.model.max_model_len) if final.finish_reason == "length" else "")
         self.term.note(format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
                                     st.decode_tok_s, extra))
 

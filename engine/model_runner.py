@@ -61,7 +61,10 @@ class ModelRunner:
         cap = self.config.max_num_seqs * ((self.config.max_model_len + self.block_size - 1) // self.block_size)
         n = min(int(budget // per_block), cap)
         if n < 1:
-            raise MemoryError("not enough memory for the KV cache: raise kv_cache_gib / gpu_memory_utilization")
+            knob = "kv_cache_gib" if self.device.type == "cpu" else "gpu_memory_utilization"
+            raise ValueError(f"one KV-cache block ({self.block_size} tokens, {per_block / 2**20:,.1f} MiB) does "
+                              f"not fit in the KV budget ({max(budget, 0) / 2**20:,.1f} MiB): lower "
+                              f"kvcache_block_size (NANO_VLLM_KVCACHE_BLOCK_SIZE) or raise {knob}")
         return n
 
     def _allocate_kv_cache(self) -> None:

@@ -33,8 +33,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

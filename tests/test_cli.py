@@ -372,3 +372,42 @@ def test_dequantize_flag_reaches_the_engine(home):
     assert "quantize" not in engine_config(args, Settings())
     args = build_parser().parse_args(["--quantize", "q8_0", "--prompt", "x"])
     assert engine_config(args, Settings())["quantize"] == "q8_0"
+
+
+def test_bad_seed_and_blank_prompt_are_usage_errors_before_loading(home, capsys):
+    assert cli.main(["--model", "nope.gguf", "--prompt", "hi", "--seed", "18446744073709551616"]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, 2, "--seed", "2**64 - 1")
+    assert cli.main(["--model", "nope.gguf", "--prompt", "   "]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, 2, "empty")
+
+
+def test_non_utf8_argv_prompt_is_read_as_text(home, tiny):
+    prompt = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")      # what Python makes of Latin-1 argv
+    r = run_cli(["--model", tiny, "--prompt", prompt, "--max-tokens", "2", "--json", "--quiet"], home)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["generated_tokens"] == 2
+
+
+def test_a_rust_panic_is_one_line(home, capsys, monkeypatch):
+    import types
+
+    from nanochat.app import oneshot
+
+    class PanicException(BaseException):
+        pass
+
+    monkeypatch.setitem(sys.modules, "pyo3_runtime", types.SimpleNamespace(PanicException=PanicException))
+
+    def panic(opts, *a, **k):
+        raise PanicException("fail to memory allocation")
+
+    monkeypatch.setattr(oneshot, "run_oneshot", panic)
+    assert cli.main(["--model", "x", "--prompt", "hi"]) == 1
+    assert_one_line_error(1, capsys.readouterr().err, 1, "fail to memory allocation")
+
+
+def test_a_reply_cut_by_the_context_says_so(home, tiny):
+    r = run_cli(["--model", tiny, "--prompt", "hello there", "--max-model-len", "40", "--max-tokens", "100",
+                 "--ignore-eos"], home)
+    assert r.returncode == 0, r.stderr
+    assert "context full (40 tokens)" in r.stderr and "max tokens reached" not in r.stderr

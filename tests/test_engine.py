@@ -278,3 +278,8 @@ def test_block_invariant_after_random_workload():
     assert bm.num_free_blocks == 24
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert bm.counters.hit_tokens > 0
+
+
+def test_a_block_bigger_than_the_kv_budget_names_the_block_size(tiny_models):
+    with pytest.raises(ValueError, match="lower kvcache_block_size"):
+        LLMEngine(str(tiny_models[ARCH]), dtype="float32", kvcache_block_size=1 << 20, kv_cache_gib=0.001)
