@@ -3,6 +3,8 @@
 Loading never fails: a missing file gives the defaults, a corrupt file or a bad value gives the
 defaults for what could not be read plus a warning in `Settings.warnings` (the CLI prints them,
 the TUI can show them). Unknown keys are ignored so older and newer versions share a file.
+A file that could not be read whole is never overwritten: `save` refuses (SettingsNotSaved), so the
+user's file survives for them to fix, whatever front end was running.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from nanochat.app.options import (DTYPE_NAMES, POSITIVE_FLOAT, POSITIVE_INT, TEM
                                   valid_device)
 
 MAX_RECENT = 10
+
+
+class SettingsNotSaved(OSError):
+    """The settings file on disk could not be read whole when loaded: it is not overwritten."""
 
 
 def _optional_str(v) -> bool:
@@ -84,6 +90,9 @@ class Settings:
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Write atomically (temp file + rename), so a crash never leaves half a file."""
         path = Path(path) if path is not None else _default_path()
+        if self.warnings:
+            raise SettingsNotSaved(f"{path} was not read whole, so it is left as it is "
+                                   "(fix or remove it to save settings again)")
         path.parent.mkdir(parents=True, exist_ok=True)
         data = json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
         fd, tmp = tempfile.mkstemp(prefix=".settings-", suffix=".json", dir=path.parent)

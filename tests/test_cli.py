@@ -335,6 +335,11 @@ def test_settings_tolerate_bad_files(tmp_path):
     s = Settings.load(path)
     assert s.top_p == 0.5 and s.temperature == Settings().temperature and s.device == "cpu"
     assert s.recent_models == [] and len(s.warnings) == 3
+    before = path.read_text()
+    s.theme = "other"
+    with pytest.raises(OSError, match="not read whole"):     # whoever saves (TUI, CLI) leaves it alone
+        s.save(path)
+    assert path.read_text() == before
 
 
 def test_corrupt_settings_warn_but_run(home, tiny, capsys):
