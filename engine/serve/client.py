@@ -137,6 +137,7 @@ class EngineClient:
         self._death_listeners: list[Callable[[str], None]] = []
         self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self._closing = False
+        self._gone = threading.Event()      # set once the connection's end has been dealt with
         self.died: str | None = None        # why the last engine process ended, until the next start
 
     # ------------------------------------------------------------------ process
@@ -153,6 +154,7 @@ class EngineClient:
 
             ours, theirs = socket.socketpair()
             self._closing = False
+            self._gone = threading.Event()
             if self.in_process:
                 from nanochat.engine.serve.core import EngineCore
 
@@ -253,6 +255,7 @@ class EngineClient:
             with self._send_lock:
                 conn.send(call)
         except OSError as e:
+            self._gone.wait(10)   # the reader thread is finding out why
             raise EngineDied(self.died or f"the engine process is gone ({e.strerror or e})") from None
 
     def _call(self, op: str, progress: Callable | None = None, timeout: float | None = None, **args):
@@ -339,12 +342,13 @@ class EngineClient:
 
     def _on_disconnect(self, conn) -> None:
         """The connection ended: after shutdown() that is expected; otherwise the engine died."""
-        if self._conn is conn:     # no lock: a caller may hold it while waiting on a call failed below
-            self._conn = None
         closing = self._closing
         reason = "the engine stopped" if closing else self._death_reason()
         if not closing:
-            self.died = reason
+            self.died = reason     # before the connection goes: a sender that finds it gone says why
+        if self._conn is conn:     # no lock: a caller may hold it while waiting on a call failed below
+            self._conn = None
+        self._gone.set()
         error = EngineDied(reason)
         for pending in list(self._pending.values()):
             if not pending.future.done():

@@ -93,6 +93,10 @@ class EngineCore:
             if not _answerable(e):
                 raise
             events = self._abort_all("error", f"the engine step failed: {one_line(e)}")
+        self._publish(events)
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        """Send one step's events (chat turns that end record their reply in their session first)."""
         for event in events:
             turn = self.turns.get(event.request_id)
             if turn is not None:
@@ -146,13 +150,7 @@ class EngineCore:
             self.send(("progress", call.call_id, (done, total)))
 
         engine = LLMEngine(model, load_progress=progress, **config)   # raises: the old engine stays
-        events = self._abort_all()
-        for event in events:
-            turn = self.turns.get(event.request_id)
-            if turn is not None:
-                self._fold_turn(event, *turn)
-        if events:
-            self.send(("events", events))
+        self._publish(self._abort_all())
         self.engine, self.model = engine, model
         self.sessions.clear()                     # sessions belong to a tokenizer and a KV cache
         self.session_errors.clear()
@@ -232,10 +230,7 @@ class EngineCore:
             return
         event = self.engine.abort(request_id)
         if event is not None:
-            turn = self.turns.get(request_id)
-            if turn is not None:
-                self._fold_turn(event, *turn)
-            self.send(("events", [event]))
+            self._publish([event])
 
     def op_stats(self, call: Call):
         return self._engine().stats()
