@@ -15,15 +15,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanochat.engine.output import RequestStats
+
 
 @dataclass
 class StoredMessage:
     id: int
     role: str
     content: str
-    stats: dict | None = None
+    stats: RequestStats | None = None   # an assistant reply's numbers (stored as RequestStats.to_dict())
     created: float = 0.0
-    note: str = ""               # e.g. "history re-prefilled"
+    note: str = ""               # e.g. "history re-prefilled", "interrupted: engine stopped"
 
 
 @dataclass
@@ -153,13 +155,14 @@ class ChatStore:
         self._write("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
     # ------------------------------------------------------------------ messages
-    def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
+    def add_message(self, conversation_id: int, role: str, content: str, stats: RequestStats | None = None,
                     created: float | None = None, note: str = "") -> int:
         now = created if created is not None else time.time()
+        stats_json = json.dumps(stats.to_dict()) if stats is not None else None
         with self._lock, self._conn:
             cur = self._conn.execute(
                 "INSERT INTO messages (conversation_id, role, content, stats, created, note) VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, json.dumps(stats) if stats is not None else None, now, note))
+                (conversation_id, role, content, stats_json, now, note))
             self._conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
         return cur.lastrowid
 
@@ -170,9 +173,20 @@ class ChatStore:
         with self._lock:
             rows = self._conn.execute("SELECT id, role, content, stats, created, note FROM messages "
                                       "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [StoredMessage(i, role, content, json.loads(stats) if stats else None, created, note or "")
+        return [StoredMessage(i, role, content, _read_stats(stats), created, note or "")
                 for i, role, content, stats, created, note in rows]
 
     def clear_messages(self, conversation_id: int) -> None:
         self._write("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
         self._touch(conversation_id)
+
+
+def _read_stats(raw: str | None) -> RequestStats | None:
+    """Stats as stored; keys of older or newer versions are ignored, and a damaged value reads as none."""
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return RequestStats.from_dict(data) if isinstance(data, dict) else None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 
 import pytest
 
 from nanochat.app.store import SCHEMA_VERSION, ChatStore, StoreError, migrate
+from nanochat.engine.output import RequestStats
 
 
 def test_round_trip_and_reopen(tmp_path):
@@ -15,7 +17,7 @@ def test_round_trip_and_reopen(tmp_path):
     store = ChatStore(db)
     cid = store.create_conversation("First", system_prompt="Be brief.", model="m.gguf", created=100.0)
     store.add_message(cid, "user", "hi", created=101.0)
-    stats = {"prompt_tokens": 12, "cached_tokens": 0, "completion_tokens": 3, "ttft": 0.01}
+    stats = RequestStats(prompt_tokens=12, cached_tokens=0, completion_tokens=3, ttft=0.01, finish_reason="stop")
     store.add_message(cid, "assistant", "hello", stats, created=102.0, note="history re-prefilled")
     store.close()
 
@@ -52,6 +54,28 @@ def test_ordering_rename_clear_delete(tmp_path):
     assert store._conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
     with pytest.raises(KeyError):
         store.load_conversation(a)
+
+
+def test_stats_are_stored_as_request_stats_dicts(tmp_path):
+    """RequestStats go in as to_dict() (with the derived prefilled_tokens, for other readers of the
+    file) and come back through from_dict, which ignores keys it does not know."""
+    store = ChatStore(tmp_path / "s.db")
+    cid = store.create_conversation("stats")
+    stats = RequestStats(prompt_tokens=30, cached_tokens=16, completion_tokens=5)
+    mid = store.add_message(cid, "assistant", "x", stats)
+    raw = json.loads(store._conn.execute("SELECT stats FROM messages WHERE id = ?", (mid,)).fetchone()[0])
+    assert raw["prefilled_tokens"] == 14 and raw["finish_reason"] is None
+    with store._conn:   # a row from an older version (TurnStats keys) and a damaged one
+        store._conn.execute("INSERT INTO messages (conversation_id, role, content, stats, created) VALUES "
+                            "(?, 'assistant', 'old', ?, 1.0)", (cid, json.dumps({"completion_tokens": 4,
+                                                                                 "finish_reason": "abort",
+                                                                                 "turn_seconds": 0.5})))
+        store._conn.execute("INSERT INTO messages (conversation_id, role, content, stats, created) VALUES "
+                            "(?, 'assistant', 'bad', 'not json', 2.0)", (cid,))
+    new, old, bad = store.messages(cid)
+    assert new.stats == stats
+    assert old.stats == RequestStats(completion_tokens=4, finish_reason="abort")
+    assert bad.stats is None
 
 
 def test_migrates_a_version_1_database(tmp_path):

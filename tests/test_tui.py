@@ -1,7 +1,11 @@
 """The Textual app driven by Pilot against the REAL engine on a tiny random model (CPU, fp32).
 
+Most tests run the engine core on a thread of this process (EngineClient(in_process=True): faster,
+and its steps can be slowed down by monkeypatching LLMEngine.step); the engine-death and exit tests
+run a real engine process.
+
 Random tiny models write gibberish: these tests check plumbing (streaming, stats, cancel, commands,
-persistence, model switching), not the text.
+persistence, model switching, engine death), not the text.
 """
 
 from __future__ import annotations
@@ -12,16 +16,23 @@ import time
 
 import pytest
 
+from nanochat.app.controller import INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, format_stats
 from nanochat.app.paths import get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore
 from nanochat.app.tui.app import NanochatApp
-from nanochat.app.tui.conversation import REPLAY_NOTE, code_blocks, format_stats
+from nanochat.app.tui.chat_screen import ChatScreen
+from nanochat.app.tui.commands import SLASH_COMMANDS
 from nanochat.app.tui.screens import BenchScreen, HistoryScreen, ModelPicker
-from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView
-from nanochat.engine.engine_thread import EngineThread
+from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, code_blocks
+from nanochat.engine.llm_engine import LLMEngine
+from nanochat.engine.output import RequestStats
+from nanochat.engine.serve.client import EngineClient
+from nanochat.kernels.cpp_build import cache_root
+from test_controller import install_step_delay_hook, process_gone
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_kvcache_blocks=96)
+KERNEL_CACHE = cache_root()      # where the C++ kernels are built outside the tests' NANOCHAT_HOMEs
 SIZE = (120, 40)
 LONG_USER = "hello there, how are you today? tell me about the quick brown fox and the lazy dog"
 
@@ -41,29 +52,29 @@ def home(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def shared_engine(tiny_models):
-    et = EngineThread(str(tiny_models["qwen3"]), **ENGINE)
-    yield et
-    et.shutdown()
+def shared_client(tiny_models):
+    client = EngineClient(in_process=True)
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    yield client
+    client.shutdown()
 
 
 @pytest.fixture
-def slow_steps(shared_engine, monkeypatch):
-    """At most ~20 engine steps a second, so a long reply is surely still running when the test acts
-    (the tiny model can otherwise fill its 256-token context in a second or two)."""
-    engine = shared_engine.engine
-    step = engine.step
+def slow_steps(monkeypatch):
+    """At most ~20 engine steps a second (in-process engines), so a long reply is surely still running
+    when the test acts (the tiny model can otherwise fill its 256-token context in a second or two)."""
+    step = LLMEngine.step
 
-    def slow_step():
+    def slow_step(self):
         time.sleep(0.05)
-        return step()
+        return step(self)
 
-    monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
 
 
-def make_app(engine_thread, paths, max_tokens=6, **kw) -> NanochatApp:
+def make_app(client, paths, max_tokens=6, **kw) -> NanochatApp:
     kw.setdefault("sampling", {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
-    return NanochatApp(engine_thread=engine_thread, paths=paths, settings=Settings.load(paths.settings_file),
+    return NanochatApp(client=client, paths=paths, settings=Settings.load(paths.settings_file),
                        engine_config=dict(ENGINE), **kw)
 
 
@@ -89,7 +100,8 @@ async def reply_done(pilot, conv, timeout: float = 30.0):
 
 
 def footers(app) -> list[str]:
-    return [str(v.query_one(".footer").render()) for v in app.query(MessageView) if v.message.role == "assistant"]
+    return [str(v.query_one(".footer").render()) for v in app.chat_screen.query(MessageView)
+            if v.message.role == "assistant"]
 
 
 def notifications(app) -> list[str]:
@@ -98,7 +110,7 @@ def notifications(app) -> list[str]:
 
 # ---------------------------------------------------------------------------------- chat
 @sync
-async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_engine, home, monkeypatch):
+async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_client, home, monkeypatch, slow_steps):
     from textual.widgets._markdown import MarkdownStream
 
     writes = []
@@ -106,13 +118,14 @@ async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_engine, ho
 
     async def spy(self, fragment):
         view = self.markdown_widget.parent
-        writes.append((fragment, view.message.streaming, view.has_class("streaming")))
+        writes.append((fragment, view.has_class("streaming")))
         await original(self, fragment)
 
     monkeypatch.setattr(MarkdownStream, "write", spy)
-    app = make_app(shared_engine, home, max_tokens=12)
+    app = make_app(shared_client, home, max_tokens=12)
     async with app.run_test(size=SIZE) as pilot:
-        conv = app.current
+        screen = app.chat_screen
+        conv = screen.current
         box = app.query_one(ChatInput)
         await pilot.press(*"hi")           # typed keys reach the TextArea
         assert box.text == "hi"
@@ -120,35 +133,38 @@ async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_engine, ho
         await pilot.press("enter")
         assert box.text == ""
         reply = await reply_done(pilot, conv)
-        # the text went into the live Markdown stream while the message was marked streaming (the app
-        # batches the tokens that arrive while it is busy drawing, so there may be fewer writes than tokens)
-        assert 1 <= len(writes) <= 12 and all(live and css for _, live, css in writes)
+        # the text went into the live Markdown stream of the view marked streaming (the app batches the
+        # tokens that arrive between two drains, so there may be fewer writes than tokens; the steps are
+        # slowed down so that the reply surely outlasts the mounting of its view)
+        assert 1 <= len(writes) <= 12 and all(live for _, live in writes)
         assert "".join(w[0] for w in writes) == reply.content
         assert reply.role == "assistant" and not reply.streaming and reply.content
-        assert reply.stats["completion_tokens"] == 12 and reply.stats["cached_tokens"] == 0
+        assert reply.stats.completion_tokens == 12 and reply.stats.cached_tokens == 0
         assert "12 tok" in footers(app)[-1] and "cached 0/" in footers(app)[-1]
-        assert conv.title.startswith("hello there")          # titled after the first message
+        assert conv.title.startswith("hello there") and screen.sub_title == conv.title   # titled after it
 
         await send(pilot, "and a second question about the fox and the dog please")
         second = await reply_done(pilot, conv)
-        cached = second.stats["cached_tokens"]
-        assert cached > 0 and second.stats["prefilled_tokens"] < second.stats["prompt_tokens"]
+        cached = second.stats.cached_tokens
+        assert cached > 0 and second.stats.prefilled_tokens < second.stats.prompt_tokens
         assert f"cached {cached}/" in footers(app)[-1]
-        assert app.query_one("#gauges").last_ttft == pytest.approx(second.stats["ttft"])
+        assert app.query_one("#gauges").status.last_ttft == pytest.approx(second.stats.ttft)
+        assert f"{second.stats.ttft * 1000:.0f} ms" in str(app.query_one("#g-ttft").render())
         # every completed message is in the store, with its stats
         stored = ChatStore(home.chat_db).load_conversation(conv.id)
         assert [m.role for m in stored.messages] == ["user", "assistant", "user", "assistant"]
-        assert stored.messages[-1].stats["cached_tokens"] == cached
+        assert stored.messages[-1].stats == second.stats
 
 
 @sync
-async def test_two_conversations_generate_at_once(shared_engine, home, slow_steps):
-    app = make_app(shared_engine, home, max_tokens=400)
+async def test_two_conversations_generate_at_once(shared_client, home, slow_steps):
+    app = make_app(shared_client, home, max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:
-        first = app.current
+        screen = app.chat_screen
+        first = screen.current
         await send(pilot, LONG_USER)
-        await app.run_command("/new")
-        second = app.current
+        await screen.commands.run("/new")
+        second = screen.current
         assert second is not first
         await send(pilot, "a different question in another conversation")
         assert first.generating and second.generating, notifications(app)   # both in flight together
@@ -156,52 +172,68 @@ async def test_two_conversations_generate_at_once(shared_engine, home, slow_step
         running = []
 
         def both_streaming():
-            if app.engine_stats is not None:
-                running.append(app.engine_stats.running)
+            if app.engine_status.stats is not None:
+                running.append(app.engine_status.stats.running)
             return a.generated_tokens >= 3 and b.generated_tokens >= 3 and max(running, default=0) == 2
 
         await wait_for(pilot, both_streaming, what="both replies streaming, batched")
         assert "running 2" in str(app.query_one("#g-seqs").render())     # the gauges show the batch
         await pilot.press("escape")                                       # cancels the current one only
         await reply_done(pilot, second)
-        assert b.stats["finish_reason"] == "abort" and b.stats["completion_tokens"] >= 3
-        if first.generating:
-            first.handle.cancel()
+        assert b.stats.finish_reason == "abort" and b.stats.completion_tokens >= 3
+        app.controller.cancel(first)
         await reply_done(pilot, first)
         # (the first one may have filled the 256-token context before its cancel)
-        assert a.stats["finish_reason"] in ("abort", "length") and a.stats["completion_tokens"] >= 3
+        assert a.stats.finish_reason in ("abort", "length") and a.stats.completion_tokens >= 3
         # the first conversation streamed while hidden; its view shows the whole reply when shown again
-        await app.show_conversation(first.id)
+        await screen.show_conversation(first.id)
         await pilot.pause()
-        views = list(app.chat_view(first).query(MessageView))
-        assert views[-1].message is a and f"{a.stats['completion_tokens']} tok" in str(views[-1].query_one(".footer").render())
+        views = list(screen.chat_view(first).query(MessageView))
+        assert views[-1].message is a
+        assert f"{a.stats.completion_tokens} tok" in str(views[-1].query_one(".footer").render())
 
 
 @sync
-async def test_escape_cancels_the_reply(shared_engine, home, slow_steps):
-    app = make_app(shared_engine, home, max_tokens=400)
+async def test_escape_cancels_the_reply(shared_client, home, slow_steps):
+    app = make_app(shared_client, home, max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:
-        conv = app.current
+        conv = app.chat_screen.current
         await send(pilot, LONG_USER)
         reply = conv.messages[-1]
         await wait_for(pilot, lambda: reply.generated_tokens >= 2, what="the first tokens")
         await pilot.press("escape")
         await reply_done(pilot, conv)
-        assert reply.stats["finish_reason"] == "abort" and reply.stats["completion_tokens"] < 400
+        assert reply.stats.finish_reason == "abort" and reply.stats.completion_tokens < 400
         assert "cancelled" in footers(app)[-1]
+        assert not conv.session.busy                                      # the session is free again
         # the partial reply is kept (and stored); the next turn continues after it
         assert [m.role for m in ChatStore(home.chat_db).messages(conv.id)] == ["user", "assistant"]
-        app.sampling["max_tokens"] = 4
+        app.controller.sampling["max_tokens"] = 4
         await send(pilot, "go on")
         nxt = await reply_done(pilot, conv)
-        assert nxt.stats["finish_reason"] == "length" and nxt.stats["cached_tokens"] > 0
+        assert nxt.stats.finish_reason == "length" and nxt.stats.cached_tokens > 0
 
 
 @sync
-async def test_a_refused_request_gives_the_text_back(shared_engine, home):
-    app = make_app(shared_engine, home)
+async def test_quitting_mid_reply_keeps_the_partial_reply(shared_client, home, slow_steps):
+    app = make_app(shared_client, home, max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:
-        conv = app.current
+        conv = app.chat_screen.current
+        await send(pilot, LONG_USER)
+        reply = conv.messages[-1]
+        await wait_for(pilot, lambda: reply.generated_tokens >= 2, what="the first tokens")
+    stored = ChatStore(home.chat_db).messages(conv.id)
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[1].stats.finish_reason == "abort" and stored[1].stats.completion_tokens >= 2
+    assert stored[1].content.startswith(reply.content)
+    assert conv.session is None                                          # its KV was freed
+
+
+@sync
+async def test_a_refused_request_gives_the_text_back(shared_client, home):
+    app = make_app(shared_client, home)
+    async with app.run_test(size=SIZE) as pilot:
+        conv = app.chat_screen.current
         too_long = "fox " * 400                          # more than the 256-token context
         await send(pilot, too_long)
         await wait_for(pilot, lambda: not conv.generating, 10, "the refusal")
@@ -212,12 +244,12 @@ async def test_a_refused_request_gives_the_text_back(shared_engine, home):
 
 
 @sync
-async def test_input_history_newline_and_completion(shared_engine, home):
-    app = make_app(shared_engine, home, max_tokens=2)
+async def test_input_history_newline_and_completion(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=2)
     async with app.run_test(size=SIZE) as pilot:
         box = app.query_one(ChatInput)
         await send(pilot, "first message")
-        await reply_done(pilot, app.current)
+        await reply_done(pilot, app.chat_screen.current)
         await pilot.press("up")
         assert box.text == "first message"
         await pilot.press("down")
@@ -237,10 +269,12 @@ async def test_input_history_newline_and_completion(shared_engine, home):
 
 # ---------------------------------------------------------------------------------- commands
 @sync
-async def test_slash_commands(shared_engine, home):
-    app = make_app(shared_engine, home, max_tokens=4)
+async def test_slash_commands(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
-        conv = app.current
+        screen = app.chat_screen
+        assert set(screen.commands.handlers) == {c.name for c in SLASH_COMMANDS}
+        conv = screen.current
         await send(pilot, "Show me code")
         reply = await reply_done(pilot, conv)
 
@@ -252,8 +286,9 @@ async def test_slash_commands(shared_engine, home):
         assert not isinstance(app.screen, HistoryScreen)
 
         await send(pilot, "/export")
-        assert app.last_export is not None and app.last_export.parent == home.exports_dir
-        text = app.last_export.read_text()
+        export = screen.commands.last_export
+        assert export is not None and export.parent == home.exports_dir
+        text = export.read_text()
         assert "Show me code" in text and "## Assistant" in text and "cached 0/" in text
 
         await send(pilot, "/copy")
@@ -264,39 +299,43 @@ async def test_slash_commands(shared_engine, home):
         assert Settings.load(home.settings_file).theme == "nanochat-light"
 
         await send(pilot, "/rename Renamed chat")
-        assert conv.title == "Renamed chat"
+        assert conv.title == "Renamed chat" and screen.sub_title == "Renamed chat"
 
         await send(pilot, "/hstory")
         assert any("Unknown command /hstory" in m and "/history" in m for m in notifications(app))
 
-        def pinned():
-            return app.engine_thread.call(lambda e: e.block_manager.stats().pinned_sessions).result(10)
+        def pinned(n):
+            return lambda: shared_client.stats().pinned_sessions == n
 
+        await wait_for(pilot, pinned(1), 20, "the session's KV pinned")
         await send(pilot, "/system Be terse.")
         assert conv.system_prompt == "Be terse." and conv.session is None   # next turn replays with it
-        assert pinned() == 0
+        await wait_for(pilot, pinned(0), 20, "the session's KV freed")
         await send(pilot, "again")
         await reply_done(pilot, conv)
-        assert conv.messages[-1].note == REPLAY_NOTE and pinned() == 1
+        assert conv.messages[-1].note == REPLAY_NOTE
+        await wait_for(pilot, pinned(1), 20, "the new session's KV pinned")
         await send(pilot, "/clear")
         assert conv.messages == [] and ChatStore(home.chat_db).messages(conv.id) == []
-        assert not list(app.chat_view(conv).query(MessageView))
-        assert conv.system_prompt == "Be terse." and pinned() == 0
+        assert not list(screen.chat_view(conv).query(MessageView))
+        assert conv.system_prompt == "Be terse."
+        await wait_for(pilot, pinned(0), 20, "the KV freed by /clear")
 
         await send(pilot, "/new Second")
-        assert app.current.title == "Second" and len(app.conversations) == 2
+        conversations = app.controller.conversations
+        assert screen.current.title == "Second" and len(conversations) == 2
         await send(pilot, "/rename")                   # without a title: a prompt
         box = app.screen.query_one("Input")
         box.value = "Third"
         await pilot.press("enter")
-        assert app.current.title == "Third"
+        assert screen.current.title == "Third"
         await send(pilot, "/delete")                   # asks first
         await pilot.press("n")
-        assert len(app.conversations) == 2
+        assert len(conversations) == 2
         await send(pilot, "/delete")
         await pilot.press("y")
         await pilot.pause()
-        assert len(app.conversations) == 1 and app.current is conv
+        assert len(app.controller.conversations) == 1 and screen.current is conv
         assert [c.title for c in ChatStore(home.chat_db).list_conversations()] == ["Renamed chat"]
 
         await send(pilot, "/help")
@@ -305,20 +344,20 @@ async def test_slash_commands(shared_engine, home):
 
 
 @sync
-async def test_command_palette_runs_the_same_actions(shared_engine, home):
-    app = make_app(shared_engine, home)
+async def test_command_palette_runs_the_same_actions(shared_client, home):
+    app = make_app(shared_client, home)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"New conversation")
         await pilot.pause(0.3)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.conversations) == 2, 5, "a new conversation")
+        await wait_for(pilot, lambda: len(app.controller.conversations) == 2, 20, "a new conversation")
 
 
 @sync
-async def test_bench_fast_runs_in_the_app(shared_engine, home):
-    app = make_app(shared_engine, home)
+async def test_bench_fast_runs_in_the_app(shared_client, home):
+    app = make_app(shared_client, home)
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "/bench fast seqs=2 input=16 output=8")
         screen = app.screen
@@ -327,24 +366,30 @@ async def test_bench_fast_runs_in_the_app(shared_engine, home):
         table = screen.query_one("#bench-results")
         assert table.row_count > 5
         assert screen.report["iterations"][0]["generated_tokens"] > 0
+        assert "running" in str(screen.query_one("#g-seqs").render())     # its own gauges
         await pilot.press("escape")
         assert not isinstance(app.screen, BenchScreen)
 
 
 @sync
-async def test_bench_cancel_with_escape(shared_engine, home, slow_steps):
-    app = make_app(shared_engine, home)
+async def test_bench_cancel_with_escape(shared_client, home, slow_steps):
+    app = make_app(shared_client, home, max_tokens=3)
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "/bench fast seqs=2 input=16 output=200 max_model_len=256")
         screen = app.screen
         await wait_for(pilot, lambda: "tokens" in str(screen.query_one("#bench-status").render()), 30,
                        "bench progress")
+        assert screen.engine_status.stats is not None                     # live gauges from the bench
         await pilot.press("escape")
-        await wait_for(pilot, lambda: screen.report is not None or not screen.running, 30, "the cancel")
-        assert screen.cancelled
+        await wait_for(pilot, lambda: not screen.running, 30, "the cancel")
+        assert screen.cancelled and screen.report is None
+        assert "cancelled" in str(screen.query_one("#bench-status").render())
         await pilot.press("escape")
         assert not isinstance(app.screen, BenchScreen)
-        assert not app.engine_thread.call(lambda e: e.has_unfinished()).result(10)
+        await wait_for(pilot, lambda: (shared_client.stats().running, shared_client.stats().waiting) == (0, 0), 20,
+                       "an idle engine")
+        await send(pilot, "the engine is free again")                   # chats go on after the bench
+        assert (await reply_done(pilot, app.chat_screen.current)).stats.completion_tokens == 3
 
 
 # ---------------------------------------------------------------------------------- models
@@ -358,12 +403,13 @@ async def test_model_picker_switches_and_survives_a_broken_model(tiny_models, ho
     shutil.copytree(tiny_models["llama"], other)
     broken = home.models_dir / "x.gguf"
     broken.write_bytes(b"\x00garbage bytes, not a model\xff" * 64)
-    et = EngineThread(str(tiny_models["qwen3"]), **ENGINE)
+    client = EngineClient(in_process=True)
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
     try:
-        app = make_app(et, home, max_tokens=4,
+        app = make_app(client, home, max_tokens=4,
                        discover=lambda: discover_models([home.models_dir], include_hub=False))
         async with app.run_test(size=SIZE) as pilot:
-            conv = app.current
+            conv = app.chat_screen.current
             await send(pilot, LONG_USER)
             await reply_done(pilot, conv)
             await send(pilot, "/model")
@@ -376,59 +422,151 @@ async def test_model_picker_switches_and_survives_a_broken_model(tiny_models, ho
             picker.query_one("#picker-path").value = str(broken)
             picker.query_one("#picker-path").focus()
             await pilot.press("enter")
-            await wait_for(pilot, lambda: not app.model_loading and not picker._loading, 30, "the failed load")
+            await wait_for(pilot, lambda: not picker._loading, 30, "the failed load")
             await pilot.pause()
             assert app.screen is picker                                  # still open
             assert any("could not load" in m and "x.gguf" in m for m in notifications(app))
-            assert et.model_name == str(tiny_models["qwen3"])             # previous model kept
+            assert client.model.model == str(tiny_models["qwen3"])       # previous model kept
+            assert app.controller.engine_state is EngineState.READY
 
             table.focus()
             table.move_cursor(row=table.get_row_index(str(other)))
             await pilot.press("enter")
             await wait_for(pilot, lambda: app.screen is not picker, 30, "the model load")
-            assert et.model_name == str(other) and app.generation == 1
+            assert client.model.model == str(other)
             assert "tiny-llama" in str(app.query_one("#g-model").render())
+            assert "llama" in str(app.query_one("#g-device").render())
             assert str(other) in Settings.load(home.settings_file).recent_models
 
             # the conversation goes on with the new model: its transcript is re-prefilled once
             await send(pilot, "continue with the new model")
             reply = await reply_done(pilot, conv)
             assert reply.note == REPLAY_NOTE and REPLAY_NOTE in footers(app)[-1]
-            assert reply.stats["prompt_tokens"] > 40
+            assert reply.stats.prompt_tokens > 40
     finally:
-        et.shutdown()
+        client.shutdown()
 
 
 @sync
-async def test_conversations_persist_across_restart(shared_engine, home):
-    app = make_app(shared_engine, home, max_tokens=4)
+async def test_conversations_persist_across_restart(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "remember this conversation")
-        await reply_done(pilot, app.current)
-        first_id = app.current.id
+        await reply_done(pilot, app.chat_screen.current)
+        first_id = app.chat_screen.current.id
         await send(pilot, "/new")
         await send(pilot, "/rename Empty one")
-    again = make_app(shared_engine, home, max_tokens=4)
+    again = make_app(shared_client, home, max_tokens=4)
     async with again.run_test(size=SIZE) as pilot:
-        titles = {c.title for c in again.conversations.values()}
+        screen = again.chat_screen
+        titles = {c.title for c in again.controller.conversations.values()}
         assert titles == {"remember this conversation", "Empty one"}
-        restored = again.conversations[first_id]
+        restored = again.controller.conversations[first_id]
         assert [m.role for m in restored.messages] == ["user", "assistant"]
-        assert restored.messages[1].stats["completion_tokens"] == 4
-        await again.show_conversation(first_id)
+        assert restored.messages[1].stats.completion_tokens == 4
+        await screen.show_conversation(first_id)
         await pilot.pause()
-        assert len(again.chat_view(restored).query(MessageView)) == 2
+        assert len(screen.chat_view(restored).query(MessageView)) == 2
         await send(pilot, "and now continue")
         reply = await reply_done(pilot, restored)
-        assert reply.note == REPLAY_NOTE and reply.stats["completion_tokens"] == 4
+        assert reply.note == REPLAY_NOTE and reply.stats.completion_tokens == 4
+
+
+# ---------------------------------------------------------------------------------- engine process
+@pytest.fixture
+def step_delay(home, tmp_path, monkeypatch):
+    """Engine processes started in this test read a step delay from a file (see test_controller.py),
+    and find the C++ kernels built already: the test home's cache is the usual one (else every new
+    engine process would build them again in its fresh NANOCHAT_HOME, ~15 s)."""
+    KERNEL_CACHE.mkdir(parents=True, exist_ok=True)
+    home.cache_dir.rmdir()
+    home.cache_dir.symlink_to(KERNEL_CACHE, target_is_directory=True)
+    return install_step_delay_hook(tmp_path / "engine-hook", monkeypatch)
+
+
+@sync
+async def test_engine_killed_mid_reply_is_survived(tiny_models, home, step_delay):
+    client = EngineClient()                       # a real engine process, for a real kill -9
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    try:
+        app = make_app(client, home, max_tokens=150)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.chat_screen
+            conv = screen.current
+            step_delay.set(0.03)
+            await send(pilot, LONG_USER)
+            reply = conv.messages[-1]
+            await wait_for(pilot, lambda: reply.generated_tokens >= 3, what="the first tokens")
+            pid = client.pid
+            client.kill()
+            await reply_done(pilot, conv)
+            await wait_for(pilot, lambda: "engine stopped" in str(app.query_one("#g-device").render()), 20,
+                           "the gauges to show the stopped engine")
+            # one clear line, and nothing else about it
+            assert notifications(app) == ["engine stopped: the engine process was killed by SIGKILL (out of "
+                                          "memory?); your next message restarts it"]
+            assert process_gone(pid)
+            # the partial reply is saved, marked interrupted (footer, store, /history)
+            assert reply.note == INTERRUPTED_NOTE and reply.stats.completion_tokens >= 3
+            assert footers(app)[-1].endswith(f"{reply.stats.completion_tokens} tok · {INTERRUPTED_NOTE}")
+            stored = ChatStore(home.chat_db).messages(conv.id)
+            assert [(m.role, m.note) for m in stored] == [("user", ""), ("assistant", INTERRUPTED_NOTE)]
+            assert stored[1].content == reply.content
+            await send(pilot, "/history")
+            history = app.screen.query_one("#history-table")
+            assert history.get_row_at(1)[-1] == INTERRUPTED_NOTE
+            await pilot.press("escape")
+
+            # the next message restarts the engine, then goes out; the history is re-prefilled
+            step_delay.set(0)
+            app.controller.sampling["max_tokens"] = 5
+            await send(pilot, "are you back?")
+            await wait_for(pilot, lambda: len(conv.messages) == 4 and not conv.generating, 60,
+                           "the restart and the reply")
+            await pilot.pause()
+            nxt = conv.messages[-1]
+            assert nxt.role == "assistant" and nxt.note == REPLAY_NOTE
+            assert nxt.stats.finish_reason == "length" and nxt.stats.prompt_tokens > 40
+            assert client.alive and client.pid != pid
+            assert str(app.query_one("#g-device").render()) == "qwen3 · cpu · float32"
+            assert len(notifications(app)) == 1
+
+        # after an app restart the interrupted reply shows where it was, between its user messages
+        again = make_app(client, home)
+        async with again.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            views = list(again.chat_screen.query(MessageView))
+            assert [v.message.role for v in views] == ["user", "assistant", "user", "assistant"]
+            assert views[1].message.content == reply.content
+            assert INTERRUPTED_NOTE in str(views[1].query_one(".footer").render())
+    finally:
+        client.shutdown()
+
+
+@sync
+async def test_no_engine_process_outlives_the_app(tiny_models, home, step_delay):
+    """The app starts its own engine (no client given), loads the startup model; quitting mid-reply
+    keeps the partial reply and stops the engine process."""
+    app = make_app(None, home, max_tokens=150, model=str(tiny_models["qwen3"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.controller.engine_state is EngineState.READY, 60, "the startup load")
+        pid = app.client.pid
+        assert pid is not None and not process_gone(pid)
+        step_delay.set(0.03)
+        conv = app.chat_screen.current
+        await send(pilot, LONG_USER)
+        await wait_for(pilot, lambda: conv.messages[-1].generated_tokens >= 2, what="the first tokens")
+    assert process_gone(pid) and not app.client.alive
+    [_, reply] = ChatStore(home.chat_db).messages(conv.id)
+    assert reply.stats.finish_reason == "abort" and "cancelled" in format_stats(reply.stats)
 
 
 # ---------------------------------------------------------------------------------- helpers
 def test_footer_format_and_code_blocks():
-    stats = {"completion_tokens": 5, "ttft": 0.0123, "decode_tok_s": 42.04, "cached_tokens": 16,
-             "prompt_tokens": 30, "finish_reason": "abort"}
+    stats = RequestStats(completion_tokens=5, ttft=0.0123, decode_tok_s=42.04, cached_tokens=16, prompt_tokens=30,
+                         finish_reason="abort")
     assert format_stats(stats, REPLAY_NOTE) == ("5 tok · TTFT 12 ms · 42.0 tok/s · cached 16/30 · cancelled · "
                                                 + REPLAY_NOTE)
     text = "a\n```python\nprint(1)\n```\nb\n```\nunfinished"
     assert code_blocks(text) == ["print(1)", "unfinished"]
-    assert asyncio.iscoroutinefunction(NanochatApp.send_message)
+    assert asyncio.iscoroutinefunction(ChatScreen.send_message)

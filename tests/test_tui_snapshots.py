@@ -1,14 +1,11 @@
 """SVG snapshots (pytest-textual-snapshot) of the main screen, the model picker and the bench results.
 
-Deterministic content: a stub engine thread with frozen stats (no live numbers), a chat store seeded
-with fixed messages and timestamps, a fixed model list, and a fixed bench report. Update the
-snapshots after an intended UI change with `pytest tests/test_tui_snapshots.py --snapshot-update`.
+Deterministic content: a client that starts no engine and reports a fixed model and frozen stats, a
+chat store seeded with fixed messages and timestamps, a fixed model list, and a fixed bench report.
+Update the snapshots after an intended UI change with `pytest tests/test_tui_snapshots.py --snapshot-update`.
 """
 
 from __future__ import annotations
-
-from concurrent.futures import Future
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,42 +15,39 @@ from nanochat.app.store import ChatStore
 from nanochat.app.tui.app import NanochatApp
 from nanochat.app.tui.screens import BenchScreen
 from nanochat.app.tui.widgets import ChatInput
-from nanochat.engine.output import EngineStats
+from nanochat.engine.output import EngineStats, RequestStats
+from nanochat.engine.serve.client import EngineClient
+from nanochat.engine.serve.protocol import ModelInfo
 from nanochat.models.catalog import ModelEntry
 
 SIZE = (130, 40)
 MODEL = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class StubEngineThread:
-    """Just enough of EngineThread for drawing: a 'loaded' model and frozen stats; no torch."""
+class FrozenClient(EngineClient):
+    """An EngineClient with a 'loaded' model and frozen stats that never starts an engine."""
 
     def __init__(self):
-        self.engine = SimpleNamespace(device="cpu", dtype="torch.float32", model_config=SimpleNamespace(arch="llama"))
-        self.model_name = MODEL
+        super().__init__()
+        self.model = ModelInfo(model=MODEL, arch="llama", device="cpu", dtype="float32", max_model_len=2048,
+                               load_seconds=0.5)
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        raise AssertionError("the snapshot client starts no engine")
 
     def stats(self) -> EngineStats:
         return EngineStats(prefill_tok_s=812.0, decode_tok_s=41.5, running=1, waiting=0, kv_blocks_total=1456,
                            kv_blocks_used=12, kv_blocks_cached=30, kv_blocks_free=1414, prefix_hit_rate=0.62)
 
-    def add_stats_listener(self, fn) -> None:
+    def load_model(self, model: str, progress=None, **config) -> ModelInfo:
+        raise ValueError(f"{model}: frozen")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
         pass
-
-    def _done(self, value=None) -> Future:
-        f = Future()
-        f.set_result(value)
-        return f
-
-    def release_session(self, session_id) -> Future:
-        return self._done()
-
-    def cancel(self, request_id) -> None:
-        pass
-
-    def load_model(self, model, **config) -> Future:
-        f = Future()
-        f.set_exception(ValueError(f"{model}: stub"))
-        return f
 
 
 REPLY = """Here is a function that adds two numbers:
@@ -65,10 +59,10 @@ def add(a, b):
 
 Call it as `add(2, 3)`, which returns **5**."""
 
-STATS_1 = {"prompt_tokens": 42, "cached_tokens": 0, "prefilled_tokens": 42, "completion_tokens": 31,
-           "ttft": 0.084, "decode_tok_s": 38.2, "finish_reason": "stop"}
-STATS_2 = {"prompt_tokens": 95, "cached_tokens": 64, "prefilled_tokens": 31, "completion_tokens": 12,
-           "ttft": 0.031, "decode_tok_s": 40.7, "finish_reason": "stop"}
+STATS_1 = RequestStats(prompt_tokens=42, cached_tokens=0, completion_tokens=31, ttft=0.084, decode_tok_s=38.2,
+                       finish_reason="stop")
+STATS_2 = RequestStats(prompt_tokens=95, cached_tokens=64, completion_tokens=12, ttft=0.031, decode_tok_s=40.7,
+                       finish_reason="stop")
 
 REPORT = {
     "spec": {"num_seqs": 8, "max_input_len": 64, "max_output_len": 64, "max_model_len": 128, "tier": "fast"},
@@ -103,10 +97,11 @@ def make_app(paths, theme: str | None = None, **kw) -> NanochatApp:
     settings = Settings.load(paths.settings_file)
     if theme:
         settings.theme = theme
-    return NanochatApp(engine_thread=StubEngineThread(), paths=paths, settings=settings, **kw)
+    return NanochatApp(client=FrozenClient(), paths=paths, settings=settings, **kw)
 
 
 async def steady(pilot) -> None:
+    await pilot.pause()                  # the chat screen (the app's default screen) composes first
     pilot.app.query_one(ChatInput).cursor_blink = False
     await pilot.pause()
 
@@ -128,7 +123,7 @@ def test_model_picker(seeded_home, snap_compare):
 
     async def open_picker(pilot):
         await steady(pilot)
-        await pilot.app.run_command("/model")
+        await pilot.app.chat_screen.commands.run("/model")
         await pilot.app.workers.wait_for_complete()
         await pilot.pause()
 
@@ -139,7 +134,7 @@ def test_model_picker(seeded_home, snap_compare):
 def test_bench_results(seeded_home, snap_compare):
     async def open_bench(pilot):
         await steady(pilot)
-        await pilot.app.push_screen(BenchScreen("fast", report=REPORT))
+        await pilot.app.push_screen(BenchScreen(pilot.app.client, "fast", report=REPORT))
         await pilot.pause()
 
     assert snap_compare(make_app(seeded_home), terminal_size=SIZE, run_before=open_bench)

@@ -1,15 +1,15 @@
-"""The full-screen Textual app. `main(args)` builds the engine thread and the app from CLI arguments."""
+"""The full-screen Textual app. `main(args)` builds the engine client and the app from CLI arguments."""
 
 from __future__ import annotations
 
 
 def main(args=None) -> int:
     """Run the TUI. `args` is the CLI's argparse namespace (every attribute optional)."""
-    from nanochat.app.cli import engine_config, sampling_options
+    from nanochat.app.options import engine_config, sampling_options
     from nanochat.app.paths import get_paths
     from nanochat.app.settings import Settings
     from nanochat.app.tui.app import NanochatApp
-    from nanochat.engine.engine_thread import EngineThread
+    from nanochat.engine.serve.client import EngineClient
     from nanochat.models.catalog import resolve_default_model
     from nanochat.models.errors import ModelLoadError
 
@@ -23,14 +23,14 @@ def main(args=None) -> int:
     sampling = sampling_options(args, settings)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     system = getattr(args, "system", None)
-    engine_thread = EngineThread()
-    app = NanochatApp(engine_thread=engine_thread, paths=paths, settings=settings, model=model,
+    client = EngineClient()
+    app = NanochatApp(client=client, paths=paths, settings=settings, model=model,
                       engine_config=engine_config(args, settings), sampling=sampling,
                       system_prompt=system if system is not None else settings.system_prompt)
     try:
         app.run()
     finally:
-        engine_thread.shutdown()
+        client.shutdown()   # also when the app crashed: no engine process outlives the app
     return app.return_code or 0
 
 

@@ -8,6 +8,8 @@ from functools import partial
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from nanochat.app.tui.messages import RunCommand
+
 
 @dataclass(frozen=True)
 class SlashCommand:
@@ -115,10 +117,10 @@ PALETTE_ACTIONS: tuple[tuple[str, str, str], ...] = (
 
 
 class NanochatCommands(Provider):
-    """Ctrl+P: the slash commands as palette entries (they run through the same code path)."""
+    """Ctrl+P on the chat screen: the slash commands as palette entries (the screen runs them as typed ones)."""
 
     def _run(self, command: str) -> None:
-        self.app.run_slash_command(command)
+        self.screen.post_message(RunCommand(command))
 
     async def discover(self) -> Hits:
         for label, help_text, command in PALETTE_ACTIONS:

@@ -1,11 +1,10 @@
-"""Screens: model picker, bench, history, help, and small prompts (rename, confirm, theme)."""
+"""Screens: the gauged-screen base, model picker, bench, history, help, and small prompts."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from textual import on, work
@@ -13,13 +12,18 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message as TextualMessage
+from textual.reactive import reactive
 from textual.screen import ModalScreen, Screen
 from textual.widgets import (DataTable, Footer, Input, Label, LoadingIndicator, Markdown, OptionList, ProgressBar,
                              Static)
 from textual.widgets.option_list import Option
 
-from nanochat.app.tui.conversation import Conversation
-from nanochat.app.tui.widgets import GaugePanel
+from nanochat.app.controller import Conversation
+from nanochat.app.tui.messages import LoadModel
+from nanochat.app.tui.widgets import EngineStatus, GaugePanel
+from nanochat.engine.output import EngineStats, RequestStats
+from nanochat.engine.serve.bench import BenchCancelled, spec_from
+from nanochat.engine.serve.client import EngineClient
 
 
 def human_size(n: int) -> str:
@@ -44,10 +48,24 @@ def short_path(path: str, width: int = 30) -> str:
     return path[:keep // 3] + "…" + path[-(keep - keep // 3):]
 
 
+# ---------------------------------------------------------------------------------- gauged screens
+class GaugedScreen(Screen):
+    """A screen with a gauge panel. The app's engine status flows down into `engine_status`, which
+    the screen's GaugePanel binds to (`GaugePanel().data_bind(status=GaugedScreen.engine_status)`)."""
+
+    engine_status: reactive[EngineStatus] = reactive(EngineStatus())
+
+    def on_mount(self) -> None:
+        self.watch(self.app, "engine_status", self._app_status_changed)
+
+    def _app_status_changed(self, status: EngineStatus) -> None:
+        self.engine_status = status
+
+
 # ---------------------------------------------------------------------------------- model picker
 class ModelPicker(ModalScreen[str | None]):
-    """Pick a discovered model or type a path / hub id. Loading happens here (engine thread, awaited in a
-    worker) so a failure keeps the picker open with the previous model still loaded."""
+    """Pick a discovered model or type a path / hub id. The app loads it (LoadModel) and answers with
+    load_finished: a failure keeps the picker open, with the previous model still loaded."""
 
     BINDINGS = [Binding("escape", "close", "Close")]
 
@@ -109,18 +127,18 @@ class ModelPicker(ModalScreen[str | None]):
     def _row_selected(self, event: DataTable.RowSelected) -> None:
         self.load(event.row_key.value)
 
-    @work(exclusive=True, group="picker-load")
-    async def load(self, model: str) -> None:
+    def load(self, model: str) -> None:
         if self._loading:
             return
         self._loading = True
         self.query_one("#picker-loading").display = True
         self.query_one("#picker-message", Label).update(f"loading {model} …")
-        try:
-            ok = await self.app.load_model(model)
-        finally:
-            self._loading = False
-        if ok:
+        self.post_message(LoadModel(model, picker=self))
+
+    def load_finished(self, model: str, error: str | None) -> None:
+        """The app's answer to LoadModel (error: None when the model is loaded)."""
+        self._loading = False
+        if error is None:
             self.dismiss(model)
             return
         self.query_one("#picker-loading").display = False
@@ -203,28 +221,29 @@ def progress_text(p) -> str:
 
 
 class BenchUpdate(TextualMessage):
-    """Progress of the running bench and the engine's stats, posted from the engine thread."""
+    """Progress of the running bench and the engine's stats, posted from the client's reader thread."""
 
-    def __init__(self, progress, stats):
+    def __init__(self, progress, stats: EngineStats):
         super().__init__()
         self.progress, self.stats = progress, stats
 
 
-class BenchScreen(Screen):
-    """Runs the bench workload on the engine thread with live gauges; Esc cancels, then closes.
+class BenchScreen(GaugedScreen):
+    """Runs the bench workload in the engine (client.bench, in a worker thread) with live gauges; Esc
+    cancels (client.cancel_bench), then closes.
 
-    The run is one EngineThread.call (the bench owns the engine while it runs: chats wait in the
-    inbox), so the live numbers come from the bench's progress callback, which also samples the
-    engine's stats, throttled."""
+    While the bench runs it owns the engine (chats wait), and the engine reports its stats with the
+    bench's progress rather than on its own, so those stats feed this screen's gauges."""
 
     BINDINGS = [Binding("escape", "cancel_or_close", "Cancel / close")]
 
-    def __init__(self, tier: str = "fast", overrides: dict | None = None, report: dict | None = None):
+    def __init__(self, client: EngineClient, tier: str = "fast", overrides: dict | None = None,
+                 report: dict | None = None):
         super().__init__(id="bench")
+        self.client = client
         self.tier = tier
         self.overrides = {BENCH_ALIASES.get(k, k.replace("-", "_")): v for k, v in (overrides or {}).items()}
         self.report = report
-        self.cancel_event = threading.Event()
         self.running = False
         self.cancelled = False
 
@@ -237,61 +256,46 @@ class BenchScreen(Screen):
                 yield ProgressBar(total=None, show_eta=False, id="bench-progress")
                 yield Static("", id="bench-summary", classes="dim", markup=False)
                 yield DataTable(id="bench-results", cursor_type="row", zebra_stripes=True)
-            yield GaugePanel(id="bench-gauges", classes="gauges")
+            yield GaugePanel(id="bench-gauges", classes="gauges").data_bind(status=GaugedScreen.engine_status)
         yield Footer()
 
     def on_mount(self) -> None:
-        prime = getattr(self.app, "prime_gauges", None)
-        if prime is not None:
-            prime(self.query_one(GaugePanel))
         if self.report is not None:
             self.show_report(self.report)
         else:
+            self.running = True
             self.run_bench()
 
     @work(exclusive=True, group="bench")
     async def run_bench(self) -> None:
-        from nanochat.engine.bench import BenchCancelled, BenchRunner, spec_from
-
-        self.running = True
         try:
             spec = spec_from(self.tier, **self.overrides)
-            cancel, post = self.cancel_event, self.post_message
-
-            def job(engine):                      # engine thread
-                last = [0.0]
-
-                def progress(p):
-                    now = time.monotonic()
-                    if now - last[0] >= 0.2 or p.finished_requests == p.total_requests:
-                        last[0] = now
-                        post(BenchUpdate(p, engine.stats()))
-
-                runner = BenchRunner(engine, spec, progress, cancel)
-                try:
-                    while runner.step():
-                        pass
-                except BenchCancelled:
-                    return runner.report, True
-                return runner.report, False
-
-            report, cancelled = await asyncio.wrap_future(self.app.engine_thread.call(job))
-        except Exception as e:
-            self.running = False
-            self.query_one("#bench-status", Label).update(f"bench failed: {e} · Esc to close")
+            report = await asyncio.to_thread(self.client.bench, spec, self._progress)
+        except BenchCancelled:
+            self.cancelled = True
+            self._set_status("cancelled · Esc to close")
+            self.query_one("#bench-progress", ProgressBar).update(total=1, progress=0)
+        except Exception as e:   # a bad spec, a busy engine, the engine died: one line, and stay open
+            self._set_status(f"bench failed: {e} · Esc to close")
             self.notify(f"bench failed: {e}", severity="error")
-            return
-        self.running = False
-        self.cancelled = cancelled
-        self.show_report(report.to_dict(), cancelled=cancelled)
+        else:
+            self.show_report(report.to_dict())
+        finally:
+            self.running = False
+
+    def _progress(self, progress, stats: EngineStats) -> None:      # the client's reader thread
+        self.post_message(BenchUpdate(progress, stats))
+
+    def _set_status(self, text: str) -> None:
+        self.query_one("#bench-status", Label).update(text)
 
     def on_bench_update(self, message: BenchUpdate) -> None:
         p = message.progress
-        self.query_one("#bench-status", Label).update(progress_text(p))
+        self._set_status(progress_text(p))
         self.query_one("#bench-progress", ProgressBar).update(total=max(1, p.total_tokens), progress=p.done_tokens)
-        self.query_one(GaugePanel).stats = message.stats
+        self.engine_status = replace(self.engine_status, stats=message.stats)
 
-    def show_report(self, data: dict, cancelled: bool = False) -> None:
+    def show_report(self, data: dict) -> None:
         self.report = data
         table = self.query_one(DataTable)
         table.clear(columns=True)
@@ -300,16 +304,14 @@ class BenchScreen(Screen):
         for row in rows:
             table.add_row(*row)
         self.query_one("#bench-summary", Static).update(report_summary(data))
-        done = len(data.get("iterations") or [])
-        status = f"cancelled: {done} finished iteration(s) shown" if cancelled else "done"
-        self.query_one("#bench-status", Label).update(f"{status} · Esc to close")
+        self._set_status("done · Esc to close")
         self.query_one("#bench-progress", ProgressBar).update(total=1, progress=1)
         table.focus()
 
     def action_cancel_or_close(self) -> None:
         if self.running:
-            self.cancel_event.set()
-            self.query_one("#bench-status", Label).update("cancelling…")
+            self.client.cancel_bench()
+            self._set_status("cancelling…")
         else:
             self.dismiss()
 
@@ -335,22 +337,28 @@ class HistoryScreen(ModalScreen[None]):
         table = self.query_one(DataTable)
         table.add_columns("#", "Role", "Message", "Prompt", "Cached", "Prefilled", "Output", "TTFT", "tok/s", "Note")
         for i, m in enumerate(self.conversation.messages, 1):
-            s = m.stats or {}
             text = " ".join(m.content.split())
             text = text if len(text) <= 48 else text[:47] + "…"
-            ttft = s.get("ttft")
-            rate = s.get("decode_tok_s")
-            table.add_row(str(i), m.role, text, str(s.get("prompt_tokens", "")), str(s.get("cached_tokens", "")),
-                          str(s.get("prefilled_tokens", "")), str(s.get("completion_tokens", "")),
-                          f"{ttft * 1000:.0f} ms" if ttft is not None else "", f"{rate:.1f}" if rate else "",
+            table.add_row(str(i), m.role, text, *self._stats_cells(m.stats),
                           m.note or ("generating" if m.streaming else ""))
         table.focus()
 
+    @staticmethod
+    def _stats_cells(s: RequestStats | None) -> list[str]:
+        """Prompt, cached, prefilled, output, TTFT, tok/s (blank where unknown: a user message, or a reply
+        saved while the app quit, whose prompt numbers never came back)."""
+        if s is None:
+            return [""] * 6
+        prompt = [str(s.prompt_tokens), str(s.cached_tokens), str(s.prefilled_tokens)] if s.prompt_tokens else [""] * 3
+        return [*prompt, str(s.completion_tokens),
+                f"{s.ttft * 1000:.0f} ms" if s.ttft is not None else "",
+                f"{s.decode_tok_s:.1f}" if s.decode_tok_s else ""]
+
     def _totals(self) -> str:
-        stats = [m.stats for m in self.conversation.messages if m.stats]
-        prompt = sum(s.get("prompt_tokens", 0) for s in stats)
-        cached = sum(s.get("cached_tokens", 0) for s in stats)
-        out = sum(s.get("completion_tokens", 0) for s in stats)
+        stats = [m.stats for m in self.conversation.messages if m.stats is not None]
+        prompt = sum(s.prompt_tokens for s in stats)
+        cached = sum(s.cached_tokens for s in stats)
+        out = sum(s.completion_tokens for s in stats)
         rate = f"{cached / prompt * 100:.0f}%" if prompt else "—"
         return (f"{len(self.conversation.messages)} messages · {len(stats)} replies · prompt {prompt} tok, "
                 f"cached {cached} ({rate}) · generated {out} tok")
@@ -443,5 +451,5 @@ class ThemePicker(ModalScreen[str | None]):
         self.dismiss(None)
 
 
-__all__ = ["ModelPicker", "BenchScreen", "HistoryScreen", "HelpScreen", "TextPrompt", "ConfirmScreen",
+__all__ = ["GaugedScreen", "ModelPicker", "BenchScreen", "HistoryScreen", "HelpScreen", "TextPrompt", "ConfirmScreen",
            "ThemePicker", "human_size"]

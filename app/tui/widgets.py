@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual import events
@@ -13,12 +15,25 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.message import Message as TextualMessage
 from textual.reactive import reactive
-from textual.widgets import Label, Markdown, OptionList, ProgressBar, Sparkline, Static, TextArea
+from textual.widgets import Label, LoadingIndicator, Markdown, OptionList, ProgressBar, Sparkline, Static, TextArea
 from textual.widgets.option_list import Option
 
-from nanochat.app.tui.conversation import Conversation, Message, code_blocks, format_stats
+from nanochat.app.controller import Conversation, Message, format_stats
+from nanochat.engine.output import EngineStats
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
+_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """Contents of the fenced code blocks in a message (an unclosed last fence, mid-stream, counts too)."""
+    blocks = [m.group(2) for m in _FENCE.finditer(markdown)]
+    rest = _FENCE.sub("", markdown)
+    if rest.count("```") % 2 == 1:
+        parts = rest[rest.rfind("```"):].split("\n", 1)
+        if len(parts) == 2:
+            blocks.append(parts[1])
+    return [b.rstrip("\n") for b in blocks]
 
 
 class MessageView(Vertical, can_focus=True):
@@ -318,14 +333,21 @@ class Gauge(Vertical):
             lines.first(Sparkline).data = list(self.history)
 
 
-class GaugePanel(Vertical):
-    """Live engine gauges, fed from the engine thread's stats listener (through the app's message queue)."""
+@dataclass(frozen=True)
+class EngineStatus:
+    """What a gauge panel shows. The app keeps the current one; screens hand it down to their panels."""
 
-    stats = reactive(None, always_update=True)     # latest EngineStats
-    last_ttft = reactive(None)                     # seconds, of the last finished turn
-    model_label = reactive("no model")
-    device_label = reactive("")
-    busy = reactive(False)                         # a model is loading
+    model: str = "no model"
+    detail: str = ""                       # arch · device · dtype, or what the engine is doing
+    busy: bool = False                     # loading a model or restarting the engine
+    stats: EngineStats | None = None
+    last_ttft: float | None = None         # seconds, of the last finished turn
+
+
+class GaugePanel(Vertical):
+    """Live engine gauges: model, decode/prefill speed, TTFT, KV cache, prefix hits, batch."""
+
+    status: reactive[EngineStatus] = reactive(EngineStatus())
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -333,8 +355,8 @@ class GaugePanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Label("Model", classes="section")
-        yield Static(self.model_label, id="g-model", classes="value", markup=False)
-        yield Static(self.device_label, id="g-device", classes="dim", markup=False)
+        yield Static(self.status.model, id="g-model", classes="value", markup=False)
+        yield Static(self.status.detail, id="g-device", classes="dim", markup=False)
         yield Horizontal(id="g-loading", classes="loading-row")
         yield Gauge("decode tok/s", id="g-decode")
         yield Gauge("prefill tok/s", id="g-prefill")
@@ -346,52 +368,40 @@ class GaugePanel(Vertical):
 
     async def on_mount(self) -> None:
         self.query_one("#g-loading").display = False
-        self.watch_model_label(self.model_label)
-        self.watch_device_label(self.device_label)
-        self.watch_last_ttft(self.last_ttft)
-        self.watch_stats(self.stats)
-        await self.watch_busy(self.busy)
+        await self._show(None, self.status)
 
-    def watch_model_label(self, value: str) -> None:
+    async def watch_status(self, old: EngineStatus, new: EngineStatus) -> None:
         if self.is_mounted:
-            self.query_one("#g-model", Static).update(value)
+            await self._show(old, new)
 
-    def watch_device_label(self, value: str) -> None:
-        if self.is_mounted:
-            self.query_one("#g-device", Static).update(value)
+    async def _show(self, old: EngineStatus | None, new: EngineStatus) -> None:
+        """Redraw what changed from `old` (None: everything); every update re-lays out the screen."""
+        try:
+            if old is None or (old.model, old.detail) != (new.model, new.detail):
+                self.query_one("#g-model", Static).update(new.model)
+                self.query_one("#g-device", Static).update(new.detail)
+            if old is None or old.busy != new.busy:
+                await self._show_busy(new.busy)
+            ttft = "—" if new.last_ttft is None else f"{new.last_ttft * 1000:.0f} ms"
+            self._set("#g-ttft", f"TTFT (last turn)  {ttft}")
+            if new.stats is not None and (old is None or new.stats is not old.stats):
+                self._show_stats(new.stats)
+        except NoMatches:   # being torn down (app exit): nothing to draw on
+            pass
 
-    async def watch_busy(self, value: bool) -> None:
-        from textual.widgets import LoadingIndicator
-
-        if not self.is_mounted:
-            return
+    async def _show_busy(self, busy: bool) -> None:
         row = self.query_one("#g-loading")
         await row.remove_children()
-        if value:
+        if busy:
             await row.mount(LoadingIndicator())
-        row.display = value
-
-    def watch_last_ttft(self, value: float | None) -> None:
-        if not self.is_mounted:
-            return
-        text = "—" if value is None else f"{value * 1000:.0f} ms"
-        self._set("#g-ttft", f"TTFT (last turn)  {text}")
+        row.display = busy
 
     def _set(self, selector: str, text: str) -> None:
-        """Update a label only when its text changes: every update re-lays out the screen."""
         if self._texts.get(selector) != text:
             self._texts[selector] = text
             self.query_one(selector, Label).update(text)
 
-    def watch_stats(self, s) -> None:
-        if s is None or not self.is_mounted:
-            return
-        try:
-            self._show_stats(s)
-        except NoMatches:   # being torn down (app exit): nothing to draw on
-            pass
-
-    def _show_stats(self, s) -> None:
+    def _show_stats(self, s: EngineStats) -> None:
         self.query_one("#g-decode", Gauge).set_value(f"{s.decode_tok_s:.1f}", s.decode_tok_s)
         self.query_one("#g-prefill", Gauge).set_value(f"{s.prefill_tok_s:.0f}", s.prefill_tok_s)
         total = max(1, s.kv_blocks_total)
@@ -407,9 +417,9 @@ class ConversationList(OptionList):
     """The conversations, newest first; a dot marks one that is generating."""
 
     BINDINGS = [
-        Binding("n", "app.new_conversation", "New"),
-        Binding("r", "app.rename_conversation", "Rename"),
-        Binding("d,delete", "app.delete_conversation", "Delete"),
+        Binding("n", "screen.new_conversation", "New"),
+        Binding("r", "screen.rename_conversation", "Rename"),
+        Binding("d,delete", "screen.delete_conversation", "Delete"),
     ]
 
     def set_conversations(self, conversations: list[Conversation], current_id: int | None) -> None:

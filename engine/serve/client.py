@@ -238,7 +238,11 @@ class EngineClient:
             model = self.model
         if model is None:
             return None
-        return self.load_model(model.model, progress=progress, **self._config)
+        try:
+            return self.load_model(model.model, progress=progress, **self._config)
+        except BaseException:
+            self.shutdown()   # no engine process without its model: the next request tries again
+            raise
 
     def _ensure_engine(self) -> None:
         if self._conn is None:
@@ -394,6 +398,10 @@ class EngineClient:
     def add_death_listener(self, fn: Callable[[str], None]) -> None:
         """fn(reason) runs (on the reader thread) when the engine process ends unexpectedly."""
         self._death_listeners.append(fn)
+
+    def remove_death_listener(self, fn: Callable[[str], None]) -> None:
+        if fn in self._death_listeners:
+            self._death_listeners.remove(fn)
 
     # ------------------------------------------------------------------ operations
     def load_model(self, model: str, progress: Callable[[int, int], None] | None = None, **config) -> ModelInfo:

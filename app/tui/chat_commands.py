@@ -1,0 +1,184 @@
+"""The slash commands of the chat screen: `await ChatCommands(screen, ...).run("/clear")`.
+
+Typed in the input, chosen in the command palette or bound to keys, every command runs here. The
+handlers act on the chat screen's current conversation through the controller, push screens and post
+requests upward (LoadModel); parsing, completion and help text live in commands.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nanochat.app.controller import ChatController, ChatError, model_display_name
+from nanochat.app.tui import commands as slash
+from nanochat.app.tui.messages import LoadModel
+from nanochat.app.tui.screens import (BenchScreen, ConfirmScreen, HelpScreen, HistoryScreen, ModelPicker, TextPrompt,
+                                      ThemePicker)
+from nanochat.app.tui.widgets import code_blocks
+from nanochat.engine.serve.protocol import one_line
+from nanochat.themes import THEME_NAMES
+
+if TYPE_CHECKING:
+    from nanochat.app.tui.chat_screen import ChatScreen
+
+
+def parse_value(raw: str):
+    """A `key=value` bench override's value: int, float, else the text."""
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+class ChatCommands:
+    def __init__(self, screen: "ChatScreen", exports_dir: Path, discover: Callable[[], list],
+                 bench_overrides: dict | None = None):
+        self.screen = screen
+        self.exports_dir = exports_dir
+        self.discover = discover                 # model picker entries (runs in a worker thread)
+        self.bench_overrides = dict(bench_overrides or {})
+        self.last_export: Path | None = None
+        self.handlers: dict[str, Callable[[str], Awaitable[None]]] = {
+            "help": self.help, "new": self.new, "rename": self.rename, "delete": self.delete, "clear": self.clear,
+            "history": self.history, "system": self.system, "model": self.model, "bench": self.bench,
+            "export": self.export, "copy": self.copy, "theme": self.theme, "exit": self.exit}
+
+    @property
+    def controller(self) -> ChatController:
+        return self.screen.controller
+
+    def notify(self, message: str, severity: str = "information", timeout: float | None = None) -> None:
+        self.screen.notify(message, severity=severity, timeout=timeout)
+
+    async def run(self, text: str) -> None:
+        parsed = slash.parse(text)
+        if parsed is None:
+            return
+        name, arg = parsed
+        handler = self.handlers.get(name)
+        if handler is None:
+            self.notify(slash.unknown_message(name), severity="warning")
+            return
+        await handler(arg)
+
+    # ------------------------------------------------------------------ conversations
+    async def help(self, arg: str) -> None:
+        await self.screen.app.push_screen(HelpScreen(slash.help_markdown(THEME_NAMES)))
+
+    async def new(self, arg: str) -> None:
+        await self.screen.new_conversation(arg)
+
+    async def rename(self, arg: str) -> None:
+        conv = self.screen.current
+        if arg:
+            self.screen.rename_conversation(conv, arg)
+            return
+
+        def done(title: str | None) -> None:
+            if title:
+                self.screen.rename_conversation(conv, title)
+
+        await self.screen.app.push_screen(TextPrompt("Rename conversation", conv.title), done)
+
+    async def delete(self, arg: str) -> None:
+        conv = self.screen.current
+
+        async def done(yes: bool | None) -> None:
+            if yes:
+                await self.screen.delete_conversation(conv)
+
+        await self.screen.app.push_screen(ConfirmScreen(f"Delete “{conv.title}”?"), done)
+
+    async def clear(self, arg: str) -> None:
+        await self.screen.clear_conversation(self.screen.current)
+        self.notify("Conversation cleared")
+
+    async def history(self, arg: str) -> None:
+        await self.screen.app.push_screen(HistoryScreen(self.screen.current))
+
+    async def system(self, arg: str) -> None:
+        conv = self.screen.current
+        if not arg:
+            self.notify(f"System prompt: {conv.system_prompt or '(none)'}")
+            return
+        prompt = None if arg == "-" else arg
+        try:
+            self.controller.set_system_prompt(conv, prompt)
+        except ChatError as e:
+            self.notify(str(e).capitalize(), severity="warning")
+            return
+        self.notify("System prompt removed" if prompt is None else "System prompt set")
+
+    async def export(self, arg: str) -> None:
+        try:
+            path = self.controller.export(self.screen.current, self.exports_dir)
+        except OSError as e:
+            self.notify(f"export failed: {one_line(e)}", severity="error")
+            return
+        self.last_export = path
+        self.notify(f"Exported to {path}", timeout=8)
+
+    async def copy(self, arg: str) -> None:
+        replies = [m for m in self.screen.current.messages if m.role == "assistant" and m.content]
+        if not replies:
+            self.notify("Nothing to copy yet", severity="warning")
+            return
+        text = replies[-1].content
+        if arg.strip() == "code":
+            blocks = code_blocks(text)
+            if not blocks:
+                self.notify("The last reply has no code block", severity="warning")
+                return
+            text = blocks[-1]
+        self.screen.app.copy_to_clipboard(text)
+        self.notify("Copied to the clipboard")
+
+    # ------------------------------------------------------------------ engine
+    async def model(self, arg: str) -> None:
+        if arg:
+            self.screen.post_message(LoadModel(arg))    # the app loads it
+            return
+        app = self.screen.app
+        if isinstance(app.screen, ModelPicker):
+            return
+        current = self.controller.model
+        await app.push_screen(ModelPicker(self.discover, model_display_name(current.model if current else None)))
+
+    async def bench(self, arg: str) -> None:
+        tier = "fast"
+        overrides = dict(self.bench_overrides)
+        for word in arg.split():
+            if "=" in word:
+                key, _, value = word.partition("=")
+                overrides[key] = parse_value(value)
+            elif word in slash.BENCH_TIERS:
+                tier = word
+            else:
+                self.notify(f"/bench: unknown tier {word!r} (use {', '.join(slash.BENCH_TIERS)})", severity="warning")
+                return
+        if self.controller.model is None:
+            self.notify("Load a model first (/model)", severity="error")
+            return
+        if self.controller.generating:
+            self.notify("Wait for the replies in progress (or cancel them) before a bench", severity="warning")
+            return
+        await self.screen.app.push_screen(BenchScreen(self.controller.client, tier, overrides))
+
+    # ------------------------------------------------------------------ app
+    async def theme(self, arg: str) -> None:
+        app = self.screen.app
+        if arg:
+            if arg not in app.available_themes:
+                self.notify(f"Unknown theme {arg!r}; try one of: {', '.join(THEME_NAMES)}", severity="warning")
+                return
+            app.theme = arg
+            return
+        names = list(THEME_NAMES) + sorted(n for n in app.available_themes if n not in THEME_NAMES)
+        await app.push_screen(ThemePicker(names, app.theme))
+
+    async def exit(self, arg: str) -> None:
+        self.screen.app.exit()

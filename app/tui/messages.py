@@ -1,0 +1,91 @@
+"""Textual messages of the app: the controller's news (through TuiObserver) and requests that screens
+and widgets post upward (load a model, run a slash command)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.message import Message
+from textual.message_pump import MessagePump
+
+from nanochat.app.controller import ChatObserver, Turn
+from nanochat.engine.output import EngineStats
+
+if TYPE_CHECKING:
+    from nanochat.app.tui.screens import ModelPicker
+
+
+# ---------------------------------------------------------------------------------- controller -> UI
+class ReplyStreamed(Message):
+    """A reply gained text (the chat screen shows it)."""
+
+    def __init__(self, turn: Turn):
+        super().__init__()
+        self.turn = turn
+
+
+class TurnFinished(Message):
+    """A turn ended, saved or forgotten (the chat screen updates its views; the app its last TTFT)."""
+
+    def __init__(self, turn: Turn):
+        super().__init__()
+        self.turn = turn
+
+
+class EngineStatsChanged(Message):
+    def __init__(self, stats: EngineStats):
+        super().__init__()
+        self.stats = stats
+
+
+class EngineChanged(Message):
+    """A model load or an engine restart began or ended."""
+
+
+class EngineStopped(Message):
+    """The engine process died; the next message restarts it."""
+
+    def __init__(self, reason: str):
+        super().__init__()
+        self.reason = reason
+
+
+class TuiObserver(ChatObserver):
+    """Turns the controller's callbacks into messages posted to the chat screen; what the screen does
+    not handle bubbles up to the app. The controller calls it from drain(), on the UI thread."""
+
+    def __init__(self, target: MessagePump):
+        self.target = target
+
+    def reply_streamed(self, turn: Turn) -> None:
+        self.target.post_message(ReplyStreamed(turn))
+
+    def turn_finished(self, turn: Turn) -> None:
+        self.target.post_message(TurnFinished(turn))
+
+    def engine_stats(self, stats: EngineStats) -> None:
+        self.target.post_message(EngineStatsChanged(stats))
+
+    def engine_changed(self) -> None:
+        self.target.post_message(EngineChanged())
+
+    def engine_stopped(self, reason: str) -> None:
+        self.target.post_message(EngineStopped(reason))
+
+
+# ---------------------------------------------------------------------------------- requests upward
+class LoadModel(Message):
+    """Load `model` (the app does it in a worker); a picker that asked hears back through load_finished."""
+
+    def __init__(self, model: str, picker: "ModelPicker | None" = None):
+        super().__init__()
+        self.model = model
+        self.picker = picker
+
+
+class RunCommand(Message):
+    """Run a slash command (from the command palette)."""
+
+    def __init__(self, command: str):
+        super().__init__()
+        self.command = command

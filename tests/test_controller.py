@@ -1,0 +1,405 @@
+"""The chat controller without Textual, on a REAL engine process running a tiny random model (CPU, fp32).
+
+Random tiny models write gibberish: these tests check the plumbing (turns, stats, cancel, sessions,
+model switch, engine death and recovery), not the text.
+
+The engine process cannot be monkeypatched from here, so `step_delay` slows its steps from outside: a
+sitecustomize module on the engine's PYTHONPATH wraps LLMEngine.step to sleep for the number of
+seconds written in a file, read at every step (0 or no file: full speed).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from nanochat.app.controller import (INTERRUPTED_NOTE, REPLAY_NOTE, ChatController, ChatError, ChatObserver,
+                                     EngineState, completed_exchanges, format_stats)
+from nanochat.app.store import ChatStore
+from nanochat.engine.output import RequestStats
+from nanochat.engine.serve.client import EngineClient
+from nanochat.models.errors import ModelLoadError
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_kvcache_blocks=96)
+SAMPLING = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+LONG_USER = "hello there, how are you today? tell me about the quick brown fox and the lazy dog"
+
+SITECUSTOMIZE = textwrap.dedent('''\
+    """Test hook (tests/test_controller.py): slow the engine's steps down by the seconds in a file."""
+    import os as _os
+
+    _FLAG = _os.environ.get("NANOCHAT_TEST_STEP_DELAY_FILE")
+    if _FLAG:
+        import time as _time
+
+        import nanochat.engine.llm_engine as _llm_engine
+
+        _step = _llm_engine.LLMEngine.step
+
+        def _slow_step(self):
+            try:
+                with open(_FLAG) as f:
+                    delay = float(f.read() or 0)
+            except (OSError, ValueError):
+                delay = 0.0
+            if delay:
+                _time.sleep(delay)
+            return _step(self)
+
+        _llm_engine.LLMEngine.step = _slow_step
+''')
+
+
+class StepDelay:
+    """The delay file the engine process reads before every step."""
+
+    def __init__(self, path):
+        self.path = path
+        self.set(0)
+
+    def set(self, seconds: float) -> None:
+        self.path.write_text(str(seconds))
+
+
+def install_step_delay_hook(folder, monkeypatch) -> StepDelay:
+    """Engine processes started from now on (the environment is inherited) read the delay file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    delay = StepDelay(folder / "step_delay")
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("NANOCHAT_TEST_STEP_DELAY_FILE", str(delay.path))
+    return delay
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition", controller: ChatController | None = None):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+        if controller is not None:
+            controller.drain()
+
+
+class Recorder(ChatObserver):
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def reply_streamed(self, turn):
+        self.calls.append(("streamed", turn))
+
+    def turn_finished(self, turn):
+        self.calls.append(("finished", turn))
+
+    def engine_stats(self, stats):
+        self.calls.append(("stats", stats))
+
+    def engine_changed(self):
+        self.calls.append(("changed",))
+
+    def engine_stopped(self, reason):
+        self.calls.append(("stopped", reason))
+
+    def named(self, name: str) -> list[tuple]:
+        return [c for c in self.calls if c[0] == name]
+
+
+# ---------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def step_delay(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        yield install_step_delay_hook(tmp_path_factory.mktemp("engine-hook"), mp)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_models, step_delay):
+    """One engine process for the module (a test that kills it leaves a restarted one behind)."""
+    c = EngineClient()
+    c.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def delay(step_delay):
+    yield step_delay
+    step_delay.set(0)
+
+
+@pytest.fixture
+def make(client, tmp_path):
+    made: list[ChatController] = []
+
+    def build(db="chats.db", observer=None, **sampling) -> ChatController:
+        controller = ChatController(client, ChatStore(tmp_path / db), {**SAMPLING, **sampling},
+                                    engine_config=ENGINE, observer=observer)
+        made.append(controller)
+        return controller
+
+    yield build
+    for controller in made:
+        controller.close()
+        controller.store.close()
+
+
+def first(controller: ChatController):
+    return next(iter(controller.conversations.values()))
+
+
+# ---------------------------------------------------------------------------------- turns
+def test_turns_stream_save_and_reuse_the_cache(make, client):
+    recorder = Recorder()
+    chat = make(observer=recorder, max_tokens=8)
+    conv = first(chat)
+    assert conv.title == "New chat" and conv.messages == []
+    turn = chat.send(conv, LONG_USER)
+    assert conv.generating and turn.reply.streaming and conv.title.startswith("hello there")
+    chat.wait(turn)
+    reply = turn.reply
+    assert not conv.generating and turn.kept and not reply.streaming and reply.content
+    assert isinstance(reply.stats, RequestStats)
+    assert (reply.stats.completion_tokens, reply.stats.cached_tokens, reply.stats.finish_reason) == (8, 0, "length")
+    assert reply.generated_tokens == 8 and reply.note == ""
+    assert recorder.named("streamed") and recorder.named("finished") == [("finished", turn)]
+    assert conv.model == client.model.model
+
+    second = chat.wait(chat.send(conv, "and a second question about the fox and the dog please"))
+    stats = second.reply.stats
+    assert stats.cached_tokens > 0 and stats.prefilled_tokens < stats.prompt_tokens
+    assert chat.last_ttft() == pytest.approx(stats.ttft)
+    stored = chat.store.load_conversation(conv.id)
+    assert [m.role for m in stored.messages] == ["user", "assistant", "user", "assistant"]
+    assert stored.messages[-1].stats == stats and stored.model == client.model.model
+    assert f"cached {stats.cached_tokens}/{stats.prompt_tokens}" in format_stats(stats)
+
+
+def test_two_conversations_share_the_engine(make, delay):
+    delay.set(0.02)
+    chat = make(max_tokens=40)
+    a = first(chat)
+    b = chat.new_conversation("second")
+    assert list(chat.conversations) == [b.id, a.id]                   # newest first
+    ta, tb = chat.send(a, LONG_USER), chat.send(b, "another question in another chat")
+    peak = []
+
+    def both_finished():
+        peak.append(chat.client.stats().running)
+        return ta.finished and tb.finished
+
+    wait_until(both_finished, what="both replies", controller=chat)
+    assert ta.reply.stats.completion_tokens == tb.reply.stats.completion_tokens == 40
+    assert max(peak) == 2                                                # batched together
+
+
+def test_cancel_keeps_the_partial_reply_and_frees_the_session(make, delay):
+    delay.set(0.03)
+    chat = make(max_tokens=200)
+    conv = first(chat)
+    turn = chat.send(conv, LONG_USER)
+    wait_until(lambda: turn.reply.generated_tokens >= 2, what="the first tokens", controller=chat)
+    assert chat.cancel(conv)
+    chat.wait(turn)
+    assert turn.finish_reason == "abort" and turn.kept and 2 <= turn.reply.stats.completion_tokens < 200
+    assert not conv.session.busy and not chat.cancel(conv)              # the session is free again
+    assert "cancelled" in format_stats(turn.reply.stats)
+    delay.set(0)
+    chat.sampling["max_tokens"] = 4
+    nxt = chat.wait(chat.send(conv, "go on"))                            # continues after the partial reply
+    assert nxt.reply.stats.finish_reason == "length" and nxt.reply.stats.cached_tokens > 0
+    assert [m.role for m in chat.store.messages(conv.id)] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_refused_request_forgets_the_turn(make):
+    recorder = Recorder()
+    chat = make(observer=recorder)
+    conv = first(chat)
+    turn = chat.wait(chat.send(conv, "fox " * 400))                   # more than the 256-token context
+    assert not turn.kept and turn.finish_reason == "error" and "max_model_len" in turn.error
+    assert not turn.interrupted and conv.messages == [] and chat.store.messages(conv.id) == []
+    assert recorder.named("finished") == [("finished", turn)]
+    with pytest.raises(ChatError, match="bad sampling"):
+        chat.sampling["top_p"] = 7
+        chat.send(conv, "hi")
+
+
+def test_system_prompt_and_clear_free_the_session(make, client):
+    chat = make(max_tokens=4)
+    conv = first(chat)
+    chat.wait(chat.send(conv, LONG_USER))
+    wait_until(lambda: client.stats().pinned_sessions == 1, what="the session's KV pinned")
+    chat.set_system_prompt(conv, "Be terse.")
+    assert conv.system_prompt == "Be terse." and conv.session is None
+    assert chat.store.load_conversation(conv.id).system_prompt == "Be terse."
+    wait_until(lambda: client.stats().pinned_sessions == 0, what="the session's KV freed")
+    turn = chat.wait(chat.send(conv, "again"))
+    assert turn.reply.note == REPLAY_NOTE                                # re-prefilled with the new prompt
+    assert conv.session.system_prompt == "Be terse."
+    with pytest.raises(ChatError, match="system prompt"):
+        busy = chat.send(conv, "one more")
+        chat.set_system_prompt(conv, "no")
+    chat.wait(busy)
+    chat.clear(conv)
+    assert conv.messages == [] and chat.store.messages(conv.id) == [] and conv.session is None
+    assert conv.system_prompt == "Be terse."
+    wait_until(lambda: client.stats().pinned_sessions == 0, what="the KV freed by /clear")
+
+
+def test_rename_delete_export(make, tmp_path):
+    chat = make(max_tokens=3)
+    conv = first(chat)
+    chat.wait(chat.send(conv, "Show me code"))
+    assert chat.rename(conv, "  Renamed   chat ") and conv.title == "Renamed chat"
+    assert not chat.rename(conv, "   ")
+    path = chat.export(conv, tmp_path / "exports")
+    text = path.read_text()
+    assert "# Renamed chat" in text and "Show me code" in text and "cached 0/" in text
+    other = chat.new_conversation()
+    chat.delete(conv)
+    assert list(chat.conversations) == [other.id]
+    chat.delete(other)                                                   # the last one: a new empty one
+    [fresh] = chat.conversations.values()
+    assert fresh.title == "New chat" and [c.id for c in chat.store.list_conversations()] == [fresh.id]
+
+
+def test_close_saves_the_partial_reply_as_cancelled(make, delay, tmp_path):
+    delay.set(0.03)
+    chat = make(db="close.db", max_tokens=200)
+    conv = first(chat)
+    turn = chat.send(conv, LONG_USER)
+    wait_until(lambda: turn.reply.generated_tokens >= 2, what="the first tokens", controller=chat)
+    chat.close()
+    [user, reply] = chat.store.messages(conv.id)
+    assert reply.role == "assistant" and reply.content.startswith(turn.reply.content)
+    assert reply.stats.finish_reason == "abort" and reply.stats.completion_tokens >= 2
+    assert conv.session is None
+
+
+# ---------------------------------------------------------------------------------- models
+def test_model_switch_replays_the_history(tiny_models, tmp_path):
+    """A model switch on an in-process engine: the next turn re-prefills the transcript once."""
+    client = EngineClient(in_process=True)
+    recorder = Recorder()
+    chat = ChatController(client, ChatStore(tmp_path / "switch.db"), SAMPLING, engine_config=ENGINE,
+                          observer=recorder)
+    try:
+        assert chat.engine_state is EngineState.NO_MODEL
+        with pytest.raises(ChatError, match="no model"):
+            chat.send(first(chat), "hi")
+        chat.load_model(str(tiny_models["qwen3"]))
+        chat.drain()
+        assert chat.engine_state is EngineState.READY and len(recorder.named("changed")) == 1
+        conv = first(chat)
+        chat.wait(chat.send(conv, LONG_USER))
+        with pytest.raises(ModelLoadError, match="no such file"):
+            chat.load_model(str(tmp_path / "missing.gguf"))
+        assert chat.model.model == str(tiny_models["qwen3"])              # the previous model stays
+        chat.load_model(str(tiny_models["llama"]))
+        assert chat.model.arch == "llama"
+        turn = chat.wait(chat.send(conv, "continue with the new model"))
+        assert turn.reply.note == REPLAY_NOTE and turn.reply.stats.prompt_tokens > 30
+        assert turn.reply.stats.cached_tokens == 0 and conv.model == str(tiny_models["llama"])
+        again = chat.wait(chat.send(conv, "and once more"))
+        assert again.reply.note == "" and again.reply.stats.cached_tokens > 0
+    finally:
+        chat.close()
+        chat.store.close()
+        client.shutdown()
+
+
+# ---------------------------------------------------------------------------------- engine death
+def test_engine_death_mid_reply_keeps_the_partial_reply_and_recovers(make, client, delay, tmp_path):
+    recorder = Recorder()
+    chat = make(db="death.db", observer=recorder, max_tokens=5)
+    conv = first(chat)
+    chat.wait(chat.send(conv, LONG_USER))                               # one complete exchange first
+    chat.sampling["max_tokens"] = 150
+    delay.set(0.03)
+    turn = chat.send(conv, "tell me a long story")
+    wait_until(lambda: turn.reply.generated_tokens >= 3, what="the first tokens", controller=chat)
+    pid = client.pid
+    client.kill()
+    chat.wait(turn)
+    assert turn.interrupted and turn.kept and turn.finish_reason == "error"
+    assert "SIGKILL" in turn.error
+    assert turn.reply.note == INTERRUPTED_NOTE
+    assert format_stats(turn.reply.stats, turn.reply.note).endswith("tok · interrupted: engine stopped")
+    [(_, reason)] = recorder.named("stopped")
+    assert reason == "the engine process was killed by SIGKILL (out of memory?)"
+    assert chat.engine_state is EngineState.STOPPED
+    wait_until(lambda: process_gone(pid), 10, "the killed engine process")
+
+    # every message is kept: the partial reply with its note, after the user message
+    stored = chat.store.messages(conv.id)
+    assert [(m.role, m.note) for m in stored] == [("user", ""), ("assistant", ""), ("user", ""),
+                                                 ("assistant", INTERRUPTED_NOTE)]
+    assert stored[-1].content == turn.reply.content and stored[-1].stats.completion_tokens >= 3
+
+    # the next message restarts the engine, and the conversation re-prefills from its history
+    delay.set(0)
+    chat.restart_engine()
+    chat.drain()
+    assert chat.engine_state is EngineState.READY and client.pid != pid
+    chat.sampling["max_tokens"] = 5
+    nxt = chat.wait(chat.send(conv, "are you back?"))
+    assert nxt.kept and nxt.reply.note == REPLAY_NOTE and nxt.reply.stats.finish_reason == "length"
+    assert nxt.reply.stats.cached_tokens == 0 and nxt.reply.stats.prompt_tokens > 40
+    assert conv.session.history[-2:] == [{"role": "user", "content": "are you back?"},
+                                         {"role": "assistant", "content": nxt.reply.content}]
+
+    # after an app restart the interrupted reply is there, between its user messages
+    reopened = ChatController(client, ChatStore(tmp_path / "death.db"), SAMPLING)
+    try:
+        messages = reopened.conversations[conv.id].messages
+        assert [m.role for m in messages] == ["user", "assistant"] * 3
+        assert messages[3].note == INTERRUPTED_NOTE and messages[3].content == turn.reply.content
+        assert completed_exchanges(messages)[3] == {"role": "assistant", "content": turn.reply.content}
+    finally:
+        reopened.close()
+        reopened.store.close()
+
+
+def test_engine_death_before_the_first_token_gives_the_turn_back(make, client, delay):
+    recorder = Recorder()
+    chat = make(db="early.db", observer=recorder)
+    conv = first(chat)
+    delay.set(2.0)                                                      # the first step sleeps: no token yet
+    turn = chat.send(conv, LONG_USER)
+    time.sleep(0.2)
+    client.kill()
+    chat.wait(turn)
+    delay.set(0)
+    assert turn.interrupted and not turn.kept
+    assert conv.messages == [] and chat.store.messages(conv.id) == []   # the text goes back to the user
+    assert len(recorder.named("stopped")) == 1
+    chat.restart_engine()
+    assert chat.wait(chat.send(conv, LONG_USER)).kept
+
+
+def test_the_engine_exits_when_its_front_end_vanishes(tiny_models):
+    """A front end that dies without a shutdown (kill -9 of the app) leaves no engine process behind."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        from nanochat.engine.serve.client import EngineClient
+        client = EngineClient()
+        client.load_model({str(tiny_models["qwen3"])!r}, **{ENGINE!r})
+        print(client.pid, flush=True)
+        os._exit(0)    # no shutdown: the engine only sees its end of the connection close
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.strip())
+    wait_until(lambda: process_gone(pid), 15, "the orphaned engine process to exit")
