@@ -1,8 +1,15 @@
-"""Model hyper-parameters, whatever the weight source (config.json or GGUF metadata)."""
+"""Model hyper-parameters, whatever the weight source (config.json or GGUF metadata), and what they
+imply: `check_config` range-checks them and `expected_shapes` / `required_tensors` say which tensors,
+of which shapes, the model code reads (so a source can refuse a file before any kernel sees it)."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from nanochat.models.errors import ModelLoadError
 
 # Dense families share one implementation (models/dense.py) and differ only by flags.
 DENSE_ARCHS = {"llama", "qwen2", "qwen3"}
@@ -86,6 +93,8 @@ class ModelConfig:
         arch = cfg.get("model_type", "")
         arch = TEXT_ARCH_ALIASES.get(arch, arch)
         heads = cfg["num_attention_heads"]
+        if not cfg.get("head_dim") and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"num_attention_heads is {heads!r}; it must be a positive integer")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -98,6 +107,8 @@ class ModelConfig:
         partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
         hybrid = arch in HYBRID_ARCHS
         num_layers = cfg["num_hidden_layers"]
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 < num_layers <= MAX_LAYERS:
+            raise ValueError(f"num_hidden_layers is {num_layers!r}; it must be a positive integer up to {MAX_LAYERS}")
         layer_types = tuple(cfg.get("layer_types") or ())
         if hybrid and not layer_types:
             layer_types = layer_types_from_interval(num_layers, cfg.get("full_attention_interval", 4))
@@ -140,3 +151,248 @@ class ModelConfig:
             attn_output_gate=hybrid,
             norm_zero_centred=hybrid,
         )
+
+
+# ---------------------------------------------------------------------------------- range checks
+
+# Bounds before anything loops over layers or experts (real models: about 100 layers, 512 experts).
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+
+# RoPE scaling types models/layers.py implements.
+ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+MAX_CONTEXT = 2**30
+
+
+class _Checker:
+    """Raises ModelLoadError "<where>: <key> is <value>; <what is needed>" for the first bad value;
+    `keys` maps ModelConfig fields to the names the source uses (GGUF metadata keys, config.json keys)."""
+
+    def __init__(self, cfg: ModelConfig, where: str, keys: Mapping[str, str]):
+        self.cfg, self.where, self.keys = cfg, where, keys
+
+    def key(self, name: str) -> str:
+        return self.keys.get(name, name)
+
+    def fail(self, name: str, need: str, value=None, shown: str | None = None) -> None:
+        """`value` (default: the field's) is shown with repr; `shown` is a description used as is."""
+        if shown is None:
+            shown = repr(getattr(self.cfg, name) if value is None else value)
+        raise ModelLoadError(f"{self.where}: {self.key(name)} is {shown}; {need} (the file is corrupt or "
+                             "was converted wrongly)")
+
+    def positive(self, *names: str) -> None:
+        for name in names:
+            v = getattr(self.cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                self.fail(name, "it must be a positive integer")
+
+    def number(self, name: str, low: float, high: float, need: str) -> None:
+        v = getattr(self.cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low < v < high:
+            self.fail(name, need)
+
+
+def check_config(cfg: ModelConfig, where: str, keys: Mapping[str, str] | None = None) -> None:
+    """Range-check the hyper-parameters the model code divides by, allocates with or exponentiates;
+    ModelLoadError names `where` (the file) and the key."""
+    c = _Checker(cfg, where, keys or {})
+    c.positive("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "max_position_embeddings")
+    if cfg.num_hidden_layers > MAX_LAYERS:
+        c.fail("num_hidden_layers", f"at most {MAX_LAYERS} layers are supported")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        c.fail("num_attention_heads", f"it must be a multiple of {c.key('num_key_value_heads')} "
+                                      f"({cfg.num_key_value_heads})")
+    if cfg.max_position_embeddings > MAX_CONTEXT:
+        c.fail("max_position_embeddings", f"at most {MAX_CONTEXT:,} positions are supported")
+    c.number("rms_norm_eps", 0.0, 1.0, "it must be a small positive number such as 1e-6")
+    c.number("rope_theta", 1.0, math.inf, "it must be a finite number above 1 (typically 10000 or more)")
+    if not 0.0 < cfg.partial_rotary_factor <= 1.0 or cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        full = cfg.partial_rotary_factor == 1.0
+        c.fail("head_dim" if full else "partial_rotary_factor",
+               f"RoPE needs an even number of rotary dimensions, from 2 up to head_dim {cfg.head_dim}",
+               value=cfg.head_dim, shown=None if full else f"{cfg.rotary_dim} rotary dimensions")
+    _check_rope_scaling(c)
+    _check_token_ids(c)
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        c.positive("intermediate_size")
+    if cfg.num_experts:
+        c.positive("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if cfg.num_experts > MAX_EXPERTS:
+            c.fail("num_experts", f"at most {MAX_EXPERTS} experts are supported")
+        if cfg.num_experts_per_tok > cfg.num_experts:
+            c.fail("num_experts_per_tok", f"it must be at most {c.key('num_experts')} ({cfg.num_experts})")
+        if cfg.shared_expert_intermediate_size < 0:
+            c.fail("shared_expert_intermediate_size", "it must be 0 (no shared expert) or positive")
+    if "linear_attention" in cfg.layer_types:
+        c.positive("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                   "linear_conv_kernel_dim")
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            c.fail("linear_num_value_heads", f"it must be a multiple of {c.key('linear_num_key_heads')} "
+                                             f"({cfg.linear_num_key_heads})")
+    if cfg.layer_types and len(cfg.layer_types) != cfg.num_hidden_layers:
+        c.fail("layer_types", f"it must list one type per layer ({cfg.num_hidden_layers})",
+               shown=f"{len(cfg.layer_types)} entries long")
+
+
+def _check_rope_scaling(c: _Checker) -> None:
+    scaling = c.cfg.rope_scaling
+    if not scaling:
+        return
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind not in ROPE_SCALING_TYPES:
+        c.fail("rope_scaling", f"supported RoPE scaling types: {', '.join(ROPE_SCALING_TYPES)}", value=kind)
+    factor = scaling.get("factor")
+    if kind in ("linear", "llama3") and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        c.fail("rope_scaling", "its factor must be a finite positive number", value=factor)
+    if kind == "freq_factors":
+        factors = scaling.get("freq_factors") or []
+        if len(factors) != c.cfg.rotary_dim // 2:
+            c.fail("rope_scaling", f"it needs {c.cfg.rotary_dim // 2} frequency factors (half the rotary dims)",
+                   shown=f"{len(factors)} factors long")
+        if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors):
+            c.fail("rope_scaling", "frequency factors must be finite positive numbers",
+                   shown="a list with a bad factor")
+
+
+def _check_token_ids(c: _Checker) -> None:
+    vocab = c.cfg.vocab_size
+    for name, ids in (("bos_token_id", () if c.cfg.bos_token_id is None else (c.cfg.bos_token_id,)),
+                      ("eos_token_ids", c.cfg.eos_token_ids)):
+        for tid in ids:
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
+                c.fail(name, f"token ids must be below the vocabulary size {vocab}", value=tid)
+
+
+# ---------------------------------------------------------------------------------- tensor shapes
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+Shapes = tuple[tuple[tuple[int, ...], ...], str]   # (acceptable torch shapes, how they follow from the config)
+
+
+def expected_shapes(cfg: ModelConfig, name: str) -> Shapes | None:
+    """The torch-order shape(s) the model code needs for tensor `name` (HF naming) and why, or None for
+    a tensor it does not read (or does not know)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return ((v, h),), f"vocab_size {v} x hidden_size {h}"
+    if name == "model.norm.weight":
+        return ((h,),), f"hidden_size {h}"
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or int(m.group(1)) >= cfg.num_hidden_layers:
+        return None
+    i, rest = int(m.group(1)), m.group(2)
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return ((h,),), f"hidden_size {h}"
+    if rest.startswith("self_attn."):
+        return _attention_shapes(cfg).get(rest[len("self_attn."):])
+    if rest.startswith("linear_attn."):
+        return _linear_attention_shapes(cfg).get(rest[len("linear_attn."):])
+    if rest.startswith("mlp."):
+        return _mlp_shapes(cfg, i, rest[len("mlp."):])
+    return None
+
+
+def _attention_shapes(cfg: ModelConfig) -> dict[str, Shapes]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    gate = 2 if cfg.attn_output_gate else 1
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    q_why = f"num_attention_heads {cfg.num_attention_heads} x head_dim {hd}"
+    q_why += " x 2 (output gate)" if gate == 2 else ""
+    kv_why = f"num_key_value_heads {cfg.num_key_value_heads} x head_dim {hd}"
+    return {
+        "q_proj.weight": (((q * gate, h),), f"{q_why}, by hidden_size {h}"),
+        "k_proj.weight": (((kv, h),), f"{kv_why}, by hidden_size {h}"),
+        "v_proj.weight": (((kv, h),), f"{kv_why}, by hidden_size {h}"),
+        "o_proj.weight": (((h, q),), f"hidden_size {h} by {q_why.replace(' x 2 (output gate)', '')}"),
+        "q_proj.bias": (((q * gate,),), q_why),
+        "k_proj.bias": (((kv,),), kv_why),
+        "v_proj.bias": (((kv,),), kv_why),
+        "q_norm.weight": (((hd,),), f"head_dim {hd}"),
+        "k_norm.weight": (((hd,),), f"head_dim {hd}"),
+    }
+
+
+def _linear_attention_shapes(cfg: ModelConfig) -> dict[str, Shapes]:
+    h = cfg.hidden_size
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv, kernel = 2 * nk * dk + nv * dv, cfg.linear_conv_kernel_dim
+    heads = f"{nk} key heads x {dk} and {nv} value heads x {dv}"
+    return {
+        "in_proj_qkv.weight": (((conv, h),), f"q, k, v of {heads}, by hidden_size {h}"),
+        "in_proj_z.weight": (((nv * dv, h),), f"{nv} value heads x {dv}, by hidden_size {h}"),
+        "in_proj_b.weight": (((nv, h),), f"{nv} value heads by hidden_size {h}"),
+        "in_proj_a.weight": (((nv, h),), f"{nv} value heads by hidden_size {h}"),
+        "in_proj_qkvz.weight": (((conv + nv * dv, h),), f"q, k, v, z of {heads}, by hidden_size {h}"),
+        "in_proj_ba.weight": (((2 * nv, h),), f"b and a of {nv} value heads, by hidden_size {h}"),
+        "conv1d.weight": (((conv, kernel), (conv, 1, kernel)), f"q, k, v channels of {heads}, by kernel {kernel}"),
+        "A_log": (((nv,),), f"{nv} value heads"),
+        "dt_bias": (((nv,),), f"{nv} value heads"),
+        "norm.weight": (((dv,),), f"value head dim {dv}"),
+        "out_proj.weight": (((h, nv * dv),), f"hidden_size {h} by {nv} value heads x {dv}"),
+    }
+
+
+def _mlp_shapes(cfg: ModelConfig, layer: int, rest: str) -> Shapes | None:
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        i = cfg.intermediate_size
+        return {"gate_proj.weight": (((i, h),), f"intermediate_size {i} by hidden_size {h}"),
+                "up_proj.weight": (((i, h),), f"intermediate_size {i} by hidden_size {h}"),
+                "down_proj.weight": (((h, i),), f"hidden_size {h} by intermediate_size {i}")}.get(rest)
+    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    m = _EXPERT_RE.fullmatch(rest)
+    if m is not None:
+        if int(m.group(1)) >= e:
+            return ((),), f"num_experts {e} (expert {m.group(1)} is one too many)"
+        shape = (h, i) if m.group(2) == "down" else (i, h)
+        return (shape,), f"moe_intermediate_size {i} and hidden_size {h}"
+    return {"gate.weight": (((e, h),), f"num_experts {e} by hidden_size {h}"),
+            "experts.gate_up_proj": (((e, 2 * i, h),),
+                                     f"num_experts {e}, 2 x moe_intermediate_size {i}, hidden_size {h}"),
+            "experts.down_proj": (((e, h, i),), f"num_experts {e}, hidden_size {h}, moe_intermediate_size {i}"),
+            "shared_expert.gate_proj.weight": (((s, h),), f"shared_expert_intermediate_size {s} by hidden_size {h}"),
+            "shared_expert.up_proj.weight": (((s, h),), f"shared_expert_intermediate_size {s} by hidden_size {h}"),
+            "shared_expert.down_proj.weight": (((h, s),), f"hidden_size {h} by shared_expert_intermediate_size {s}"),
+            "shared_expert_gate.weight": (((1, h), (h,)), f"one gate by hidden_size {h}")}.get(rest)
+
+
+def required_tensors(cfg: ModelConfig, names: Collection[str]) -> Iterator[str]:
+    """The tensors (HF naming) the model code reads for this config, in load order (a generator: a
+    caller looking for the first missing one stops there); `names` (what the source has) picks between
+    equivalent layouts (fused or per-expert experts, grouped or split GDN projections)."""
+    yield from ("model.embed_tokens.weight", "model.norm.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield from (f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight")
+        if cfg.layer_type(i) == "linear_attention":
+            a = f"{p}.linear_attn"
+            grouped = f"{a}.in_proj_qkvz.weight" in names
+            parts = (("in_proj_qkvz", "in_proj_ba") if grouped
+                     else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+            yield from (f"{a}.{x}.weight" for x in (*parts, "conv1d", "norm", "out_proj"))
+            yield from (f"{a}.A_log", f"{a}.dt_bias")
+        else:
+            a = f"{p}.self_attn"
+            yield from (f"{a}.{x}_proj.weight" for x in "qkvo")
+            if cfg.qk_norm:
+                yield from (f"{a}.{x}_norm.weight" for x in "qk")
+            if cfg.attention_bias:
+                yield from (f"{a}.{x}_proj.bias" for x in "qkv")
+        m = f"{p}.mlp"
+        if not cfg.is_moe_layer(i):
+            yield from (f"{m}.{x}_proj.weight" for x in ("gate", "up", "down"))
+            continue
+        yield f"{m}.gate.weight"
+        if f"{m}.experts.gate_up_proj" in names:
+            yield from (f"{m}.experts.gate_up_proj", f"{m}.experts.down_proj")
+        else:
+            yield from (f"{m}.experts.{e}.{x}_proj.weight"
+                        for e in range(cfg.num_experts) for x in ("gate", "up", "down"))
+        if cfg.shared_expert_intermediate_size:
+            yield from (f"{m}.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down"))
+            yield f"{m}.shared_expert_gate.weight"

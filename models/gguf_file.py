@@ -209,10 +209,12 @@ def _open_checked(path: str) -> tuple[mmap.mmap, int, int]:
         if len(head) < _PREAMBLE:
             raise GGUFError(f"{path}: truncated GGUF file ({len(head)} bytes)")
         version = _U32.unpack_from(head, 4)[0]
-        if version & 0xFFFF == 0:   # a big-endian version number reads as a huge little-endian one
-            raise GGUFError(f"{path}: big-endian GGUF files are not supported")
         if version not in (2, 3):
-            raise GGUFError(f"{path}: unsupported GGUF version {version} (need 2 or 3)")
+            if struct.unpack_from(">I", head, 4)[0] in (1, 2, 3):   # a small version number, byte-swapped
+                raise GGUFError(f"{path}: big-endian GGUF files are not supported (convert it little-endian "
+                                "with llama.cpp's gguf tools)")
+            raise GGUFError(f"{path}: unsupported GGUF version {version} (need 2 or 3; the file is corrupt "
+                            "or from a newer llama.cpp)")
         n_tensors, n_kv = _U64.unpack_from(head, 8)[0], _U64.unpack_from(head, 16)[0]
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), n_tensors, n_kv
 
@@ -301,7 +303,34 @@ class GGUFFile:
                 raise _Corrupt(f"duplicate tensor name {layout.name!r}")
             names.add(layout.name)
             layouts.append(layout)
+        self._check_packing(layouts)
         return layouts
+
+    def _check_packing(self, layouts: list[_Layout]) -> None:
+        """Tensor data must tile the data section as GGUF writers lay it out: each tensor at an aligned
+        offset, right after the previous one (padding to the alignment only), none overlapping and no
+        unused bytes. A changed data offset, or a type or shape that does not match the bytes a tensor
+        was written with, breaks the tiling; without this check it would read a neighbour's bytes."""
+        align, expected, previous = self.alignment, self.data_offset, None
+        for t in sorted(layouts, key=lambda t: (t.start, t.n_bytes)):
+            offset = t.start - self.data_offset
+            what = (f"tensor {t.name} ({t.tensor_type.name}, dims {list(t.dims)}, {t.n_bytes:,} bytes "
+                    f"at offset {offset:,})")
+            if offset % align:
+                raise GGUFError(f"{self.path}: {what} is not aligned to {align} bytes; the file is corrupt")
+            if t.start < expected:
+                raise GGUFError(f"{self.path}: {what} overlaps the data of tensor {previous.name}; a data offset, "
+                                f"type or shape in the file is wrong (corrupt file)")
+            if t.start > expected:
+                after = f"after tensor {previous.name}" if previous else "at the start of the data"
+                raise GGUFError(f"{self.path}: {t.start - expected:,} unused bytes {after}, before {what}; a data "
+                                f"offset, type or shape in the file is wrong (corrupt file)")
+            expected = -(-(t.start + t.n_bytes) // align) * align
+            previous = t
+        if previous is not None and self.size > expected:
+            raise GGUFError(f"{self.path}: {self.size - expected:,} unused bytes after the last tensor "
+                            f"({previous.name}, {previous.tensor_type.name}, dims {list(previous.dims)}); a type "
+                            f"or shape in the file is wrong, or the file has extra data (corrupt file)")
 
     def _alignment(self) -> int:
         if "general.alignment" not in self.types:

@@ -48,7 +48,8 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import ModelConfig, layer_types_from_interval
+from nanochat.models.config import (MAX_EXPERTS, ModelConfig, check_config, expected_shapes,
+                                    layer_types_from_interval, required_tensors)
 from nanochat.models.gguf_file import GGUFError, GGUFFile, to_python
 
 T = gguf.GGMLQuantizationType
@@ -204,6 +205,8 @@ class GGUFSource:
         self._check_tensors()
         self._hf_to_gguf = self._map_names()
         self.config = self._build_config()
+        check_config(self.config, self.path, self._config_keys())
+        self._check_shapes()
 
     # ---- opening and validation ----
 
@@ -221,12 +224,76 @@ class GGUFSource:
             raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
 
     def _check_tensors(self) -> None:
-        # GGUFFile has checked that every tensor's data lies inside the file.
+        """Types of the tensors the model reads (GGUFFile has checked that the data of every tensor tiles
+        the file: in bounds, aligned, no overlap, sizes matching types and shapes)."""
         for t in self._tensors.values():
             if self._hf_name(t.name) is not None and t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"{self.path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
                     f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+
+    def _check_shapes(self) -> None:
+        """Every tensor the model reads is present, with the shape its config implies; one line naming
+        the tensor, what was expected and what was found."""
+        cfg = self.config
+        blocks = self._int("block_count")
+        for name in self._tensors:
+            m = _BLOCK_RE.match(name)
+            if m is not None and int(m.group(1)) >= blocks:
+                raise ModelLoadError(f"{self.path}: tensor {name} belongs to layer {m.group(1)}, but "
+                                     f"{self.arch}.block_count is {blocks} (the file is corrupt)")
+        checked: set[str] = set()
+        for hf_name, ref in self._hf_to_gguf.items():
+            if ref.gguf in checked:
+                continue
+            checked.add(ref.gguf)
+            expected = self._stored_shapes(hf_name, ref)
+            if expected is None:
+                continue
+            shapes, why = expected
+            t = self._tensors[ref.gguf]
+            if t.torch_shape not in shapes:
+                want = " or ".join(str(list(x)) for x in shapes)
+                raise ModelLoadError(f"{self.path}: tensor {t.name} has shape {list(t.torch_shape)}, expected {want} "
+                                     f"({why}; torch order, GGUF dims are reversed); the file is corrupt or "
+                                     "was converted wrongly")
+        missing = next((n for n in required_tensors(cfg, self._hf_to_gguf) if n not in self._hf_to_gguf), None)
+        if missing is not None:
+            raise ModelLoadError(f"{self.path}: tensor {self._gguf_name_for(missing)} is missing; a {self.arch} "
+                                 f"model with {cfg.num_hidden_layers} layers needs it (the file is incomplete or "
+                                 "corrupt)")
+
+    def _stored_shapes(self, hf_name: str, ref: _Ref):
+        """(acceptable torch shapes of GGUF tensor ref.gguf, why), from the shape of what it serves."""
+        served = expected_shapes(self.config, hf_name)
+        if served is None:
+            return None
+        shapes, why = served
+        if ref.kind in ("ba_b", "ba_a"):   # one tensor holds b and a
+            return tuple((2 * s[0], *s[1:]) for s in shapes), why.replace("value heads", "value heads x 2 (b and a)", 1)
+        if ref.kind == "expert":           # [E, parts x rows, cols] holds every expert's rows
+            e = self.config.num_experts
+            return tuple((e, ref.parts * s[0], *s[1:]) for s in shapes if s), f"num_experts {e}, {why}"
+        return shapes, why
+
+    def _gguf_name_for(self, hf_name: str) -> str:
+        """The GGUF tensor that would serve `hf_name` (for messages about a missing one)."""
+        for gguf_base, module in self.spec.global_tensors.items():
+            if hf_name.startswith(module + "."):
+                return f"{gguf_base}{hf_name[len(module):]}"
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        if m is None:
+            return hf_name
+        layer, rest = m.groups()
+        if e := re.fullmatch(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight", rest):
+            return f"blk.{layer}.ffn_{e.group(1)}_exps.weight"
+        for gguf_base, hf in HYBRID_SPECIAL.items():
+            if rest == hf:
+                return f"blk.{layer}.{gguf_base}"
+        for gguf_base, module in self.spec.block_tensors.items():
+            if rest.startswith(module + "."):
+                return f"blk.{layer}.{gguf_base}{rest[len(module):]}"
+        return hf_name
 
     # ---- names ----
 
@@ -247,7 +314,14 @@ class GGUFSource:
                             (f"{prefix}.linear_attn.in_proj_a.weight", _Ref(gguf_name, "ba_a"))]
             if spec.moe and base in EXPERT_TENSORS and kind == "weight":
                 projs = EXPERT_TENSORS[base]
-                n_experts = int(self._tensors[gguf_name].shape[-1])   # GGUF dims are reversed
+                dims = self._tensors[gguf_name].shape
+                if len(dims) != 3:
+                    raise ModelLoadError(f"{self.path}: expert tensor {gguf_name} has dims {list(dims)}, expected "
+                                         "3 dims [in, out, experts] (the file is corrupt)")
+                n_experts = int(dims[-1])   # GGUF dims are reversed
+                if not 0 < n_experts <= MAX_EXPERTS:
+                    raise ModelLoadError(f"{self.path}: expert tensor {gguf_name} holds {n_experts} experts "
+                                         f"(expected 1 to {MAX_EXPERTS}; the file is corrupt)")
                 return [(f"{prefix}.mlp.experts.{e}.{p}_proj.weight", _Ref(gguf_name, "expert", e, i, len(projs)))
                         for e in range(n_experts) for i, p in enumerate(projs)]
             module = spec.block_tensors.get(base)
@@ -427,47 +501,109 @@ class GGUFSource:
         if v is None and required:
             raise ModelLoadError(f"{self.path}: missing metadata key {key}")
         if isinstance(v, list):  # per-layer arrays: dense models need one value
-            if not v or len(set(v)) != 1:
+            if not v or any(isinstance(x, list) for x in v) or len(set(v)) != 1:
                 raise ModelLoadError(f"{self.path}: per-layer values in {key} are not supported")
             v = v[0]
         return v
 
+    def _number(self, key: str, v: Any, integer: bool) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+            shown = repr(v) if len(repr(v)) < 60 else repr(v)[:57] + "..."
+            kind = "an integer" if integer else "a number"
+            raise ModelLoadError(f"{self.path}: metadata {key} is {shown}, expected {kind} (the file is corrupt)")
+        return v
+
+    def _int(self, suffix: str, default: Any = None, required: bool = False, minimum: int | None = None) -> int | None:
+        """An integer {arch}.* value; `minimum` for the ones later values are divided by."""
+        key = f"{self.arch}.{suffix}"
+        v = self._number(key, self._arch_meta(suffix, default, required), integer=True)
+        if v is not None and minimum is not None and v < minimum:
+            raise ModelLoadError(f"{self.path}: metadata {key} is {v}, expected at least {minimum} "
+                                 "(the file is corrupt)")
+        return v
+
+    def _float(self, suffix: str, default: Any = None) -> float | None:
+        v = self._number(f"{self.arch}.{suffix}", self._arch_meta(suffix, default), integer=False)
+        return None if v is None else float(v)
+
+    def _token_id(self, key: str) -> int | None:
+        return self._number(key, self.metadata(key), integer=True)
+
+    def _config_keys(self) -> dict[str, str]:
+        """ModelConfig fields -> the metadata keys they come from (for check_config's messages)."""
+        a = self.arch
+        keys = {"vocab_size": f"{a}.vocab_size (or the number of tokens)",
+                "hidden_size": f"{a}.embedding_length", "intermediate_size": f"{a}.feed_forward_length",
+                "num_hidden_layers": f"{a}.block_count", "num_attention_heads": f"{a}.attention.head_count",
+                "num_key_value_heads": f"{a}.attention.head_count_kv", "head_dim": f"{a}.attention.key_length",
+                "rms_norm_eps": f"{a}.attention.layer_norm_rms_epsilon", "rope_theta": f"{a}.rope.freq_base",
+                "max_position_embeddings": f"{a}.context_length", "rope_scaling": f"{a}.rope.scaling",
+                "partial_rotary_factor": f"{a}.rope.dimension_count", "bos_token_id": "tokenizer.ggml.bos_token_id",
+                "eos_token_ids": "tokenizer.ggml.eos_token_id", "num_experts": f"{a}.expert_count",
+                "num_experts_per_tok": f"{a}.expert_used_count",
+                "moe_intermediate_size": f"{a}.expert_feed_forward_length",
+                "shared_expert_intermediate_size": f"{a}.expert_shared_feed_forward_length",
+                "linear_num_key_heads": f"{a}.ssm.group_count", "linear_num_value_heads": f"{a}.ssm.time_step_rank",
+                "linear_key_head_dim": f"{a}.ssm.state_size", "linear_value_head_dim": f"{a}.ssm.inner_size",
+                "linear_conv_kernel_dim": f"{a}.ssm.conv_kernel", "layer_types": f"{a}.full_attention_interval"}
+        if "rope_freqs.weight" in self._tensors:
+            keys["rope_scaling"] = "tensor rope_freqs.weight"
+        return keys
+
     def _build_config(self) -> ModelConfig:
-        hidden = int(self._arch_meta("embedding_length", required=True))
-        heads = int(self._arch_meta("attention.head_count", required=True))
-        kv_heads = int(self._arch_meta("attention.head_count_kv", heads))
-        head_dim = int(self._arch_meta("attention.key_length", hidden // heads))
+        hidden = self._int("embedding_length", required=True, minimum=1)
+        heads = self._int("attention.head_count", required=True, minimum=1)
+        kv_heads = self._int("attention.head_count_kv", heads)
+        key_length = self._int("attention.key_length", minimum=1)
+        if key_length is None and hidden % heads:
+            raise ModelLoadError(f"{self.path}: {self.arch}.embedding_length {hidden} is not a multiple of "
+                                 f"{self.arch}.attention.head_count {heads}, and there is no "
+                                 f"{self.arch}.attention.key_length (the file is corrupt)")
+        head_dim = key_length if key_length is not None else hidden // heads
+        rope_dim = self._int("rope.dimension_count")
+        if rope_dim is not None and rope_dim != head_dim and not self.spec.hybrid:
+            raise ModelLoadError(f"{self.path}: {self.arch}.rope.dimension_count {rope_dim} differs from the head "
+                                 f"size {head_dim}; partial RoPE is not supported for {self.arch}")
+        value_length = self._int("attention.value_length", head_dim)
+        if value_length != head_dim:
+            raise ModelLoadError(f"{self.path}: {self.arch}.attention.value_length {value_length} differs from the "
+                                 f"key length {head_dim}; only equal key and value head sizes are supported")
+        # As llama.cpp: the vocabulary is the tokenizer's (the embedding must have a row for each token).
+        vocab = self._int("vocab_size")
+        tokens = self.reader.get("tokenizer.ggml.tokens")
+        self._check_token_lists(tokens, vocab)
+        if vocab is None and isinstance(tokens, list) and tokens:
+            vocab = len(tokens)
         embd = self._tensors.get("token_embd.weight")
-        vocab = self._arch_meta("vocab_size")
-        if vocab is None and embd is not None:
+        if vocab is None and embd is not None and len(embd.shape) == 2:
             vocab = int(embd.shape[-1])  # GGUF dims are reversed: [hidden, vocab]
-        if vocab is None:
-            vocab = len(self.metadata("tokenizer.ggml.tokens", []))
-        bos = self.metadata("tokenizer.ggml.bos_token_id")
+        bos = self._token_id("tokenizer.ggml.bos_token_id")
         eos_ids: list[int] = []
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-            v = self.metadata(f"tokenizer.ggml.{key}")
-            if v is not None and int(v) not in eos_ids:
-                eos_ids.append(int(v))
-        ffn = self._arch_meta("feed_forward_length", required=not self.spec.moe)
+            v = self._token_id(f"tokenizer.ggml.{key}")
+            if v is not None and v not in eos_ids:
+                eos_ids.append(v)
+        ffn = self._int("feed_forward_length", required=not self.spec.moe)
         return ModelConfig(
             arch=self.spec.model_type,
-            vocab_size=int(vocab),
+            vocab_size=vocab or 0,
             hidden_size=hidden,
-            intermediate_size=int(ffn or 0),
+            intermediate_size=ffn or 0,
             num_hidden_layers=self._num_layers(),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(self._arch_meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(self._arch_meta("rope.freq_base", 10000.0)),
+            rms_norm_eps=self._float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self._float("rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(),
-            max_position_embeddings=int(self._arch_meta("context_length", 4096)),
+            max_position_embeddings=self._int("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
             attention_bias=self._any_layer_has("attn_q.bias"),
             qk_norm=self._any_layer_has("attn_q_norm.weight"),
             torch_dtype=_DTYPE_NAMES.get(self.quant_summary(), "bfloat16"),
-            bos_token_id=None if bos is None else int(bos),
+            bos_token_id=bos,
             eos_token_ids=tuple(eos_ids),
             name=self._str_meta("general.name") or os.path.basename(self.path),
             extra={
@@ -479,12 +615,32 @@ class GGUFSource:
             **self._hybrid_config(head_dim),
         )
 
+    def _check_token_lists(self, tokens, vocab: int | None) -> None:
+        """The token list, its per-token arrays and {arch}.vocab_size agree on the vocabulary size."""
+        if not isinstance(tokens, list) or not tokens:
+            return
+        if vocab is not None and vocab != len(tokens):
+            raise ModelLoadError(f"{self.path}: {self.arch}.vocab_size is {vocab}, but tokenizer.ggml.tokens has "
+                                 f"{len(tokens)} tokens (the file is corrupt)")
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            values = self.reader.get(key)
+            if values is not None and len(values) != len(tokens):
+                raise ModelLoadError(f"{self.path}: {key} has {len(values)} entries for {len(tokens)} tokens "
+                                     "(the file is corrupt)")
+
     def _num_layers(self) -> int:
         """Decoder layers: block_count less the trailing multi-token-prediction (nextn) blocks that
         llama.cpp's Qwen3.5 converter appends (their tensors are not served)."""
         if self._n_layers is None:
-            blocks = int(self._arch_meta("block_count", required=True))
-            self._n_layers = blocks - int(self._arch_meta("nextn_predict_layers", 0) or 0)
+            blocks = self._int("block_count", required=True, minimum=1)
+            if blocks > len(self._tensors):   # every layer has tensors: a bound before anything loops over layers
+                raise ModelLoadError(f"{self.path}: {self.arch}.block_count is {blocks}, but the file has only "
+                                     f"{len(self._tensors)} tensors (the file is corrupt)")
+            nextn = self._int("nextn_predict_layers", 0, minimum=0) or 0
+            if nextn >= blocks:
+                raise ModelLoadError(f"{self.path}: {self.arch}.nextn_predict_layers {nextn} leaves no decoder layer "
+                                     f"of {self.arch}.block_count {blocks} (the file is corrupt)")
+            self._n_layers = blocks - nextn
         return self._n_layers
 
     def _any_layer_has(self, suffix: str) -> bool:
@@ -494,15 +650,15 @@ class GGUFSource:
         if not self.spec.moe:
             return {}
         n_layers = self._num_layers()
-        experts = int(self._arch_meta("expert_count", required=True))
+        experts = self._int("expert_count", required=True)
         # Layers without a router keep a dense MLP (Qwen3-MoE mlp_only_layers); GGUF has no key for it.
         dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
         norm = True if self.arch == "qwen35moe" else bool(self._arch_meta("expert_weights_norm", True))
         return dict(
             num_experts=experts,
-            num_experts_per_tok=int(self._arch_meta("expert_used_count", required=True)),
-            moe_intermediate_size=int(self._arch_meta("expert_feed_forward_length", required=True)),
-            shared_expert_intermediate_size=int(self._arch_meta("expert_shared_feed_forward_length", 0) or 0),
+            num_experts_per_tok=self._int("expert_used_count", required=True),
+            moe_intermediate_size=self._int("expert_feed_forward_length", required=True),
+            shared_expert_intermediate_size=self._int("expert_shared_feed_forward_length", 0) or 0,
             norm_topk_prob=norm,
             mlp_only_layers=dense,
         )
@@ -511,25 +667,25 @@ class GGUFSource:
         if not self.spec.hybrid:
             return {}
         n_layers = self._num_layers()
-        interval = int(self._arch_meta("full_attention_interval", 4))
+        interval = self._int("full_attention_interval", 4, minimum=1)
         layer_types = layer_types_from_interval(n_layers, interval)
         for i, kind in enumerate(layer_types):
             if (f"blk.{i}.ssm_out.weight" in self._tensors) != (kind == "linear_attention"):
                 raise ModelLoadError(f"{self.path}: layer {i} tensors do not match {self.arch}."
                                      f"full_attention_interval={interval} (expected {kind})")
-        nv = int(self._arch_meta("ssm.time_step_rank", required=True))
-        inner = int(self._arch_meta("ssm.inner_size", required=True))
+        nv = self._int("ssm.time_step_rank", required=True, minimum=1)
+        inner = self._int("ssm.inner_size", required=True, minimum=1)
         if inner % nv:
             raise ModelLoadError(f"{self.path}: ssm.inner_size {inner} is not a multiple of "
                                  f"ssm.time_step_rank {nv}")
-        rope_dim = int(self._arch_meta("rope.dimension_count", head_dim))
+        rope_dim = self._int("rope.dimension_count", head_dim, minimum=1)
         return dict(
             layer_types=layer_types,
-            linear_num_key_heads=int(self._arch_meta("ssm.group_count", required=True)),
+            linear_num_key_heads=self._int("ssm.group_count", required=True),
             linear_num_value_heads=nv,
-            linear_key_head_dim=int(self._arch_meta("ssm.state_size", required=True)),
+            linear_key_head_dim=self._int("ssm.state_size", required=True),
             linear_value_head_dim=inner // nv,
-            linear_conv_kernel_dim=int(self._arch_meta("ssm.conv_kernel", 4)),
+            linear_conv_kernel_dim=self._int("ssm.conv_kernel", 4),
             partial_rotary_factor=rope_dim / head_dim,
             attn_output_gate=True,
             norm_zero_centred=False,   # the converter stored 1 + w (the GDN norm is plain in both)
@@ -538,8 +694,8 @@ class GGUFSource:
     def _rope_scaling(self) -> dict | None:
         if "rope_freqs.weight" in self._tensors:
             freqs = self.get_gguf("rope_freqs.weight")
-            if not isinstance(freqs, torch.Tensor):
-                raise ModelLoadError(f"{self.path}: rope_freqs.weight must be a float tensor")
+            if not isinstance(freqs, torch.Tensor) or freqs.dim() != 1:
+                raise ModelLoadError(f"{self.path}: rope_freqs.weight must be a 1-D float tensor")
             return {"rope_type": "freq_factors", "freq_factors": freqs.float().tolist()}
         kind = self._arch_meta("rope.scaling.type")
         if kind in (None, "none"):
@@ -550,7 +706,8 @@ class GGUFSource:
                                ("attn_factor", "attention_factor"),
                                ("yarn_beta_fast", "beta_fast"),
                                ("yarn_beta_slow", "beta_slow")):
-            v = self._arch_meta(f"rope.scaling.{suffix}")
+            key = f"rope.scaling.{suffix}"
+            v = self._number(f"{self.arch}.{key}", self._arch_meta(key), integer=False)
             if v is not None:
                 out[hf_key] = v
         return out

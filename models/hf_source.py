@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanochat.models.config import DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig
+from nanochat.models.config import (DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig,
+                                    check_config, expected_shapes, required_tensors)
 from nanochat.models.errors import ModelLoadError
 
 SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES)
@@ -21,6 +22,8 @@ SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES
 # under the plain text names (`model.`) and hide the vision tower and the multi-token-prediction head.
 _PREFIX_MAP = (("model.language_model.", "model."),)
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+# safetensors dtypes the model code reads as weights (anything else would be reinterpreted as floats).
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def canonical_name(stored: str) -> str | None:
@@ -61,9 +64,48 @@ class HFSource:
             self.config = ModelConfig.from_hf_dict(raw, name=root.name)
         except KeyError as e:
             raise ModelLoadError(f"{cfg_path}: missing key {e}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"{cfg_path}: bad value ({e})") from None
+        check_config(self.config, str(cfg_path))
         self.root = root
         self._where = self._index_tensors(root)
         self._handles: dict[Path, object] = {}
+        self._check_tensors(cfg_path)
+
+    def _handle(self, f: Path):
+        if f not in self._handles:
+            try:
+                self._handles[f] = safe_open(f, "pt")
+            except Exception as e:   # safetensors raises several error types for bad headers
+                raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        return self._handles[f]
+
+    def _check_tensors(self, cfg_path: Path) -> None:
+        """Every tensor the model reads is present, a float type, and of the shape config.json implies
+        (read from the safetensors headers: no tensor data is touched)."""
+        cfg = self.config
+        missing = next((n for n in required_tensors(cfg, self._where) if n not in self._where), None)
+        if missing is not None:
+            raise ModelLoadError(f"{self.root}: tensor {missing} is missing; a {cfg.arch} model with "
+                                 f"{cfg.num_hidden_layers} layers needs it (incomplete checkpoint?)")
+        for name, (f, stored) in self._where.items():
+            expected = expected_shapes(cfg, name)
+            if expected is None:
+                continue
+            try:
+                meta = self._handle(f).get_slice(stored)
+                shape, dtype = tuple(meta.get_shape()), meta.get_dtype()
+            except ModelLoadError:
+                raise
+            except Exception as e:
+                raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
+            shapes, why = expected
+            if shape not in shapes:
+                want = " or ".join(str(list(x)) for x in shapes)
+                raise ModelLoadError(f"{f}: tensor {stored} has shape {list(shape)}, expected {want} ({why}, "
+                                     f"from {cfg_path.name}); the checkpoint does not match its config")
+            if dtype not in _FLOAT_DTYPES:
+                raise ModelLoadError(f"{f}: tensor {stored} has dtype {dtype}; supported: {', '.join(_FLOAT_DTYPES)}")
 
     @staticmethod
     def _index_tensors(root: Path) -> dict[str, tuple[Path, str]]:
@@ -101,9 +143,9 @@ class HFSource:
             raise ModelLoadError(f"{self.root}: tensor {name!r} not found in the checkpoint")
         f, stored = self._where[name]
         try:
-            if f not in self._handles:
-                self._handles[f] = safe_open(f, "pt")
-            return self._handles[f].get_tensor(stored)
+            return self._handle(f).get_tensor(stored)
+        except ModelLoadError:
+            raise
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
@@ -118,6 +160,11 @@ class HFSource:
     def tokenizer_config(self) -> dict:
         p = self.root / "tokenizer_config.json"
         return _read_json(p) if p.is_file() else {}
+
+    def chat_template_file(self) -> Path:
+        """The file the chat template comes from (named in template errors)."""
+        jinja = self.root / "chat_template.jinja"
+        return jinja if jinja.is_file() else self.root / "tokenizer_config.json"
 
     def chat_template(self) -> str | None:
         jinja = self.root / "chat_template.jinja"

@@ -47,9 +47,18 @@ def load_tokenizer_and_template(source):
             raise ModelLoadError(f"{source.root}: no tokenizer.json")
         tokenizer = Tokenizer.from_file(str(tok_path), source.tokenizer_config())
     else:
-        tokenizer = load_tokenizer(source.path, source.reader)   # reuses the parsed GGUF metadata
+        try:
+            tokenizer = load_tokenizer(source.path, source.reader)   # reuses the parsed GGUF metadata
+        except Exception as e:   # bad tokenizer.ggml.* values: TypeError, IndexError, the tokenizers library's own
+            message = " ".join(str(e).split())
+            if isinstance(e, (ModelLoadError, OSError)) or (isinstance(e, ValueError) and str(source.path) in message):
+                raise
+            raise ModelLoadError(f"{source.path}: cannot build the tokenizer from its metadata "
+                                 f"({type(e).__name__}: {message[:200]})") from None
+    _check_vocabulary(source, tokenizer)
+    origin = source.chat_template_file() if hasattr(source, "chat_template_file") else source.path
     template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
-                            eos_token=tokenizer.eos_token or "")
+                            eos_token=tokenizer.eos_token or "", origin=str(origin))
     eos = set(source.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -59,6 +68,14 @@ def load_tokenizer_and_template(source):
     if eot is not None and tokenizer.token_to_id(eot) is not None:
         eos.add(tokenizer.token_to_id(eot))
     return tokenizer, template, frozenset(eos)
+
+
+def _check_vocabulary(source, tokenizer) -> None:
+    """Every id the tokenizer can produce must have a row in the embedding (else the lookup reads past it)."""
+    size, rows = getattr(tokenizer, "vocab_size", None), source.config.vocab_size
+    if isinstance(size, int) and size > rows:
+        raise ModelLoadError(f"{source.path}: the tokenizer has {size:,} tokens but the model's embedding has "
+                             f"{rows:,} rows; the tokenizer does not belong to these weights")
 
 
 def load(model: str) -> LoadedModel:

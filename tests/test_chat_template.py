@@ -259,3 +259,124 @@ def test_for_tokenizer_uses_embedded_template(smol):
     text = tpl.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     ids = tok.encode(text)
     assert ids.count(tok.token_to_id("<|im_start|>")) == 3  # system, user, assistant
+
+
+# ---- limits (issue #14): a template is input from whoever made the model file ----
+
+import resource  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from nanochat.models.chat_template import DEFAULT_LIMITS, ChatTemplateLimitError, RenderLimits  # noqa: E402
+
+ORIGIN = "/models/hostile.gguf"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _limit_error(source: str, limits: RenderLimits = DEFAULT_LIMITS, messages=USER) -> tuple[str, float]:
+    start = time.perf_counter()
+    with pytest.raises(ChatTemplateLimitError) as e:
+        ChatTemplate(source, origin=ORIGIN, limits=limits).render(messages)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{ORIGIN}: chat template exceeds its {e.value.limit}"), msg
+    return msg, time.perf_counter() - start
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("source,fragment", [
+    ("{{ 'ab' * 150000000 }}", "size limit: '*' would make 300,000,000 characters"),
+    ("{{ 'x' * 10**10 }}", "size limit: '*' would make 10,000,000,000 characters"),
+])
+def test_huge_repeats_fail_before_allocating(source, fragment):
+    """The issue's first two templates reached 12.5 GB and 10 GB."""
+    before = _max_rss_mb()
+    msg, took = _limit_error(source)
+    assert fragment in msg and "--no-chat-template" in msg
+    assert took < 0.5 and _max_rss_mb() - before < 100
+
+
+def test_nested_ranges_stop_at_the_work_limit():
+    """Two nested range(100000) loops (each under jinja's own range limit) reached 4.7 GB at 60 s."""
+    before = _max_rss_mb()
+    msg, took = _limit_error("{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}"
+                             "{% endfor %}{% endfor %}")
+    assert f"work limit: more than {DEFAULT_LIMITS.max_steps:,} steps" in msg
+    assert took < DEFAULT_LIMITS.max_seconds and _max_rss_mb() - before < 200
+
+
+def test_time_limit_works_outside_the_main_thread():
+    """No signals: the deadline is checked at every step, so a render in a worker thread stops too."""
+    source = "{% set s = range(100000)|list %}{% for i in range(100000) %}{{ s|sort|first }}{% endfor %}"
+    result = {}
+
+    def worker():
+        try:
+            _limit_error(source, RenderLimits(max_seconds=0.3))
+        except BaseException as e:   # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+        else:
+            result["ok"] = True
+
+    thread = threading.Thread(target=worker)
+    start = time.perf_counter()
+    thread.start()
+    thread.join(10)
+    assert result == {"ok": True} and time.perf_counter() - start < 2
+
+
+def test_time_limit_message():
+    msg, took = _limit_error("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+                             "{{ f(40) }}", RenderLimits(max_seconds=0.2))
+    assert "time limit: rendering took more than 0.2 s" in msg and took < 1.5
+
+
+@pytest.mark.parametrize("source,fragment", [
+    ("{% set b %}{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}{% endset %}", "output limit"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "size limit: '~' would make"),
+    ("{{ range(100000)|join(',' * 1000) }}", "size limit: |join would make"),
+    ("{{ 'x'.ljust(10**12) }}", "size limit: str.ljust() would make"),
+    ("{{ '%.100000000d' % 1 }}", "size limit: '%' would make"),
+    ("{{ 10 ** 100000 }}", "size limit: '**' would make a 400,000-bit integer"),
+    ("{{ [1, 2]|tojson(indent=1000) }}", "size limit: tojson indent 1000"),
+])
+def test_other_ways_to_grow_are_bounded(source, fragment):
+    msg, took = _limit_error(source)
+    assert fragment in msg and took < 2, msg
+
+
+def test_prompt_length_is_checked_before_tokenizing():
+    """The rendered prompt never reaches the tokenizer when it is longer than any context could hold."""
+    small = RenderLimits(max_prompt_chars=1000)
+    msg, _ = _limit_error("{% for m in messages %}{{ m.content }}{% endfor %}", small,
+                          [{"role": "user", "content": "x" * 1001}])
+    assert "prompt size limit: the rendered prompt passes 1,000 characters" in msg
+    assert DEFAULT_LIMITS.max_prompt_chars >= 1_000_000 * 8   # ~1M tokens of ~8 characters
+
+
+def test_recursion_and_escapes_are_one_line_errors():
+    for source in ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+                   "{% macro m() %}{% endmacro %}{{ m.__globals__ }}",
+                   "{% for i in [1] %}{{ loop._iterator }}{% endfor %}",
+                   "{{ 1 // 0 }}"):
+        with pytest.raises(ChatTemplateError) as e:
+            ChatTemplate(source, origin=ORIGIN).render(USER)
+        assert "\n" not in str(e.value) and str(e.value).startswith(ORIGIN), str(e.value)
+
+
+def test_source_length_is_limited():
+    with pytest.raises(ChatTemplateLimitError, match="source limit"):
+        ChatTemplate("x" * (DEFAULT_LIMITS.max_source_chars + 1), origin=ORIGIN)
+
+
+def test_real_templates_render_long_conversations_within_the_limits():
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " + "w" * 4000}
+            for i in range(1000)]
+    for source in (CHATML_TEMPLATE, QWEN3_TEMPLATE):
+        start = time.perf_counter()
+        out = ChatTemplate(source).render(msgs, add_generation_prompt=True)
+        assert len(out) > 4_000_000 and out.count("<|im_start|>") == 1001
+        assert time.perf_counter() - start < DEFAULT_LIMITS.max_seconds / 3

@@ -303,6 +303,8 @@ def test_empty_array_and_zero_tensors_are_fine(tmp_path):
     (b"XXXX" + bytes(40), "bad magic"),
     (b"GGUF\x03\x00\x00\x00" + bytes(4), "truncated GGUF file (12 bytes)"),
     (struct.pack(">4sIQQ", b"GGUF", 3, 0, 0), "big-endian"),
+    (struct.pack("<4sIQQ", b"GGUF", 0x80000000, 0, 0), "unsupported GGUF version 2147483648"),
+    (struct.pack("<4sIQQ", b"GGUF", 0x00030000, 0, 0), "unsupported GGUF version 196608"),
     (struct.pack("<4sIQQ", b"GGUF", 1, 0, 0), "unsupported GGUF version 1"),
     (struct.pack("<4sIQQ", b"GGUF", 9, 0, 0), "unsupported GGUF version 9"),
 ])
@@ -366,3 +368,44 @@ def test_random_corruption_never_escapes(tmp_path, small_file):
                 reader(path)
             except GGUFError:
                 pass
+
+
+def test_a_huge_version_is_not_called_big_endian(tmp_path):
+    """Issue #14: version 0x80000000 was reported as a big-endian file."""
+    path = _write(tmp_path / "v.gguf", struct.pack("<4sIQQ", b"GGUF", 0x80000000, 0, 0))
+    assert "big-endian" not in _error(path)
+
+
+# ------------------------------------------------------------------------------- tensor data layout
+# GGUF writers tile the data section: every tensor at an aligned offset right after the previous one.
+# A type, shape or offset changed to another valid value breaks the tiling (issue #14: such files
+# loaded and produced garbage).
+
+def _two_tensors(type_a: int = T.F32, type_b: int = T.F32, offset_a: int = 0, offset_b: int = 64,
+                 dims_a: tuple[int, ...] = (16,)) -> bytes:
+    return _file([ARCH], [_tensor("a", dims_a, type_a, offset_a), _tensor("b", (16,), type_b, offset_b)],
+                 b"\1" * 128)
+
+
+def test_consistent_layout_loads(tmp_path):
+    f = GGUFFile(_write(tmp_path / "ok.gguf", _two_tensors()))
+    assert [t.data_offset - f.data_offset for t in f.tensors.values()] == [0, 64]
+
+
+@pytest.mark.parametrize("content,fragments", [
+    (_two_tensors(type_a=T.F16), ["32 unused bytes after tensor a", "before tensor b"]),
+    (_two_tensors(type_b=T.F16), ["32 unused bytes after the last tensor (b, F16"]),
+    (_two_tensors(type_a=T.I8), ["32 unused bytes after tensor a"]),
+    (_two_tensors(dims_a=(8,)), ["32 unused bytes after tensor a"]),
+    (_two_tensors(dims_a=(24,)), ["tensor b", "overlaps the data of tensor a"]),
+    (_two_tensors(offset_b=32), ["overlaps the data of tensor a"]),
+    (_two_tensors(offset_b=40), ["tensor b (F32, dims [16], 64 bytes at offset 40) is not aligned to 32 bytes"]),
+    (_two_tensors(offset_b=0), ["overlaps the data of tensor"]),
+    (_two_tensors(offset_a=32), ["32 unused bytes at the start of the data"]),
+    (_two_tensors() + bytes(32), ["32 unused bytes after the last tensor"]),
+], ids=["type a F16", "type b F16", "type a I8", "dims a smaller", "dims a larger", "offset overlaps",
+        "offset misaligned", "same offset twice", "gap at start", "extra data at the end"])
+def test_inconsistent_layout_is_refused(tmp_path, content, fragments):
+    msg = _error(_write(tmp_path / "bad.gguf", content))
+    for fragment in fragments:
+        assert fragment in msg, msg

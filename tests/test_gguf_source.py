@@ -176,9 +176,9 @@ def test_quantized_linears_match_gguf_quantize(models, tmp_path, arch, qtype):
     assert src.quant_summary() == qtype.name
 
 
-def test_quantizer_hook_and_kquant_blocks(models, tmp_path):
+def test_quantizer_hook_and_kquant_blocks(tmp_path):
     """The packer hook writes raw blocks; K-quant blocks come back byte-exact as QuantWeight."""
-    model = models("qwen3")
+    model = tiny_model("qwen3", intermediate_size=256)   # ffn_down rows of 256: one Q4_K block
     calls = []
 
     def quantizer(x):
@@ -412,3 +412,222 @@ def test_smollm2_real_file():
     emb = weights["model.embed_tokens.weight"]
     assert emb.type_name == "Q8_0" and emb.shape == (49152, 576) and emb.data.shape == (49152, 612)
     assert grown < src.file_size // 20, f"RSS grew {grown} bytes for a {src.file_size}-byte file"
+
+
+# ---- validation at load (issue #14): inconsistent files are refused with one line ----
+
+def _rewrite(src: Path, dst: Path, meta: dict) -> Path:
+    """A copy of GGUF `src` with metadata keys replaced (a MetaValue) or dropped (None)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in meta:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    for key, v in meta.items():
+        if v is not None:
+            w.add_key_value(key, v.value, v.vtype, v.sub_type)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def good_qwen3(models, tmp_path_factory) -> Path:
+    return write_gguf_from_hf(models("qwen3"), tmp_path_factory.mktemp("good") / "m.gguf", "qwen3", T.F32)
+
+
+def _with_tensor(model, tmp_path, hf_name: str, tensor: torch.Tensor, arch: str = "qwen3") -> Path:
+    state = dict(model.state_dict())
+    state[hf_name] = tensor
+    return write_gguf_from_hf((state, model.config), tmp_path / "m.gguf", arch, T.F32)
+
+
+@pytest.mark.parametrize("hf_name,shape,fragment", [
+    ("model.layers.1.input_layernorm.weight", (63,),
+     "blk.1.attn_norm.weight has shape [63], expected [64] (hidden_size 64"),
+    ("model.norm.weight", (65,), "output_norm.weight has shape [65], expected [64]"),
+    ("model.layers.0.self_attn.v_proj.weight", (31, 64), "blk.0.attn_v.weight has shape [31, 64], expected [32, 64] "
+                                                         "(num_key_value_heads 2 x head_dim 16"),
+    ("model.layers.0.self_attn.k_norm.weight", (15,), "blk.0.attn_k_norm.weight has shape [15], expected [16]"),
+    ("model.layers.1.mlp.down_proj.weight", (64, 127), "blk.1.ffn_down.weight has shape [64, 127], expected [64, 128]"),
+    ("model.embed_tokens.weight", (255, 64), "token_embd.weight has shape [255, 64], expected [256, 64]"),
+])
+def test_tensor_shape_mismatch_names_tensor_expected_and_found(models, tmp_path, hf_name, shape, fragment):
+    """A norm one element short, or attn_v one row short, loaded and the kernels read past them."""
+    path = _with_tensor(models("qwen3"), tmp_path, hf_name, torch.randn(shape))
+    msg = _error(path)
+    assert fragment in msg, msg
+
+
+def test_missing_tensor_is_named(models, tmp_path):
+    path = write_gguf_from_hf(models("qwen3"), tmp_path / "m.gguf", "qwen3", T.F32,
+                              skip_tensors=("blk.1.attn_v.weight",))
+    assert "tensor blk.1.attn_v.weight is missing" in _error(path)
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("qwen3.rope.freq_base", float("inf"), "qwen3.rope.freq_base is inf"),
+    ("qwen3.rope.freq_base", float("nan"), "qwen3.rope.freq_base is nan"),
+    ("qwen3.rope.freq_base", -1.0, "qwen3.rope.freq_base is -1.0"),
+    ("qwen3.attention.layer_norm_rms_epsilon", 0.0, "qwen3.attention.layer_norm_rms_epsilon is 0.0"),
+    ("qwen3.attention.layer_norm_rms_epsilon", -1.0, "qwen3.attention.layer_norm_rms_epsilon is -1.0"),
+    ("qwen3.attention.layer_norm_rms_epsilon", 1e30,
+     "qwen3.attention.layer_norm_rms_epsilon is 1.0000000150474662e+30"),
+])
+def test_float_hyper_parameters_are_range_checked(good_qwen3, tmp_path, key, value, fragment):
+    path = _rewrite(good_qwen3, tmp_path / "bad.gguf", {key: MetaValue(value, gguf.GGUFValueType.FLOAT32)})
+    msg = _error(path)
+    assert fragment in msg, msg
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("qwen3.attention.head_count", 0, "qwen3.attention.head_count is 0"),
+    ("qwen3.attention.head_count_kv", 0, "qwen3.attention.head_count_kv is 0"),
+    ("qwen3.attention.head_count_kv", 3, "qwen3.attention.head_count is 4; it must be a multiple of "
+                                         "qwen3.attention.head_count_kv (3)"),
+    ("qwen3.block_count", 0, "qwen3.block_count is 0"),
+    ("qwen3.context_length", 0, "qwen3.context_length is 0"),
+    ("qwen3.embedding_length", 0, "qwen3.embedding_length is 0"),
+    ("qwen3.attention.key_length", 0, "qwen3.attention.key_length is 0"),
+    ("qwen3.feed_forward_length", 0, "qwen3.feed_forward_length is 0"),
+    ("qwen3.vocab_size", 0, "qwen3.vocab_size is 0, but tokenizer.ggml.tokens has 256 tokens"),
+    ("tokenizer.ggml.bos_token_id", 256, "tokenizer.ggml.bos_token_id is 256; token ids must be below the "
+                                         "vocabulary size 256"),
+])
+def test_integer_hyper_parameters_are_range_checked(good_qwen3, tmp_path, key, value, fragment):
+    """Zero head or block counts ended in `float floor division by zero`, naming no file."""
+    path = _rewrite(good_qwen3, tmp_path / "bad.gguf", {key: MetaValue(value, gguf.GGUFValueType.UINT32)})
+    msg = _error(path)
+    assert fragment in msg, msg
+
+
+def test_hidden_not_divisible_by_heads(good_qwen3, tmp_path):
+    path = _rewrite(good_qwen3, tmp_path / "bad.gguf", {
+        "qwen3.attention.key_length": None, "qwen3.attention.value_length": None,
+        "qwen3.attention.head_count": MetaValue(3, gguf.GGUFValueType.UINT32),
+        "qwen3.attention.head_count_kv": MetaValue(3, gguf.GGUFValueType.UINT32)})
+    assert "qwen3.embedding_length 64 is not a multiple of qwen3.attention.head_count 3" in _error(path)
+
+
+def test_odd_head_dim(good_qwen3, tmp_path):
+    path = _rewrite(good_qwen3, tmp_path / "bad.gguf", {
+        "qwen3.attention.key_length": MetaValue(15, gguf.GGUFValueType.UINT32),
+        "qwen3.attention.value_length": MetaValue(15, gguf.GGUFValueType.UINT32)})
+    assert "qwen3.attention.key_length is 15; RoPE needs an even number of rotary dimensions" in _error(path)
+
+
+def test_metadata_of_the_wrong_type(good_qwen3, tmp_path):
+    path = _rewrite(good_qwen3, tmp_path / "bad.gguf",
+                    {"qwen3.block_count": MetaValue("two", gguf.GGUFValueType.STRING)})
+    assert "metadata qwen3.block_count is 'two', expected an integer" in _error(path)
+
+
+def _patch_tensor_info(path: Path, name: str, *, ggml_type: int | None = None, offset_delta: int = 0) -> Path:
+    """Change one tensor's type or data offset in place (the bytes of the file stay as written)."""
+    import struct
+
+    from nanochat.models.gguf_file import GGUFFile
+    f = GGUFFile(path)
+    t = f.tensors[name]
+    raw = bytearray(path.read_bytes())
+    del f, t
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = raw.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", raw, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    if ggml_type is not None:
+        struct.pack_into("<I", raw, type_at, ggml_type)
+    offset = struct.unpack_from("<Q", raw, type_at + 4)[0]
+    struct.pack_into("<Q", raw, type_at + 4, offset + offset_delta)
+    path.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(ggml_type=T.F16), "unused bytes after tensor blk.0.attn_norm.weight"),
+    (dict(ggml_type=T.BF16), "unused bytes after tensor blk.0.attn_norm.weight"),
+    (dict(offset_delta=32), "32 unused bytes after tensor blk.0.attn_output.weight, before tensor "
+                            "blk.0.attn_q_norm.weight (F32, dims [16], 64 bytes at offset"),
+    (dict(offset_delta=-32), "overlaps the data of tensor"),
+    (dict(offset_delta=3), "is not aligned to 32 bytes"),
+])
+def test_changed_tensor_type_or_offset_is_refused(good_qwen3, tmp_path, change, fragment):
+    """A type or data offset changed to another valid value gave garbage text with no warning."""
+    path = Path(shutil.copy(good_qwen3, tmp_path / "bad.gguf"))
+    name = "blk.0.attn_norm.weight" if "ggml_type" in change else "blk.0.attn_q_norm.weight"
+    msg = _error(_patch_tensor_info(path, name, **change))
+    assert fragment in msg, msg
+
+
+def test_errors_come_before_the_model_is_built(good_qwen3, tmp_path):
+    """The loader path (open_source, as `nanochat` and the engine use it) refuses the file itself."""
+    from nanochat.models.loader import open_source
+    path = _rewrite(good_qwen3, tmp_path / "bad.gguf",
+                    {"qwen3.rope.freq_base": MetaValue(float("nan"), gguf.GGUFValueType.FLOAT32)})
+    with pytest.raises(ModelLoadError, match="rope.freq_base is nan"):
+        open_source(str(path))
+
+
+def test_chat_template_errors_name_the_model_file(models, tmp_path):
+    """A hostile template in the file is refused when rendered, in one line naming the file and the limit."""
+    from nanochat.models.chat_template import ChatTemplateLimitError
+    from nanochat.models.loader import load_tokenizer_and_template
+
+    from gguf_writer import byte_tokenizer_metadata
+
+    tok = byte_tokenizer_metadata(256, 1, 2)   # a loadable BPE needs merges: byte 255's token becomes "ab"
+    tokens = tok["tokenizer.ggml.tokens"].value
+    tok["tokenizer.ggml.tokens"] = MetaValue(tokens[:255] + ["ab"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    tok["tokenizer.ggml.merges"] = MetaValue(["a b"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    path = write_gguf_from_hf(models("qwen3"), tmp_path / "m.gguf", "qwen3", T.F32, tokenizer=tok,
+                              chat_template="{{ 'ab' * 150000000 }}")
+    _, template, _ = load_tokenizer_and_template(GGUFSource(path))
+    with pytest.raises(ChatTemplateLimitError) as e:
+        template.render([{"role": "user", "content": "hi"}])
+    assert str(e.value).startswith(f"{path}: chat template exceeds its size limit") and "\n" not in str(e.value)
+
+
+# The same checks for Hugging Face folders (config.json against the safetensors headers).
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    from conftest import make_hf_model
+    return make_hf_model("qwen3", tmp_path_factory.mktemp("hf") / "qwen3", seed=9)
+
+
+def _hf_error(folder: Path, tmp_path: Path, **config) -> str:
+    import json
+
+    from nanochat.models.hf_source import HFSource
+    copy = Path(shutil.copytree(folder, tmp_path / "copy"))
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg.update(config)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        HFSource(copy)
+    msg = str(e.value)
+    assert "\n" not in msg and str(copy) in msg
+    return msg
+
+
+@pytest.mark.parametrize("config,fragment", [
+    (dict(intermediate_size=127), "tensor model.layers.0.mlp.down_proj.weight has shape [64, 128], expected [64, 127] "
+                                  "(hidden_size 64 by intermediate_size 127, from config.json)"),
+    (dict(num_key_value_heads=4),
+     "tensor model.layers.0.self_attn.k_proj.weight has shape [32, 64], expected [64, 64]"),
+    (dict(rms_norm_eps=0), "config.json: rms_norm_eps is 0"),
+    (dict(rope_theta=-1.0), "config.json: rope_theta is -1.0"),
+    (dict(num_attention_heads=0, head_dim=None), "num_attention_heads is 0"),
+    (dict(num_hidden_layers=3, layer_types=None), "tensor model.layers.2.input_layernorm.weight is missing"),
+    (dict(num_hidden_layers=3), "config.json: layer_types is 2 entries long; it must list one type per layer (3)"),
+    (dict(max_position_embeddings=0), "config.json: max_position_embeddings is 0"),
+])
+def test_hf_folder_is_validated_like_a_gguf(hf_folder, tmp_path, config, fragment):
+    msg = _hf_error(hf_folder, tmp_path, **config)
+    assert fragment in msg, msg
