@@ -16,7 +16,6 @@ The default run is a few hundred cases; `-m slow` runs thousands more, with othe
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from collections import Counter
@@ -26,6 +25,7 @@ import gguf
 import pytest
 import torch
 
+from timed import call_with_timeout
 from gguf_mutations import Case, Model, Mutator, parse, serialize, tail_case
 from gguf_writer import MetaValue, write_gguf_from_hf
 from nanochat.models.tokenizer import bytes_to_unicode
@@ -119,25 +119,16 @@ def load_and_build(path: Path) -> None:
 
 def run_case(path: Path, seconds: float = CASE_SECONDS) -> tuple[str, str]:
     """("accepted" | "clean" | "traceback" | "hang", detail)."""
-    box: dict = {}
+    def load_quietly():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_and_build(path)
 
-    def target():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                load_and_build(path)
-            box["result"] = ("accepted", "")
-        except BaseException as e:   # noqa: BLE001 - every exception is classified below
-            box["result"] = ("error", e)
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
+    kind, err = call_with_timeout(load_quietly, seconds)
+    if kind == "hang":
         return "hang", f"still running after {seconds:g} s"
-    kind, err = box["result"]
-    if kind == "accepted":
-        return kind, ""
+    if kind == "done":
+        return "accepted", ""
     message = str(err)
     if isinstance(err, ValueError) and "\n" not in message and str(path) in message:
         return "clean", message

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import random
 import resource
-import threading
 import time
 
 import pytest
 
+from timed import call_with_timeout
 from nanochat.models.chat_template import ChatTemplate, ChatTemplateError, RenderLimits
 
 ORIGIN = "/models/hostile.gguf"
@@ -145,22 +145,13 @@ def generated(seed: int) -> str:
 
 def render_in_thread(template: str, limits: RenderLimits, seconds: float) -> tuple[str, str]:
     """("refused" | "rendered" | "traceback" | "hang", detail), rendered from a non-main thread."""
-    box: dict = {}
+    def render():
+        return len(ChatTemplate(template, origin=ORIGIN, limits=limits).render([{"role": "user", "content": "hi"}]))
 
-    def target():
-        try:
-            out = ChatTemplate(template, origin=ORIGIN, limits=limits).render([{"role": "user", "content": "hi"}])
-            box["result"] = ("rendered", len(out))
-        except BaseException as e:   # noqa: BLE001 - classified below
-            box["result"] = ("error", e)
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
+    kind, value = call_with_timeout(render, seconds)
+    if kind == "hang":
         return "hang", f"still rendering after {seconds:g} s"
-    kind, value = box["result"]
-    if kind == "rendered":
+    if kind == "done":
         return ("rendered", str(value)) if value <= limits.max_prompt_chars else ("traceback", f"{value} chars")
     msg = str(value)
     if isinstance(value, ChatTemplateError) and "\n" not in msg and msg.startswith(ORIGIN):
