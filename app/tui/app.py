@@ -3,8 +3,9 @@
 Threads: the UI thread never waits on the engine. The engine runs in its own process behind an
 EngineClient; token events and stats arrive on the client's reader thread, which only drops them in
 the controller's inbox, and a UI timer drains that STREAM_HZ times a second: a streaming reply costs
-at most STREAM_HZ frames a second (a Textual frame of this layout takes ~13 ms of CPU the engine
-could use). Model loads and engine restarts are blocking client calls, run in worker threads.
+at most STREAM_HZ frames a second. Those frames are what the TUI costs the engine: a frame that
+re-lays out a growing reply takes 30-45 ms of CPU at 160x48, more as the chat grows
+(benchmarks/tui_vs_headless.py; 4 Hz instead of 10 saved only ~25% of it). Model loads and engine restarts are blocking client calls, run in worker threads.
 
 Data flows down (the controller and settings into screens, `engine_status` into the gauges); news
 flows up as messages (the controller's through TuiObserver, LoadModel from the picker and /model).
