@@ -11,6 +11,10 @@ import platformdirs
 APP = "nanochat"
 
 
+class HomeInUse(RuntimeError):
+    """Another app instance holds this home's chat store."""
+
+
 @dataclass(frozen=True)
 class Paths:
     config_dir: Path
@@ -46,6 +50,22 @@ class Paths:
         for d in (self.config_dir, self.data_dir, self.state_dir, self.cache_dir, self.models_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
+
+    def lock_chats(self):
+        """Claim the chat store for this app instance: an open file holding an exclusive lock, released
+        when it is closed or the process ends. Two apps on one home would interleave their turns in
+        the same conversations, so a second one is refused with HomeInUse."""
+        import fcntl
+
+        path = self.data_dir / "chats.lock"
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise HomeInUse(f"another nanochat app is using the chats in {self.data_dir}; close it first, "
+                            "or set NANOCHAT_HOME to use another home") from None
+        return handle
 
     def describe(self) -> dict[str, str]:
         return {"config": str(self.settings_file), "chats": str(self.chat_db), "models": str(self.models_dir),

@@ -134,3 +134,19 @@ def test_usable_from_several_threads(tmp_path):
     for t in threads:
         t.join()
     assert len(store.messages(cid)) == 80
+
+
+def test_a_second_app_on_one_home_is_refused(tmp_path, monkeypatch):
+    """Two apps on one home would interleave their turns in the same conversations (issue #14 item 4):
+    the second is told the home is in use, before it starts anything; closing the first frees it."""
+    from nanochat.app.paths import HomeInUse, get_paths
+    from nanochat.app.tui import main
+
+    monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))
+    paths = get_paths().ensure()
+    first = paths.lock_chats()
+    with pytest.raises(HomeInUse, match="NANOCHAT_HOME") as e:
+        main(None)
+    assert "\n" not in str(e.value)
+    first.close()
+    paths.lock_chats().close()     # free again

@@ -14,6 +14,7 @@ def main(args=None) -> int:
     from nanochat.models.errors import ModelLoadError
 
     paths = get_paths().ensure()
+    chats_lock = paths.lock_chats()   # raises HomeInUse (one line, exit 1) when another app has this home
     settings = getattr(args, "settings", None) or Settings.load(paths.settings_file)
     explicit = getattr(args, "model", None)
     try:
@@ -31,6 +32,7 @@ def main(args=None) -> int:
         app.run()
     finally:
         client.shutdown()   # also when the app crashed: no engine process outlives the app
+        chats_lock.close()
     return app.return_code or 0
 
 
