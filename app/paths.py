@@ -54,11 +54,14 @@ class Paths:
     def lock_chats(self):
         """Claim the chat store for this app instance: an open file holding an exclusive lock, released
         when it is closed or the process ends. Two apps on one home would interleave their turns in
-        the same conversations, so a second one is refused with HomeInUse."""
+        the same conversations, so a second one is refused with HomeInUse. None where the lock file
+        cannot be written (a read-only home): then no app can save chats there, nor mix them."""
         import fcntl
 
-        path = self.data_dir / "chats.lock"
-        handle = open(path, "a+")
+        try:
+            handle = open(self.data_dir / "chats.lock", "a+")
+        except OSError:
+            return None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -86,17 +86,26 @@ def migrate(conn: sqlite3.Connection) -> int:
     return found
 
 
+def _check_writable(conn: sqlite3.Connection) -> None:
+    """Fail now, not at the first message, when the file can be read but not written (a read-only home):
+    rewriting the schema version with its own value is a write that changes nothing."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    with conn:
+        conn.execute(f"PRAGMA user_version = {int(version)}")
+
+
 class ChatStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if str(path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         try:
+            if str(path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(str(path), check_same_thread=False)
             self._conn.execute("PRAGMA foreign_keys = ON")
             migrate(self._conn)
-        except sqlite3.DatabaseError as e:
+            _check_writable(self._conn)
+        except (sqlite3.DatabaseError, OSError) as e:
             raise StoreError(f"{path}: cannot open the chat database ({e})") from None
 
     def close(self) -> None:

@@ -150,3 +150,20 @@ def test_a_second_app_on_one_home_is_refused(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
     first.close()
     paths.lock_chats().close()     # free again
+
+
+def test_a_store_that_cannot_be_written_fails_at_open(tmp_path):
+    """A read-only home (issue #14): the app learns at start that nothing will be saved (it then keeps
+    an in-memory store and says so) instead of failing at the first message."""
+    import sqlite3
+
+    from nanochat.app.store import StoreError, _check_writable
+
+    path = tmp_path / "chats.sqlite3"
+    ChatStore(path).close()
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        _check_writable(conn)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StoreError, match="cannot open"):
+        ChatStore(tmp_path / "file" / "chats.sqlite3")       # its folder cannot be made

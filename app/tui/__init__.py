@@ -13,7 +13,11 @@ def main(args=None) -> int:
     from nanochat.models.catalog import resolve_default_model
     from nanochat.models.errors import ModelLoadError
 
-    paths = get_paths().ensure()
+    paths = get_paths()
+    try:
+        paths.ensure()
+    except OSError:
+        pass   # a read-only home: the app runs and says that nothing will be saved
     chats_lock = paths.lock_chats()   # raises HomeInUse (one line, exit 1) when another app has this home
     settings = getattr(args, "settings", None) or Settings.load(paths.settings_file)
     explicit = getattr(args, "model", None)
@@ -32,7 +36,8 @@ def main(args=None) -> int:
         app.run()
     finally:
         client.shutdown()   # also when the app crashed: no engine process outlives the app
-        chats_lock.close()
+        if chats_lock is not None:
+            chats_lock.close()
     return app.return_code or 0
 
 

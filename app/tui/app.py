@@ -71,7 +71,7 @@ class NanochatApp(App):
                  sampling: dict | None = None, system_prompt: str | None = None,
                  discover: Callable[[], list] | None = None, bench_overrides: dict | None = None):
         super().__init__()
-        self.paths = (paths or get_paths()).ensure()
+        self.paths = paths or get_paths()   # main() made the folders (where the home is writable)
         self.settings = settings if settings is not None else Settings.load(self.paths.settings_file)
         self.owns_client = client is None          # a client we start is one we stop
         self.client = client if client is not None else EngineClient()
