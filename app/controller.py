@@ -140,7 +140,8 @@ def format_stats(stats: RequestStats | None, note: str = "") -> str:
             parts.append(f"{stats.decode_tok_s:.1f} tok/s")
         if stats.prompt_tokens:
             parts.append(f"cached {stats.cached_tokens}/{stats.prompt_tokens}")
-        ending = {"abort": "cancelled", "length": "max tokens", "error": "error"}.get(stats.finish_reason or "")
+        ending = {"abort": "cancelled", "length": "context full" if stats.context_full else "max tokens",
+                  "error": "error"}.get(stats.finish_reason or "")
         if ending and not (ending == "error" and INTERRUPTED_NOTE in note):   # the note says it better
             parts.append(ending)
     if note:

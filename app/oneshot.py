@@ -106,23 +106,23 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
                 progress.stop()
 
 
-def format_stats(completion: int, prompt: int, cached: int, ttft: float | None, tok_s: float | None,
-                 extra: str = "") -> str:
-    """`[12 tokens · 48 cached / 9 new · TTFT 0.05s · 80 tok/s]`"""
-    parts = [f"{completion} token{'s' if completion != 1 else ''}", f"{cached} cached / {prompt - cached} new"]
-    if ttft is not None:
-        parts.append(f"TTFT {ttft:.2f}s")
-    if tok_s:
-        parts.append(f"{tok_s:.1f} tok/s")
+def format_stats(stats, extra: str = "") -> str:
+    """A RequestStats as `[12 tokens · 48 cached / 9 new · TTFT 0.05s · 80 tok/s]`."""
+    n = stats.completion_tokens
+    parts = [f"{n} token{'s' if n != 1 else ''}", f"{stats.cached_tokens} cached / {stats.prefilled_tokens} new"]
+    if stats.ttft is not None:
+        parts.append(f"TTFT {stats.ttft:.2f}s")
+    if stats.decode_tok_s:
+        parts.append(f"{stats.decode_tok_s:.1f} tok/s")
     if extra:
         parts.append(extra)
     return "[" + " · ".join(parts) + "]"
 
 
-def length_note(stats, max_model_len: int) -> str:
+def length_note(stats) -> str:
     """Why a reply that ended on length ended: its max_tokens, or the model's context filling up."""
-    if stats.prompt_tokens + stats.completion_tokens >= max_model_len:
-        return f"context full ({max_model_len} tokens)"
+    if stats.context_full:
+        return f"context full ({stats.prompt_tokens + stats.completion_tokens} tokens)"
     return "max tokens reached"
 
 
@@ -170,7 +170,7 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
         raise
     finally:
         client.shutdown()
-    return _report(opts, [s.reply for s in streams], load_s, client.model.max_model_len, out, err)
+    return _report(opts, [s.reply for s in streams], load_s, out, err)
 
 
 def _print_in_order(streams: list, out) -> None:
@@ -192,7 +192,7 @@ def _print_in_order(streams: list, out) -> None:
             out.flush()
 
 
-def _report(opts: OneShotOptions, replies: list, load_s: float, max_model_len: int, out, err) -> int:
+def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int:
     errors = [r.final.error or "generation failed" for r in replies if r.final.finish_reason == "error"]
     if opts.json:
         for reply in replies:
@@ -205,10 +205,9 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, max_model_len: i
                 continue
             extra = f"load {load_s:.1f}s" if n == 0 else ""
             if reply.final.finish_reason == "length":
-                extra = " · ".join(x for x in (length_note(st, max_model_len), extra) if x)
+                extra = " · ".join(x for x in (length_note(st), extra) if x)
             prefix = f"#{n + 1} " if len(replies) > 1 else ""
-            line = prefix + format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
-                                         st.decode_tok_s, extra)
+            line = prefix + format_stats(st, extra)
             dim = hasattr(err, "isatty") and err.isatty()
             print(f"\x1b[2m{line}\x1b[0m" if dim else line, file=err, flush=True)
     if errors:

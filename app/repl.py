@@ -146,10 +146,8 @@ class Repl:
             return
         self.term.write("\n")
         st = reply.stats
-        extra = "cancelled" if cancelled else \
-            (length_note(st, self.client.model.max_model_len) if final.finish_reason == "length" else "")
-        self.term.note(format_stats(st.completion_tokens, st.prompt_tokens, st.cached_tokens, st.ttft,
-                                    st.decode_tok_s, extra))
+        extra = "cancelled" if cancelled else (length_note(st) if final.finish_reason == "length" else "")
+        self.term.note(format_stats(st, extra))
 
     def _stream(self, stream) -> bool:
         """Print deltas as they come; Ctrl-C cancels the request and waits for its final event."""

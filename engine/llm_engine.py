@@ -218,7 +218,8 @@ class LLMEngine:
             decode = (n - 1) / (end - st.first_token_time)
         return RequestStats(prompt_tokens=req.seq.num_prompt_tokens, cached_tokens=st.num_cached_tokens,
                             completion_tokens=n, ttft=st.ttft, decode_tok_s=decode,
-                            elapsed=end - st.arrival_time, preemptions=st.num_preemptions, finish_reason=reason)
+                            elapsed=end - st.arrival_time, preemptions=st.num_preemptions, finish_reason=reason,
+                            context_full=len(req.seq) >= self.config.max_model_len)
 
     # ------------------------------------------------------------------ stats
     def _record_throughput(self, chunks, elapsed: float, now: float) -> None:

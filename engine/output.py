@@ -25,6 +25,7 @@ class RequestStats:
     elapsed: float = 0.0
     preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    context_full: bool = False        # it reached max_model_len (a "length" end that max_tokens did not cause)
 
     @property
     def prefilled_tokens(self) -> int:

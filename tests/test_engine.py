@@ -283,3 +283,13 @@ def test_block_invariant_after_random_workload():
 def test_a_block_bigger_than_the_kv_budget_names_the_block_size(tiny_models):
     with pytest.raises(ValueError, match="lower kvcache_block_size"):
         LLMEngine(str(tiny_models[ARCH]), dtype="float32", kvcache_block_size=1 << 20, kv_cache_gib=0.001)
+
+
+def test_stats_say_whether_the_context_or_max_tokens_ended_a_reply(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=32)
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    full, capped = llm.generate([list(range(1, 21)), [1, 2, 3]], [sp, SamplingParams(temperature=0, max_tokens=4,
+                                                                                    ignore_eos=True)])
+    assert full.finish_reason == capped.finish_reason == "length"
+    assert full.stats.context_full and full.stats.prompt_tokens + full.stats.completion_tokens == 32
+    assert not capped.stats.context_full
