@@ -228,16 +228,6 @@ def dispatch(args) -> int:
     return cmd_tui(args, settings)
 
 
-class _NeverRaised(BaseException):
-    pass
-
-
-def _extension_panic() -> type[BaseException]:
-    """The panic of a Rust extension (pyo3's PanicException derives from BaseException), when one is loaded."""
-    module = sys.modules.get("pyo3_runtime")
-    return getattr(module, "PanicException", _NeverRaised)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     try:
@@ -253,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_OK
-    except (Exception, _extension_panic()) as e:   # ModelLoadError, RequestError, OSError, MemoryError, ...
+    except BaseException as e:   # ModelLoadError, OSError, MemoryError, a Rust extension's panic (pyo3's
+        # PanicException is a BaseException); SystemExit and KeyboardInterrupt are handled above
         if debug_enabled():
             raise
         report(one_line(e))
