@@ -13,7 +13,7 @@ from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
 from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent
-from nanochat.engine.sampler import Sampler
+from nanochat.engine.sampler import Sampler, TokenHistory
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
@@ -27,6 +27,7 @@ class _Request:
     generator: torch.Generator | None
     text: str = ""
     emitted: int = 0          # chars of `text` already sent as deltas
+    history: TokenHistory | None = None   # penalized requests: seq.token_ids as a tensor, for the sampler
 
     @property
     def params(self) -> SamplingParams:
@@ -89,7 +90,9 @@ class LLMEngine:
         if not sp.greedy:
             generator = torch.Generator()
             generator.manual_seed(sp.seed if sp.seed is not None else torch.seed())
-        self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), generator)
+        history = TokenHistory(self.device) if sp.penalized else None
+        self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), generator,
+                                             history=history)
         seq.request_id = request_id
         self.scheduler.add(seq)
         return request_id
@@ -138,7 +141,11 @@ class LLMEngine:
         token_ids = []
         if sampled:
             reqs = [self.requests[c.seq.request_id] for c in sampled]
-            token_ids = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            # Penalties read the ids from the sequence (prompt + generated so far), so a preempted or
+            # resumed request is penalized the same; rows without penalties pass None.
+            histories = [None if r.history is None else (r.history.sync(r.seq.token_ids), r.seq.num_prompt_tokens)
+                         for r in reqs]
+            token_ids = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs], histories)
         now = time.perf_counter()
         self._record_throughput(chunks, now - t0, now)
         events = []

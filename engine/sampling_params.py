@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
+
+
+# Below this the logits / temperature overflow (1e-300 made the sampler's softmax NaN); vLLM's floor
+# too. Such a temperature is greedy in all but name, and 0 says so.
+MIN_TEMPERATURE = 0.01
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -15,14 +25,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()        # stop strings (not included in the output text)
     seed: int | None = None
+    # Penalties (engine/sampler.py apply_penalties has the definitions): the defaults are off.
+    repetition_penalty: float = 1.0   # > 0; HF/CTRL, over prompt + generated tokens
+    presence_penalty: float = 0.0     # [-2, 2]; OpenAI/vLLM, over generated tokens
+    frequency_penalty: float = 0.0    # [-2, 2]; OpenAI/vLLM, over generated tokens
 
     def __post_init__(self):
         # Accept lists for convenience, keep the object hashable and immutable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE} up, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -35,7 +49,21 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64):
             raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed}")
+        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_finite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be a number from -2 to 2 (0 is off), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty is on: the sampler needs this request's token ids."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -293,3 +293,75 @@ def test_stats_say_whether_the_context_or_max_tokens_ended_a_reply(tiny_models):
     assert full.finish_reason == capped.finish_reason == "length"
     assert full.stats.context_full and full.stats.prompt_tokens + full.stats.completion_tokens == 32
     assert not capped.stats.context_full
+
+
+# ---------------------------------------------------------------- penalties through the engine
+
+PENALIZED = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                           presence_penalty=0.4, frequency_penalty=0.3)
+
+
+def hf_penalized_greedy(hf, prompt, sp):
+    """Greedy decoding with transformers' logits (no KV cache) and the reference penalties."""
+    from test_sampler import reference_penalties
+
+    ids = list(prompt)
+    for _ in range(sp.max_tokens):
+        with torch.no_grad():
+            row = hf(torch.tensor([ids])).logits[0, -1].float()
+        ids.append(int(reference_penalties(row, ids, len(prompt), sp).argmax()))
+    return ids[len(prompt):]
+
+
+def _finish(engine, rid):
+    tokens = []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.request_id == rid:
+                tokens.append(ev.token_id)
+    return tokens
+
+
+def test_repetition_penalty_breaks_a_greedy_loop_as_transformers_does(tiny_models, hf_models):
+    looping = [100, 101, 102]        # the tiny qwen3 repeats one token from the fourth step on
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+    plain = llm.generate([looping], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    penalized = llm.generate([looping], sp)[0].token_ids
+    assert len(set(plain)) < len(set(penalized)) and penalized != plain
+    assert llm.generate([looping], sp)[0].token_ids == penalized          # deterministic
+    hf = hf_models(ARCH)
+    want = hf.generate(torch.tensor([looping]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                       repetition_penalty=1.3, pad_token_id=0, eos_token_id=None)[0, len(looping):].tolist()
+    assert penalized == want
+
+
+def test_penalties_survive_preemption_chunking_and_prefix_hits(tiny_models, hf_models, expected):
+    """Penalties depend on token ids only: recompute after preemption, chunked prefill and prefix-cache
+    hits give the reference tokens; a plain request batched alongside is unaffected."""
+    hf = hf_models(ARCH)
+    want = [hf_penalized_greedy(hf, p, PENALIZED) for p in PROMPTS]
+    assert want != expected                                     # the penalties change the replies
+    llm, out = run(tiny_models, sp=PENALIZED, num_kvcache_blocks=8, kvcache_block_size=16)
+    assert out == want and llm.engine.scheduler.num_preemptions > 0
+    again = llm.generate(PROMPTS, PENALIZED)                   # the long prompt's blocks are cached now
+    assert [r.token_ids for r in again] == want and any(r.stats.cached_tokens for r in again)
+    _, out = run(tiny_models, sp=PENALIZED, max_num_batched_tokens=8)
+    assert out == want
+    _, mixed = run(tiny_models, sp=[PENALIZED, GREEDY, PENALIZED, GREEDY])
+    assert mixed[0::2] == want[0::2] and mixed[1::2] == expected[1::2]
+
+
+def test_penalties_on_a_chat_session_turn_count_the_whole_conversation(tiny_models):
+    """A second turn reuses the first turn's resident KV; its penalties still see every id of the
+    conversation, as a fresh engine without any cache does."""
+    engine = LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, kvcache_block_size=16)
+    turn1 = list(range(30, 70))
+    first = _finish(engine, engine.add_request(turn1, PENALIZED, session_id="chat"))
+    turn2 = turn1 + first + [5, 6, 7]
+    rid = engine.add_request(turn2, PENALIZED, session_id="chat")
+    req = engine.requests[rid]
+    second = _finish(engine, rid)
+    assert req.seq.stats.num_cached_tokens > 0
+    fresh = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    assert second == fresh.generate([turn2], PENALIZED)[0].token_ids

@@ -1,11 +1,12 @@
-"""Sampling filters: `candidates` against a sort-the-whole-vocabulary reference, and seeded sampling."""
+"""Sampling filters: `candidates` against a sort-the-whole-vocabulary reference, seeded sampling, and the
+repetition / presence / frequency penalties against transformers and a per-row reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanochat.engine.sampler import FIRST_GUESS, Sampler, candidates
+from nanochat.engine.sampler import FIRST_GUESS, Sampler, TokenHistory, apply_penalties, candidates
 from nanochat.engine.sampling_params import SamplingParams
 
 
@@ -66,3 +67,145 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
     assert freq[4] == 0 and freq[3] == 0          # outside the nucleus: never drawn
     torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+
+
+# ---------------------------------------------------------------- penalties
+
+def reference_penalties(row: torch.Tensor, ids: list[int], num_prompt: int, sp: SamplingParams) -> torch.Tensor:
+    """One row penalized the slow way: transformers' RepetitionPenaltyLogitsProcessor over prompt +
+    generated ids, then vLLM's frequency / presence penalties counted over the generated ids."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    out = row.clone()
+    if sp.repetition_penalty != 1.0 and ids:
+        out = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)(torch.tensor([ids]), out[None])[0]
+    counts: dict[int, int] = {}
+    for t in ids[num_prompt:]:
+        counts[t] = counts.get(t, 0) + 1
+    for t, n in counts.items():
+        out[t] -= sp.frequency_penalty * n + sp.presence_penalty
+    return out
+
+
+def _history(g: torch.Generator, vocab: int, n_prompt: int, n_gen: int) -> list[int]:
+    # Draw from a small range so ids repeat (within and across prompt and generated).
+    hot = torch.randint(vocab, (24,), generator=g)
+    return hot[torch.randint(24, (n_prompt + n_gen,), generator=g)].tolist()
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.0, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers(penalty):
+    g = torch.Generator().manual_seed(int(penalty * 10))
+    vocab, rows = 1000, 6
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, :10] = 0.0                                   # zero logits: unchanged either way
+    sp = SamplingParams(temperature=0, repetition_penalty=penalty)
+    hist = [(_history(g, vocab, 5 + 7 * i, 3 * i), 5 + 7 * i) for i in range(rows)]
+    hist[0] = (list(range(10)) + hist[0][0], 15)           # the zero logits are in a history too
+    got = logits.clone()
+    apply_penalties(got, list(range(rows)), [sp] * rows, hist)
+    for i, (ids, _) in enumerate(hist):
+        want = reference_penalties(logits[i], ids, 0, sp)
+        torch.testing.assert_close(got[i], want, rtol=1e-6, atol=0)   # the same fp32 divide / multiply
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.7), (1.5, -0.4), (-2.0, 2.0)])
+def test_presence_and_frequency_match_a_per_row_reference(presence, frequency):
+    g = torch.Generator().manual_seed(17)
+    vocab, rows = 151936, 4
+    logits = torch.randn(rows, vocab, generator=g)
+    sp = SamplingParams(presence_penalty=presence, frequency_penalty=frequency)
+    hist = [(_history(g, vocab, 9, n_gen), 9) for n_gen in (0, 1, 40, 300)]
+    got = logits.clone()
+    apply_penalties(got, list(range(rows)), [sp] * rows, hist)
+    for i, (ids, n_prompt) in enumerate(hist):
+        want = reference_penalties(logits[i], ids, n_prompt, sp)
+        # float32 rounding of f * count + p (up to ~600) subtracted from logits of a few units
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-4)
+    assert torch.equal(got[0], logits[0])                  # nothing generated yet: nothing penalized
+
+
+def test_a_mixed_batch_equals_its_rows_sampled_one_by_one():
+    """Penalized and plain rows, greedy and sampled, in one call: each row equals the reference
+    penalties followed by the same row sampled alone without them; plain rows are left untouched."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 49152
+    rows = [
+        SamplingParams(temperature=0),                                              # plain greedy
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.3),  # penalized greedy
+        SamplingParams(temperature=0.8, top_k=40, seed=1),                          # plain sampled
+        SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=1.0, seed=2),  # penalized sampled
+        SamplingParams(temperature=1.0, repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, frequency_penalty=2.0),
+    ]
+    logits = torch.randn(len(rows), vocab, generator=g) * 4
+    hist = [None if not sp.penalized else (_history(g, vocab, 20, 30), 20) for sp in rows]
+    for i, h in enumerate(hist):       # make the penalties matter: a generated id just tops each row
+        if h is not None:
+            logits[i, h[0][-1]] = logits[i].max() + 0.5
+    batch = logits.clone()
+    got = Sampler()(batch, rows, [torch.Generator().manual_seed(100 + i) for i in range(len(rows))], hist)
+    for i, sp in enumerate(rows):
+        row = logits[i] if hist[i] is None else reference_penalties(logits[i], *hist[i], sp)
+        plain = SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
+        want = Sampler()(row[None].clone(), [plain], [torch.Generator().manual_seed(100 + i)])[0]
+        assert got[i] == want, f"row {i}"
+        assert torch.equal(batch[i], logits[i]) == (not sp.penalized)   # penalized in place, the rest untouched
+    assert got[1] != int(logits[1].argmax()) and got[5] != int(logits[5].argmax())  # the penalties mattered
+
+
+def test_greedy_takes_the_argmax_after_a_repetition_penalty():
+    logits = torch.tensor([[1.0, 3.0, 2.5, -1.0]])
+    hist = [([1, 1], 1)]
+    assert Sampler()(logits.clone(), [SamplingParams(temperature=0)], [None], hist) == [1]
+    sp = SamplingParams(temperature=0, repetition_penalty=1.3)           # 3.0 / 1.3 < 2.5
+    assert Sampler()(logits.clone(), [sp], [None], hist) == [2]
+    sp = SamplingParams(temperature=0, presence_penalty=0.2, frequency_penalty=0.2)   # 3.0 - 0.2 - 0.2 > 2.5
+    assert Sampler()(logits.clone(), [sp], [None], hist) == [1]
+
+
+def test_penalties_skip_ids_past_the_logits_and_need_a_history():
+    logits = torch.zeros(1, 8)
+    logits[0, 2] = 4.0
+    sp = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)
+    got = logits.clone()
+    apply_penalties(got, [0], [sp], [([2, 9], 1)])         # 9: an embedding row the head does not have
+    assert got[0, 2] == 2.0 and got[0, 3:].eq(0).all()
+    with pytest.raises(ValueError, match="history"):
+        Sampler()(logits.clone(), [sp], [None])
+    assert Sampler()(logits.clone(), [SamplingParams(temperature=0)], [None]) == [2]   # no penalty: no history
+
+
+def test_token_history_mirrors_an_append_only_list():
+    hist, ids = TokenHistory(), [5, 6, 7]
+    assert hist.sync(ids).tolist() == ids
+    for t in range(200):                                   # grows past its first buffer
+        ids.append(t)
+        view = hist.sync(ids)
+        assert view.dtype == torch.int64 and view.tolist() == ids
+    assert hist.sync(ids[:10]).tolist() == ids[:10]        # a shorter list resyncs instead of going stale
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty="1.2"), "repetition_penalty"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(presence_penalty=-2.01), "presence_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(frequency_penalty=3), "frequency_penalty"),
+    (dict(frequency_penalty=float("-inf")), "frequency_penalty"), (dict(frequency_penalty=None), "frequency_penalty"),
+])
+def test_penalty_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg) as info:
+        SamplingParams(**kw)
+    assert "\n" not in str(info.value)
+
+
+def test_penalty_params_are_plain_fields():
+    import pickle
+
+    sp = SamplingParams(repetition_penalty=1, presence_penalty=-2, frequency_penalty=2)
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.0, -2.0, 2.0)
+    assert isinstance(sp.repetition_penalty, float) and sp.penalized
+    assert pickle.loads(pickle.dumps(sp)) == sp
+    assert not SamplingParams().penalized and not SamplingParams(repetition_penalty=1.0).penalized
