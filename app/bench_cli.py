@@ -16,8 +16,9 @@ import json
 from functools import partial
 
 from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded
-from nanochat.app.options import (add_engine_options, add_option, engine_config, non_negative_int, pick,
-                                  positive_int, resolve_model)
+from nanochat.app.options import (add_engine_options, add_option, bench_count_int, bench_tokens_int,
+                                  bench_warmup_int, engine_config, non_negative_int, pick, positive_int,
+                                  resolve_model, threads_int)
 
 PROG = "nanochat bench"
 
@@ -41,22 +42,22 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "default fast")
     g.add_argument("--workload", choices=WORKLOADS, default=None,
                    help="random (the tier's sizes) or nano-vllm (bench.py: 256 x up to 1024+1024)")
-    g.add_argument("--num-seqs", type=positive_int, metavar="N", help="requests per iteration")
-    g.add_argument("--max-input-len", type=positive_int, metavar="N", help="longest prompt")
-    g.add_argument("--max-output-len", type=positive_int, metavar="N", help="longest reply")
+    g.add_argument("--num-seqs", type=bench_count_int, metavar="N", help="requests per iteration")
+    g.add_argument("--max-input-len", type=bench_tokens_int, metavar="N", help="longest prompt")
+    g.add_argument("--max-output-len", type=bench_tokens_int, metavar="N", help="longest reply")
     g.add_argument("--max-batched-tokens", type=positive_int, metavar="N",
                    help="tokens per engine step (default: num-seqs x max-input-len, at least max-model-len)")
-    g.add_argument("--warmup", type=non_negative_int, metavar="N", help="unmeasured iterations first")
-    g.add_argument("--iters", type=positive_int, metavar="N", help="measured iterations")
+    g.add_argument("--warmup", type=bench_warmup_int, metavar="N", help="unmeasured iterations first")
+    g.add_argument("--iters", type=bench_count_int, metavar="N", help="measured iterations")
     g.add_argument("--fixed-lengths", action="store_true", default=None,
                    help="every prompt and reply at the maximum length")
-    g.add_argument("--threads", type=positive_int, metavar="N", help="CPU threads (torch's and the MoE expert kernels')")
+    g.add_argument("--threads", type=threads_int, metavar="N", help="CPU threads (torch's and the MoE expert kernels')")
     m = p.add_argument_group("multi-turn")
     m.add_argument("--multi-turn", action="store_true", help="a chat whose KV stays resident, vs a full replay")
-    m.add_argument("--turns", type=positive_int, default=8, metavar="N", help="turns per conversation (8)")
-    m.add_argument("--user-tokens", type=positive_int, default=64, metavar="N", help="tokens per user message (64)")
-    m.add_argument("--reply-tokens", type=positive_int, default=64, metavar="N", help="tokens per reply (64)")
-    m.add_argument("--sessions", type=positive_int, default=1, metavar="N", help="concurrent conversations (1)")
+    m.add_argument("--turns", type=bench_count_int, default=8, metavar="N", help="turns per conversation (8)")
+    m.add_argument("--user-tokens", type=bench_tokens_int, default=64, metavar="N", help="tokens per user message (64)")
+    m.add_argument("--reply-tokens", type=bench_tokens_int, default=64, metavar="N", help="tokens per reply (64)")
+    m.add_argument("--sessions", type=bench_count_int, default=1, metavar="N", help="concurrent conversations (1)")
     p.set_defaults(func=run_bench_cli)
     return p
 
@@ -179,7 +180,7 @@ def _run(args) -> int:
     if args.multi_turn:
         spec = _multi_turn_spec(args, spec)
     # The spec's limits (sequence cap, context, step budget) win over the settings' max_model_len.
-    config = {**engine_config(args, settings, cpu_threads=args.threads), **engine_limits(spec)}
+    config = engine_config(args, settings, cpu_threads=args.threads, **engine_limits(spec))
     quiet = bool(pick(args, "quiet", False))
     as_json = bool(pick(args, "json", False))
     client = EngineClient()

@@ -18,15 +18,31 @@ import sys
 
 from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError,
                                  debug_enabled, one_line, report)
-from nanochat.app.options import (add_engine_options, add_option, engine_config, pick, positive_int, resolve_model,
-                                  sampling_options, seed_int, temperature_float, top_k_int, top_p_float)
+from nanochat.app.options import (add_engine_options, add_option, argv_text, engine_config, pick, positive_int,
+                                  resolve_model, sampling_options, seed_int, temperature_float, top_k_int, top_p_float)
 
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors (exit 2)."""
 
+    commands: dict = {}      # the top-level parser's subcommand parsers, by name
+
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def check_applies(self, args) -> None:
+        """A top-level flag given with a subcommand that has no such flag (`nanochat --prompt hi repl`,
+        `nanochat --temperature 0 convert-model`) would be ignored without a word: refuse it."""
+        command = getattr(args, "command", None)
+        if command not in self.commands:
+            return
+        theirs = {a.dest for a in self.commands[command]._actions}
+        for action in self._actions:
+            if not action.option_strings or action.dest in theirs or action.dest in ("help", "version", "paths"):
+                continue
+            if getattr(args, action.dest, action.default) != action.default:
+                flag = max(action.option_strings, key=len)
+                raise UsageError(f"{flag} does not apply to `nanochat {command}`; drop it")
 
 
 # ---------------------------------------------------------------------------------- parser
@@ -36,12 +52,12 @@ def add_generation_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--top-p", type=top_p_float, metavar="P")
     add_option(parser, suppress, "--top-k", type=top_k_int, metavar="K", help="-1 = off")
     add_option(parser, suppress, "--seed", type=seed_int, metavar="N")
-    add_option(parser, suppress, "--system", metavar="TEXT", help="system prompt")
+    add_option(parser, suppress, "--system", type=argv_text, metavar="TEXT", help="system prompt")
     add_option(parser, suppress, "--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
 
 
 def add_oneshot_options(parser, suppress: bool = False) -> None:
-    add_option(parser, suppress, "--prompt", "-p", action="append", metavar="TEXT",
+    add_option(parser, suppress, "--prompt", "-p", action="append", type=argv_text, metavar="TEXT",
                help="generate a reply and exit (repeat to batch several prompts); piped stdin is prepended")
     add_option(parser, suppress, "--no-chat-template", action="store_true",
                help="send the prompt as raw text, without the model's chat template")
@@ -75,6 +91,7 @@ def build_parser(argv: list[str] | None = None) -> Parser:
     argv = sys.argv[1:] if argv is None else argv
     for name, module, adder, summary in EXTERNAL:
         _add_external(sub, name, module, adder, summary, argv)
+    parser.commands = sub.choices
     return parser
 
 
@@ -84,15 +101,14 @@ EXTERNAL = (("bench", "nanochat.app.bench_cli", "add_bench_parser", "benchmark t
 
 
 def _add_external(sub, name: str, module: str, adder: str, summary: str, argv: list[str]) -> None:
-    """Register a subcommand that lives in its own module. The module is imported only when the
-    command line names it; otherwise a placeholder keeps it in `--help`."""
+    """Register a subcommand that lives in its own module (it adds the flags it takes). The module is
+    imported only when the command line names it; otherwise a placeholder keeps it in `--help`."""
     if name not in argv:
         sub.add_parser(name, help=summary, add_help=False)
         return
     import importlib
 
     getattr(importlib.import_module(module), adder)(sub)
-    add_engine_options(sub.choices[name], suppress=True)
 
 
 def _version() -> str:
@@ -129,7 +145,7 @@ def cmd_paths() -> int:
 def cmd_oneshot(args, settings, piped: str) -> int:
     from nanochat.app.oneshot import OneShotOptions, combine_prompt, run_oneshot
 
-    prompts = [_argv_text(p) for p in args.prompt or []]
+    prompts = list(args.prompt or [])
     if prompts:
         prompts[0] = combine_prompt(piped, prompts[0])
     elif piped.strip():
@@ -151,12 +167,6 @@ def cmd_oneshot(args, settings, piped: str) -> int:
     if code == EXIT_OK:
         _remember(args, settings)
     return code
-
-
-def _argv_text(raw: str) -> str:
-    """A command-line argument as text: bytes that are not UTF-8 (kept by Python as surrogates)
-    become U+FFFD, as everywhere else nanochat reads text."""
-    return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def cmd_repl(args, settings) -> int:
@@ -225,6 +235,9 @@ def dispatch(args) -> int:
     piped = read_piped_stdin()      # `echo "question" | nanochat` answers and exits
     if piped.strip():
         return cmd_oneshot(args, settings, piped)
+    for flag, given in (("--json", args.json), ("--no-chat-template", args.no_chat_template)):
+        if given:   # one-shot options the chat app would ignore
+            raise UsageError(f"{flag} needs a prompt: give --prompt TEXT or pipe text on stdin")
     return cmd_tui(args, settings)
 
 
@@ -232,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
+        parser.check_applies(args)
         return dispatch(args)
     except SystemExit as e:          # argparse: --help, --version, usage errors
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_RUNTIME)

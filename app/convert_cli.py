@@ -16,8 +16,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from nanochat.app.errors import EXIT_OK, one_line, run_guarded
-from nanochat.app.options import add_option, resolve_model
+from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded
+from nanochat.app.options import add_option, name_arg, resolve_model
 
 PROG = "nanochat convert-model"
 
@@ -26,9 +26,9 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("convert-model", help="write the weight map of a model (checkpoint -> engine tensors)",
                               description="Write a deterministic JSON plan mapping a checkpoint's tensors "
                                           "(HF folder or GGUF file) to the engine's fused parameters.")
-    add_option(p, True, "--model", "-m", metavar="PATH|HUB_ID",
+    add_option(p, True, "--model", "-m", type=name_arg, metavar="PATH|HUB_ID",
                help="a .gguf file, a Hugging Face model folder or hub id (default: settings, else the built-in model)")
-    p.add_argument("--out", "-o", metavar="FILE",
+    p.add_argument("--out", "-o", type=name_arg, metavar="FILE",
                    help=f"where to write the map ('-' for stdout; default: DIR/{_default_name()} beside the model)")
     p.add_argument("--quiet", "-q", action="store_true", default=argparse.SUPPRESS, help="no summary on stderr")
     p.set_defaults(func=run_convert_cli)
@@ -61,8 +61,9 @@ def _convert(args) -> int:
     from nanochat.models.weight_map import make_plan, plan_json, write_plan
 
     model = resolve_model(args, args.settings)
-    plan = make_plan(model)
     out = getattr(args, "out", None)
+    _check_out(out)
+    plan = make_plan(model)
     if out == "-":
         sys.stdout.write(plan_json(plan))
         sys.stdout.flush()
@@ -73,3 +74,17 @@ def _convert(args) -> int:
         print(f"wrote {path}: {len(plan['targets'])} engine tensors ({fused} fused) from "
               f"{len(plan['tensors'])} checkpoint tensors", file=sys.stderr, flush=True)
     return EXIT_OK
+
+
+def _check_out(out: str | None) -> None:
+    """Refuse an --out that cannot be a file before reading the model: the writer's own errors named
+    its temporary file (`/tmp.tmp: Is a directory` for --out /tmp) or said `File exists` for a file in the
+    way of a folder. Missing parent folders are created."""
+    if out is None or out == "-":
+        return
+    path = Path(os.path.expanduser(out))
+    if path.is_dir():
+        raise UsageError(f"--out {out}: is a folder; give a file name (or - for stdout)")
+    existing = next((p for p in path.parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UsageError(f"--out {out}: {existing} is a file, not a folder")

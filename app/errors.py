@@ -37,7 +37,8 @@ def report(message: str, prog: str = "nanochat") -> None:
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    # NANOCHAT_DEBUG=false or =off asks for no tracebacks, as the engine's flag variables read those words
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def run_guarded(body: Callable[[], int], prog: str, describe: Callable[[BaseException], str] = one_line,

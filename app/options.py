@@ -18,7 +18,10 @@ import argparse
 import math
 from typing import Callable, NamedTuple
 
-from nanochat.engine.config import DEVICES, DTYPES, valid_device
+from nanochat.app.errors import UsageError
+from nanochat.engine.config import (DEVICES, DTYPES, MAX_CPU_THREADS, MAX_KV_CACHE_GIB, Config, shown,
+                                    valid_device)
+from nanochat.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
 
@@ -33,11 +36,18 @@ class Rule(NamedTuple):
 
 POSITIVE_INT = Rule(int, lambda v: v > 0, "a positive integer")
 NON_NEGATIVE_INT = Rule(int, lambda v: v >= 0, "a non-negative integer")
-TOP_K = Rule(int, lambda v: v >= -1, "-1 (off) or a positive integer")
-TEMPERATURE = Rule(float, lambda v: 0 <= v < math.inf, ">= 0")
+TOP_K = Rule(int, lambda v: v >= -1, "-1 or 0 (off) or a positive integer")
+TEMPERATURE = Rule(float, lambda v: v == 0 or MIN_TEMPERATURE <= v < math.inf,
+                   f"0 (greedy) or from {MIN_TEMPERATURE} up")
 TOP_P = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
-POSITIVE_FLOAT = Rule(float, lambda v: 0 < v < math.inf, "> 0")
+KV_CACHE_GIB = Rule(float, lambda v: 0 < v <= MAX_KV_CACHE_GIB, f"> 0 and at most {MAX_KV_CACHE_GIB} (1 PiB)")
 SEED = Rule(int, lambda v: 0 <= v < 2 ** 64, "an integer from 0 to 2**64 - 1")
+THREADS = Rule(int, lambda v: 1 <= v <= MAX_CPU_THREADS, f"from 1 to {MAX_CPU_THREADS}")
+# The bench builds every prompt in memory before the first step, so sizes past these hang it after the
+# model loaded (--num-seqs 10**100): 2**20 tokens is past every supported model's context.
+BENCH_TOKENS = Rule(int, lambda v: 1 <= v <= 2 ** 20, "from 1 to 1048576 (tokens)")
+BENCH_COUNT = Rule(int, lambda v: 1 <= v <= 2 ** 16, "from 1 to 65536")
+BENCH_WARMUP = Rule(int, lambda v: 0 <= v <= 2 ** 16, "from 0 to 65536")
 
 
 def accepts(rule: Rule, value) -> bool:
@@ -54,9 +64,9 @@ def arg_type(rule: Rule):
         try:
             value = rule.cast(raw)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {label}, got {raw!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {label}, got {shown(raw)}") from None
         if not rule.ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule.text}, got {raw!r}")
+            raise argparse.ArgumentTypeError(f"must be {rule.text}, got {shown(raw)}")
         return value
 
     parse.__name__ = label
@@ -68,15 +78,33 @@ non_negative_int = arg_type(NON_NEGATIVE_INT)
 top_k_int = arg_type(TOP_K)
 temperature_float = arg_type(TEMPERATURE)
 top_p_float = arg_type(TOP_P)
-positive_float = arg_type(POSITIVE_FLOAT)
+kv_cache_gib_float = arg_type(KV_CACHE_GIB)
 seed_int = arg_type(SEED)
+threads_int = arg_type(THREADS)
+bench_tokens_int = arg_type(BENCH_TOKENS)
+bench_count_int = arg_type(BENCH_COUNT)
+bench_warmup_int = arg_type(BENCH_WARMUP)
 
 
 def device_name(raw: str) -> str:
     """argparse `type=` for --device."""
     if valid_device(raw):
         return raw
-    raise argparse.ArgumentTypeError(f"must be {DEVICES}, got {raw!r}")
+    raise argparse.ArgumentTypeError(f"must be {DEVICES}, got {shown(raw)}")
+
+
+def argv_text(raw: str) -> str:
+    """argparse `type=` for free text (--prompt, --system): bytes that are not UTF-8 (kept by Python as
+    surrogates) become U+FFFD, as everywhere else nanochat reads text, so they cannot fail later."""
+    return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def name_arg(raw: str) -> str:
+    """argparse `type=` for --model and --out: an empty value (`--model "$UNSET"`) is refused, not read
+    as "the default"."""
+    if raw.strip():
+        return raw
+    raise argparse.ArgumentTypeError("must not be empty")
 
 
 # ---------------------------------------------------------------------------------- flags
@@ -92,13 +120,13 @@ def add_option(parser, suppress: bool, *flags, **kw) -> None:
 
 def add_engine_options(parser, suppress: bool = False) -> None:
     """The flags that choose and configure the engine (every command that loads a model)."""
-    add_option(parser, suppress, "--model", "-m", metavar="PATH|HUB_ID",
+    add_option(parser, suppress, "--model", "-m", type=name_arg, metavar="PATH|HUB_ID",
                help="a .gguf file, a Hugging Face model folder or hub id (default: settings, else built-in SmolLM2)")
     add_option(parser, suppress, "--device", type=device_name, metavar="DEVICE",
                help=f"{DEVICES} (default: settings, else cpu)")
     add_option(parser, suppress, "--dtype", choices=DTYPE_NAMES, help="compute dtype (auto: fp32 on CPU, bf16 on CUDA)")
     add_option(parser, suppress, "--max-model-len", type=positive_int, metavar="N", help="context length in tokens")
-    add_option(parser, suppress, "--kv-cache-gib", type=positive_float, metavar="GIB", help="CPU KV-cache budget")
+    add_option(parser, suppress, "--kv-cache-gib", type=kv_cache_gib_float, metavar="GIB", help="CPU KV-cache budget")
     add_option(parser, suppress, "--dequantize", action="store_true", default=argparse.SUPPRESS if suppress else False,
                help="materialise GGUF weights as dense tensors (more memory, exact fp32/bf16 maths)")
     add_option(parser, suppress, "--quantize", choices=["q8_0"],
@@ -122,13 +150,20 @@ def resolve_model(args, settings) -> str:
 
 def engine_config(args, settings, **extra) -> dict:
     """The engine's keyword arguments: each flag over its settings value; what both leave None is left
-    to the engine. `extra`: a command's own engine options (the bench's cpu_threads), None values dropped."""
+    to the engine. `extra`: a command's own engine options (the bench's cpu_threads and limits; they win),
+    None values dropped. Checked here with the engine's own Config, environment included, so a bad
+    NANO_VLLM_* value or flag combination is a usage error before any engine starts (UsageError)."""
     cfg = {"device": pick(args, "device", settings.device), "dtype": pick(args, "dtype", settings.dtype),
            "max_model_len": pick(args, "max_model_len", settings.max_model_len),
            "kv_cache_gib": pick(args, "kv_cache_gib", settings.kv_cache_gib),
            "dequantize": True if getattr(args, "dequantize", False) else None,
            "quantize": getattr(args, "quantize", None), **extra}
-    return {k: v for k, v in cfg.items() if v is not None}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    try:
+        Config.create("", **cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return cfg
 
 
 def sampling_options(args, settings) -> dict:
@@ -139,4 +174,8 @@ def sampling_options(args, settings) -> dict:
             "max_tokens": pick(args, "max_tokens", settings.max_tokens), "seed": getattr(args, "seed", None)}
     if getattr(args, "ignore_eos", False):
         opts["ignore_eos"] = True
+    try:   # every command checks them before it loads a model (the REPL builds its params after)
+        SamplingParams(**{k: v for k, v in opts.items() if v is not None})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return opts

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nanochat.app.options import (DTYPE_NAMES, POSITIVE_FLOAT, POSITIVE_INT, TEMPERATURE, TOP_K, TOP_P, accepts,
+from nanochat.app.options import (DTYPE_NAMES, KV_CACHE_GIB, POSITIVE_INT, TEMPERATURE, TOP_K, TOP_P, accepts,
                                   valid_device)
 
 MAX_RECENT = 10
@@ -41,8 +41,8 @@ _CHECKS = {
     "max_tokens": lambda v: accepts(POSITIVE_INT, v),
     "system_prompt": _optional_str,
     "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "kv_cache_gib": lambda v: v is None or accepts(POSITIVE_FLOAT, v),
-    "max_model_len": lambda v: accepts(POSITIVE_INT, v),
+    "kv_cache_gib": lambda v: v is None or accepts(KV_CACHE_GIB, v),
+    "max_model_len": lambda v: v is None or accepts(POSITIVE_INT, v),
 }
 
 
@@ -59,7 +59,8 @@ class Settings:
     system_prompt: str | None = None
     recent_models: list[str] = field(default_factory=list)
     kv_cache_gib: float | None = None     # None: the engine's default CPU KV budget
-    max_model_len: int = 4096
+    max_model_len: int | None = None      # None: NANO_VLLM_MAX_MODEL_LEN, else the engine's default (a number
+    # here by default would win over that variable, which then did nothing)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)   # not saved
 
     # ------------------------------------------------------------------ load / save

@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     import torch
 
 
+def shown(value, limit: int = 60) -> str:
+    """repr(value) for a one-line message, cut after `limit` characters (a 100 kB value stays readable)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _flag(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -45,6 +51,11 @@ ENV_OVERRIDES = {
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DEVICES = "cpu, cuda, cuda:N or auto"   # what valid_device accepts, for messages
+# kernels/quant_matmul.BACKENDS (tests/test_options.py pins them equal): named here so that checking a
+# config needs no torch, and the command line can check one before it starts the engine.
+QUANT_BACKENDS = ("auto", "q8", "int4", "dense", "triton")
+MAX_CPU_THREADS = 1024          # 100000 threads crashed the engine process (SIGSEGV); 10**100 overflowed torch
+MAX_KV_CACHE_GIB = 2 ** 20      # 1 PiB, past any machine; the budget in bytes (x 2**30) must stay a finite float
 
 
 def valid_device(name) -> bool:
@@ -99,9 +110,9 @@ class Config:
                 try:
                     values[name] = cast(raw)
                 except ValueError:
-                    kind = "flag (0 or 1)" if cast is _flag else cast.__name__
-                    raise ValueError(f"{env}={raw!r} is not a valid {kind}") from None
-                from_env[name] = f"{env}={raw!r}"
+                    kind = {_flag: "a flag (0 or 1)", int: "an integer", float: "a number"}[cast]
+                    raise ValueError(f"{env}={shown(raw)} is not {kind}; fix or unset it") from None
+                from_env[name] = f"{env}={shown(raw)}"
         values.update({k: v for k, v in kwargs.items() if v is not None})
         cfg = cls(model=model, **values)
         try:
@@ -109,7 +120,7 @@ class Config:
         except ValueError as e:
             name = str(e).split(" ", 1)[0]
             if name in from_env:
-                raise ValueError(f"{from_env[name]}: {e}") from None
+                raise ValueError(f"{from_env[name]}: {e}; fix or unset it") from None
             raise
         return cfg
 
@@ -125,30 +136,33 @@ class Config:
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
         if not valid_device(self.device):
-            raise ValueError(f"device must be {DEVICES}, got {self.device!r}")
+            raise ValueError(f"device must be {DEVICES}, got {shown(self.device)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {shown(self.dtype)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.kv_cache_gib <= MAX_KV_CACHE_GIB:
+            raise ValueError(f"kv_cache_gib must be > 0 and at most {MAX_KV_CACHE_GIB} (1 PiB), "
+                             f"got {self.kv_cache_gib}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, "
+                             f"got {shown(self.kv_cache_dtype)}")
         if self.quantize not in (None, "q8_0"):
-            raise ValueError(f"quantize must be q8_0 (or unset), got {self.quantize!r}")
+            raise ValueError(f"quantize must be q8_0 (or unset), got {shown(self.quantize)}")
         if self.quantize and self.dequantize:
-            raise ValueError("quantize and dequantize exclude each other")
+            raise ValueError("quantize and dequantize exclude each other: give --quantize or --dequantize, not both")
         if self.moe_offload not in ("auto", "cpu", "none"):
-            raise ValueError(f"moe_offload must be auto, cpu or none, got {self.moe_offload!r}")
+            raise ValueError(f"moe_offload must be auto, cpu or none, got {shown(self.moe_offload)}")
         if self.cpu_isa not in ("auto", "avx2", "scalar"):
-            raise ValueError(f"cpu_isa must be auto, avx2 or scalar, got {self.cpu_isa!r}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        from nanochat.kernels.quant_matmul import BACKENDS
-        if self.quant_backend not in BACKENDS:
-            raise ValueError(f"quant_backend must be one of {', '.join(BACKENDS)}, got {self.quant_backend!r}")
+            raise ValueError(f"cpu_isa must be auto, avx2 or scalar, got {shown(self.cpu_isa)}")
+        if self.cpu_threads is not None and not (isinstance(self.cpu_threads, int)
+                                                 and 1 <= self.cpu_threads <= MAX_CPU_THREADS):
+            raise ValueError(f"cpu_threads must be from 1 to {MAX_CPU_THREADS}, got {self.cpu_threads}")
+        if self.quant_backend not in QUANT_BACKENDS:
+            raise ValueError(f"quant_backend must be one of {', '.join(QUANT_BACKENDS)}, "
+                             f"got {shown(self.quant_backend)}")
         if self.act_levels not in (1, 2):
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 

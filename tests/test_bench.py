@@ -235,7 +235,7 @@ def test_flag_parsing():
     assert (spec.num_seqs, spec.max_input_len, spec.max_output_len, spec.max_batched_tokens, spec.warmup,
             spec.iters, spec.seed, spec.fixed_lengths, spec.max_model_len) == (4, 32, 16, 64, 0, 2, 5, True, 512)
     assert engine_config(args, Settings(), cpu_threads=args.threads) == \
-        {"device": "cpu", "dtype": "auto", "max_model_len": 4096, "cpu_threads": 2}
+        {"device": "cpu", "dtype": "auto", "cpu_threads": 2}
     plain = parse([])
     assert build_spec(plain) == spec_from("fast") and not hasattr(plain, "model")   # SUPPRESS: keeps top-level
     mt = parse(["--multi-turn", "--turns", "3", "--user-tokens", "8", "--reply-tokens", "4", "--sessions", "2"])

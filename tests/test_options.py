@@ -18,6 +18,13 @@ from nanochat.engine import config as engine_config_module
 from nanochat.engine.config import ENV_OVERRIDES, Config
 
 
+def test_quant_backend_names_are_the_kernels():
+    """Config names them so that checking a config needs no torch; the kernels own them."""
+    from nanochat.kernels.quant_matmul import BACKENDS
+
+    assert engine_config_module.QUANT_BACKENDS == BACKENDS
+
+
 def test_dtype_names_are_the_engines():
     assert options.DTYPE_NAMES == ("auto", *engine_config_module.DTYPES)
     parser = cli.build_parser([])
@@ -65,7 +72,7 @@ def test_cuda_abc_is_a_usage_error_on_the_command_line(capsys, tmp_path, monkeyp
 
 @pytest.mark.parametrize("parser, raw, value", [
     (options.positive_int, "3", 3), (options.non_negative_int, "0", 0), (options.top_k_int, "-1", -1),
-    (options.temperature_float, "0", 0.0), (options.top_p_float, "1", 1.0), (options.positive_float, "0.5", 0.5),
+    (options.temperature_float, "0", 0.0), (options.top_p_float, "1", 1.0), (options.kv_cache_gib_float, "0.5", 0.5),
 ])
 def test_value_parsers_accept(parser, raw, value):
     assert parser(raw) == value
@@ -75,10 +82,12 @@ def test_value_parsers_accept(parser, raw, value):
     (options.positive_int, "0", "must be a positive integer, got '0'"),
     (options.positive_int, "x", "expected an integer, got 'x'"),
     (options.non_negative_int, "-1", "must be a non-negative integer"),
-    (options.top_k_int, "-2", "-1 (off) or a positive integer"),
-    (options.temperature_float, "inf", ">= 0"), (options.temperature_float, "nan", ">= 0"),
-    (options.top_p_float, "0", "in (0, 1]"), (options.positive_float, "0", "> 0"),
-    (options.positive_float, "two", "expected a number"),
+    (options.top_k_int, "-2", "-1 or 0 (off) or a positive integer"),
+    (options.temperature_float, "inf", "0 (greedy) or from 0.01 up"), (options.temperature_float, "nan", "0 (greedy)"),
+    (options.temperature_float, "1e-300", "0 (greedy) or from 0.01 up"),   # overflowed the sampler's softmax
+    (options.top_p_float, "0", "in (0, 1]"), (options.kv_cache_gib_float, "0", "> 0"),
+    (options.kv_cache_gib_float, "1e300", "at most 1048576"),   # "cannot convert float NaN to integer" at load
+    (options.kv_cache_gib_float, "two", "expected a number"),
 ])
 def test_value_parsers_refuse(parser, raw, message):
     with pytest.raises(argparse.ArgumentTypeError) as info:
