@@ -9,6 +9,10 @@ ChatObserver what changed, so the front end redraws at most once per drain howev
 Blocking engine work (load a model, restart a dead engine) is in `load_model` / `restart_engine`,
 for the front end to run in a worker thread; they touch nothing but the client.
 
+A reply is saved while it streams (SAVE_INTERVAL), so when the app itself is killed a restart shows
+the reply up to its last save, marked STOPPED_NOTE; `rewind` takes back the last exchange, for the
+front end to send its message again (regenerate).
+
 Engine death (kill -9, the OOM killer, a crash in a kernel): the reply in flight ends with an error
 event that keeps its partial text; the controller saves that partial reply marked INTERRUPTED_NOTE,
 the observer hears `engine_stopped(reason)` once, and the next message restarts the engine
@@ -35,6 +39,9 @@ from nanochat.engine.serve.protocol import EngineError, ModelInfo, one_line
 DEFAULT_TITLE = "New chat"
 REPLAY_NOTE = "history re-prefilled"
 INTERRUPTED_NOTE = "interrupted: engine stopped"
+STOPPED_NOTE = "interrupted: nanochat stopped"   # saved mid-reply and never finished (/retry regenerates it)
+UNANSWERED_NOTE = "not answered: nanochat stopped · /retry sends it again"
+SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
 
 
 # ---------------------------------------------------------------------------------- conversations
@@ -44,7 +51,7 @@ class Message:
     content: str
     stats: RequestStats | None = None   # an assistant reply's numbers
     created: float = field(default_factory=time.time)
-    note: str = ""                  # REPLAY_NOTE, INTERRUPTED_NOTE
+    note: str = ""                  # REPLAY_NOTE, INTERRUPTED_NOTE, STOPPED_NOTE
     id: int | None = None           # row id in the store (None until saved)
     streaming: bool = False
     generated_tokens: int = 0       # tokens received so far while streaming
@@ -68,7 +75,12 @@ class Conversation:
 
     @classmethod
     def from_stored(cls, stored: StoredConversation) -> "Conversation":
-        messages = [Message(m.role, m.content, m.stats, m.created, m.note, m.id) for m in stored.messages]
+        messages = [Message(m.role, m.content, m.stats, m.created,
+                            join_notes(m.note, STOPPED_NOTE) if m.partial else m.note, m.id)
+                    for m in stored.messages]
+        for m, nxt in zip(messages, messages[1:] + [None]):
+            if m.role == "user" and (nxt is None or nxt.role != "assistant"):
+                m.note = UNANSWERED_NOTE   # the app stopped before the reply's first token
         return cls(stored.id, stored.title, stored.system_prompt, stored.model, stored.created, stored.updated,
                    messages)
 
@@ -83,6 +95,7 @@ class Turn:
     stream: RequestStream | None = None
     fold: Reply = field(default_factory=Reply)   # the events drained so far (the owner thread's copy)
     interrupted: bool = False       # the engine died during it
+    saved_at: float = 0.0           # monotonic time of the reply's last save while streaming
     finished: bool = False          # the controller has finished it (saved or dropped)
 
     @property
@@ -374,6 +387,28 @@ class ChatController:
             self.rename(conv, text.strip().splitlines()[0][:40])
         return turn
 
+    def rewind(self, conv: Conversation) -> str:
+        """Take back the last user message and whatever answered it (store and session), and return its
+        text for the caller to send again: regenerating the last reply, or an unanswered message.
+        Raises ChatError when there is nothing to take back or a reply is in flight."""
+        if conv.generating:
+            raise ChatError("this conversation is still replying")
+        last = max((i for i, m in enumerate(conv.messages) if m.role == "user"), default=None)
+        if last is None:
+            raise ChatError("there is no message to send again")
+        removed, conv.messages = conv.messages[last:], conv.messages[:last]
+        for m in removed:
+            if m.id is not None:
+                self.store.delete_message(m.id)
+        exchange = completed_exchanges(removed)
+        if conv.session is not None and exchange and conv.session.history[-2:] == exchange:
+            # Cut the exchange off the session in canonical ids: the next turn finds the rest in the
+            # prefix cache exactly. (An unanswered message never reached the session.)
+            conv.session = self.client.rewind_session(conv.session, 1)
+        elif conv.session is not None and exchange:
+            self._drop_session(conv)   # not the session's last turn: re-open from the transcript
+        return removed[0].content
+
     def _note_model(self, conv: Conversation) -> None:
         model = self.client.model.model
         if conv.model != model:
@@ -434,6 +469,18 @@ class ChatController:
         if turn.fold.done:
             self._finish(turn)
             self.observer.turn_finished(turn)
+        elif turn.kept and time.monotonic() - turn.saved_at >= SAVE_INTERVAL:
+            self._save_reply(turn, partial=True)
+
+    def _save_reply(self, turn: Turn, partial: bool) -> None:
+        """Insert the reply at its first save, then rewrite it; `partial` until it has ended."""
+        conv, reply = turn.conversation, turn.reply
+        turn.saved_at = time.monotonic()
+        if reply.id is None:
+            reply.id = self.store.add_message(conv.id, "assistant", reply.content, reply.stats, reply.created,
+                                              reply.note, partial)
+        else:
+            self.store.update_message(reply.id, reply.content, reply.stats, reply.note, partial)
 
     def _finish(self, turn: Turn) -> None:
         conv, user, reply = turn.conversation, turn.user, turn.reply
@@ -441,13 +488,14 @@ class ChatController:
         if not turn.kept:
             # The client's session forgot the turn (failed, cancelled or cut short before any token): so do we.
             conv.messages = [m for m in conv.messages if m is not user and m is not reply]
-            if user.id is not None:
-                self.store.delete_message(user.id)
+            for m in (user, reply):
+                if m.id is not None:
+                    self.store.delete_message(m.id)
             return
         reply.stats = turn.fold.stats
         if turn.interrupted:
             reply.note = join_notes(reply.note, INTERRUPTED_NOTE)
-        reply.id = self.store.add_message(conv.id, "assistant", reply.content, reply.stats, note=reply.note)
+        self._save_reply(turn, partial=False)
 
     def wait(self, turn: Turn, timeout: float = 60.0, poll: float = 0.01) -> Turn:
         """Drain until `turn` has finished (for front ends without an event loop, and tests)."""
@@ -526,10 +574,9 @@ class ChatController:
         self.client.remove_death_listener(self._on_death)
 
     def _save_partial(self, turn: Turn) -> None:
-        if not turn.fold.token_ids:
+        if not turn.kept:
             return
         stats = turn.fold.stats
         stats.finish_reason = "abort"
-        turn.reply.stats, turn.reply.streaming = stats, False
-        turn.reply.id = self.store.add_message(turn.conversation.id, "assistant", turn.fold.text, stats,
-                                               note=turn.reply.note)
+        turn.reply.content, turn.reply.stats, turn.reply.streaming = turn.fold.text, stats, False
+        self._save_reply(turn, partial=False)

@@ -1,7 +1,10 @@
 """The chat store: conversations and their messages in SQLite (stdlib sqlite3).
 
-Each message is committed as soon as it is complete, so a crash mid-reply keeps every finished
-message. The schema is versioned with PRAGMA user_version; `migrate` brings any older file up to
+A user message is committed when it is sent. A reply is committed at its first token, marked partial,
+and rewritten as it streams (ChatController decides how often) until it ends, so a kill -9 of the app
+mid-reply keeps the reply up to its last save, and a restart shows it marked partial. The file is in
+WAL mode with synchronous=NORMAL: a commit is an append, not an fsync of the database, so saving while
+streaming costs well under a millisecond. The schema is versioned with PRAGMA user_version; `migrate` brings any older file up to
 SCHEMA_VERSION step by step. One connection is shared by the UI thread and workers
 (check_same_thread=False) and every use holds a lock.
 """
@@ -26,6 +29,7 @@ class StoredMessage:
     stats: RequestStats | None = None   # an assistant reply's numbers (stored as RequestStats.to_dict())
     created: float = 0.0
     note: str = ""               # e.g. "history re-prefilled", "interrupted: engine stopped"
+    partial: bool = False        # saved while streaming and never finished (the app was killed mid-reply)
 
 
 @dataclass
@@ -66,7 +70,12 @@ def _v2(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE messages ADD COLUMN note TEXT NOT NULL DEFAULT ''")
 
 
-MIGRATIONS = [_v1, _v2]          # MIGRATIONS[k] upgrades user_version k -> k + 1
+def _v3(conn: sqlite3.Connection) -> None:
+    # Replies saved while they stream carry partial = 1 until they end.
+    conn.execute("ALTER TABLE messages ADD COLUMN partial INTEGER NOT NULL DEFAULT 0")
+
+
+MIGRATIONS = [_v1, _v2, _v3]          # MIGRATIONS[k] upgrades user_version k -> k + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -103,6 +112,10 @@ class ChatStore:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(str(path), check_same_thread=False)
             self._conn.execute("PRAGMA foreign_keys = ON")
+            self._conn.execute("PRAGMA busy_timeout = 5000")
+            if str(path) != ":memory:":
+                self._conn.execute("PRAGMA journal_mode = WAL")
+                self._conn.execute("PRAGMA synchronous = NORMAL")
             migrate(self._conn)
             _check_writable(self._conn)
         except (sqlite3.DatabaseError, OSError) as e:
@@ -165,29 +178,38 @@ class ChatStore:
 
     # ------------------------------------------------------------------ messages
     def add_message(self, conversation_id: int, role: str, content: str, stats: RequestStats | None = None,
-                    created: float | None = None, note: str = "") -> int:
+                    created: float | None = None, note: str = "", partial: bool = False) -> int:
         now = created if created is not None else time.time()
-        stats_json = json.dumps(stats.to_dict()) if stats is not None else None
         with self._lock, self._conn:
             cur = self._conn.execute(
-                "INSERT INTO messages (conversation_id, role, content, stats, created, note) VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, stats_json, now, note))
+                "INSERT INTO messages (conversation_id, role, content, stats, created, note, partial) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)", (conversation_id, role, content, _stats_json(stats), now, note, partial))
             self._conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
         return cur.lastrowid
+
+    def update_message(self, message_id: int, content: str, stats: RequestStats | None = None, note: str = "",
+                       partial: bool = False) -> None:
+        """Rewrite a message saved earlier (a streaming reply: its text so far, then its end)."""
+        self._write("UPDATE messages SET content = ?, stats = ?, note = ?, partial = ? WHERE id = ?",
+                    (content, _stats_json(stats), note, partial, message_id))
 
     def delete_message(self, message_id: int) -> None:
         self._write("DELETE FROM messages WHERE id = ?", (message_id,))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
         with self._lock:
-            rows = self._conn.execute("SELECT id, role, content, stats, created, note FROM messages "
+            rows = self._conn.execute("SELECT id, role, content, stats, created, note, partial FROM messages "
                                       "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [StoredMessage(i, role, content, _read_stats(stats), created, note or "")
-                for i, role, content, stats, created, note in rows]
+        return [StoredMessage(i, role, content, _read_stats(stats), created, note or "", bool(partial))
+                for i, role, content, stats, created, note, partial in rows]
 
     def clear_messages(self, conversation_id: int) -> None:
         self._write("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
         self._touch(conversation_id)
+
+
+def _stats_json(stats: RequestStats | None) -> str | None:
+    return json.dumps(stats.to_dict()) if stats is not None else None
 
 
 def _read_stats(raw: str | None) -> RequestStats | None:

@@ -160,6 +160,32 @@ def test_typed_errors_cross_the_boundary_and_the_model_stays(client, tmp_path):
     assert client.describe()[0][0] == "model"
 
 
+def test_rewind_cuts_the_canonical_ids_and_regenerates_from_the_cache(client):
+    session = client.open_session("Be brief.")
+    texts = ["hello there, how are you?", "what is the capital of France?", "and of Spain?"]
+    replies = [client.submit_turn(session, t, GREEDY).result(30) for t in texts]
+    with pytest.raises(ValueError):
+        client.rewind_session(session, 4)
+    back = client.rewind_session(session, 2)
+    assert session.epoch == -1 and back.history == session.history[:2]
+    assert back.token_ids == session.token_ids[:len(back.token_ids)]
+    assert replies[0].stats.prompt_tokens < len(back.token_ids) < replies[1].stats.prompt_tokens
+    stream = client.submit_turn(back, texts[1], GREEDY)
+    again = stream.result(30)
+    assert not stream.replayed and again.token_ids == replies[1].token_ids      # greedy: the same reply
+    assert again.stats.prompt_tokens == replies[1].stats.prompt_tokens
+    assert again.stats.prompt_tokens - again.stats.cached_tokens < 16            # all but the last block cached
+    client.close_session(back)
+    # A session seeded with a transcript never had its start in ids: a rewind re-renders, and says so.
+    seeded = client.open_session("Be brief.", back.history[:2])
+    client.submit_turn(seeded, texts[1], GREEDY).result(30)
+    again = client.rewind_session(seeded, 1)
+    assert again.token_ids is None and again.epoch == -1
+    stream = client.submit_turn(again, texts[1], GREEDY)
+    assert stream.result(30).text and stream.replayed
+    client.close_session(again)
+
+
 def test_a_model_switch_replays_the_sessions(client, tiny_models):
     session = client.open_session()
     client.submit_turn(session, "hello there", GREEDY).result(30)

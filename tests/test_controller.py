@@ -19,8 +19,9 @@ import time
 import psutil
 import pytest
 
-from nanochat.app.controller import (INTERRUPTED_NOTE, REPLAY_NOTE, ChatController, ChatError, ChatObserver,
-                                     EngineState, completed_exchanges, format_stats)
+from nanochat.app.controller import (INTERRUPTED_NOTE, REPLAY_NOTE, SAVE_INTERVAL, STOPPED_NOTE, UNANSWERED_NOTE,
+                                     ChatController, ChatError, ChatObserver, EngineState, completed_exchanges,
+                                     format_stats)
 from nanochat.app.store import ChatStore
 from nanochat.engine.output import RequestStats
 from nanochat.engine.serve.client import EngineClient
@@ -286,6 +287,105 @@ def test_close_saves_the_partial_reply_as_cancelled(make, delay, tmp_path):
     assert reply.role == "assistant" and reply.content.startswith(turn.reply.content)
     assert reply.stats.finish_reason == "abort" and reply.stats.completion_tokens >= 2
     assert conv.session is None
+
+
+def test_a_streaming_reply_is_saved_before_it_ends(make, delay, tmp_path):
+    delay.set(0.03)
+    chat = make(db="stream.db", max_tokens=200)
+    conv = first(chat)
+    turn = chat.send(conv, LONG_USER)
+    outside = ChatStore(tmp_path / "stream.db")      # what a restart after a kill -9 would read
+    saved_text = lambda: outside.messages(conv.id)[1].content if len(outside.messages(conv.id)) == 2 else ""  # noqa: E731
+    wait_until(saved_text, 10 + SAVE_INTERVAL, "the first save with text", chat)
+    [_, saved] = outside.messages(conv.id)
+    assert saved.partial and saved.content and turn.reply.content.startswith(saved.content)
+    first_save = saved.content
+    wait_until(lambda: outside.messages(conv.id)[1].content != first_save, 10 + SAVE_INTERVAL, "a later save", chat)
+    assert outside.messages(conv.id)[1].content.startswith(first_save)
+    chat.cancel(conv)
+    chat.wait(turn)
+    [_, final] = outside.messages(conv.id)
+    assert not final.partial and final.content == turn.reply.content and final.stats.finish_reason == "abort"
+    outside.close()
+
+
+def test_the_app_killed_mid_reply_keeps_the_reply_and_retry_regenerates_it(tiny_models, make, delay, tmp_path):
+    """kill -9 of the front end mid-reply: a restart shows the reply up to its last save, marked, and
+    rewind + send regenerates it."""
+    delay.set(0.03)
+    db = tmp_path / "killed.db"
+    script = textwrap.dedent(f"""
+        import time
+        from nanochat.app.controller import ChatController
+        from nanochat.app.store import ChatStore
+        from nanochat.engine.serve.client import EngineClient
+        client = EngineClient()
+        client.load_model({str(tiny_models["qwen3"])!r}, **{ENGINE!r})
+        chat = ChatController(client, ChatStore({str(db)!r}), {{**{SAMPLING!r}, "max_tokens": 400}})
+        conv = next(iter(chat.conversations.values()))
+        turn = chat.send(conv, {LONG_USER!r})
+        while True:
+            chat.drain()
+            saved = chat.store.messages(conv.id)
+            if len(saved) == 2 and saved[1].content:
+                print("saved", flush=True)
+            time.sleep(0.05)
+    """)
+    app = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert app.stdout.readline().strip() == "saved", app.stderr.read()
+    finally:
+        app.kill()
+        app.wait(10)
+    chat = make(db="killed.db")
+    conv = first(chat)
+    user, reply = conv.messages
+    assert (user.content, user.note) == (LONG_USER, "")
+    assert reply.content and reply.note == STOPPED_NOTE
+    assert completed_exchanges(conv.messages) == [{"role": "user", "content": LONG_USER},
+                                                  {"role": "assistant", "content": reply.content}]
+    assert chat.rewind(conv) == LONG_USER and conv.messages == []
+    assert chat.store.messages(conv.id) == []
+    turn = chat.wait(chat.send(conv, LONG_USER))
+    assert turn.kept and [(m.role, m.partial) for m in chat.store.messages(conv.id)] == [("user", False),
+                                                                                         ("assistant", False)]
+    assert chat.store.messages(conv.id)[1].content == turn.reply.content
+
+
+def test_an_unanswered_message_is_marked_and_can_be_sent_again(make, tmp_path):
+    store = ChatStore(tmp_path / "unanswered.db")
+    cid = store.create_conversation("c")
+    store.add_message(cid, "user", "one")
+    store.add_message(cid, "assistant", "reply one")
+    store.add_message(cid, "user", "two")   # the app stopped before the first token
+    store.close()
+    chat = make(db="unanswered.db")
+    conv = first(chat)
+    assert [m.note for m in conv.messages] == ["", "", UNANSWERED_NOTE]
+    with pytest.raises(ChatError):
+        chat.rewind(chat.new_conversation())   # nothing to send again
+    assert chat.rewind(conv) == "two"
+    assert [m.content for m in chat.store.messages(conv.id)] == ["one", "reply one"]
+    turn = chat.wait(chat.send(conv, "two"))
+    assert turn.kept and turn.fold.stats.cached_tokens == 0   # a new session: the history is replayed
+    assert turn.reply.note == REPLAY_NOTE
+
+
+def test_retry_reuses_the_cached_prefix(make):
+    chat = make(db="retry.db")
+    conv = first(chat)
+    chat.wait(chat.send(conv, LONG_USER))
+    second = chat.wait(chat.send(conv, "and then?"))
+    assert chat.rewind(conv) == "and then?"
+    again = chat.wait(chat.send(conv, "and then?"))
+    # The rewound session is the first exchange's exact ids, so the retry's prompt is the second turn's,
+    # every full block of which the prefix cache now holds.
+    assert again.fold.stats.prompt_tokens == second.fold.stats.prompt_tokens
+    assert again.fold.stats.cached_tokens > second.fold.stats.cached_tokens
+    assert again.fold.stats.prompt_tokens - again.fold.stats.cached_tokens < 16
+    assert not again.stream.replayed
+    assert again.reply.content == second.reply.content   # greedy: the same reply
+    assert [m.content for m in chat.store.messages(conv.id)][2:] == ["and then?", again.reply.content]
 
 
 # ---------------------------------------------------------------------------------- models

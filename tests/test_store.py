@@ -167,3 +167,18 @@ def test_a_store_that_cannot_be_written_fails_at_open(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(StoreError, match="cannot open"):
         ChatStore(tmp_path / "file" / "chats.sqlite3")       # its folder cannot be made
+
+
+def test_a_streaming_reply_is_rewritten_in_place_and_marked_partial(tmp_path):
+    store = ChatStore(tmp_path / "chats.db")
+    assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    cid = store.create_conversation("c")
+    store.add_message(cid, "user", "hi")
+    mid = store.add_message(cid, "assistant", "Hel", partial=True)
+    other = ChatStore(tmp_path / "chats.db")          # another process's view, as after a kill -9
+    assert [(m.content, m.partial) for m in other.messages(cid)] == [("hi", False), ("Hel", True)]
+    store.update_message(mid, "Hello there", RequestStats(completion_tokens=3, finish_reason="stop"), note="n")
+    [_, reply] = other.messages(cid)
+    assert (reply.content, reply.partial, reply.note, reply.stats.completion_tokens) == ("Hello there", False, "n", 3)
+    other.close()
+    store.close()

@@ -472,6 +472,31 @@ async def test_conversations_persist_across_restart(shared_client, home):
         assert reply.note == REPLAY_NOTE and reply.stats.completion_tokens == 4
 
 
+@sync
+async def test_ctrl_r_regenerates_the_last_reply_in_place(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=5)
+    async with app.run_test(size=SIZE) as pilot:
+        conv = app.chat_screen.current
+        await send(pilot, "first question")
+        await reply_done(pilot, conv)
+        await send(pilot, "second question")
+        old = await reply_done(pilot, conv)
+        app.chat_screen.query_one(ChatInput).focus()
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: conv.messages[-1] is not old and not conv.generating, what="the new reply")
+        await pilot.pause()
+        new = conv.messages[-1]
+        assert [m.content for m in conv.messages[:3]] == [conv.messages[0].content, conv.messages[1].content,
+                                                          "second question"]
+        assert len(conv.messages) == 4 and new.content == old.content          # greedy: the same text again
+        assert new.stats.cached_tokens >= old.stats.cached_tokens and new.note == ""   # no replay
+        assert len(app.chat_screen.chat_view(conv).query(MessageView)) == 4
+        assert [m.content for m in app.controller.store.messages(conv.id)] == [m.content for m in conv.messages]
+        await send(pilot, "/new")
+        await send(pilot, "/retry")
+        assert any("cannot retry" in n for n in notifications(app))
+
+
 # ---------------------------------------------------------------------------------- engine process
 @pytest.fixture
 def step_delay(home, tmp_path, monkeypatch):

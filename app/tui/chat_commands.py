@@ -43,7 +43,8 @@ class ChatCommands:
         self.bench_overrides = dict(bench_overrides or {})
         self.last_export: Path | None = None
         self.handlers: dict[str, Callable[[str], Awaitable[None]]] = {
-            "help": self.help, "new": self.new, "rename": self.rename, "delete": self.delete, "clear": self.clear,
+            "help": self.help, "new": self.new, "rename": self.rename, "delete": self.delete, "retry": self.retry,
+            "clear": self.clear,
             "history": self.history, "system": self.system, "model": self.model, "bench": self.bench,
             "export": self.export, "copy": self.copy, "theme": self.theme, "exit": self.exit}
 
@@ -96,6 +97,9 @@ class ChatCommands:
     async def clear(self, arg: str) -> None:
         await self.screen.clear_conversation(self.screen.current)
         self.notify("Conversation cleared")
+
+    async def retry(self, arg: str) -> None:
+        await self.screen.retry(self.screen.current)
 
     async def history(self, arg: str) -> None:
         await self.screen.app.push_screen(HistoryScreen(self.screen.current))

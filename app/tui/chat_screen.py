@@ -42,6 +42,7 @@ class ChatScreen(GaugedScreen):
     BINDINGS = [
         Binding("escape", "cancel_reply", "Cancel reply"),
         Binding("ctrl+n", "new_conversation", "New chat"),
+        Binding("ctrl+r", "retry", "Retry"),
         Binding("ctrl+l", "pick_model", "Model"),
         Binding("f2", "focus_conversations", "Chats"),
         Binding("f1", "help", "Help"),
@@ -181,6 +182,28 @@ class ChatScreen(GaugedScreen):
         self.refresh_item(conv)   # the generating dot, and the title taken from the first message
         return True
 
+    async def retry(self, conv: Conversation) -> None:
+        """Regenerate the last reply: take back the last exchange and send its message again."""
+        state = self.controller.engine_state
+        if state in NOT_READY:
+            message, severity = NOT_READY[state]
+            self.notify(message, severity=severity)
+            return
+        try:
+            old = list(conv.messages)
+            text = self.controller.rewind(conv)
+        except ChatError as e:
+            self.notify(f"cannot retry: {e}", severity="warning")
+            return
+        view = self.chat_view(conv)
+        if view is not None:
+            for m in old[len(conv.messages):]:
+                mview = view.view_for(m)
+                if mview is not None:
+                    await mview.remove()
+        if not await self.send_message(text, conv):
+            self.give_back(conv, text)
+
     @work(group="engine")
     async def restart_then_send(self, conv: Conversation, text: str) -> None:
         try:
@@ -252,6 +275,9 @@ class ChatScreen(GaugedScreen):
 
     def _run_soon(self, command: str) -> None:
         self.call_later(self.commands.run, command)
+
+    def action_retry(self) -> None:
+        self._run_soon("/retry")
 
     def action_new_conversation(self) -> None:
         self._run_soon("/new")

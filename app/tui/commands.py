@@ -23,6 +23,7 @@ SLASH_COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("new", "/new [TITLE]", "start a new conversation"),
     SlashCommand("rename", "/rename [TITLE]", "rename this conversation"),
     SlashCommand("delete", "/delete", "delete this conversation"),
+    SlashCommand("retry", "/retry", "regenerate the last reply (or send an unanswered message again)"),
     SlashCommand("clear", "/clear", "forget this conversation's messages (keeps the system prompt, frees its KV)"),
     SlashCommand("history", "/history", "messages of this conversation with per-turn token/cache stats"),
     SlashCommand("system", "/system [TEXT|-]", "show, set, or (with -) remove the system prompt"),
@@ -86,6 +87,7 @@ def help_markdown(theme_names: tuple[str, ...] = ()) -> str:
 | `Tab` | complete a slash command |
 | `Esc` | cancel the reply being generated (or the bench) |
 | `Ctrl+N` | new conversation |
+| `Ctrl+R` | regenerate the last reply |
 | `F2` | go to the conversation list (`n` new, `r` rename, `d` delete, `Enter` open) |
 | `Ctrl+L` | model picker |
 | `Ctrl+P` | command palette |
@@ -101,6 +103,7 @@ PALETTE_ACTIONS: tuple[tuple[str, str, str], ...] = (
     ("New conversation", "start a new conversation", "/new"),
     ("Rename conversation", "rename the current conversation", "/rename"),
     ("Delete conversation", "delete the current conversation", "/delete"),
+    ("Regenerate the last reply", "take back the last reply and generate it again", "/retry"),
     ("Clear conversation", "forget messages, keep the system prompt", "/clear"),
     ("Show history", "messages with per-turn token/cache stats", "/history"),
     ("Choose model", "open the model picker", "/model"),

@@ -64,7 +64,7 @@ class MessageView(Vertical, can_focus=True):
 
     def _footer_text(self) -> str:
         if self.message.role != "assistant":
-            return ""
+            return self.message.note
         if self.message.streaming:
             return f"generating… {self.message.generated_tokens} tok"
         return format_stats(self.message.stats, self.message.note)

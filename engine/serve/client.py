@@ -51,6 +51,10 @@ class Session:
     epoch: int = -1                        # the engine incarnation that holds it (-1: none)
     request_id: str | None = None          # the turn in flight
     pending_user: str | None = None
+    # Where each finished turn began: (messages, ids) of history and token_ids before it; ids is None
+    # when unknown (the history was re-rendered). Lets rewind_session cut the canonical ids exactly.
+    marks: list[tuple[int, int | None]] = field(default_factory=list)
+    pending_mark: tuple[int, int | None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -319,9 +323,10 @@ class EngineClient:
         if reply.token_ids:
             session.history = session.history + [{"role": "user", "content": session.pending_user},
                                                  {"role": "assistant", "content": reply.text}]
+            session.marks = session.marks + [session.pending_mark]
             if interrupted:
                 session.token_ids = None
-        session.request_id = session.pending_user = None
+        session.request_id = session.pending_user = session.pending_mark = None
 
     def _on_session(self, session_id: str, token_ids: list[int]) -> None:
         session = self._sessions.get(session_id)
@@ -442,6 +447,32 @@ class EngineClient:
         self._sessions[other.id] = other
         return other
 
+    def rewind_session(self, session: Session, turns: int = 1) -> Session:
+        """A new session holding `session`'s history without its last `turns` turns; `session` is closed.
+        Where the cut is known in canonical ids, the new session starts from exactly those ids, so its
+        next turn finds them in the prefix cache; otherwise it re-renders the shorter transcript."""
+        if session.busy:
+            raise EngineError("wait for the reply before taking it back")
+        if not 0 < turns <= len(session.history) // 2:
+            raise ValueError(f"the session has {len(session.history) // 2} turns; cannot take back {turns}")
+        keep = len(session.history) - 2 * turns
+        mark = next((m for m in session.marks if m[0] == keep), None)
+        ids = session.token_ids[:mark[1]] if mark is not None and mark[1] is not None and session.token_ids else None
+        other = Session(f"s{next(self._ids)}", session.system_prompt, session.history[:keep], ids, session.model,
+                        marks=[m for m in session.marks if m[0] < keep])
+        self._sessions[other.id] = other
+        with self._lock:
+            if ids is not None and session.epoch == self.epoch and self._conn is not None:
+                # Open it now, in the engine that holds these ids' blocks: the next turn is no replay.
+                try:
+                    self._post("open_session", session_id=other.id, system_prompt=other.system_prompt,
+                               history=other.history, token_ids=ids)
+                    other.epoch = self.epoch
+                except EngineDied:
+                    pass   # the next turn opens it in a new engine, replaying the history
+        self.close_session(session)
+        return other
+
     def close_session(self, session: Session) -> None:
         """Forget a session and release its resident KV (a turn in flight is cancelled)."""
         if session.request_id is not None:
@@ -467,18 +498,23 @@ class EngineClient:
                 same_model = session.model == self.model.model and session.token_ids is not None
                 self._post("open_session", session_id=session.id, system_prompt=session.system_prompt,
                            history=session.history, token_ids=session.token_ids if same_model else None)
+                if not same_model:   # the history is rendered again: earlier cuts are no longer known in ids
+                    session.token_ids = None
+                    session.marks = [(messages, None) for messages, _ in session.marks]
                 session.epoch, session.model = self.epoch, self.model.model
                 replayed = bool(session.history)
             request_id = f"r{next(self._ids)}"
             stream = RequestStream(self, request_id, on_event, session, replayed)
             session.request_id, session.pending_user = request_id, user
+            known = session.token_ids if session.token_ids is not None else ([] if not session.history else None)
+            session.pending_mark = (len(session.history), len(known) if known is not None else None)
             self._streams[request_id] = stream
             try:
                 self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
                            session_id=session.id, user=user)
             except EngineDied:
                 self._streams.pop(request_id, None)
-                session.request_id = session.pending_user = None
+                session.request_id = session.pending_user = session.pending_mark = None
                 raise
         return stream
 
