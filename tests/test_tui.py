@@ -15,6 +15,7 @@ import functools
 import time
 
 import pytest
+from textual.widgets._markdown import MarkdownParagraph
 
 from nanochat.app.controller import INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, format_stats
 from nanochat.app.paths import get_paths
@@ -24,7 +25,7 @@ from nanochat.app.tui.app import NanochatApp
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.commands import SLASH_COMMANDS
 from nanochat.app.tui.screens import BenchScreen, HistoryScreen, ModelPicker
-from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, code_blocks
+from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, chat_markdown, code_blocks
 from nanochat.engine.llm_engine import LLMEngine
 from nanochat.engine.output import RequestStats
 from nanochat.engine.serve.client import EngineClient
@@ -595,3 +596,32 @@ def test_footer_format_and_code_blocks():
     text = "a\n```python\nprint(1)\n```\nb\n```\nunfinished"
     assert code_blocks(text) == ["print(1)", "unfinished"]
     assert asyncio.iscoroutinefunction(ChatScreen.send_message)
+
+
+POEM = "Roses are red,\nviolets are blue.\n\nA new stanza\nends here."
+
+
+def test_single_newlines_break_lines_in_messages():
+    inline = [t for t in chat_markdown().parse(POEM) if t.type == "inline"]
+    assert [[c.type for c in t.children] for t in inline] == [["text", "hardbreak", "text"]] * 2
+    fence = chat_markdown().parse("```\na\nb\n```")        # code is untouched
+    assert [t.type for t in fence] == ["fence"] and fence[0].content == "a\nb\n"
+
+
+@sync
+async def test_a_poem_keeps_its_lines_on_screen(shared_client, home):
+    store = ChatStore(home.chat_db)
+    cid = store.create_conversation("poem")
+    store.add_message(cid, "user", "a poem please")
+    store.add_message(cid, "assistant", POEM)
+    store.close()
+    app = make_app(shared_client, home)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.chat_screen.show_conversation(cid)
+        await pilot.pause()
+        [_, reply] = app.chat_screen.chat_view(app.controller.conversations[cid]).query(MessageView)
+        [first, second] = reply.query(MarkdownParagraph)
+        assert first.content.plain.split("\n") == ["Roses are red,", "violets are blue."]
+        # Two lines on screen, though both would fit on one line of this width.
+        assert first.outer_size.height == 2 and len("Roses are red, violets are blue.") < first.outer_size.width
+        assert second.content.plain == "A new stanza\nends here."

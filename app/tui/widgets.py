@@ -8,6 +8,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from markdown_it import MarkdownIt
+from markdown_it.rules_core import StateCore
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -36,6 +38,21 @@ def code_blocks(markdown: str) -> list[str]:
     return [b.rstrip("\n") for b in blocks]
 
 
+def _show_soft_breaks(state: StateCore) -> None:
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type = "hardbreak"
+
+
+def chat_markdown() -> MarkdownIt:
+    """The messages' Markdown parser: GFM where a single newline breaks the line, as chat apps show
+    replies (a poem's lines stay lines), instead of joining the lines as CommonMark does."""
+    parser = MarkdownIt("gfm-like")
+    parser.core.ruler.push("show_soft_breaks", _show_soft_breaks)
+    return parser
+
+
 class MessageView(Vertical, can_focus=True):
     """One message: a role label, its Markdown body (streamed while the reply arrives), a stats footer."""
 
@@ -53,7 +70,7 @@ class MessageView(Vertical, can_focus=True):
     def compose(self) -> ComposeResult:
         self._shown = len(self.message.content)
         yield Label(ROLE_LABELS.get(self.message.role, self.message.role), classes="role")
-        yield Markdown(self.message.content, classes="body")
+        yield Markdown(self.message.content, classes="body", parser_factory=chat_markdown)
         yield Static(self._footer_text(), classes="footer", markup=False)
 
     async def on_mount(self) -> None:
