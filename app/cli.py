@@ -19,7 +19,8 @@ import sys
 from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError,
                                  debug_enabled, one_line, report)
 from nanochat.app.options import (add_engine_options, add_option, argv_text, engine_config, pick, positive_int,
-                                  resolve_model, sampling_options, seed_int, temperature_float, top_k_int, top_p_float)
+                                  penalty_float, repetition_penalty_float, resolve_model, sampling_options, seed_int,
+                                  temperature_float, top_k_int, top_p_float)
 
 
 class Parser(argparse.ArgumentParser):
@@ -52,6 +53,12 @@ def add_generation_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--top-p", type=top_p_float, metavar="P")
     add_option(parser, suppress, "--top-k", type=top_k_int, metavar="K", help="-1 = off")
     add_option(parser, suppress, "--seed", type=seed_int, metavar="N")
+    add_option(parser, suppress, "--repetition-penalty", type=repetition_penalty_float, metavar="R",
+               help="divide the logits of tokens already in the chat by R (1 = off; 1.1-1.3 stops loops)")
+    add_option(parser, suppress, "--presence-penalty", type=penalty_float, metavar="P",
+               help="-2..2: subtract P from tokens already generated (0 = off)")
+    add_option(parser, suppress, "--frequency-penalty", type=penalty_float, metavar="F",
+               help="-2..2: subtract F per earlier occurrence in the reply (0 = off)")
     add_option(parser, suppress, "--system", type=argv_text, metavar="TEXT", help="system prompt")
     add_option(parser, suppress, "--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
 

@@ -40,6 +40,8 @@ TOP_K = Rule(int, lambda v: v >= -1, "-1 or 0 (off) or a positive integer")
 TEMPERATURE = Rule(float, lambda v: v == 0 or MIN_TEMPERATURE <= v < math.inf,
                    f"0 (greedy) or from {MIN_TEMPERATURE} up")
 TOP_P = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
+REPETITION_PENALTY = Rule(float, lambda v: 0 < v < math.inf, "a number > 0 (1 is off)")
+PENALTY = Rule(float, lambda v: -2 <= v <= 2, "from -2 to 2 (0 is off)")   # presence, frequency (OpenAI's range)
 KV_CACHE_GIB = Rule(float, lambda v: 0 < v <= MAX_KV_CACHE_GIB, f"> 0 and at most {MAX_KV_CACHE_GIB} (1 PiB)")
 SEED = Rule(int, lambda v: 0 <= v < 2 ** 64, "an integer from 0 to 2**64 - 1")
 THREADS = Rule(int, lambda v: 1 <= v <= MAX_CPU_THREADS, f"from 1 to {MAX_CPU_THREADS}")
@@ -78,6 +80,8 @@ non_negative_int = arg_type(NON_NEGATIVE_INT)
 top_k_int = arg_type(TOP_K)
 temperature_float = arg_type(TEMPERATURE)
 top_p_float = arg_type(TOP_P)
+repetition_penalty_float = arg_type(REPETITION_PENALTY)
+penalty_float = arg_type(PENALTY)
 kv_cache_gib_float = arg_type(KV_CACHE_GIB)
 seed_int = arg_type(SEED)
 threads_int = arg_type(THREADS)
@@ -166,12 +170,16 @@ def engine_config(args, settings, **extra) -> dict:
     return cfg
 
 
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def sampling_options(args, settings) -> dict:
     """SamplingParams keyword arguments: each flag over its settings value (--seed and --ignore-eos
     have none)."""
     opts = {"temperature": pick(args, "temperature", settings.temperature),
             "top_p": pick(args, "top_p", settings.top_p), "top_k": pick(args, "top_k", settings.top_k),
-            "max_tokens": pick(args, "max_tokens", settings.max_tokens), "seed": getattr(args, "seed", None)}
+            "max_tokens": pick(args, "max_tokens", settings.max_tokens), "seed": getattr(args, "seed", None),
+            **{name: pick(args, name, getattr(settings, name)) for name in PENALTIES}}
     if getattr(args, "ignore_eos", False):
         opts["ignore_eos"] = True
     try:   # every command checks them before it loads a model (the REPL builds its params after)

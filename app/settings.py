@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nanochat.app.options import (DTYPE_NAMES, KV_CACHE_GIB, POSITIVE_INT, TEMPERATURE, TOP_K, TOP_P, accepts,
-                                  valid_device)
+from nanochat.app.options import (DTYPE_NAMES, KV_CACHE_GIB, PENALTY, POSITIVE_INT, REPETITION_PENALTY, TEMPERATURE,
+                                  TOP_K, TOP_P, accepts, valid_device)
 
 MAX_RECENT = 10
 
@@ -39,6 +39,9 @@ _CHECKS = {
     "top_p": lambda v: accepts(TOP_P, v),
     "top_k": lambda v: accepts(TOP_K, v),
     "max_tokens": lambda v: accepts(POSITIVE_INT, v),
+    "repetition_penalty": lambda v: accepts(REPETITION_PENALTY, v),
+    "presence_penalty": lambda v: accepts(PENALTY, v),
+    "frequency_penalty": lambda v: accepts(PENALTY, v),
     "system_prompt": _optional_str,
     "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "kv_cache_gib": lambda v: v is None or accepts(KV_CACHE_GIB, v),
@@ -56,6 +59,9 @@ class Settings:
     top_p: float = 0.95
     top_k: int = -1
     max_tokens: int = 512
+    repetition_penalty: float = 1.0       # the penalties are off by default (engine/sampler.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     system_prompt: str | None = None
     recent_models: list[str] = field(default_factory=list)
     kv_cache_gib: float | None = None     # None: the engine's default CPU KV budget

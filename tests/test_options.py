@@ -73,6 +73,7 @@ def test_cuda_abc_is_a_usage_error_on_the_command_line(capsys, tmp_path, monkeyp
 @pytest.mark.parametrize("parser, raw, value", [
     (options.positive_int, "3", 3), (options.non_negative_int, "0", 0), (options.top_k_int, "-1", -1),
     (options.temperature_float, "0", 0.0), (options.top_p_float, "1", 1.0), (options.kv_cache_gib_float, "0.5", 0.5),
+    (options.repetition_penalty_float, "1.3", 1.3), (options.penalty_float, "-2", -2.0),
 ])
 def test_value_parsers_accept(parser, raw, value):
     assert parser(raw) == value
@@ -88,6 +89,9 @@ def test_value_parsers_accept(parser, raw, value):
     (options.top_p_float, "0", "in (0, 1]"), (options.kv_cache_gib_float, "0", "> 0"),
     (options.kv_cache_gib_float, "1e300", "at most 1048576"),   # "cannot convert float NaN to integer" at load
     (options.kv_cache_gib_float, "two", "expected a number"),
+    (options.repetition_penalty_float, "0", "a number > 0 (1 is off)"),
+    (options.repetition_penalty_float, "nan", "a number > 0"), (options.penalty_float, "2.5", "from -2 to 2"),
+    (options.penalty_float, "inf", "from -2 to 2"),
 ])
 def test_value_parsers_refuse(parser, raw, message):
     with pytest.raises(argparse.ArgumentTypeError) as info:
@@ -98,12 +102,12 @@ def test_value_parsers_refuse(parser, raw, message):
 def test_settings_file_uses_the_same_rules(tmp_path):
     path = tmp_path / "settings.json"
     good = {"dtype": "bf16", "temperature": 0, "top_p": 1, "top_k": -1, "max_tokens": 5, "kv_cache_gib": 2,
-            "max_model_len": 128}
+            "max_model_len": 128, "repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2}
     path.write_text(json.dumps(good))
     loaded = Settings.load(path)
     assert not loaded.warnings and {k: getattr(loaded, k) for k in good} == good
     bad = {"dtype": "int3", "temperature": -0.1, "top_p": 0, "top_k": -2, "max_tokens": 1.5, "kv_cache_gib": 0,
-           "max_model_len": True}
+           "max_model_len": True, "repetition_penalty": 0, "presence_penalty": 3, "frequency_penalty": "1"}
     path.write_text(json.dumps(bad))
     loaded = Settings.load(path)
     assert len(loaded.warnings) == len(bad) and loaded == Settings()
@@ -127,11 +131,15 @@ def test_one_engine_config_for_every_command():
 
 
 def test_sampling_options_and_model_resolution(tmp_path):
-    settings = Settings(temperature=0.2, max_tokens=9, default_model=str(tmp_path / "s.gguf"))
-    args = SimpleNamespace(temperature=0.0, top_k=None, seed=3, ignore_eos=True)
+    settings = Settings(temperature=0.2, max_tokens=9, default_model=str(tmp_path / "s.gguf"), presence_penalty=0.5)
+    args = SimpleNamespace(temperature=0.0, top_k=None, seed=3, ignore_eos=True, repetition_penalty=1.3)
     assert options.sampling_options(args, settings) == {"temperature": 0.0, "top_p": settings.top_p,
                                                         "top_k": settings.top_k, "max_tokens": 9, "seed": 3,
-                                                        "ignore_eos": True}
+                                                        "repetition_penalty": 1.3, "presence_penalty": 0.5,
+                                                        "frequency_penalty": 0.0, "ignore_eos": True}
+    flags = cli.build_parser([]).parse_args(["--frequency-penalty", "0.25", "--presence-penalty", "-1"])
+    opts = options.sampling_options(flags, Settings())
+    assert (opts["frequency_penalty"], opts["presence_penalty"], opts["repetition_penalty"]) == (0.25, -1.0, 1.0)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     assert options.resolve_model(SimpleNamespace(model=str(model)), settings) == str(model)

@@ -23,6 +23,7 @@ from textual.app import App
 from textual.reactive import reactive
 
 from nanochat.app.controller import ChatController, EngineState, model_display_name
+from nanochat.app.options import sampling_options
 from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore, StoreError
@@ -78,8 +79,7 @@ class NanochatApp(App):
         self.startup_model = model
         store, self._store_warning = open_store(self.paths.chat_db)
         if sampling is None:
-            sampling = {"temperature": self.settings.temperature, "top_p": self.settings.top_p,
-                        "top_k": self.settings.top_k, "max_tokens": self.settings.max_tokens}
+            sampling = sampling_options(None, self.settings)
         self.controller = ChatController(
             self.client, store, sampling, system_prompt if system_prompt is not None else self.settings.system_prompt,
             engine_config)

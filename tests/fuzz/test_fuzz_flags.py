@@ -93,7 +93,10 @@ def flag_word(raw: str) -> bool:
 
 GENERATION = {"--max-tokens": int_in(1), "--top-k": int_in(-1), "--seed": int_in(0, 2 ** 64 - 1),
               "--temperature": float_where(lambda v: v == 0 or MIN_TEMPERATURE <= v < math.inf),
-              "--top-p": float_where(lambda v: 0 < v <= 1), "--system": anything}
+              "--top-p": float_where(lambda v: 0 < v <= 1), "--system": anything,
+              "--repetition-penalty": float_where(lambda v: 0 < v < math.inf),
+              "--presence-penalty": float_where(lambda v: -2 <= v <= 2),
+              "--frequency-penalty": float_where(lambda v: -2 <= v <= 2)}
 ENGINE = {"--device": device, "--dtype": one_of("auto", *DTYPES), "--max-model-len": int_in(1),
           "--kv-cache-gib": float_where(lambda v: 0 < v <= MAX_KV_CACHE_GIB), "--quantize": one_of("q8_0"),
           "--model": non_blank}   # a non-blank --model is the loader's to judge: see the path cases
@@ -231,7 +234,8 @@ def env_cases(rng: random.Random, per_var: int | None) -> list[Case]:
 
 SETTINGS_DOMAINS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
                     "max_tokens": "--max-tokens", "kv_cache_gib": "--kv-cache-gib", "max_model_len": "--max-model-len",
-                    "device": "--device", "dtype": "--dtype"}
+                    "device": "--device", "dtype": "--dtype", "repetition_penalty": "--repetition-penalty",
+                    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 SETTINGS_VALUES = [None, True, False, -1, 0, 1, 0.005, 0.5, 1.5, 1e300, float("nan"), float("inf"), -float("inf"),
                    2 ** 64, 10 ** 100, "", "1", "auto", "cuda:0", "bf16", "x" * 10000, [], {}]
 
