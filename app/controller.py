@@ -578,5 +578,5 @@ class ChatController:
             return
         stats = turn.fold.stats
         stats.finish_reason = "abort"
-        turn.reply.content, turn.reply.stats, turn.reply.streaming = turn.fold.text, stats, False
+        turn.reply.stats, turn.reply.streaming = stats, False   # drain() has brought its text up to date
         self._save_reply(turn, partial=False)

@@ -4,8 +4,8 @@ A user message is committed when it is sent. A reply is committed at its first t
 and rewritten as it streams (ChatController decides how often) until it ends, so a kill -9 of the app
 mid-reply keeps the reply up to its last save, and a restart shows it marked partial. The file is in
 WAL mode with synchronous=NORMAL: a commit is an append, not an fsync of the database, so saving while
-streaming costs well under a millisecond. The schema is versioned with PRAGMA user_version; `migrate` brings any older file up to
-SCHEMA_VERSION step by step. One connection is shared by the UI thread and workers
+streaming costs well under a millisecond. The schema is versioned with PRAGMA user_version; `migrate`
+brings any older file up to SCHEMA_VERSION step by step. One connection is shared by the UI thread and workers
 (check_same_thread=False) and every use holds a lock.
 """
 
@@ -183,7 +183,8 @@ class ChatStore:
         with self._lock, self._conn:
             cur = self._conn.execute(
                 "INSERT INTO messages (conversation_id, role, content, stats, created, note, partial) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)", (conversation_id, role, content, _stats_json(stats), now, note, partial))
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, _stats_json(stats), now, note, partial))
             self._conn.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
         return cur.lastrowid
 

@@ -457,7 +457,8 @@ class EngineClient:
             raise ValueError(f"the session has {len(session.history) // 2} turns; cannot take back {turns}")
         keep = len(session.history) - 2 * turns
         mark = next((m for m in session.marks if m[0] == keep), None)
-        ids = session.token_ids[:mark[1]] if mark is not None and mark[1] is not None and session.token_ids else None
+        cut = mark[1] if mark is not None else None
+        ids = session.token_ids[:cut] if cut is not None and session.token_ids is not None else None
         other = Session(f"s{next(self._ids)}", session.system_prompt, session.history[:keep], ids, session.model,
                         marks=[m for m in session.marks if m[0] < keep])
         self._sessions[other.id] = other
@@ -506,8 +507,9 @@ class EngineClient:
             request_id = f"r{next(self._ids)}"
             stream = RequestStream(self, request_id, on_event, session, replayed)
             session.request_id, session.pending_user = request_id, user
-            known = session.token_ids if session.token_ids is not None else ([] if not session.history else None)
-            session.pending_mark = (len(session.history), len(known) if known is not None else None)
+            ids_before = (len(session.token_ids) if session.token_ids is not None
+                          else 0 if not session.history else None)   # None: the engine re-renders the history
+            session.pending_mark = (len(session.history), ids_before)
             self._streams[request_id] = stream
             try:
                 self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
