@@ -11,6 +11,7 @@ import torch
 
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
+from nanochat.engine.generation_defaults import sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
 from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent
 from nanochat.engine.sampler import Sampler, TokenHistory
@@ -53,6 +54,7 @@ class LLMEngine:
         self.dtype = self.config.resolved_dtype(self.device)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
+        self.sampling_defaults = sampling_defaults(self.loaded.source)   # what the model file recommends
         model_obj = build_model(self.loaded.source, self.device, self.dtype, self.config.kvcache_block_size,
                                 self.config.max_model_len, self.config.dequantize, self.config.moe_offload,
                                 self.config.quantize, load_progress, self.config.pack_cache)
@@ -122,6 +124,10 @@ class LLMEngine:
             self.block_manager.pin_session(req.seq.session_id, req.seq)
         self.scheduler.finish(req.seq, "abort")
         return TokenEvent(request_id, None, "", True, "abort", self._request_stats(req, "abort"))
+
+    def touch_session(self, session_id: str) -> None:
+        """Mark a conversation's resident KV as most recently used (evicted last)."""
+        self.block_manager.touch_session(session_id)
 
     def release_session(self, session_id: str) -> None:
         """Drop a conversation's resident KV (on /clear or delete); its blocks stay cached until reused."""
@@ -253,6 +259,7 @@ class LLMEngine:
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
+        report.sampling_defaults = self.sampling_defaults
         return report
 
     def stats(self) -> EngineStats:

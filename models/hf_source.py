@@ -176,11 +176,17 @@ class HFSource:
         return template
 
     def generation_eos_ids(self) -> tuple[int, ...]:
+        """Extra end ids from generation_config.json; an unreadable file only states none (as for
+        transformers, the file is advice: config.json and the tokenizer still say how to stop)."""
         p = self.root / "generation_config.json"
-        if not p.is_file():
+        try:
+            config = _read_json(p) if p.is_file() else {}
+        except (ModelLoadError, RecursionError):
             return ()
-        eos = _read_json(p).get("eos_token_id")
-        return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos = config.get("eos_token_id") if isinstance(config, dict) else None
+        if isinstance(eos, list):
+            return tuple(e for e in eos if isinstance(e, int) and not isinstance(e, bool))
+        return (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else ()
 
 
 def resolve_hub_id(model: str) -> str:

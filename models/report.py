@@ -25,6 +25,7 @@ class ModelReport:
     why_not: str | None = None
     isa: str | None = None                # the CPU kernels' code path ("avx512-vnni", "avx2", "scalar")
     extra: dict[str, str] = field(default_factory=dict)   # engine-level lines (KV cache, load time)
+    sampling_defaults: dict = field(default_factory=dict)  # SamplingParams keywords the model file recommends
 
     def lines(self) -> list[tuple[str, str]]:
         path = "fused whole-stack CPU kernel" if self.fused else f"module by module ({self.why_not})"
@@ -37,6 +38,8 @@ class ModelReport:
         rows += [(f"  {name}", desc) for name, desc in self.projections.items()]
         rows += [("lm_head", self.head), ("embedding", self.embedding)]
         rows += list(self.extra.items())
+        stated = " · ".join(f"{name} {value:g}" for name, value in self.sampling_defaults.items())
+        rows.append(("sampling defaults", stated or "none stated in the model file"))
         return rows
 
 

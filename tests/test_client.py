@@ -176,14 +176,62 @@ def test_rewind_cuts_the_canonical_ids_and_regenerates_from_the_cache(client):
     assert again.stats.prompt_tokens == replies[1].stats.prompt_tokens
     assert again.stats.prompt_tokens - again.stats.cached_tokens < 16            # all but the last block cached
     client.close_session(back)
-    # A session seeded with a transcript never had its start in ids: a rewind re-renders, and says so.
+    # A session seeded with a transcript is rendered turn by turn: its cuts are known in ids too.
     seeded = client.open_session("Be brief.", back.history[:2])
-    client.submit_turn(seeded, texts[1], GREEDY).result(30)
+    first = client.submit_turn(seeded, texts[1], GREEDY).result(30)
+    assert seeded.turn_starts is not None and len(seeded.turn_starts) == 2
     again = client.rewind_session(seeded, 1)
-    assert again.token_ids is None and again.epoch == -1
+    assert again.token_ids == seeded.token_ids[:seeded.turn_starts[1]] and again.epoch == client.epoch
     stream = client.submit_turn(again, texts[1], GREEDY)
-    assert stream.result(30).text and stream.replayed
+    assert stream.result(30).token_ids == first.token_ids and not stream.replayed
     client.close_session(again)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def branch_point_cached(client, session, edited: str, at: int):
+    """Branch `session` after `at` turns and send `edited` there; returns the branch, its reply and
+    the length of the prompt ids the branch shares with `session`."""
+    branch = client.branch_session(session, at)
+    reply = client.submit_turn(branch, edited, GREEDY).result(30)
+    return branch, reply, common_prefix(branch.token_ids, session.token_ids)
+
+
+def test_branches_share_their_prefix_and_match_a_from_scratch_run(client, tiny_models):
+    """An edit at turn k (a branch after k turns) prefills only what follows the prefix it shares, and
+    answers as a from-scratch run (no prefix cache) of the same prompt does; the first branch stays."""
+    block = ENGINE["kvcache_block_size"]
+    scratch = LLM(str(tiny_models["qwen3"]), enable_prefix_caching=False, **ENGINE)
+    session = client.open_session("Be brief.")
+    for t in ["hello there, how are you?", "what is the capital of France?", "and of Spain?"]:
+        client.submit_turn(session, t, GREEDY).result(30)
+    for at in (0, 1, 2):
+        branch, reply, shared = branch_point_cached(client, session, f"branch {at}: tell me about owls", at)
+        assert branch.history[:2 * at] == session.history[:2 * at] and len(branch.history) == 2 * at + 2
+        assert branch.token_ids[:branch.turn_starts[at]] == session.token_ids[:session.turn_starts[at]]
+        assert reply.stats.cached_tokens == shared // block * block      # the shared prefix, in whole blocks
+        prompt = branch.token_ids[:reply.stats.prompt_tokens]
+        assert scratch.generate([prompt], GREEDY)[0].token_ids == reply.token_ids
+        client.close_session(branch)
+    # The first branch is untouched: its next turn finds its whole history resident.
+    held = len(session.token_ids)
+    reply = client.submit_turn(session, "one more", GREEDY).result(30)
+    assert reply.stats.cached_tokens >= held - block    # all but its last, partly computed block
+    # A branch with turns of its own after the cut (moving to another branch of the tree): the cut is
+    # found in the cache and only the branch's own turns are prefilled.
+    more = [{"role": "user", "content": "an edited question"}, {"role": "assistant", "content": "an answer"}]
+    branch = client.branch_session(session, 1, more)
+    assert branch.token_ids == session.token_ids[:session.turn_starts[1]]
+    reply = client.submit_turn(branch, "go on", GREEDY).result(30)
+    assert reply.stats.cached_tokens == common_prefix(branch.token_ids, session.token_ids) // block * block
+    seeded = client.open_session("Be brief.", session.history[:2] + more)   # the same, rendered from text
+    client.submit_turn(seeded, "go on", GREEDY).result(30)
+    a, b = seeded.turn_starts, branch.turn_starts     # the branch's own turn, rendered as a seeded one is
+    assert seeded.token_ids[a[1]:a[2]] == branch.token_ids[b[1]:b[2]]
+    for s in (seeded, branch, session):
+        client.close_session(s)
 
 
 def test_a_model_switch_replays_the_sessions(client, tiny_models):

@@ -94,3 +94,31 @@ def test_hybrid_session_evicted_under_pressure_reprefills_correctly(models):
     for s in sessions:
         engine.release_session(s.session_id)
     assert bm.num_free_blocks == 8 and len(bm.free_slots) == bm.num_state_slots
+
+
+def test_hybrid_branches_reprefill_and_answer_as_from_scratch(models):
+    """A branch of a hybrid chat (an edit at turn k) cannot resume another sequence's recurrent state
+    from shared blocks: it is prefilled whole, stated by its cached count of 0, and answers as a
+    full replay does; the branch it came from still resumes its own state."""
+    from nanochat.engine.serve.client import EngineClient
+
+    folder, hf = models["qwen3_next"]
+    client = EngineClient(in_process=True)
+    client.load_model(str(folder), dtype="float32", max_model_len=512, kvcache_block_size=16)
+    try:
+        session = client.open_session("sys")
+        for user in ["hello there", "what is two plus two?"]:
+            client.submit_turn(session, user, GREEDY).result(30)
+        branch = client.branch_session(session, 1)
+        assert branch.token_ids == session.token_ids[:session.turn_starts[1]]
+        reply = client.submit_turn(branch, "and three?", GREEDY).result(30)
+        prompt = branch.token_ids[:reply.stats.prompt_tokens]
+        assert reply.stats.cached_tokens == 0 and reply.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+        held = len(session.token_ids)
+        again = client.submit_turn(session, "and four?", GREEDY).result(30)
+        # its own state, resumed: all but the last sampled token and the end-of-turn token closing it
+        assert again.stats.cached_tokens == held - 2
+        ids = session.token_ids[:again.stats.prompt_tokens]
+        assert again.token_ids == hf_greedy(hf, ids, GREEDY.max_tokens)
+    finally:
+        client.shutdown()

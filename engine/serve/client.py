@@ -46,15 +46,16 @@ class Session:
     id: str
     system_prompt: str | None = None
     history: list[dict] = field(default_factory=list)    # finished turns, as the model saw them
-    token_ids: list[int] | None = None     # canonical ids after the last finished turn (None: re-render history)
+    token_ids: list[int] | None = None     # canonical ids of the first len(turn_starts) turns (None: none known)
+    turn_starts: list[int] | None = None   # where each of those turns starts in token_ids
     model: str | None = None               # the model the ids belong to
     epoch: int = -1                        # the engine incarnation that holds it (-1: none)
     request_id: str | None = None          # the turn in flight
     pending_user: str | None = None
-    # Where each finished turn began: (messages, ids) of history and token_ids before it; ids is None
-    # when unknown (the history was re-rendered). Lets rewind_session cut the canonical ids exactly.
-    marks: list[tuple[int, int | None]] = field(default_factory=list)
-    pending_mark: tuple[int, int | None] | None = None
+
+    @property
+    def turns(self) -> int:
+        return len(self.history) // 2
 
     @property
     def busy(self) -> bool:
@@ -75,10 +76,10 @@ class RequestStream:
         self._on_event = on_event
         self._queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
 
-    def _deliver(self, event: TokenEvent, interrupted: bool = False) -> None:
+    def _deliver(self, event: TokenEvent) -> None:
         self.reply.add(event)
         if event.finished and self.session is not None and self.session.request_id == self.request_id:
-            EngineClient._end_turn(self.session, self.reply, interrupted)
+            EngineClient._end_turn(self.session, self.reply)
         self._queue.put(event)
         if self._on_event is not None:
             self._on_event(event)
@@ -316,22 +317,19 @@ class EngineClient:
                 stream._deliver(event)
 
     @staticmethod
-    def _end_turn(session: Session, reply: Reply, interrupted: bool = False) -> None:
+    def _end_turn(session: Session, reply: Reply) -> None:
         """The session mirror follows the engine's session: a turn that produced tokens joins the
-        history. An interrupted one (the engine died) keeps its partial reply, and the session is then
-        rebuilt from the transcript, since that turn's ids never came back."""
+        history (its ids came just before, in a "session" message; when the engine died they never
+        come, and the turn is rendered from its text when the session is re-opened)."""
         if reply.token_ids:
             session.history = session.history + [{"role": "user", "content": session.pending_user},
                                                  {"role": "assistant", "content": reply.text}]
-            session.marks = session.marks + [session.pending_mark]
-            if interrupted:
-                session.token_ids = None
-        session.request_id = session.pending_user = session.pending_mark = None
+        session.request_id = session.pending_user = None
 
-    def _on_session(self, session_id: str, token_ids: list[int]) -> None:
+    def _on_session(self, session_id: str, token_ids: list[int], turn_starts: list[int]) -> None:
         session = self._sessions.get(session_id)
         if session is not None:
-            session.token_ids = token_ids
+            session.token_ids, session.turn_starts = token_ids, turn_starts
 
     def _on_stats(self, stats: EngineStats) -> None:
         self._stats = stats
@@ -364,7 +362,7 @@ class EngineClient:
                 pending.future.set_exception(error)
         for request_id, stream in list(self._streams.items()):
             del self._streams[request_id]
-            stream._deliver(TokenEvent(request_id, None, "", True, "error", error=reason), interrupted=True)
+            stream._deliver(TokenEvent(request_id, None, "", True, "error", error=reason))
         if not closing:
             for fn in list(self._death_listeners):
                 try:
@@ -440,39 +438,58 @@ class EngineClient:
 
     def fork_session(self, session: Session) -> Session:
         """A new session with the same history; the two share the cached prefix."""
-        if session.busy:
-            raise EngineError("wait for the reply before forking the conversation")
-        other = Session(f"s{next(self._ids)}", session.system_prompt, list(session.history),
-                        list(session.token_ids) if session.token_ids is not None else None, session.model)
-        self._sessions[other.id] = other
-        return other
+        return self.branch_session(session, session.turns)
 
-    def rewind_session(self, session: Session, turns: int = 1) -> Session:
-        """A new session holding `session`'s history without its last `turns` turns; `session` is closed.
-        Where the cut is known in canonical ids, the new session starts from exactly those ids, so its
-        next turn finds them in the prefix cache; otherwise it re-renders the shorter transcript."""
+    def branch_session(self, session: Session, turns: int, more: list[dict] | None = None) -> Session:
+        """A new session holding the first `turns` turns of `session`, then the finished turns `more`
+        ({"role", "content"} dicts): a branch of a conversation tree. `session` stays as it is.
+
+        Where the cut is known in canonical ids, the branch starts from exactly those ids, so its next
+        turn finds them in the prefix cache (shared with `session`, pinned once); `more` is rendered."""
         if session.busy:
-            raise EngineError("wait for the reply before taking it back")
-        if not 0 < turns <= len(session.history) // 2:
-            raise ValueError(f"the session has {len(session.history) // 2} turns; cannot take back {turns}")
-        keep = len(session.history) - 2 * turns
-        mark = next((m for m in session.marks if m[0] == keep), None)
-        cut = mark[1] if mark is not None else None
-        ids = session.token_ids[:cut] if cut is not None and session.token_ids is not None else None
-        other = Session(f"s{next(self._ids)}", session.system_prompt, session.history[:keep], ids, session.model,
-                        marks=[m for m in session.marks if m[0] < keep])
+            raise EngineError("wait for the reply before branching the conversation")
+        if not 0 <= turns <= session.turns:
+            raise ValueError(f"the session has {session.turns} turns; cannot branch after turn {turns}")
+        ids = starts = None
+        if session.token_ids is not None and session.turn_starts is not None and turns <= len(session.turn_starts):
+            cut = session.turn_starts[turns] if turns < len(session.turn_starts) else len(session.token_ids)
+            ids, starts = session.token_ids[:cut], session.turn_starts[:turns]
+        other = Session(f"s{next(self._ids)}", session.system_prompt,
+                        session.history[:2 * turns] + [dict(m) for m in more or []], ids, starts, session.model)
         self._sessions[other.id] = other
         with self._lock:
             if ids is not None and session.epoch == self.epoch and self._conn is not None:
-                # Open it now, in the engine that holds these ids' blocks: the next turn is no replay.
+                # Open it now, in the engine that holds these ids' blocks: its next turn is no replay.
                 try:
-                    self._post("open_session", session_id=other.id, system_prompt=other.system_prompt,
-                               history=other.history, token_ids=ids)
-                    other.epoch = self.epoch
+                    self._open(other)
                 except EngineDied:
                     pass   # the next turn opens it in a new engine, replaying the history
+        return other
+
+    def rewind_session(self, session: Session, turns: int = 1) -> Session:
+        """A new session holding `session`'s history without its last `turns` turns; `session` is closed."""
+        if not 0 < turns <= session.turns:
+            raise ValueError(f"the session has {session.turns} turns; cannot take back {turns}")
+        other = self.branch_session(session, session.turns - turns)
         self.close_session(session)
         return other
+
+    def focus_session(self, session: Session) -> None:
+        """`session` is the one the user sees: its resident KV is evicted last."""
+        if session.epoch == self.epoch and self._conn is not None:
+            try:
+                self._post("touch_session", session_id=session.id)
+            except EngineDied:
+                pass
+
+    def _open(self, session: Session) -> None:
+        """Open the session in the current engine (its ids kept where they belong to this model)."""
+        same_model = session.model == self.model.model and session.token_ids is not None
+        if not same_model:   # the history is rendered again: earlier ids are no longer known
+            session.token_ids = session.turn_starts = None
+        self._post("open_session", session_id=session.id, system_prompt=session.system_prompt,
+                   history=session.history, token_ids=session.token_ids, turn_starts=session.turn_starts)
+        session.epoch, session.model = self.epoch, self.model.model
 
     def close_session(self, session: Session) -> None:
         """Forget a session and release its resident KV (a turn in flight is cancelled)."""
@@ -496,27 +513,18 @@ class EngineClient:
         with self._lock:
             replayed = False
             if session.epoch != self.epoch:
-                same_model = session.model == self.model.model and session.token_ids is not None
-                self._post("open_session", session_id=session.id, system_prompt=session.system_prompt,
-                           history=session.history, token_ids=session.token_ids if same_model else None)
-                if not same_model:   # the history is rendered again: earlier cuts are no longer known in ids
-                    session.token_ids = None
-                    session.marks = [(messages, None) for messages, _ in session.marks]
-                session.epoch, session.model = self.epoch, self.model.model
                 replayed = bool(session.history)
+                self._open(session)
             request_id = f"r{next(self._ids)}"
             stream = RequestStream(self, request_id, on_event, session, replayed)
             session.request_id, session.pending_user = request_id, user
-            ids_before = (len(session.token_ids) if session.token_ids is not None
-                          else 0 if not session.history else None)   # None: the engine re-renders the history
-            session.pending_mark = (len(session.history), ids_before)
             self._streams[request_id] = stream
             try:
                 self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
                            session_id=session.id, user=user)
             except EngineDied:
                 self._streams.pop(request_id, None)
-                session.request_id = session.pending_user = session.pending_mark = None
+                session.request_id = session.pending_user = None
                 raise
         return stream
 
@@ -573,6 +581,15 @@ class AsyncEngineClient:
 
     def fork_session(self, session: Session) -> Session:
         return self.client.fork_session(session)
+
+    def branch_session(self, session: Session, turns: int, more: list[dict] | None = None) -> Session:
+        return self.client.branch_session(session, turns, more)
+
+    def rewind_session(self, session: Session, turns: int = 1) -> Session:
+        return self.client.rewind_session(session, turns)
+
+    def focus_session(self, session: Session) -> None:
+        self.client.focus_session(session)
 
     def close_session(self, session: Session) -> None:
         self.client.close_session(session)

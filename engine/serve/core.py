@@ -108,7 +108,7 @@ class EngineCore:
         if reply.add(event).done:
             del self.turns[event.request_id]
             session.finish_turn(reply)
-            self.send(("session", session.session_id, list(session.token_ids)))
+            self.send(("session", session.session_id, list(session.token_ids), list(session.turn_starts)))
 
     def _maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -157,7 +157,7 @@ class EngineCore:
         self._maybe_send_stats(force=True)
         return ModelInfo(model=model, arch=engine.model_config.arch, device=str(engine.device),
                          dtype=str(engine.dtype).removeprefix("torch."), max_model_len=engine.config.max_model_len,
-                         load_seconds=engine.load_seconds)
+                         load_seconds=engine.load_seconds, sampling_defaults=engine.sampling_defaults)
 
     def _engine(self):
         if self.engine is None:
@@ -165,21 +165,17 @@ class EngineCore:
         return self.engine
 
     def op_open_session(self, call: Call, session_id: str, system_prompt: str | None = None,
-                        history: list[dict] | None = None, token_ids: list[int] | None = None) -> int:
-        """A session from a transcript (rendered) or from canonical ids (as they were); returns its length."""
+                        history: list[dict] | None = None, token_ids: list[int] | None = None,
+                        turn_starts: list[int] | None = None) -> int:
+        """A session from a transcript: canonical ids for its first len(turn_starts) turns (kept as they
+        were), the rest rendered turn by turn. Returns its length in ids."""
         from nanochat.engine.serve.session import ChatSession
 
         engine = self._engine()
-        template = engine.loaded.chat_template
         self.session_errors.pop(session_id, None)
         try:
-            if token_ids is not None:
-                session = ChatSession(engine.tokenizer, template, system_prompt, session_id)
-                session.token_ids = list(token_ids)
-                session.transcript_messages = list(history or [])
-            else:
-                session = ChatSession.from_history(engine.tokenizer, template, system_prompt, history or [],
-                                                   session_id)
+            session = ChatSession.from_history(engine.tokenizer, engine.loaded.chat_template, system_prompt,
+                                               history or [], session_id, token_ids, turn_starts)
         except BaseException as e:   # e.g. the chat template fails on this history: the turn says why
             if not _answerable(e):
                 raise
@@ -188,10 +184,10 @@ class EngineCore:
         self.sessions[session_id] = session
         return len(session.token_ids)
 
-    def op_fork_session(self, call: Call, session_id: str, new_id: str) -> int:
-        session = self.sessions[session_id].fork(new_id)
-        self.sessions[new_id] = session
-        return len(session.token_ids)
+    def op_touch_session(self, call: Call, session_id: str) -> None:
+        """The session is the one shown: its resident KV is the last to be evicted."""
+        if self.engine is not None:
+            self.engine.touch_session(session_id)
 
     def op_close_session(self, call: Call, session_id: str) -> None:
         self.sessions.pop(session_id, None)

@@ -35,6 +35,7 @@ class ModelInfo:
     dtype: str
     max_model_len: int
     load_seconds: float
+    sampling_defaults: dict = field(default_factory=dict)   # SamplingParams keywords the model file recommends
 
 
 class EngineError(RuntimeError):

@@ -5,6 +5,11 @@ history; after generation it appends the generated ids verbatim (plus the end-of
 generation did not end with it). Earlier turns are never re-rendered, so the ids match the cached
 KV blocks exactly, even for templates that rewrite history (Qwen3 strips <think> blocks).
 
+A session seeded with a transcript (a branch of a conversation tree, a model switch, a new engine
+process) is built the same way, turn by turn, optionally after canonical ids of its first turns; so
+every session knows where each of its turns starts in ids (`turn_starts`), which is what lets a client
+cut a session at any turn and branch from there with the shared prefix found in the prefix cache.
+
 Sessions live in the engine process, beside the tokenizer and the chat template.
 """
 
@@ -23,6 +28,7 @@ class ChatSession:
         self.system_prompt = system_prompt or None
         self.transcript_messages: list[dict] = []   # {"role", "content"} of finished turns
         self.token_ids: list[int] = []
+        self.turn_starts: list[int] = []            # len(token_ids) when each finished turn began
         self._eot = self._end_of_turn_id()
         self._pending_user: str | None = None
         self._history_len = 0
@@ -30,19 +36,20 @@ class ChatSession:
     # ------------------------------------------------------------------ building
     @classmethod
     def from_history(cls, tokenizer, template, system_prompt: str | None, history: list[dict],
-                     session_id: str | None = None) -> "ChatSession":
-        """A session seeded with a transcript (replayed, i.e. prefilled, on its next turn).
+                     session_id: str | None = None, token_ids: list[int] | None = None,
+                     turn_starts: list[int] | None = None) -> "ChatSession":
+        """A session seeded with a transcript of finished turns, prefilled on its next turn.
 
-        The seeded ids are the template's rendering of the transcript, cut just after the last
-        end-of-turn token, which is exactly how a session's ids look after complete_turn."""
+        `token_ids` and `turn_starts`, when given, are canonical ids of the first len(turn_starts)
+        turns, kept as they are; the remaining turns are rendered one by one, exactly as live turns
+        are (the reply's text encoded where a live turn has its generated ids)."""
         session = cls(tokenizer, template, system_prompt, session_id)
-        if not history:
-            return session
-        text = template.render(session.transcript() + list(history), add_generation_prompt=False)
-        eot = tokenizer.id_to_token(session._eot) if session._eot is not None else None
-        if eot and eot in text:
-            text = text[:text.rindex(eot) + len(eot)]
-        session.token_ids = session._encode(text)
+        if token_ids is not None:
+            session.token_ids, session.turn_starts = list(token_ids), list(turn_starts or [])
+        pairs = [history[i:i + 2] for i in range(0, len(history) - 1, 2)]
+        for user, reply in pairs[len(session.turn_starts):]:
+            session.prepare_turn(user["content"])
+            session.complete_turn(reply["content"], session._encode(reply["content"]))
         session.transcript_messages = [{"role": m["role"], "content": m["content"]} for m in history]
         return session
 
@@ -51,7 +58,7 @@ class ChatSession:
         if self._pending_user is not None:
             raise RuntimeError("cannot fork a session while its turn is in progress")
         other = ChatSession(self.tokenizer, self.template, self.system_prompt, session_id)
-        other.token_ids = list(self.token_ids)
+        other.token_ids, other.turn_starts = list(self.token_ids), list(self.turn_starts)
         other.transcript_messages = list(self.transcript_messages)
         return other
 
@@ -103,6 +110,7 @@ class ChatSession:
         if self._eot is not None and (not ids or ids[-1] != self._eot):
             ids.append(self._eot)
         self.token_ids.extend(ids)
+        self.turn_starts.append(self._history_len)
         self.transcript_messages += [{"role": "user", "content": self._pending_user},
                                      {"role": "assistant", "content": reply_text}]
         self._pending_user = None
