@@ -22,6 +22,7 @@ the observer hears `engine_stopped(reason)` once, and the next message restarts 
 from __future__ import annotations
 
 import enum
+import json
 import re
 import threading
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from nanochat.app.options import effective_sampling
 from nanochat.app.store import ChatStore, StoredConversation
 from nanochat.engine.output import EngineStats, Reply, RequestStats, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
@@ -42,6 +44,9 @@ INTERRUPTED_NOTE = "interrupted: engine stopped"
 STOPPED_NOTE = "interrupted: nanochat stopped"   # saved mid-reply and never finished (/retry regenerates it)
 UNANSWERED_NOTE = "not answered: nanochat stopped · /retry sends it again"
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
+MAX_BRANCH_SESSIONS = 4   # engine sessions kept per conversation (the branch shown and recent others)
+CHAT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 
 
 # ---------------------------------------------------------------------------------- conversations
@@ -55,10 +60,14 @@ class Message:
     id: int | None = None           # row id in the store (None until saved)
     streaming: bool = False
     generated_tokens: int = 0       # tokens received so far while streaming
+    parent: "Message | None" = field(default=None, repr=False)   # None: a first message
+    children: list["Message"] = field(default_factory=list, repr=False)   # versions that follow it, oldest first
 
 
 @dataclass(eq=False)
 class Conversation:
+    """A tree of messages; `messages` is the path shown (the active branch), first message to `leaf`."""
+
     id: int
     title: str
     system_prompt: str | None = None
@@ -66,23 +75,85 @@ class Conversation:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     messages: list[Message] = field(default_factory=list)
-    session: Session | None = None  # the client's session, opened on the first turn
+    roots: list[Message] = field(default_factory=list)      # the first messages of every branch
+    settings: dict = field(default_factory=dict)            # the chat's own sampling settings (/set)
+    context_after: "Message | None" = None  # the model sees only what follows it (older turns dropped to fit)
+    # Engine sessions of recently shown branches, least recently used first: (the exchanges each holds,
+    # as messages, the session). Branches share their common prefix's KV through the prefix cache.
+    sessions: list[tuple[tuple[Message, ...], Session]] = field(default_factory=list)
     turn: "Turn | None" = None      # the turn in flight
 
     @property
     def generating(self) -> bool:
         return self.turn is not None
 
+    @property
+    def session(self) -> Session | None:
+        """The engine session used last (the branch shown, unless a move to another branch came since)."""
+        return self.sessions[-1][1] if self.sessions else None
+
+    @property
+    def leaf(self) -> Message | None:
+        return self.messages[-1] if self.messages else None
+
+    def siblings(self, message: Message) -> list[Message]:
+        """The versions of `message`: its parent's children (the first messages, for a first message)."""
+        return message.parent.children if message.parent is not None else self.roots
+
+    def show(self, leaf: Message | None) -> None:
+        """Make the path ending at `leaf` the one shown."""
+        path = []
+        while leaf is not None:
+            path.append(leaf)
+            leaf = leaf.parent
+        self.messages = path[::-1]
+
+    def attach(self, message: Message, parent: Message | None) -> None:
+        message.parent = parent
+        (parent.children if parent is not None else self.roots).append(message)
+
+    def detach(self, message: Message) -> None:
+        siblings = self.siblings(message)
+        if message in siblings:
+            siblings.remove(message)
+
     @classmethod
     def from_stored(cls, stored: StoredConversation) -> "Conversation":
-        messages = [Message(m.role, m.content, m.stats, m.created,
-                            join_notes(m.note, STOPPED_NOTE) if m.partial else m.note, m.id)
-                    for m in stored.messages]
-        for m, nxt in zip(messages, messages[1:] + [None]):
-            if m.role == "user" and (nxt is None or nxt.role != "assistant"):
+        conv = cls(stored.id, stored.title, stored.system_prompt, stored.model, stored.created, stored.updated,
+                   settings=dict(stored.settings))
+        by_id: dict[int, Message] = {}
+        for m in stored.messages:   # oldest first: a parent comes before its children
+            message = Message(m.role, m.content, m.stats, m.created,
+                              join_notes(m.note, STOPPED_NOTE) if m.partial else m.note, m.id)
+            by_id[m.id] = message
+            conv.attach(message, by_id.get(m.parent_id))
+        for m in by_id.values():
+            if m.role == "user" and not any(c.role == "assistant" for c in m.children):
                 m.note = UNANSWERED_NOTE   # the app stopped before the reply's first token
-        return cls(stored.id, stored.title, stored.system_prompt, stored.model, stored.created, stored.updated,
-                   messages)
+        leaf = by_id.get(stored.leaf_id) if stored.leaf_id is not None else None
+        conv.show(leaf if leaf is not None else latest_leaf(conv.roots))
+        conv.context_after = by_id.get(stored.context_after) if stored.context_after is not None else None
+        return conv
+
+    def held(self, messages: list[Message] | None = None) -> list[Message]:
+        """The exchanges of a path (default: the one shown) that the model sees: after context_after."""
+        path = self.messages if messages is None else messages
+        if self.context_after is not None and self.context_after in path:
+            path = path[path.index(self.context_after) + 1:]
+        return exchanges(path)
+
+
+def latest_leaf(messages: list[Message]) -> Message | None:
+    """The newest message at the end of a branch under (or among) `messages`: where a move to one of
+    them lands."""
+    best = None
+    stack = list(messages)
+    while stack:
+        m = stack.pop()
+        if not m.children and (best is None or (m.created, m.id or 0) > (best.created, best.id or 0)):
+            best = m
+        stack.extend(m.children)
+    return best
 
 
 @dataclass(eq=False)
@@ -93,6 +164,10 @@ class Turn:
     user: Message
     reply: Message
     stream: RequestStream | None = None
+    session: Session | None = None
+    new_user: bool = True           # the user message was written for this turn (not a regenerate)
+    edit_of: Message | None = None  # the message this turn's user message is a new version of
+    shown_before: Message | None = None   # the leaf shown before the turn (where a forgotten turn goes back)
     fold: Reply = field(default_factory=Reply)   # the events drained so far (the owner thread's copy)
     interrupted: bool = False       # the engine died during it
     saved_at: float = 0.0           # monotonic time of the reply's last save while streaming
@@ -111,10 +186,17 @@ class Turn:
     def error(self) -> str:
         return self.fold.final.error if self.fold.final is not None else ""
 
+    @property
+    def context_exceeded(self) -> bool:
+        """The engine refused the prompt: the chat with this message is longer than the context."""
+        final = self.fold.final
+        return final is not None and final.finish_reason == "error" and final.stats is not None \
+            and final.stats.context_full
 
-def completed_exchanges(messages: list[Message]) -> list[dict]:
-    """The transcript a new session starts from: user messages that got a reply, and the replies."""
-    out: list[dict] = []
+
+def exchanges(messages: list[Message]) -> list[Message]:
+    """The messages of a path a session holds: user messages that got a reply, and the replies."""
+    out: list[Message] = []
     for i, m in enumerate(messages):
         if m.streaming:
             continue
@@ -122,8 +204,71 @@ def completed_exchanges(messages: list[Message]) -> list[dict]:
             nxt = messages[i + 1] if i + 1 < len(messages) else None
             if nxt is None or nxt.role != "assistant" or nxt.streaming:
                 continue   # never answered (a crash mid-reply): the model never saw it answered
-        out.append({"role": m.role, "content": m.content})
+        out.append(m)
     return out
+
+
+def as_history(messages) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+INT_SETTINGS = ("top_k", "seed", "max_tokens")
+
+
+def setting_value(name: str, raw: str):
+    """A /set value typed as text, as the setting's type (ValueError with one line when it is not)."""
+    if name not in CHAT_SETTINGS:
+        raise ValueError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
+    try:
+        return int(raw) if name in INT_SETTINGS else float(raw)
+    except ValueError:
+        kind = "a whole number" if name in INT_SETTINGS else "a number"
+        raise ValueError(f"{raw!r} is not {kind}") from None
+
+
+NEUTRAL_SETTINGS = {"top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "seed": None}
+
+
+def describe_settings(sampling: dict, own: dict | None = None) -> str:
+    """'temperature 0.7* · top_p 0.95 · max_tokens 512': the sampling a turn uses, settings that change
+    nothing left out unless the chat set them; * marks the chat's own (/set) settings."""
+    own = own or {}
+    parts = []
+    for name in CHAT_SETTINGS:
+        value = sampling.get(name)
+        if name not in own and (value is None or value == NEUTRAL_SETTINGS.get(name, object())
+                                or (name == "top_k" and value == 0)):
+            continue
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+        parts.append(f"{name} {text}{'*' if name in own else ''}")
+    return " · ".join(parts)
+
+
+SUMMARY_REQUEST = ("Summarize our conversation so far in a few sentences: the topics, what was decided or "
+                   "answered, and anything I asked you to remember. Write only the summary.")
+SUMMARY_OVERHEAD = 96   # tokens for the summary request itself and the template around it
+
+
+def _turn_sizes(held: list[Message]) -> list[int]:
+    """Tokens of each exchange, from the replies' stats (a reply's prompt + output ends where the next
+    exchange begins); text length / 3 where no stats say."""
+    sizes, end = [], 0
+    for user, reply in zip(held[::2], held[1::2]):
+        s = reply.stats
+        new_end = s.prompt_tokens + s.completion_tokens if s is not None and s.prompt_tokens else \
+            end + (len(user.content) + len(reply.content)) // 3 + 8
+        sizes.append(max(1, new_end - end))
+        end = new_end
+    return sizes
+
+
+def _shared_turns(a: tuple[Message, ...], b: tuple[Message, ...]) -> int:
+    """Whole exchanges (user message + reply) two sessions' histories have in common."""
+    n = 0
+    while len(a) >= 2 * n + 2 and len(b) >= 2 * n + 2 and a[2 * n:2 * n + 2] == b[2 * n:2 * n + 2]:
+        n += 1
+    return n
 
 
 def join_notes(*notes: str) -> str:
@@ -182,15 +327,35 @@ def export_markdown(conv: Conversation, model_label: str | None = None) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_export(conv: Conversation, folder: Path, model_label: str | None = None) -> Path:
+def tree_json(conv: Conversation, model_label: str | None = None) -> dict:
+    """Every branch of a conversation: nested messages, each with its versions' order and the path shown."""
+    shown = set(map(id, conv.messages))
+
+    def node(m: Message) -> dict:
+        out = {"role": m.role, "content": m.content, "created": m.created, "shown": id(m) in shown,
+               "children": [node(c) for c in m.children]}
+        if m.stats is not None:
+            out["stats"] = m.stats.to_dict()
+        if m.note:
+            out["note"] = m.note
+        return out
+
+    return {"title": conv.title, "model": conv.model or model_label, "system_prompt": conv.system_prompt,
+            "settings": conv.settings, "created": conv.created, "messages": [node(m) for m in conv.roots]}
+
+
+def write_export(conv: Conversation, folder: Path, model_label: str | None = None, tree: bool = False) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = folder / f"{slugify(conv.title)}-{conv.id}-{stamp}.md"
+    suffix = ".json" if tree else ".md"
+    path = folder / f"{slugify(conv.title)}-{conv.id}-{stamp}{suffix}"
     n = 1
     while path.exists():
         n += 1
-        path = folder / f"{slugify(conv.title)}-{conv.id}-{stamp}-{n}.md"
-    path.write_text(export_markdown(conv, model_label), encoding="utf-8")
+        path = folder / f"{slugify(conv.title)}-{conv.id}-{stamp}-{n}{suffix}"
+    text = (json.dumps(tree_json(conv, model_label), indent=2, ensure_ascii=False) + "\n" if tree
+            else export_markdown(conv, model_label))
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -322,25 +487,27 @@ class ChatController:
             raise ChatError("wait for the reply (or cancel it) before changing the system prompt")
         conv.system_prompt = prompt or None
         self.store.set_system_prompt(conv.id, conv.system_prompt)
-        # The session's history starts with the old prompt: the next turn re-prefills with the new one.
-        self._drop_session(conv)
+        # The sessions' histories start with the old prompt: the next turn re-prefills with the new one.
+        self._drop_sessions(conv)
 
     def clear(self, conv: Conversation) -> None:
-        """Forget the messages (the system prompt stays) and free the session's KV."""
-        self._drop_session(conv)
+        """Forget the messages, every branch (the system prompt stays), and free the sessions' KV."""
+        self._drop_sessions(conv)
         self.store.clear_messages(conv.id)
-        conv.messages.clear()
+        conv.messages, conv.roots = [], []
 
     def delete(self, conv: Conversation) -> None:
         """Delete a conversation; when it was the last one, a new empty one takes its place."""
-        self._drop_session(conv)
+        self._drop_sessions(conv)
         self.store.delete_conversation(conv.id)
         del self.conversations[conv.id]
         if not self.conversations:
             self.new_conversation()
 
-    def export(self, conv: Conversation, folder: Path) -> Path:
-        return write_export(conv, folder, model_display_name(self.client.model.model if self.client.model else None))
+    def export(self, conv: Conversation, folder: Path, tree: bool = False) -> Path:
+        """The path shown as Markdown, or (`tree`) every branch as JSON."""
+        label = model_display_name(self.client.model.model if self.client.model else None)
+        return write_export(conv, folder, label, tree)
 
     def last_ttft(self) -> float | None:
         """TTFT of the latest reply on record that has one."""
@@ -348,18 +515,41 @@ class ChatController:
                    if m.stats is not None and m.stats.ttft is not None]
         return max(replies, key=lambda m: m.created).stats.ttft if replies else None
 
-    def _drop_session(self, conv: Conversation) -> None:
-        """Stop the turn in flight (its events are ignored from now on) and free the session's KV."""
+    def _drop_sessions(self, conv: Conversation) -> None:
+        """Stop the turn in flight (its events are ignored from now on) and free the sessions' KV."""
         conv.turn = None
-        if conv.session is not None:
-            self.client.close_session(conv.session)   # also cancels the request in flight
-            conv.session = None
+        for _, session in conv.sessions:
+            self.client.close_session(session)   # also cancels the request in flight
+        conv.sessions = []
 
-    # ------------------------------------------------------------------ turns
-    def send(self, conv: Conversation, text: str) -> Turn:
-        """Start a turn; its events come through drain(). Raises ChatError when it cannot start. When the
-        engine has stopped, this restarts it first (blocking): front ends call restart_engine in a
-        worker beforehand."""
+    # ------------------------------------------------------------------ branches
+    def _session_for(self, conv: Conversation, held: list[Message]) -> Session:
+        """A session holding the exchanges `held` (a path's): the one that already does, else a branch of
+        the session sharing the longest prefix with it (its ids cut there, found in the prefix cache),
+        else a new one that renders them. It becomes the most recently used."""
+        target = tuple(held)
+        best, best_turns = None, -1
+        for key, session in conv.sessions:
+            if key == target:
+                conv.sessions.remove((key, session))
+                conv.sessions.append((key, session))
+                return session
+            turns = _shared_turns(key, target)
+            if not session.busy and turns > best_turns:
+                best, best_turns = session, turns
+        if best is not None:
+            session = self.client.branch_session(best, best_turns, as_history(target[2 * best_turns:]))
+        else:
+            session = self.client.open_session(conv.system_prompt, as_history(target))
+        conv.sessions.append((target, session))
+        while len(conv.sessions) > MAX_BRANCH_SESSIONS:
+            _, oldest = conv.sessions.pop(0)
+            self.client.close_session(oldest)
+        return session
+
+    def _start(self, conv: Conversation, user: Message, held: list[Message], new_user: bool,
+               edit_of: Message | None = None) -> Turn:
+        """Send `user` after the exchanges `held` (the path up to its parent) and show the reply streaming."""
         if self.client.model is None:
             raise ChatError("no model is loaded")
         if self._job is not None:
@@ -367,47 +557,197 @@ class ChatController:
         if conv.generating:
             raise ChatError("this conversation is still replying")
         try:
-            sampling = SamplingParams(**self.sampling)
+            sampling = SamplingParams(**self.sampling_for(conv))
         except (TypeError, ValueError) as e:
             raise ChatError(f"bad sampling settings: {one_line(e)}") from None
-        if conv.session is None:
-            conv.session = self.client.open_session(conv.system_prompt, completed_exchanges(conv.messages))
-        turn = Turn(conv, Message("user", text), Message("assistant", "", streaming=True))
+        session = self._session_for(conv, held)
+        turn = Turn(conv, user, Message("assistant", "", streaming=True), session=session, new_user=new_user,
+                    edit_of=edit_of, shown_before=conv.leaf)
         try:
-            turn.stream = self.client.submit_turn(conv.session, text, sampling, on_event=partial(self._on_event, turn))
+            turn.stream = self.client.submit_turn(session, user.content, sampling,
+                                                  on_event=partial(self._on_event, turn))
         except EngineError as e:
             raise ChatError(one_line(e)) from None
         if turn.stream.replayed:   # a new session, a new model or a new engine process
             turn.reply.note = REPLAY_NOTE
         conv.turn = turn
-        conv.messages += [turn.user, turn.reply]
-        turn.user.id = self.store.add_message(conv.id, "user", text, created=turn.user.created)
+        if new_user:
+            user.id = self.store.add_message(conv.id, "user", user.content, created=user.created,
+                                             parent_id=user.parent.id if user.parent is not None else None)
+        conv.attach(turn.reply, user)
+        conv.show(turn.reply)
         self._note_model(conv)
+        return turn
+
+    def send(self, conv: Conversation, text: str) -> Turn:
+        """Start a turn after the path shown; its events come through drain(). Raises ChatError when it
+        cannot start. When the engine has stopped, this restarts it first (blocking): front ends call
+        restart_engine in a worker beforehand."""
+        user = Message("user", text)
+        parent = conv.leaf
+        turn = self._attached(conv, user, parent, lambda: self._start(conv, user, conv.held(), True))
         if conv.title == DEFAULT_TITLE:
             self.rename(conv, text.strip().splitlines()[0][:40])
         return turn
 
-    def rewind(self, conv: Conversation) -> str:
-        """Take back the last user message and whatever answered it (store and session), and return its
-        text for the caller to send again: regenerating the last reply, or an unanswered message.
-        Raises ChatError when there is nothing to take back or a reply is in flight."""
+    def _attached(self, conv: Conversation, user: Message, parent: Message | None, start) -> Turn:
+        """Run `start` with `user` attached under `parent`; detached again when the turn cannot start."""
+        conv.attach(user, parent)
+        try:
+            return start()
+        except BaseException:
+            conv.detach(user)
+            raise
+
+    def regenerate(self, conv: Conversation) -> Turn:
+        """A new version of the last reply (or the first one of an unanswered message): a sibling of
+        the reply it replaces, generated after the same history, whose KV is found cached."""
         if conv.generating:
             raise ChatError("this conversation is still replying")
-        last = max((i for i, m in enumerate(conv.messages) if m.role == "user"), default=None)
-        if last is None:
-            raise ChatError("there is no message to send again")
-        removed, conv.messages = conv.messages[last:], conv.messages[:last]
-        for m in removed:
-            if m.id is not None:
-                self.store.delete_message(m.id)
-        exchange = completed_exchanges(removed)
-        if conv.session is not None and exchange and conv.session.history[-2:] == exchange:
-            # Cut the exchange off the session in canonical ids: the next turn finds the rest in the
-            # prefix cache exactly. (An unanswered message never reached the session.)
-            conv.session = self.client.rewind_session(conv.session, 1)
-        elif conv.session is not None and exchange:
-            self._drop_session(conv)   # not the session's last turn: re-open from the transcript
-        return removed[0].content
+        at = max((i for i, m in enumerate(conv.messages) if m.role == "user"), default=None)
+        if at is None:
+            raise ChatError("there is no message to answer again")
+        user = conv.messages[at]
+        user.note = ""
+        return self._start(conv, user, conv.held(conv.messages[:at]), new_user=False)
+
+    def edit(self, conv: Conversation, message: Message, text: str) -> Turn:
+        """Send `text` in place of the user message `message` (on the path shown): a new version of it,
+        a sibling branch from that point; the KV of everything before it is found cached."""
+        if conv.generating:
+            raise ChatError("this conversation is still replying")
+        if message.role != "user" or message not in conv.messages:
+            raise ChatError("only your own messages on the branch shown can be edited")
+        if not text.strip():
+            raise ChatError("the edited message is empty")
+        at = conv.messages.index(message)
+        user = Message("user", text)
+        return self._attached(conv, user, message.parent,
+                              lambda: self._start(conv, user, conv.held(conv.messages[:at]), True, message))
+
+    def switch(self, conv: Conversation, message: Message, step: int) -> Message | None:
+        """Show another version of `message` (`step` = -1: the previous one, +1: the next one) and the
+        newest branch under it; returns the version shown, or None when there is none that way."""
+        if conv.generating:
+            raise ChatError("wait for the reply (or cancel it) before moving to another version")
+        siblings = conv.siblings(message)
+        at = siblings.index(message) + step
+        if not 0 <= at < len(siblings):
+            return None
+        conv.show(latest_leaf([siblings[at]]) or siblings[at])
+        self.store.set_leaf(conv.id, conv.leaf.id if conv.leaf is not None else None)
+        held = tuple(conv.held())
+        for key, session in conv.sessions:
+            if key == held:   # its KV is resident: keep it so, ahead of the branches not shown
+                self.client.focus_session(session)
+        return siblings[at]
+
+    def fork(self, conv: Conversation, message: Message) -> Conversation:
+        """A new conversation with the path shown up to `message`; it shares the KV of that prefix."""
+        if message not in conv.messages:
+            raise ChatError("only a message on the branch shown can be forked")
+        path = conv.messages[:conv.messages.index(message) + 1]
+        if any(m.streaming for m in path):
+            raise ChatError("wait for the reply (or cancel it) before forking at it")
+        other = self.new_conversation(f"{conv.title} (fork)")
+        other.system_prompt, other.settings = conv.system_prompt, dict(conv.settings)
+        self.store.set_system_prompt(other.id, other.system_prompt)
+        self.store.set_settings(other.id, other.settings)
+        parent = None
+        for m in path:
+            copy = Message(m.role, m.content, m.stats, m.created, m.note)
+            copy.id = self.store.add_message(other.id, m.role, m.content, m.stats, m.created, m.note,
+                                             parent_id=parent.id if parent is not None else None)
+            other.attach(copy, parent)
+            parent = copy
+        other.show(parent)
+        held = exchanges(path)
+        source = next((s for key, s in reversed(conv.sessions) if key[:len(held)] == tuple(held)), None)
+        if source is not None and not source.busy:
+            copies = exchanges(other.messages)
+            other.sessions.append((tuple(copies), self.client.branch_session(source, len(held) // 2)))
+        return other
+
+    # ------------------------------------------------------------------ the context window
+    def context_used(self, conv: Conversation) -> int:
+        """Tokens of the context the path shown fills, as of its last reply the model sees (0 before any)."""
+        held = conv.held()
+        last = next((m for m in reversed(held) if m.role == "assistant" and m.stats is not None), None)
+        return last.stats.prompt_tokens + last.stats.completion_tokens if last is not None else 0
+
+    def drop_oldest(self, conv: Conversation, turn: Turn) -> int:
+        """After `turn` was refused for the context: let the model see only the newest turns that leave
+        room for the message and a reply (the system prompt stays; the transcript is untouched). Returns
+        how many turns are dropped; ChatError when even the message alone does not fit."""
+        limit = self.client.model.max_model_len
+        need = turn.fold.stats.prompt_tokens - (limit - self._reply_room(conv, limit))
+        held = conv.held()
+        sizes = _turn_sizes(held)
+        dropped, freed = 0, 0
+        while freed < need and dropped < len(sizes):
+            freed += sizes[dropped]
+            dropped += 1
+        if freed < need:
+            raise ChatError(f"the message alone does not fit in the context ({limit} tokens)")
+        if dropped:
+            conv.context_after = held[2 * dropped - 1]
+            self.store.set_context_after(conv.id, conv.context_after.id)
+        return dropped
+
+    @staticmethod
+    def _reply_room(conv: Conversation, limit: int) -> int:
+        return min(int(conv.settings.get("max_tokens", 256)), limit // 4)
+
+    def summarize(self, conv: Conversation, timeout: float = 600.0) -> str:
+        """A summary of the chat, written by the model from the newest turns that fit (blocking: run it
+        in a worker). ChatError when it cannot be written."""
+        limit = self.client.model.max_model_len
+        room = self._reply_room(conv, limit)
+        held, sizes = conv.held(), _turn_sizes(conv.held())
+        budget, start = limit - room - SUMMARY_OVERHEAD, len(sizes)
+        while start > 0 and budget - sizes[start - 1] > 0:
+            start -= 1
+            budget -= sizes[start]
+        session = self.client.open_session(conv.system_prompt, as_history(held[2 * start:]))
+        try:
+            sampling = SamplingParams(**{**self.sampling_for(conv), "max_tokens": room, "ignore_eos": False})
+            reply = self.client.submit_turn(session, SUMMARY_REQUEST, sampling).result(timeout)
+        except (EngineError, TimeoutError) as e:
+            raise ChatError(f"no summary: {one_line(e)}") from None
+        finally:
+            self.client.close_session(session)
+        if reply.final is None or reply.final.finish_reason == "error" or not reply.text.strip():
+            raise ChatError(f"no summary: {reply.final.error if reply.final is not None else 'no reply'}")
+        return reply.text.strip()
+
+    def continue_with_summary(self, conv: Conversation, summary: str) -> Conversation:
+        """A new chat that starts from `summary` (in its system prompt), with the same settings."""
+        other = self.new_conversation(f"{conv.title} (continued)")
+        head = f"{conv.system_prompt}\n\n" if conv.system_prompt else ""
+        self.set_system_prompt(other, f"{head}A summary of the conversation so far:\n{summary}")
+        other.settings = dict(conv.settings)
+        self.store.set_settings(other.id, other.settings)
+        return other
+
+    def sampling_for(self, conv: Conversation) -> dict:
+        """SamplingParams keywords of a turn: the chat's own settings over the front end's (flags and
+        settings.json) over what the model file recommends over CHAT_DEFAULTS."""
+        recommended = self.client.model.sampling_defaults if self.client.model is not None else {}
+        return effective_sampling({**self.sampling, **conv.settings}, recommended)
+
+    def set_setting(self, conv: Conversation, name: str, value) -> None:
+        """Set (or with value None, drop) one of the chat's own sampling settings; ChatError when invalid."""
+        if name not in CHAT_SETTINGS:
+            raise ChatError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
+        settings = {k: v for k, v in conv.settings.items() if k != name}
+        if value is not None:
+            settings[name] = value
+        try:
+            SamplingParams(**{**self.sampling_for(conv), **settings})
+        except (TypeError, ValueError) as e:
+            raise ChatError(one_line(e)) from None
+        conv.settings = settings
+        self.store.set_settings(conv.id, settings)
 
     def _note_model(self, conv: Conversation) -> None:
         model = self.client.model.model
@@ -478,7 +818,7 @@ class ChatController:
         turn.saved_at = time.monotonic()
         if reply.id is None:
             reply.id = self.store.add_message(conv.id, "assistant", reply.content, reply.stats, reply.created,
-                                              reply.note, partial)
+                                              reply.note, partial, parent_id=turn.user.id)
         else:
             self.store.update_message(reply.id, reply.content, reply.stats, reply.note, partial)
 
@@ -486,16 +826,23 @@ class ChatController:
         conv, user, reply = turn.conversation, turn.user, turn.reply
         conv.turn, turn.finished, reply.streaming = None, True, False
         if not turn.kept:
-            # The client's session forgot the turn (failed, cancelled or cut short before any token): so do we.
-            conv.messages = [m for m in conv.messages if m is not user and m is not reply]
-            for m in (user, reply):
-                if m.id is not None:
-                    self.store.delete_message(m.id)
+            # The client's session forgot the turn (failed, cancelled or cut short before any token): so
+            # do we, and the branch shown before it is shown again.
+            conv.detach(reply)
+            if turn.new_user:
+                conv.detach(user)
+                if user.id is not None:
+                    self.store.delete_message(user.id)
+            conv.show(turn.shown_before)
+            self.store.set_leaf(conv.id, conv.leaf.id if conv.leaf is not None else None)
             return
         reply.stats = turn.fold.stats
         if turn.interrupted:
             reply.note = join_notes(reply.note, INTERRUPTED_NOTE)
         self._save_reply(turn, partial=False)
+        for i, (key, session) in enumerate(conv.sessions):
+            if session is turn.session:   # it now holds this exchange too
+                conv.sessions[i] = (key + (user, reply), session)
 
     def wait(self, turn: Turn, timeout: float = 60.0, poll: float = 0.01) -> Turn:
         """Drain until `turn` has finished (for front ends without an event loop, and tests)."""
@@ -569,7 +916,7 @@ class ChatController:
         for conv in self.conversations.values():
             if conv.turn is not None:
                 self._save_partial(conv.turn)
-            self._drop_session(conv)
+            self._drop_sessions(conv)
         self.client.remove_stats_listener(self._inbox.put_stats)
         self.client.remove_death_listener(self._on_death)
 

@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from nanochat.app.options import effective_sampling
+
 LOAD_INDICATOR_DELAY = 0.4   # seconds before a loading spinner appears
 STDIN_WAIT = 1.0             # seconds to wait for a pipe on stdin to say something
 
@@ -151,8 +153,9 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    sp = SamplingParams(**opts.sampling)          # invalid values raise ValueError before loading
+    SamplingParams(**effective_sampling(opts.sampling))   # invalid values raise ValueError before loading
     client, load_s = load_client(opts.model, opts.engine_config, opts.quiet)
+    sp = SamplingParams(**effective_sampling(opts.sampling, client.model.sampling_defaults))
     streams = []
     try:
         for text in opts.prompts:
@@ -201,8 +204,8 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int
     if not opts.quiet:
         for n, reply in enumerate(replies):
             st = reply.final.stats
-            if st is None:
-                continue
+            if st is None or (reply.final.finish_reason == "error" and not reply.token_ids):
+                continue   # refused: the error line says why
             extra = f"load {load_s:.1f}s" if n == 0 else ""
             if reply.final.finish_reason == "length":
                 extra = " · ".join(x for x in (length_note(st), extra) if x)

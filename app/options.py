@@ -4,7 +4,9 @@ file and the engine's defaults combine.
 One rule for every command (`nanochat`, run, repl, info, bench, the TUI): a flag given on the command
 line wins, else the settings file's value (app/settings.py; its defaults when there is no file, so
 the device is "cpu" unless the settings say otherwise), else, for what neither names, the engine's own
-default (engine/config.py). `engine_config` and `sampling_options` apply it.
+default (engine/config.py). `engine_config` and `sampling_options` apply it. Sampling settings that
+neither names come from the model file where it recommends them, else from CHAT_DEFAULTS
+(`effective_sampling`, once the model is loaded).
 
 The value checks serve both argparse (`arg_type(rule)`: a bad flag is a one-line usage error) and the
 settings file (`accepts(rule, value)`: a bad value is ignored with a warning). The dtype names and the
@@ -171,19 +173,28 @@ def engine_config(args, settings, **extra) -> dict:
 
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+# What a chat samples with where neither the user nor the model file says (SamplingParams' own defaults,
+# 1.0 and 64 tokens, suit the API, not a chat).
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512}
 
 
 def sampling_options(args, settings) -> dict:
-    """SamplingParams keyword arguments: each flag over its settings value (--seed and --ignore-eos
-    have none)."""
-    opts = {"temperature": pick(args, "temperature", settings.temperature),
-            "top_p": pick(args, "top_p", settings.top_p), "top_k": pick(args, "top_k", settings.top_k),
-            "max_tokens": pick(args, "max_tokens", settings.max_tokens), "seed": getattr(args, "seed", None),
-            **{name: pick(args, name, getattr(settings, name)) for name in PENALTIES}}
+    """The SamplingParams keyword arguments the user states: each flag over its settings value (--seed and
+    --ignore-eos have none); what neither states is left out, for `effective_sampling` to fill."""
+    opts = {name: pick(args, name, getattr(settings, name))
+            for name in ("temperature", "top_p", "top_k", "max_tokens", *PENALTIES)}
+    opts["seed"] = getattr(args, "seed", None)
     if getattr(args, "ignore_eos", False):
         opts["ignore_eos"] = True
-    try:   # every command checks them before it loads a model (the REPL builds its params after)
-        SamplingParams(**{k: v for k, v in opts.items() if v is not None})
+    opts = {k: v for k, v in opts.items() if v is not None}
+    try:   # every command checks them before it loads a model
+        SamplingParams(**effective_sampling(opts))
     except ValueError as e:
         raise UsageError(str(e)) from None
     return opts
+
+
+def effective_sampling(stated: dict, recommended: dict | None = None) -> dict:
+    """What a turn samples with: what the user states, over what the model file recommends, over
+    CHAT_DEFAULTS."""
+    return {**CHAT_DEFAULTS, **(recommended or {}), **stated}

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 from nanochat.app.oneshot import format_stats, length_note, model_label
+from nanochat.app.options import effective_sampling
 
 PROMPT = "> "
 COMMANDS = {
@@ -100,7 +101,7 @@ class Repl:
 
         self.opts = opts
         self.client = client
-        self.sp = SamplingParams(**opts.sampling)
+        self.sp = SamplingParams(**effective_sampling(opts.sampling, client.model.sampling_defaults))
         self.term = _Terminal(interactive)
         self.system_prompt = opts.system
         self.session = client.open_session(opts.system)

@@ -35,13 +35,13 @@ _CHECKS = {
     "device": valid_device,
     "dtype": lambda v: v in DTYPE_NAMES,
     "theme": lambda v: isinstance(v, str) and bool(v),
-    "temperature": lambda v: accepts(TEMPERATURE, v),
-    "top_p": lambda v: accepts(TOP_P, v),
-    "top_k": lambda v: accepts(TOP_K, v),
-    "max_tokens": lambda v: accepts(POSITIVE_INT, v),
-    "repetition_penalty": lambda v: accepts(REPETITION_PENALTY, v),
-    "presence_penalty": lambda v: accepts(PENALTY, v),
-    "frequency_penalty": lambda v: accepts(PENALTY, v),
+    "temperature": lambda v: v is None or accepts(TEMPERATURE, v),
+    "top_p": lambda v: v is None or accepts(TOP_P, v),
+    "top_k": lambda v: v is None or accepts(TOP_K, v),
+    "max_tokens": lambda v: v is None or accepts(POSITIVE_INT, v),
+    "repetition_penalty": lambda v: v is None or accepts(REPETITION_PENALTY, v),
+    "presence_penalty": lambda v: v is None or accepts(PENALTY, v),
+    "frequency_penalty": lambda v: v is None or accepts(PENALTY, v),
     "system_prompt": _optional_str,
     "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "kv_cache_gib": lambda v: v is None or accepts(KV_CACHE_GIB, v),
@@ -55,13 +55,15 @@ class Settings:
     device: str = "cpu"
     dtype: str = "auto"
     theme: str = "nanochat-dark"
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = -1
-    max_tokens: int = 512
-    repetition_penalty: float = 1.0       # the penalties are off by default (engine/sampler.py)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # Sampling: None is "not stated": the model file's recommendation, else options.CHAT_DEFAULTS (the
+    # penalties are off unless someone turns them on).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     system_prompt: str | None = None
     recent_models: list[str] = field(default_factory=list)
     kv_cache_gib: float | None = None     # None: the engine's default CPU KV budget

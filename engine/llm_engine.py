@@ -13,7 +13,7 @@ from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
-from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent
+from nanochat.engine.output import ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent
 from nanochat.engine.sampler import Sampler, TokenHistory
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
@@ -104,8 +104,7 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens, but the context holds {limit} "
-                               f"(max_model_len) including at least one generated token")
+            raise ContextExceeded(len(ids), limit)
         vocab = self.loaded.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -13,6 +13,15 @@ class RequestError(ValueError):
     """A request the engine cannot take (empty, longer than the context, larger than the KV cache)."""
 
 
+class ContextExceeded(RequestError):
+    """The prompt does not fit in the context (max_model_len) with room for one generated token."""
+
+    def __init__(self, prompt_tokens: int, limit: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens, but the context holds {limit} "
+                         "(max_model_len) including at least one generated token")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+
+
 @dataclass
 class RequestStats:
     """One request's (or chat turn's) numbers, from the engine to the store and the screen."""

@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from nanochat.app.controller import (INTERRUPTED_NOTE, REPLAY_NOTE, SAVE_INTERVAL, STOPPED_NOTE, UNANSWERED_NOTE,
-                                     ChatController, ChatError, ChatObserver, EngineState, completed_exchanges,
-                                     format_stats)
+                                     ChatController, ChatError, ChatObserver, EngineState, as_history,
+                                     describe_settings, exchanges, format_stats)
 from nanochat.app.store import ChatStore
 from nanochat.engine.output import RequestStats
 from nanochat.engine.serve.client import EngineClient
@@ -311,7 +311,7 @@ def test_a_streaming_reply_is_saved_before_it_ends(make, delay, tmp_path):
 
 def test_the_app_killed_mid_reply_keeps_the_reply_and_retry_regenerates_it(tiny_models, make, delay, tmp_path):
     """kill -9 of the front end mid-reply: a restart shows the reply up to its last save, marked, and
-    rewind + send regenerates it."""
+    regenerating gives it a new version beside it."""
     delay.set(0.03)
     db = tmp_path / "killed.db"
     script = textwrap.dedent(f"""
@@ -342,33 +342,33 @@ def test_the_app_killed_mid_reply_keeps_the_reply_and_retry_regenerates_it(tiny_
     user, reply = conv.messages
     assert (user.content, user.note) == (LONG_USER, "")
     assert reply.content and reply.note == STOPPED_NOTE
-    assert completed_exchanges(conv.messages) == [{"role": "user", "content": LONG_USER},
-                                                  {"role": "assistant", "content": reply.content}]
-    assert chat.rewind(conv) == LONG_USER and conv.messages == []
-    assert chat.store.messages(conv.id) == []
-    turn = chat.wait(chat.send(conv, LONG_USER))
-    assert turn.kept and [(m.role, m.partial) for m in chat.store.messages(conv.id)] == [("user", False),
-                                                                                         ("assistant", False)]
-    assert chat.store.messages(conv.id)[1].content == turn.reply.content
+    assert as_history(exchanges(conv.messages)) == [{"role": "user", "content": LONG_USER},
+                                                    {"role": "assistant", "content": reply.content}]
+    turn = chat.wait(chat.regenerate(conv))
+    assert turn.kept and turn.user is user and conv.messages == [user, turn.reply]
+    assert conv.siblings(turn.reply) == [reply, turn.reply]               # the old version stays
+    stored = chat.store.messages(conv.id)
+    assert [(m.role, m.partial, m.parent_id) for m in stored] == [("user", False, None), ("assistant", True, user.id),
+                                                                  ("assistant", False, user.id)]
+    assert stored[2].content == turn.reply.content
 
 
 def test_an_unanswered_message_is_marked_and_can_be_sent_again(make, tmp_path):
     store = ChatStore(tmp_path / "unanswered.db")
     cid = store.create_conversation("c")
-    store.add_message(cid, "user", "one")
-    store.add_message(cid, "assistant", "reply one")
-    store.add_message(cid, "user", "two")   # the app stopped before the first token
+    one = store.add_message(cid, "user", "one")
+    reply = store.add_message(cid, "assistant", "reply one", parent_id=one)
+    store.add_message(cid, "user", "two", parent_id=reply)   # the app stopped before the first token
     store.close()
     chat = make(db="unanswered.db")
     conv = first(chat)
     assert [m.note for m in conv.messages] == ["", "", UNANSWERED_NOTE]
     with pytest.raises(ChatError):
-        chat.rewind(chat.new_conversation())   # nothing to send again
-    assert chat.rewind(conv) == "two"
-    assert [m.content for m in chat.store.messages(conv.id)] == ["one", "reply one"]
-    turn = chat.wait(chat.send(conv, "two"))
+        chat.regenerate(chat.new_conversation())   # nothing to answer
+    turn = chat.wait(chat.regenerate(conv))
     assert turn.kept and turn.fold.stats.cached_tokens == 0   # a new session: the history is replayed
-    assert turn.reply.note == REPLAY_NOTE
+    assert turn.reply.note == REPLAY_NOTE and turn.user.note == ""
+    assert [m.content for m in chat.store.messages(conv.id)] == ["one", "reply one", "two", turn.reply.content]
 
 
 def test_retry_reuses_the_cached_prefix(make):
@@ -376,16 +376,17 @@ def test_retry_reuses_the_cached_prefix(make):
     conv = first(chat)
     chat.wait(chat.send(conv, LONG_USER))
     second = chat.wait(chat.send(conv, "and then?"))
-    assert chat.rewind(conv) == "and then?"
-    again = chat.wait(chat.send(conv, "and then?"))
-    # The rewound session is the first exchange's exact ids, so the retry's prompt is the second turn's,
-    # every full block of which the prefix cache now holds.
+    again = chat.wait(chat.regenerate(conv))
+    # The branch's session is the first exchange's exact ids, so the retry's prompt is the second turn's,
+    # every full block of which the prefix cache holds.
     assert again.fold.stats.prompt_tokens == second.fold.stats.prompt_tokens
     assert again.fold.stats.cached_tokens > second.fold.stats.cached_tokens
     assert again.fold.stats.prompt_tokens - again.fold.stats.cached_tokens < 16
     assert not again.stream.replayed
     assert again.reply.content == second.reply.content   # greedy: the same reply
-    assert [m.content for m in chat.store.messages(conv.id)][2:] == ["and then?", again.reply.content]
+    assert [m.content for m in chat.store.messages(conv.id)][2:] == ["and then?", second.reply.content,
+                                                                     again.reply.content]
+    assert conv.messages[-1] is again.reply and conv.siblings(again.reply) == [second.reply, again.reply]
 
 
 # ---------------------------------------------------------------------------------- models
@@ -466,7 +467,7 @@ def test_engine_death_mid_reply_keeps_the_partial_reply_and_recovers(make, clien
         messages = reopened.conversations[conv.id].messages
         assert [m.role for m in messages] == ["user", "assistant"] * 3
         assert messages[3].note == INTERRUPTED_NOTE and messages[3].content == turn.reply.content
-        assert completed_exchanges(messages)[3] == {"role": "assistant", "content": turn.reply.content}
+        assert as_history(exchanges(messages))[3] == {"role": "assistant", "content": turn.reply.content}
     finally:
         reopened.close()
         reopened.store.close()
@@ -503,3 +504,125 @@ def test_the_engine_exits_when_its_front_end_vanishes(tiny_models):
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.strip())
     wait_until(lambda: process_gone(pid), 15, "the orphaned engine process to exit")
+
+
+# ---------------------------------------------------------------------------------- the tree
+BLOCK = 16   # the engine's default KV block size
+
+
+def four_turns(chat, conv):
+    return [chat.wait(chat.send(conv, text)) for text in (LONG_USER, "and then?", "why so?", "tell me more")]
+
+
+def test_edit_makes_a_branch_and_moving_between_branches_reuses_their_kv(make, tmp_path):
+    """Edit the first message of a 4-turn chat, move back and forth between the two branches: each move
+    finds the branch's KV (the shared prefix, or the whole branch) cached, and the tree survives a restart."""
+    chat = make(db="tree.db")
+    conv = first(chat)
+    turns = four_turns(chat, conv)
+    old_path = list(conv.messages)
+    first_user = conv.messages[0]
+    with pytest.raises(ChatError, match="own messages"):
+        chat.edit(conv, conv.messages[1], "not mine")
+    edited = chat.wait(chat.edit(conv, first_user, LONG_USER + " (edited)"))
+    assert conv.messages == [edited.user, edited.reply] and conv.siblings(edited.user) == [first_user, edited.user]
+    # only the system/template head before the first message is shared: its whole blocks are cached
+    assert edited.reply.stats.cached_tokens < turns[0].reply.stats.prompt_tokens
+    # back to the first branch: the newest leaf under it is shown, its session is still resident
+    assert chat.switch(conv, edited.user, -1) is first_user and conv.messages == old_path
+    assert chat.switch(conv, first_user, -1) is None                      # no version before the first
+    nxt = chat.wait(chat.send(conv, "back on the first branch"))
+    held = turns[-1].reply.stats.prompt_tokens + turns[-1].reply.stats.completion_tokens
+    assert nxt.reply.stats.cached_tokens >= held - BLOCK and not nxt.stream.replayed
+    # and to the second: its session too
+    assert chat.switch(conv, first_user, 1) is edited.user and conv.messages == [edited.user, edited.reply]
+    again = chat.wait(chat.send(conv, "on the edited branch"))
+    held = edited.reply.stats.prompt_tokens + edited.reply.stats.completion_tokens
+    assert again.reply.stats.cached_tokens >= held - BLOCK
+    # the store keeps the tree: a restart shows the same path, the same versions
+    shown = [m.content for m in conv.messages]
+    reopened = ChatController(chat.client, ChatStore(tmp_path / "tree.db"), SAMPLING)
+    try:
+        conv2 = reopened.conversations[conv.id]
+        assert [m.content for m in conv2.messages] == shown
+        assert [m.content for m in conv2.roots] == [first_user.content, edited.user.content]
+        assert len(conv2.roots[0].children[0].children) == 1
+        assert reopened.switch(conv2, conv2.roots[1], -1) is conv2.roots[0]
+        assert [m.content for m in conv2.messages] == [m.content for m in old_path] + [
+            "back on the first branch", nxt.reply.content]
+    finally:
+        reopened.close()
+        reopened.store.close()
+
+
+def test_a_branch_from_an_evicted_session_still_finds_the_shared_prefix(make):
+    """More branches than sessions kept: an old branch's session is closed, yet moving back to it and
+    sending prefills only what the prefix cache no longer holds."""
+    chat = make(db="many.db")
+    conv = first(chat)
+    base = chat.wait(chat.send(conv, LONG_USER))
+    second = chat.wait(chat.send(conv, "and then?"))
+    for k in range(5):   # five more versions of the second message: more than MAX_BRANCH_SESSIONS
+        chat.wait(chat.edit(conv, conv.messages[2], f"variant {k}"))
+    assert len(conv.sessions) <= 4
+    first_version = conv.siblings(conv.messages[2])[0]
+    while conv.messages[2] is not first_version:
+        chat.switch(conv, conv.messages[2], -1)
+    turn = chat.wait(chat.send(conv, "continue"))
+    # its own session was closed, but the first exchange's blocks are shared by every branch
+    assert turn.reply.stats.cached_tokens >= base.reply.stats.prompt_tokens - BLOCK
+    assert not turn.stream.replayed or turn.reply.stats.cached_tokens > 0
+    assert second.reply in conv.messages
+
+
+def test_fork_copies_the_branch_and_shares_its_kv(make):
+    chat = make(db="fork.db")
+    conv = first(chat)
+    turns = [chat.wait(chat.send(conv, t)) for t in (LONG_USER, "and then?")]
+    other = chat.fork(conv, conv.messages[1])                            # after the first reply
+    assert other.title.endswith("(fork)") and [m.content for m in other.messages] == [
+        LONG_USER, turns[0].reply.content]
+    assert chat.store.load_conversation(other.id).leaf_id == other.messages[-1].id
+    turn = chat.wait(chat.send(other, "a different second question"))
+    held = turns[0].reply.stats.prompt_tokens + turns[0].reply.stats.completion_tokens
+    assert turn.reply.stats.cached_tokens >= held - BLOCK and not turn.stream.replayed
+    assert len(conv.messages) == 4                                       # the original is untouched
+
+
+def test_per_chat_settings_are_validated_saved_and_win(make, tmp_path, monkeypatch):
+    chat = make(db="settings.db")
+    conv = first(chat)
+    monkeypatch.setattr(chat.client.model, "sampling_defaults", {"temperature": 0.6, "top_k": 20})   # the file's
+    assert chat.sampling_for(conv)["top_k"] == 20 and chat.sampling_for(conv)["temperature"] == 0
+    chat.set_setting(conv, "top_k", 5)
+    chat.set_setting(conv, "max_tokens", 3)
+    assert chat.sampling_for(conv)["top_k"] == 5
+    assert describe_settings(chat.sampling_for(conv), conv.settings) == "temperature 0 · top_p 0.95 · top_k 5* · max_tokens 3*"
+    for name, value, why in [("top_p", 7.0, "top_p"), ("temperature", -1.0, "temperature"),
+                             ("max_tokens", 0, "max_tokens"), ("colour", 1, "unknown setting")]:
+        with pytest.raises(ChatError, match=why):
+            chat.set_setting(conv, name, value)
+    turn = chat.wait(chat.send(conv, "hello"))
+    assert turn.reply.stats.completion_tokens == 3
+    chat.set_setting(conv, "top_k", None)
+    assert conv.settings == {"max_tokens": 3}
+    reopened = ChatController(chat.client, ChatStore(tmp_path / "settings.db"), SAMPLING)
+    try:
+        assert reopened.conversations[conv.id].settings == {"max_tokens": 3}
+    finally:
+        reopened.close()
+        reopened.store.close()
+
+
+def test_export_json_keeps_every_branch(make, tmp_path):
+    import json
+
+    chat = make(db="export.db")
+    conv = first(chat)
+    chat.wait(chat.send(conv, "one"))
+    chat.wait(chat.regenerate(conv))
+    data = json.loads(chat.export(conv, tmp_path / "out", tree=True).read_text())
+    [root] = data["messages"]
+    assert root["content"] == "one" and [c["shown"] for c in root["children"]] == [False, True]
+    markdown = chat.export(conv, tmp_path / "out").read_text()
+    assert markdown.count("## Assistant") == 1 and conv.messages[-1].content in markdown

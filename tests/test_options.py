@@ -133,13 +133,18 @@ def test_one_engine_config_for_every_command():
 def test_sampling_options_and_model_resolution(tmp_path):
     settings = Settings(temperature=0.2, max_tokens=9, default_model=str(tmp_path / "s.gguf"), presence_penalty=0.5)
     args = SimpleNamespace(temperature=0.0, top_k=None, seed=3, ignore_eos=True, repetition_penalty=1.3)
-    assert options.sampling_options(args, settings) == {"temperature": 0.0, "top_p": settings.top_p,
-                                                        "top_k": settings.top_k, "max_tokens": 9, "seed": 3,
-                                                        "repetition_penalty": 1.3, "presence_penalty": 0.5,
-                                                        "frequency_penalty": 0.0, "ignore_eos": True}
+    # only what the user states: a flag over its settings value; the rest is left to the model file
+    stated = options.sampling_options(args, settings)
+    assert stated == {"temperature": 0.0, "max_tokens": 9, "seed": 3, "repetition_penalty": 1.3,
+                      "presence_penalty": 0.5, "ignore_eos": True}
     flags = cli.build_parser([]).parse_args(["--frequency-penalty", "0.25", "--presence-penalty", "-1"])
-    opts = options.sampling_options(flags, Settings())
-    assert (opts["frequency_penalty"], opts["presence_penalty"], opts["repetition_penalty"]) == (0.25, -1.0, 1.0)
+    assert options.sampling_options(flags, Settings()) == {"frequency_penalty": 0.25, "presence_penalty": -1.0}
+    # ... then what the model file recommends, then the chat defaults
+    recommended = {"temperature": 0.6, "top_p": 0.8, "top_k": 20}
+    assert options.effective_sampling(stated, recommended) == {**stated, "top_p": 0.8, "top_k": 20}
+    assert options.effective_sampling({}, {}) == options.CHAT_DEFAULTS
+    assert options.effective_sampling({"max_tokens": 5}, recommended) == {"temperature": 0.6, "top_p": 0.8,
+                                                                          "top_k": 20, "max_tokens": 5}
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     assert options.resolve_model(SimpleNamespace(model=str(model)), settings) == str(model)

@@ -44,11 +44,16 @@ def test_ordering_rename_clear_delete(tmp_path):
     conv_b = store.load_conversation(b)
     assert (conv_b.title, conv_b.system_prompt, conv_b.model) == ("bee", "sys", "other")
     mid = store.add_message(b, "user", "y")
-    store.add_message(b, "assistant", "z")
-    store.delete_message(mid)
-    assert [m.content for m in store.messages(b)] == ["z"]
-    store.clear_messages(b)
+    last = store.add_message(b, "assistant", "z")           # after y: the end of the path shown
+    assert [m.parent_id for m in store.messages(b)] == [None, mid]
+    store.delete_message(last)
+    assert [m.content for m in store.messages(b)] == ["y"]
+    store.add_message(b, "assistant", "z2", parent_id=mid)
+    store.delete_message(mid)                               # a message goes with everything under it
     assert store.messages(b) == []
+    store.add_message(b, "user", "again", parent_id=None)
+    store.clear_messages(b)
+    assert store.messages(b) == [] and store.load_conversation(b).leaf_id is None
     store.delete_conversation(a)                          # messages go with it (foreign key cascade)
     assert [c.id for c in store.list_conversations()] == [b]
     assert store._conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
@@ -97,6 +102,44 @@ def test_migrates_a_version_1_database(tmp_path):
     assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     [conv] = store.load_all()
     assert conv.title == "old chat" and [(m.content, m.note) for m in conv.messages] == [("from v1", "")]
+    store.close()
+
+
+def test_migrates_linear_chats_to_the_tree(tmp_path):
+    """A version 3 file (linear histories): each message becomes the child of the one before it, the
+    last one is the end of the path shown, and the tree then grows branches that survive a reopen."""
+    from nanochat.app.store import MIGRATIONS
+
+    db = tmp_path / "v3.db"
+    conn = sqlite3.connect(db)
+    for step in MIGRATIONS[:3]:
+        step(conn)
+    conn.executescript("""
+        INSERT INTO conversations VALUES (1, 'a', NULL, NULL, 1.0, 2.0), (2, 'b', NULL, NULL, 1.0, 2.0),
+                                         (3, 'empty', NULL, NULL, 1.0, 2.0);
+        INSERT INTO messages (id, conversation_id, role, content, created) VALUES
+            (1, 1, 'user', 'a1', 1.0), (2, 2, 'user', 'b1', 1.0), (3, 1, 'assistant', 'a2', 1.0),
+            (4, 2, 'assistant', 'b2', 1.0), (5, 1, 'user', 'a3', 1.0);
+        PRAGMA user_version = 3;
+    """)
+    conn.commit()
+    conn.close()
+    store = ChatStore(db)
+    convs = {c.title: c for c in store.load_all()}
+    assert [(m.id, m.parent_id) for m in convs["a"].messages] == [(1, None), (3, 1), (5, 3)]
+    assert [(m.id, m.parent_id) for m in convs["b"].messages] == [(2, None), (4, 2)]
+    assert (convs["a"].leaf_id, convs["b"].leaf_id, convs["empty"].leaf_id) == (5, 4, None)
+    assert convs["a"].settings == {}
+    other = store.add_message(1, "assistant", "a2, again", parent_id=1)    # a second version of a2
+    store.set_leaf(1, 3)
+    store.set_settings(1, {"temperature": 0.2})
+    store.close()
+    store = ChatStore(db)
+    conv = store.load_conversation(1)
+    assert [(m.id, m.parent_id) for m in conv.messages] == [(1, None), (3, 1), (5, 3), (other, 1)]
+    assert conv.leaf_id == 3 and conv.settings == {"temperature": 0.2}
+    store.delete_message(3)                                                 # a branch goes with its subtree
+    assert [m.id for m in store.messages(1)] == [1, other]
     store.close()
 
 

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from textual.widgets._markdown import MarkdownParagraph
+from textual.widgets import Label
 
 from nanochat.app.controller import INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, format_stats
 from nanochat.app.paths import get_paths
@@ -24,7 +25,7 @@ from nanochat.app.store import ChatStore
 from nanochat.app.tui.app import NanochatApp
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.commands import SLASH_COMMANDS
-from nanochat.app.tui.screens import BenchScreen, HistoryScreen, ModelPicker
+from nanochat.app.tui.screens import BenchScreen, ContextFullScreen, HistoryScreen, ModelPicker
 from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, chat_markdown, code_blocks
 from nanochat.engine.llm_engine import LLMEngine
 from nanochat.engine.output import RequestStats
@@ -230,18 +231,62 @@ async def test_quitting_mid_reply_keeps_the_partial_reply(shared_client, home, s
     assert conv.session is None                                          # its KV was freed
 
 
+async def fill_until_refused(pilot, app, conv, text: str, most: int = 12) -> int:
+    """Send `text` until the chat no longer fits and the context dialog opens; returns the sends."""
+    for sent in range(1, most + 1):
+        await send(pilot, text)
+        await wait_for(pilot, lambda: not conv.generating, 10, "the reply")
+        await pilot.pause()
+        if isinstance(app.screen, ContextFullScreen):
+            return sent
+    raise AssertionError("the context never filled")
+
+
 @sync
-async def test_a_refused_request_gives_the_text_back(shared_client, home):
+async def test_a_message_longer_than_the_context_offers_a_choice_and_loses_nothing(shared_client, home):
     app = make_app(shared_client, home)
     async with app.run_test(size=SIZE) as pilot:
         conv = app.chat_screen.current
         too_long = "fox " * 400                          # more than the 256-token context
-        await send(pilot, too_long)
-        await wait_for(pilot, lambda: not conv.generating, 10, "the refusal")
-        await pilot.pause()
+        await fill_until_refused(pilot, app, conv, too_long, most=1)
         assert conv.messages == [] and ChatStore(home.chat_db).messages(conv.id) == []
-        assert any("reply failed" in m and "max_model_len" in m for m in notifications(app))
+        await pilot.press("escape")                      # cancel
+        await pilot.pause()
         assert app.query_one(ChatInput).text == too_long    # nothing typed is lost
+        app.query_one(ChatInput).set_text("")
+        await fill_until_refused(pilot, app, conv, too_long, most=1)
+        await pilot.press("enter")                       # drop the oldest turns: there are none to drop
+        await pilot.pause()
+        assert any("does not fit" in m for m in notifications(app))
+        assert app.query_one(ChatInput).text == too_long
+
+
+@sync
+async def test_a_chat_outgrowing_the_context_drops_its_oldest_turns_or_goes_on_from_a_summary(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        conv = screen.current
+        text = "tell me about the fox " * 6
+        sends = await fill_until_refused(pilot, app, conv, text)
+        assert sends > 2 and len(conv.messages) == 2 * (sends - 1)
+        gauge = str(screen.query_one("#g-context-label", Label).render())
+        assert gauge.startswith("context  ") and gauge.endswith("/256 tokens")
+        await pilot.press("enter")                       # the first choice: drop the oldest turns
+        await wait_for(pilot, lambda: len(conv.messages) == 2 * sends and not conv.generating, 10, "the resend")
+        assert conv.context_after in conv.messages and conv.context_after.role == "assistant"
+        assert conv.messages[-2].content == text and conv.messages[-1].stats.finish_reason == "length"
+        assert conv.messages[0].role == "user"           # the transcript is untouched
+        await wait_for(pilot, lambda: screen.chat_status.context_used > 0, 10, "the context gauge")
+        assert screen.chat_status.context_used < 256 and conv.messages[-1].stats.prompt_tokens < 256
+        # again until it is full, then go on in a new chat from a summary
+        await fill_until_refused(pilot, app, conv, text)
+        await pilot.press("down", "enter")               # the second choice
+        await wait_for(pilot, lambda: screen.current is not conv and screen.current.messages
+                       and not screen.current.generating, 30, "the new chat")
+        other = screen.current
+        assert other.title.endswith("(continued)") and "summary of the conversation" in other.system_prompt
+        assert [m.content for m in other.messages][:1] == [text]
 
 
 @sync
@@ -473,8 +518,13 @@ async def test_conversations_persist_across_restart(shared_client, home):
         assert reply.note == REPLAY_NOTE and reply.stats.completion_tokens == 4
 
 
+def role_labels(app, conv) -> list[str]:
+    view = app.chat_screen.chat_view(conv)
+    return [str(v.query_one(".role", Label).render()) for v in view.query(MessageView)]
+
+
 @sync
-async def test_ctrl_r_regenerates_the_last_reply_in_place(shared_client, home):
+async def test_ctrl_r_regenerates_the_last_reply_as_a_new_version(shared_client, home):
     app = make_app(shared_client, home, max_tokens=5)
     async with app.run_test(size=SIZE) as pilot:
         conv = app.chat_screen.current
@@ -490,15 +540,68 @@ async def test_ctrl_r_regenerates_the_last_reply_in_place(shared_client, home):
         assert [m.content for m in conv.messages[:3]] == [conv.messages[0].content, conv.messages[1].content,
                                                           "second question"]
         assert len(conv.messages) == 4 and new.content == old.content          # greedy: the same text again
-        assert new.stats.cached_tokens >= old.stats.cached_tokens and new.note == ""   # no replay
-        assert len(app.chat_screen.chat_view(conv).query(MessageView)) == 4
-        assert [m.content for m in app.controller.store.messages(conv.id)] == [m.content for m in conv.messages]
+        # the whole prompt but its last, partly filled block is found cached; nothing is replayed
+        assert new.stats.prompt_tokens - new.stats.cached_tokens <= 16 and new.note == ""
+        assert role_labels(app, conv) == ["You", "Assistant", "You", "Assistant  ‹2/2›"]
+        assert [m.content for m in app.controller.store.messages(conv.id)] == [
+            m.content for m in conv.messages] + [old.content]
+        # Alt+Left and Alt+Right move between the versions
+        await pilot.press("alt+left")
+        await pilot.pause()
+        assert conv.messages[-1] is old and role_labels(app, conv)[-1] == "Assistant  ‹1/2›"
+        await pilot.press("alt+right")
+        await pilot.pause()
+        assert conv.messages[-1] is new and len(app.chat_screen.chat_view(conv).query(MessageView)) == 4
         await send(pilot, "/new")
         await send(pilot, "/retry")
-        assert any("cannot retry" in n for n in notifications(app))
+        assert any("cannot retry" in n for n in notifications(app)), notifications(app)
 
 
-# ---------------------------------------------------------------------------------- engine process
+@sync
+async def test_edit_an_earlier_message_then_move_between_branches_and_fork(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        conv = screen.current
+        for text in ("one", "two", "three"):
+            await send(pilot, text)
+            await reply_done(pilot, conv)
+        original = list(conv.messages)
+        # focus the first message and press e: its text goes to the input, Enter sends the new version
+        view = screen.chat_view(conv)
+        view.view_for(conv.messages[0]).focus()
+        await pilot.press("e")
+        await pilot.pause()
+        assert screen.query_one(ChatInput).text == "one" and screen.query_one("#editing").display
+        screen.query_one(ChatInput).set_text("one, edited")
+        screen.query_one(ChatInput).focus()
+        await pilot.press("enter")
+        reply = await reply_done(pilot, conv)
+        assert [m.content for m in conv.messages] == ["one, edited", reply.content]
+        assert role_labels(app, conv) == ["You  ‹2/2›", "Assistant"] and not screen.query_one("#editing").display
+        # Left on the focused first message: back to the original branch, all three exchanges
+        view.view_for(conv.messages[0]).focus()
+        await pilot.press("left")
+        await pilot.pause()
+        assert conv.messages == original and len(view.query(MessageView)) == 6
+        assert role_labels(app, conv)[0] == "You  ‹1/2›"
+        screen.query_one(ChatInput).focus()
+        await send(pilot, "four")
+        back = await reply_done(pilot, conv)
+        held = original[-1].stats.prompt_tokens + original[-1].stats.completion_tokens
+        assert back.stats.cached_tokens >= held - 16                         # the branch's KV was resident
+        # fork at the second message (the first reply): a new conversation with that much
+        view.view_for(conv.messages[1]).focus()
+        await pilot.press("f")
+        await pilot.pause()
+        fork = screen.current
+        assert fork is not conv and [m.content for m in fork.messages] == ["one", original[1].content]
+        await send(pilot, "/edit")
+        assert screen.query_one(ChatInput).text == "one"
+        await pilot.press("escape")
+        assert screen.query_one(ChatInput).text == "" and not screen.query_one("#editing").display
+
+
 @pytest.fixture
 def step_delay(home, tmp_path, monkeypatch):
     """Engine processes started in this test read a step delay from a file (see test_controller.py),

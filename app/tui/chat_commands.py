@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanochat.app.controller import ChatController, ChatError, model_display_name
+from nanochat.app.controller import ChatController, ChatError, describe_settings, model_display_name, setting_value
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.messages import LoadModel
 from nanochat.app.tui.screens import (BenchScreen, ConfirmScreen, HelpScreen, HistoryScreen, ModelPicker, TextPrompt,
@@ -44,7 +44,7 @@ class ChatCommands:
         self.last_export: Path | None = None
         self.handlers: dict[str, Callable[[str], Awaitable[None]]] = {
             "help": self.help, "new": self.new, "rename": self.rename, "delete": self.delete, "retry": self.retry,
-            "clear": self.clear,
+            "edit": self.edit, "fork": self.fork, "set": self.set, "clear": self.clear,
             "history": self.history, "system": self.system, "model": self.model, "bench": self.bench,
             "export": self.export, "copy": self.copy, "theme": self.theme, "exit": self.exit}
 
@@ -101,6 +101,41 @@ class ChatCommands:
     async def retry(self, arg: str) -> None:
         await self.screen.retry(self.screen.current)
 
+    async def edit(self, arg: str) -> None:
+        conv = self.screen.current
+        mine = [m for m in conv.messages if m.role == "user"]
+        if not mine:
+            self.notify("There is no message of yours to edit", severity="warning")
+            return
+        self.screen.start_edit(mine[-1])
+
+    async def fork(self, arg: str) -> None:
+        conv = self.screen.current
+        if not conv.messages:
+            self.notify("Nothing to fork yet", severity="warning")
+            return
+        await self.screen.fork(conv, conv.messages[-1])
+
+    async def set(self, arg: str) -> None:
+        conv = self.screen.current
+        if not arg:
+            self.notify(f"This chat: {describe_settings(self.controller.sampling_for(conv), conv.settings)}",
+                        timeout=8)
+            return
+        name, _, raw = arg.partition(" ")
+        raw = raw.strip()
+        if not raw:
+            self.notify(f"/set {name}: give a value, or - to use the default again", severity="warning")
+            return
+        try:
+            value = None if raw == "-" else setting_value(name, raw)
+            self.controller.set_setting(conv, name, value)
+        except (ChatError, ValueError) as e:
+            self.notify(f"/set {name}: {e}", severity="error")
+            return
+        self.screen.show_chat_settings()
+        self.notify(f"{name} = {raw}" if value is not None else f"{name}: back to the default")
+
     async def history(self, arg: str) -> None:
         await self.screen.app.push_screen(HistoryScreen(self.screen.current))
 
@@ -118,8 +153,11 @@ class ChatCommands:
         self.notify("System prompt removed" if prompt is None else "System prompt set")
 
     async def export(self, arg: str) -> None:
+        if arg not in ("", "json", "md"):
+            self.notify("/export: use /export (Markdown) or /export json (every branch)", severity="warning")
+            return
         try:
-            path = self.controller.export(self.screen.current, self.exports_dir)
+            path = self.controller.export(self.screen.current, self.exports_dir, tree=arg == "json")
         except OSError as e:
             self.notify(f"export failed: {one_line(e)}", severity="error")
             return

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.reactive import reactive
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Footer, Header, Label, OptionList
 
-from nanochat.app.controller import ChatController, ChatError, Conversation, EngineState, Turn
+from nanochat.app.controller import (ChatController, ChatError, Conversation, EngineState, Message, Turn,
+                                     describe_settings)
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.chat_commands import ChatCommands
 from nanochat.app.tui.commands import NanochatCommands
-from nanochat.app.tui.messages import ReplyStreamed, RunCommand, TurnFinished
-from nanochat.app.tui.screens import GaugedScreen
-from nanochat.app.tui.widgets import ChatInput, ChatView, CommandHints, ConversationList, GaugePanel, InputHistory
+from nanochat.app.tui.messages import MessageAction, ReplyStreamed, RunCommand, TurnFinished
+from nanochat.app.tui.screens import ContextFullScreen, GaugedScreen
+from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHints, ConversationList, GaugePanel,
+                                     InputHistory)
 from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import THEME_NAMES
 
@@ -39,10 +43,13 @@ NOT_READY = {
 
 class ChatScreen(GaugedScreen):
     COMMANDS = {NanochatCommands}
+    chat_status: reactive[ChatStatus] = reactive(ChatStatus())
     BINDINGS = [
         Binding("escape", "cancel_reply", "Cancel reply"),
         Binding("ctrl+n", "new_conversation", "New chat"),
         Binding("ctrl+r", "retry", "Retry"),
+        Binding("alt+left", "version(-1)", "‹ Version", show=False),
+        Binding("alt+right", "version(1)", "Version ›", show=False),
         Binding("ctrl+l", "pick_model", "Model"),
         Binding("f2", "focus_conversations", "Chats"),
         Binding("f1", "help", "Help"),
@@ -56,6 +63,7 @@ class ChatScreen(GaugedScreen):
         self.commands = ChatCommands(self, exports_dir, discover, bench_overrides)
         self.current_id: int = next(iter(controller.conversations))
         self._restart_pending = False
+        self.editing: Message | None = None    # a message of yours being edited in the input
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -68,8 +76,10 @@ class ChatScreen(GaugedScreen):
             with Vertical(id="main"):
                 yield ContentSwitcher(id="chats")
                 yield CommandHints(id="hints")
+                yield Label("", id="editing")
                 yield ChatInput(self.input_history, THEME_NAMES, id="input")
-            yield GaugePanel(id="gauges", classes="gauges").data_bind(status=GaugedScreen.engine_status)
+            yield GaugePanel(id="gauges", classes="gauges", chat=True).data_bind(
+                status=GaugedScreen.engine_status, chat_status=ChatScreen.chat_status)
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -103,9 +113,12 @@ class ChatScreen(GaugedScreen):
         if self.chat_view(conv) is None:
             await switcher.add_content(ChatView(conv))
         switcher.current = f"chat-{conv.id}"
+        if conv.id != self.current_id and self.editing is not None:
+            self.stop_edit()
         self.current_id = conv.id
         self.sub_title = conv.title
         self.query_one(ConversationList).select_id(conv.id)
+        self.refresh_chat_status()
 
     @on(OptionList.OptionSelected, "#conversations")
     async def _conversation_selected(self, event: OptionList.OptionSelected) -> None:
@@ -149,63 +162,65 @@ class ChatScreen(GaugedScreen):
             return
         if text.lstrip().startswith("//"):
             text = text.lstrip()[1:]
+        if self.editing is not None:
+            message = self.editing
+            self.stop_edit()
+            await self.edit(self.current, message, text)
+            return
         await self.send_message(text)
 
     async def send_message(self, text: str, conv: Conversation | None = None) -> bool:
         """Start a turn in `conv` (default: the current one); False when it could not start. When the
         engine has stopped, it is restarted first (in a worker) and the message sent after that."""
         conv = conv or self.current
+        return await self._begin(conv, partial(self.controller.send, conv, text), text)
+
+    async def retry(self, conv: Conversation) -> None:
+        """Regenerate the last reply: a new version of it, beside the old one (‹2/2›)."""
+        await self._begin(conv, partial(self.controller.regenerate, conv), "", verb="retry")
+
+    async def edit(self, conv: Conversation, message: Message, text: str) -> bool:
+        """Send `text` as a new version of the user message `message`: a branch from that point."""
+        return await self._begin(conv, partial(self.controller.edit, conv, message, text), text, verb="edit")
+
+    async def _begin(self, conv: Conversation, start: Callable[[], Turn], text: str, verb: str = "send") -> bool:
+        """Start a turn with `start` once the engine can take it; False when it could not start (what
+        was typed, `text`, goes back to the input). A stopped engine is restarted first, in a worker."""
         state = self.controller.engine_state
         if state in NOT_READY:
             message, severity = NOT_READY[state]
             self.notify(message, severity=severity)
+            self.give_back(conv, text)
             return False
         if conv.generating:
             self.notify("This conversation is still replying (Esc cancels it)", severity="warning")
+            self.give_back(conv, text)
             return False
         if state is EngineState.STOPPED:
             if self._restart_pending:    # the worker has not reached restart_engine yet
                 self.notify(NOT_READY[EngineState.RESTARTING][0], severity="warning")
+                self.give_back(conv, text)
                 return False
             self._restart_pending = True
-            self.restart_then_send(conv, text)
+            self.restart_then_begin(conv, start, text, verb)
             return True
         try:
-            turn = self.controller.send(conv, text)
+            start()
         except ChatError as e:
-            self.notify(f"cannot send: {e}", severity="error")
+            self.notify(f"cannot {verb}: {e}", severity="error")
+            self.give_back(conv, text)
             return False
-        view = self.chat_view(conv)
-        if view is not None:   # events wait in the controller's inbox until these views exist
-            await view.add_message(turn.user)
-            await view.add_message(turn.reply)
+        await self.show_path(conv)
         self.refresh_item(conv)   # the generating dot, and the title taken from the first message
         return True
 
-    async def retry(self, conv: Conversation) -> None:
-        """Regenerate the last reply: take back the last exchange and send its message again."""
-        state = self.controller.engine_state
-        if state in NOT_READY:
-            message, severity = NOT_READY[state]
-            self.notify(message, severity=severity)
-            return
-        try:
-            old = list(conv.messages)
-            text = self.controller.rewind(conv)
-        except ChatError as e:
-            self.notify(f"cannot retry: {e}", severity="warning")
-            return
+    async def show_path(self, conv: Conversation) -> None:
         view = self.chat_view(conv)
-        if view is not None:
-            for m in old[len(conv.messages):]:
-                mview = view.view_for(m)
-                if mview is not None:
-                    await mview.remove()
-        if not await self.send_message(text, conv):
-            self.give_back(conv, text)
+        if view is not None:   # events wait in the controller's inbox until these views exist
+            await view.show_path()
 
     @work(group="engine")
-    async def restart_then_send(self, conv: Conversation, text: str) -> None:
+    async def restart_then_begin(self, conv: Conversation, start: Callable[[], Turn], text: str, verb: str) -> None:
         try:
             await asyncio.to_thread(self.controller.restart_engine)
         except Exception as e:   # the engine cannot start again: say why, and keep what was typed
@@ -214,7 +229,73 @@ class ChatScreen(GaugedScreen):
             return
         finally:
             self._restart_pending = False
-        await self.send_message(text, conv)
+        await self._begin(conv, start, text, verb)
+
+    # ------------------------------------------------------------------ branches
+    def start_edit(self, message: Message) -> None:
+        """Put a message of yours in the input; Enter sends it as a new version, Esc stops editing."""
+        conv = self.current
+        if message.role != "user" or message not in conv.messages:
+            self.notify("Only your own messages can be edited", severity="warning")
+            return
+        self.editing = message
+        chat_input = self.query_one(ChatInput)
+        chat_input.set_text(message.content)
+        chat_input.select_all()   # typing replaces it; an arrow key keeps it to change
+        chat_input.focus()
+        label = self.query_one("#editing", Label)
+        label.update(f"Editing message {conv.messages.index(message) + 1} · Enter sends a new version · "
+                     "Esc stops")
+        label.display = True
+
+    def stop_edit(self) -> None:
+        self.editing = None
+        self.query_one("#editing", Label).display = False
+
+    async def switch_version(self, conv: Conversation, message: Message, step: int, focus: bool = False) -> None:
+        """Show the previous (-1) or next (+1) version of `message`; `focus` moves the focus to it (when
+        the move came from the message itself, so that Left/Right keep moving)."""
+        try:
+            shown = self.controller.switch(conv, message, step)
+        except ChatError as e:
+            self.notify(str(e).capitalize(), severity="warning")
+            return
+        if shown is None:
+            self.notify("No other version that way", severity="warning")
+            return
+        await self.show_path(conv)
+        self.refresh_chat_status()
+        view = self.chat_view(conv)
+        mview = view.view_for(shown) if view is not None else None
+        if mview is not None and focus:
+            mview.focus()
+            mview.scroll_visible()
+
+    async def fork(self, conv: Conversation, message: Message) -> None:
+        try:
+            other = self.controller.fork(conv, message)
+        except ChatError as e:
+            self.notify(str(e).capitalize(), severity="warning")
+            return
+        self.refresh_list()
+        await self.show_conversation(other.id)
+        self.query_one(ChatInput).focus()
+        self.notify(f"Forked into “{other.title}”")
+
+    @on(MessageAction)
+    async def _message_action(self, event: MessageAction) -> None:
+        event.stop()
+        conv = self.current
+        if event.action == "edit":
+            self.start_edit(event.message)
+        elif event.action == "fork":
+            await self.fork(conv, event.message)
+        else:
+            await self.switch_version(conv, event.message, -1 if event.action == "prev" else 1, focus=True)
+
+    def last_versioned(self, conv: Conversation) -> Message | None:
+        """The last message of the path shown that has other versions."""
+        return next((m for m in reversed(conv.messages) if len(conv.siblings(m)) > 1), None)
 
     def give_back(self, conv: Conversation, text: str) -> None:
         """Put an unsent message back into the input (unless something else was typed since)."""
@@ -244,22 +325,94 @@ class ChatScreen(GaugedScreen):
         else:
             await self._forget_turn(view, turn)
         self.refresh_item(conv)
+        if conv.id == self.current_id:
+            self.refresh_chat_status()
 
     async def _forget_turn(self, view: ChatView | None, turn: Turn) -> None:
         """A turn that ended before its first token: its messages go, and the text goes back to the input."""
         if view is not None:
-            for m in (turn.reply, turn.user):
-                mview = view.view_for(m)
-                if mview is not None:
-                    await mview.remove()
-            view.refresh_placeholder()
+            await view.show_path()
         if turn.interrupted:
             pass            # the engine died: the app says so, in one line
+        elif turn.context_exceeded:
+            await self.offer_context_choice(turn)
+            return
         elif turn.finish_reason == "error":
             self.notify(f"reply failed: {turn.error or 'unknown error'}", severity="error", timeout=8)
         else:
             self.notify("Reply cancelled before the first token")
-        self.give_back(turn.conversation, turn.user.content)
+        if turn.new_user:
+            self.give_back(turn.conversation, turn.user.content)
+
+    # ------------------------------------------------------------------ the context window
+    async def offer_context_choice(self, turn: Turn) -> None:
+        """The turn did not fit in the context: ask what to do, then do it and send the message again."""
+        limit = self.controller.model.max_model_len if self.controller.model else 0
+
+        async def chosen(choice: str | None) -> None:
+            if choice == "drop":
+                await self.drop_oldest_and_resend(turn)
+            elif choice == "summary":
+                self.notify("Writing a summary of this chat…")
+                self.summarize_and_resend(turn)
+            elif turn.new_user:
+                self.give_back(turn.conversation, turn.user.content)
+
+        await self.app.push_screen(ContextFullScreen(turn.fold.stats.prompt_tokens, limit), chosen)
+
+    def _again(self, turn: Turn, conv: Conversation | None = None) -> Callable[[], Turn]:
+        """What starts `turn` over (in `conv`, default its own): an edit, a regenerate or a message."""
+        conv = conv or turn.conversation
+        if conv is turn.conversation and turn.edit_of is not None:
+            return partial(self.controller.edit, conv, turn.edit_of, turn.user.content)
+        if conv is turn.conversation and not turn.new_user:
+            return partial(self.controller.regenerate, conv)
+        return partial(self.controller.send, conv, turn.user.content)
+
+    async def drop_oldest_and_resend(self, turn: Turn) -> None:
+        conv = turn.conversation
+        try:
+            dropped = self.controller.drop_oldest(conv, turn)
+        except ChatError as e:
+            self.notify(f"cannot drop turns: {e}", severity="error", timeout=8)
+            if turn.new_user:
+                self.give_back(conv, turn.user.content)
+            return
+        self.notify(f"The model no longer sees the oldest {dropped} turn{'s' if dropped != 1 else ''} "
+                    "(they stay on screen)", timeout=8)
+        self.refresh_chat_status()
+        await self._begin(conv, self._again(turn), turn.user.content if turn.new_user else "")
+
+    @work(group="summary", exclusive=True)
+    async def summarize_and_resend(self, turn: Turn) -> None:
+        conv = turn.conversation
+        try:
+            summary = await asyncio.to_thread(self.controller.summarize, conv)
+        except ChatError as e:
+            self.notify(str(e), severity="error", timeout=10)
+            if turn.new_user:
+                self.give_back(conv, turn.user.content)
+            return
+        other = self.controller.continue_with_summary(conv, summary)
+        self.refresh_list()
+        await self.show_conversation(other.id)
+        self.notify(f"Continuing in “{other.title}” from a summary (its system prompt; /system shows it)",
+                    timeout=10)
+        await self._begin(other, self._again(turn, other), turn.user.content)
+
+    def refresh_chat_status(self) -> None:
+        """The gauges' "this chat" lines: its context use and the sampling its next turn uses."""
+        conv = self.current
+        model = self.controller.model
+        self.chat_status = ChatStatus(self.controller.context_used(conv), model.max_model_len if model else 0,
+                                      describe_settings(self.controller.sampling_for(conv), conv.settings))
+
+    def show_chat_settings(self) -> None:
+        self.refresh_chat_status()
+
+    def watch_engine_status(self, old, new) -> None:
+        if (old.model, old.detail) != (new.model, new.detail) and self.is_mounted:
+            self.refresh_chat_status()   # another model: another context size and recommendations
 
     # ------------------------------------------------------------------ actions
     @on(RunCommand)
@@ -271,7 +424,19 @@ class ChatScreen(GaugedScreen):
         if hints.display:
             hints.display = False
             return
+        if self.editing is not None:
+            self.stop_edit()
+            self.query_one(ChatInput).set_text("")
+            return
         self.controller.cancel(self.current)
+
+    async def action_version(self, step: int) -> None:
+        conv = self.current
+        message = self.last_versioned(conv)
+        if message is None:
+            self.notify("No message here has other versions (Ctrl+R or an edit makes one)", severity="warning")
+            return
+        await self.switch_version(conv, message, step)
 
     def _run_soon(self, command: str) -> None:
         self.call_later(self.commands.run, command)

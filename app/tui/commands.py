@@ -8,6 +8,7 @@ from functools import partial
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from nanochat.app.controller import CHAT_SETTINGS
 from nanochat.app.tui.messages import RunCommand
 
 
@@ -23,13 +24,17 @@ SLASH_COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("new", "/new [TITLE]", "start a new conversation"),
     SlashCommand("rename", "/rename [TITLE]", "rename this conversation"),
     SlashCommand("delete", "/delete", "delete this conversation"),
-    SlashCommand("retry", "/retry", "regenerate the last reply (or send an unanswered message again)"),
+    SlashCommand("retry", "/retry", "a new version of the last reply (or answer an unanswered message)"),
+    SlashCommand("edit", "/edit", "edit your last message and send it as a new version (a branch)"),
+    SlashCommand("fork", "/fork", "copy this conversation's branch shown into a new conversation"),
+    SlashCommand("set", "/set [NAME VALUE|NAME -]", "show or set this chat's sampling (temperature, top_p, top_k, "
+                 "seed, max_tokens, repetition_penalty, presence_penalty, frequency_penalty); - drops one"),
     SlashCommand("clear", "/clear", "forget this conversation's messages (keeps the system prompt, frees its KV)"),
-    SlashCommand("history", "/history", "messages of this conversation with per-turn token/cache stats"),
+    SlashCommand("history", "/history", "the branch shown, message by message, with token/cache stats"),
     SlashCommand("system", "/system [TEXT|-]", "show, set, or (with -) remove the system prompt"),
     SlashCommand("model", "/model [PATH|HUB-ID]", "pick a model, or load the one named"),
     SlashCommand("bench", "/bench [fast|normal|heavy] [key=value ...]", "run the bench workload on the loaded model"),
-    SlashCommand("export", "/export", "save this conversation as Markdown"),
+    SlashCommand("export", "/export [json]", "save the branch shown as Markdown, or (json) every branch as JSON"),
     SlashCommand("copy", "/copy [code]", "copy the last reply (or its last code block) to the clipboard"),
     SlashCommand("theme", "/theme [NAME]", "pick or set the theme"),
     SlashCommand("exit", "/exit", "quit nanochat"),
@@ -59,6 +64,8 @@ def completions(theme_names: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     out += [(f"/bench {t}", f"bench, {t} tier") for t in BENCH_TIERS]
     out += [(f"/theme {t}", "theme") for t in theme_names]
     out += [("/copy code", "copy the last code block of the last reply")]
+    out += [("/export json", "every branch of this conversation as JSON")]
+    out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS]
     return out
 
 
@@ -87,11 +94,14 @@ def help_markdown(theme_names: tuple[str, ...] = ()) -> str:
 | `Tab` | complete a slash command |
 | `Esc` | cancel the reply being generated (or the bench) |
 | `Ctrl+N` | new conversation |
-| `Ctrl+R` | regenerate the last reply |
+| `Ctrl+R` | a new version of the last reply |
+| `Alt+Left` / `Alt+Right` | previous / next version of the last message that has several (‹2/3›) |
 | `F2` | go to the conversation list (`n` new, `r` rename, `d` delete, `Enter` open) |
 | `Ctrl+L` | model picker |
 | `Ctrl+P` | command palette |
 | `c` / `k` on a focused message | copy the message / its code block |
+| `Left` / `Right` on a focused message | its previous / next version |
+| `e` / `f` on a focused message | edit it (yours) and send it as a new version / fork the chat there |
 | `Ctrl+Q` | quit |
 
 Themes: {", ".join(theme_names)}
@@ -103,7 +113,11 @@ PALETTE_ACTIONS: tuple[tuple[str, str, str], ...] = (
     ("New conversation", "start a new conversation", "/new"),
     ("Rename conversation", "rename the current conversation", "/rename"),
     ("Delete conversation", "delete the current conversation", "/delete"),
-    ("Regenerate the last reply", "take back the last reply and generate it again", "/retry"),
+    ("Regenerate the last reply", "a new version of the last reply, beside the old one", "/retry"),
+    ("Edit my last message", "send it again, changed, as a new version", "/edit"),
+    ("Fork conversation", "copy the branch shown into a new conversation", "/fork"),
+    ("Chat settings", "this chat's sampling settings", "/set"),
+    ("Export every branch", "save the conversation tree as JSON", "/export json"),
     ("Clear conversation", "forget messages, keep the system prompt", "/clear"),
     ("Show history", "messages with per-turn token/cache stats", "/history"),
     ("Choose model", "open the model picker", "/model"),

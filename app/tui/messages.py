@@ -89,3 +89,13 @@ class RunCommand(Message):
     def __init__(self, command: str):
         super().__init__()
         self.command = command
+
+
+class MessageAction(Message):
+    """Act on one message of the chat shown: "edit" it, "fork" the chat there, or move to its previous
+    ("prev") or next ("next") version."""
+
+    def __init__(self, message, action: str):
+        super().__init__()
+        self.message = message
+        self.action = action

@@ -421,6 +421,36 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(yes)
 
 
+class ContextFullScreen(ModalScreen[str | None]):
+    """The chat no longer fits in the model's context: drop the oldest turns, go on in a new chat from a
+    summary the model writes, or cancel. Dismissed with "drop", "summary" or None."""
+
+    CHOICES = (("drop", "Drop the oldest turns (the model no longer sees them; the system prompt stays)"),
+               ("summary", "Start a new chat from a summary the model writes of this one"),
+               ("cancel", "Cancel (your message goes back to the input)"))
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, prompt_tokens: int, limit: int):
+        super().__init__(classes="prompt")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="prompt-box"):
+            yield Label(f"This chat no longer fits: the next turn needs {self.prompt_tokens:,} tokens, the "
+                        f"model's context holds {self.limit:,}.", classes="title")
+            yield OptionList(*[Option(text, id=key) for key, text in self.CHOICES], id="context-choices")
+            yield Label("Enter: choose · Esc: cancel", classes="hint")
+
+    def on_mount(self) -> None:
+        self.query_one(OptionList).focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(None if event.option.id == "cancel" else event.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 class ThemePicker(ModalScreen[str | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -452,4 +482,4 @@ class ThemePicker(ModalScreen[str | None]):
 
 
 __all__ = ["GaugedScreen", "ModelPicker", "BenchScreen", "HistoryScreen", "HelpScreen", "TextPrompt", "ConfirmScreen",
-           "ThemePicker", "human_size"]
+           "ContextFullScreen", "ThemePicker", "human_size"]

@@ -21,6 +21,7 @@ from textual.widgets import Label, LoadingIndicator, Markdown, OptionList, Progr
 from textual.widgets.option_list import Option
 
 from nanochat.app.controller import Conversation, Message, format_stats
+from nanochat.app.tui.messages import MessageAction
 from nanochat.engine.output import EngineStats
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
@@ -54,22 +55,28 @@ def chat_markdown() -> MarkdownIt:
 
 
 class MessageView(Vertical, can_focus=True):
-    """One message: a role label, its Markdown body (streamed while the reply arrives), a stats footer."""
+    """One message: a role label (with ‹k/n› when it has other versions), its Markdown body (streamed
+    while the reply arrives), a stats footer."""
 
     BINDINGS = [
         Binding("c", "copy_message", "Copy message"),
         Binding("k", "copy_code", "Copy code"),
+        Binding("left", "act('prev')", "Previous version"),
+        Binding("right", "act('next')", "Next version"),
+        Binding("e", "act('edit')", "Edit"),
+        Binding("f", "act('fork')", "Fork here"),
     ]
 
-    def __init__(self, message: Message, **kwargs):
+    def __init__(self, message: Message, versions: tuple[int, int] = (1, 1), **kwargs):
         super().__init__(classes=f"message {message.role}", **kwargs)
         self.message = message
+        self.versions = versions  # (this one's number, how many): ‹2/3›
         self._stream = None
         self._shown = 0          # characters of message.content already handed to the Markdown widget
 
     def compose(self) -> ComposeResult:
         self._shown = len(self.message.content)
-        yield Label(ROLE_LABELS.get(self.message.role, self.message.role), classes="role")
+        yield Label(self._role_text(), classes="role")
         yield Markdown(self.message.content, classes="body", parser_factory=chat_markdown)
         yield Static(self._footer_text(), classes="footer", markup=False)
 
@@ -78,6 +85,14 @@ class MessageView(Vertical, can_focus=True):
             self.add_class("streaming")
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self.sync()
+
+    def _role_text(self) -> str:
+        label = ROLE_LABELS.get(self.message.role, self.message.role)
+        k, n = self.versions
+        return f"{label}  ‹{k}/{n}›" if n > 1 else label
+
+    def action_act(self, action: str) -> None:
+        self.post_message(MessageAction(self.message, action))
 
     def _footer_text(self) -> str:
         if self.message.role != "assistant":
@@ -135,7 +150,11 @@ class ChatView(VerticalScroll):
         yield Static("Type a message and press Enter. /help lists the commands, Ctrl+P opens the palette.",
                      classes="placeholder")
         for m in self.conversation.messages:
-            yield MessageView(m)
+            yield self._view(m)
+
+    def _view(self, message: Message) -> MessageView:
+        versions = self.conversation.siblings(message)
+        return MessageView(message, (versions.index(message) + 1, len(versions)))
 
     def on_mount(self) -> None:
         self.refresh_placeholder()
@@ -154,12 +173,20 @@ class ChatView(VerticalScroll):
                 return view
         return None
 
-    async def add_message(self, message: Message) -> MessageView:
-        view = MessageView(message)
-        await self.mount(view)
+    async def show_path(self) -> None:
+        """Follow the path shown (after a regenerate, an edit, a move to another version, a forgotten
+        turn): the views of the messages it shares with what is on screen stay, the rest are replaced."""
+        views = list(self.query(MessageView))
+        path = self.conversation.messages
+        keep = 0
+        while keep < min(len(views), len(path)) and views[keep].message is path[keep]:
+            keep += 1
+        if views[keep:]:
+            await self.remove_children(views[keep:])
+        if path[keep:]:
+            await self.mount_all([self._view(m) for m in path[keep:]])
         self.refresh_placeholder()
-        self.anchor()   # sending a message means the user wants to see the reply
-        return view
+        self.anchor()
 
 
 class InputHistory:
@@ -361,13 +388,25 @@ class EngineStatus:
     last_ttft: float | None = None         # seconds, of the last finished turn
 
 
+@dataclass(frozen=True)
+class ChatStatus:
+    """The chat shown, for its gauges: context use and the sampling of its next turn."""
+
+    context_used: int = 0
+    context_limit: int = 0
+    sampling: str = ""
+
+
 class GaugePanel(Vertical):
-    """Live engine gauges: model, decode/prefill speed, TTFT, KV cache, prefix hits, batch."""
+    """Live engine gauges: model, decode/prefill speed, TTFT, KV cache, prefix hits, batch; with
+    `chat`, also the chat shown: its context use and sampling settings."""
 
     status: reactive[EngineStatus] = reactive(EngineStatus())
+    chat_status: reactive[ChatStatus] = reactive(ChatStatus())
 
-    def __init__(self, **kwargs):
+    def __init__(self, chat: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.chat = chat
         self._texts: dict[str, str] = {}
 
     def compose(self) -> ComposeResult:
@@ -382,10 +421,27 @@ class GaugePanel(Vertical):
         yield ProgressBar(total=1, show_eta=False, show_percentage=True, id="g-kv")
         yield Label("prefix hits  —", id="g-hit")
         yield Label("running 0 · waiting 0", id="g-seqs")
+        if self.chat:
+            yield Label("This chat", classes="section")
+            yield Label("context  —", id="g-context-label")
+            yield ProgressBar(total=1, show_eta=False, show_percentage=True, id="g-context")
+            yield Static("", id="g-sampling", classes="dim", markup=False)
+
+    def watch_chat_status(self, status: ChatStatus) -> None:
+        if not self.chat or not self.is_mounted:
+            return
+        limit = max(1, status.context_limit)
+        self._set("#g-context-label", f"context  {status.context_used:,}/{status.context_limit:,} tokens"
+                  if status.context_limit else "context  —")
+        bar = self.query_one("#g-context", ProgressBar)
+        if (bar.total, bar.progress) != (limit, status.context_used):
+            bar.update(total=limit, progress=min(status.context_used, limit))
+        self.query_one("#g-sampling", Static).update(status.sampling)
 
     async def on_mount(self) -> None:
         self.query_one("#g-loading").display = False
         await self._show(None, self.status)
+        self.watch_chat_status(self.chat_status)
 
     async def watch_status(self, old: EngineStatus, new: EngineStatus) -> None:
         if self.is_mounted:

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from nanochat.engine.output import Reply, TokenEvent
+from nanochat.engine.output import ContextExceeded, Reply, RequestStats, TokenEvent
 from nanochat.engine.serve.protocol import STATS_INTERVAL, Call, ModelInfo, error_kind, one_line
 
 
@@ -203,7 +203,10 @@ class EngineCore:
         except BaseException as e:
             if not _answerable(e):
                 raise
-            self.send(("events", [TokenEvent(request_id, None, "", True, "error", error=one_line(e))]))
+            # A prompt longer than the context says so in its stats, for a front end to offer a way out.
+            stats = RequestStats(prompt_tokens=e.prompt_tokens, context_full=True) \
+                if isinstance(e, ContextExceeded) else None
+            self.send(("events", [TokenEvent(request_id, None, "", True, "error", stats, error=one_line(e))]))
 
     def _add(self, request_id, sampling, prompt, session_id, user) -> None:
         engine = self._engine()
