@@ -5,6 +5,11 @@ LRU queue, so a later request with the same prefix (the next chat turn) can stil
 they are reused. Only FULL blocks whose KV is entirely computed are hashed; generated tokens count,
 so a follow-up that repeats prompt + output hits them too.
 
+A prompt whose tokens are cached except in its last, partly filled block (a regenerated reply, an
+edited message at the same spot) also reuses the cached prefix of a full block that starts the same
+way: its KV slots are copied into a fresh block (copy-on-write, `copy_kv`), so only the final token
+is computed again, for its logits.
+
 Chat sessions may pin the blocks of their last turn (a session reference). Pinned blocks are
 evicted only under memory pressure, least recently used session first.
 
@@ -35,6 +40,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    parent: int = -1                # the hash of the block before it in its chain (when hashed)
 
 
 @dataclass
@@ -79,6 +85,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.children: dict[int, set[int]] = {}   # parent hash -> hashed blocks that follow it
+        # copy_kv(src, dst, n): copy the first n token slots of block src's KV into block dst (set by the
+        # engine); without it, a partly matching last block is computed again.
+        self.copy_kv = None
         self.counters = CacheCounters()
         self.sessions: OrderedDict[str, SessionPin] = OrderedDict()   # LRU: oldest first
         self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
@@ -97,8 +107,14 @@ class BlockManager:
             raise NoFreeBlocksError("out of KV-cache blocks")
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            siblings = self.children.get(block.parent)
+            if siblings is not None:
+                siblings.discard(block_id)
+                if not siblings:
+                    del self.children[block.parent]
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block
 
@@ -122,10 +138,11 @@ class BlockManager:
         return True
 
     # ------------------------------------------------------------------ prefix lookup
-    def _cached_prefix(self, seq: Sequence) -> list[Block]:
-        """Blocks holding a prefix of seq, capped so at least one token is computed."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[Block], Block | None, int]:
+        """Blocks holding a prefix of seq, capped so at least one token is computed; then a full block
+        whose first tokens continue that prefix (and how many), for a copy-on-write partial hit."""
         if not self.enable_prefix_caching or self.hybrid:
-            return []
+            return [], None, 0
         hits: list[Block] = []
         prev = -1
         max_blocks = (len(seq) - 1) // self.block_size
@@ -137,7 +154,16 @@ class BlockManager:
                 break
             hits.append(self.blocks[block_id])
             prev = h
-        return hits
+        if len(hits) < max_blocks or self.copy_kv is None:
+            return hits, None, 0
+        rest = seq.token_ids[len(hits) * self.block_size:len(seq) - 1]
+        best, best_n = None, 0
+        for block_id in self.children.get(prev, ()):
+            tokens = self.blocks[block_id].token_ids
+            n = next((i for i, (a, b) in enumerate(zip(tokens, rest)) if a != b), min(len(tokens), len(rest)))
+            if n > best_n:
+                best, best_n = self.blocks[block_id], n
+        return hits, best, best_n
 
     def allocate(self, seq: Sequence) -> bool:
         """Admit seq: reuse cached prefix blocks and allocate the rest of its current tokens.
@@ -147,12 +173,12 @@ class BlockManager:
         assert not seq.block_table
         if self.hybrid:
             return self._allocate_hybrid(seq)
-        hits = self._cached_prefix(seq)
-        for block in hits:      # protect the hits before any eviction below
+        hits, partial, partial_n = self._cached_prefix(seq)
+        for block in hits + ([partial] if partial is not None else []):   # protect them from eviction below
             self._ref(block)
         needed = self.num_blocks_for(len(seq)) - len(hits)
         if not self.can_get(needed):
-            for block in reversed(hits):
+            for block in reversed(hits + ([partial] if partial is not None else [])):
                 self._unref(block.block_id)
             return False
         seq.block_table = [b.block_id for b in hits]
@@ -160,6 +186,10 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block().block_id)
         cached = len(hits) * self.block_size
+        if partial is not None:
+            self.copy_kv(partial.block_id, seq.block_table[len(hits)], partial_n)
+            self._unref(partial.block_id)
+            cached += partial_n
         seq.num_computed_tokens = cached
         seq.stats.num_cached_tokens = cached
         self.counters.hit_tokens += cached
@@ -231,8 +261,9 @@ class BlockManager:
             h = chain_hash(prev, tokens)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids, block.parent = h, tokens, prev
                 self.hash_to_block.setdefault(h, block.block_id)
+                self.children.setdefault(prev, set()).add(block.block_id)
             seq.block_hashes.append(h)
             prev = h
 
@@ -294,4 +325,8 @@ class BlockManager:
                 f"block {block.block_id}: ref {block.ref_count} but free={block.block_id in free}"
         for h, block_id in self.hash_to_block.items():
             assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"
+        for parent, ids in self.children.items():
+            for block_id in ids:
+                block = self.blocks[block_id]
+                assert block.hash is not None and block.parent == parent, f"stale child entry {block_id}"
         assert len(set(self.free_slots)) == len(self.free_slots), "a state slot is free twice"

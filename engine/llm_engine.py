@@ -61,6 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, model_obj, self.device, self.dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_state_slots)
+        self.block_manager.copy_kv = self.runner.copy_kv
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
         self.sampler = Sampler()

@@ -77,6 +77,14 @@ class ModelRunner:
             layer.k_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
 
+    @torch.inference_mode()
+    def copy_kv(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first num_tokens slots of block src's KV into block dst, in every attention layer
+        (copy-on-write of a partly reused cached block)."""
+        for layer in self.model.attention_layers():
+            layer.k_cache[dst, :num_tokens].copy_(layer.k_cache[src, :num_tokens])
+            layer.v_cache[dst, :num_tokens].copy_(layer.v_cache[src, :num_tokens])
+
     # ------------------------------------------------------------------ batch
     def prepare(self, chunks: list[ScheduledChunk]):
         input_ids, positions, slots = [], [], []

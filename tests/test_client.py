@@ -193,10 +193,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def branch_point_cached(client, session, edited: str, at: int):
     """Branch `session` after `at` turns and send `edited` there; returns the branch, its reply and
-    the length of the prompt ids the branch shares with `session`."""
+    the length of the prompt ids the branch shares with `session`. The two stay resident, their
+    shared prefix's blocks pinned once."""
+    block = ENGINE["kvcache_block_size"]
+    used = client.stats(fresh=True).kv_blocks_used
     branch = client.branch_session(session, at)
     reply = client.submit_turn(branch, edited, GREEDY).result(30)
-    return branch, reply, common_prefix(branch.token_ids, session.token_ids)
+    shared = common_prefix(branch.token_ids, session.token_ids)
+    added = client.stats(fresh=True).kv_blocks_used - used
+    assert added <= -(-len(branch.token_ids) // block) - shared // block
+    return branch, reply, shared
 
 
 def test_branches_share_their_prefix_and_match_a_from_scratch_run(client, tiny_models):

@@ -77,8 +77,30 @@ def test_hit_is_capped_so_one_token_is_computed(tiny_models):
     prompt = list(range(32))               # exactly two blocks
     a = llm.generate([prompt], GREEDY)[0]
     b = llm.generate([prompt], GREEDY)[0]
-    assert b.stats.cached_tokens == 16     # not 32: the last token must be computed for logits
+    # not 32: the last token must be computed for its logits; its block is copied up to it (copy-on-write)
+    assert b.stats.cached_tokens == 31
     assert a.token_ids == b.token_ids
+
+
+def test_a_partly_matching_last_block_is_copied_not_recomputed(tiny_models, hf_models):
+    """A prompt cached but for its last, partly filled block (a regenerated reply, an edit at the same
+    spot) reuses the cached prefix of a full block that starts the same way, copied into a fresh block:
+    only the tokens after the match are computed, and the outputs are a full run's."""
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, kvcache_block_size=16)
+    long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = list(range(30, 70))          # 40 tokens: block 2 holds 8 prompt tokens, then the output
+    first = llm.generate([prompt], long)[0]
+    again = llm.generate([prompt], long)[0]
+    assert again.stats.cached_tokens == 39 and again.token_ids == first.token_ids
+    edited = prompt[:36] + [7, 8, 9]      # the same first 36 tokens, then different ones
+    out = llm.generate([edited], long)[0]
+    assert out.stats.cached_tokens == 36
+    hf = hf_models(ARCH)
+    assert out.token_ids == hf_greedy(hf, edited, long.max_tokens)
+    assert first.token_ids == hf_greedy(hf, prompt, long.max_tokens)
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == len(bm.blocks)   # every copy and every borrowed block given back
 
 
 def test_prefix_caching_disabled(tiny_models, expected):

@@ -327,7 +327,7 @@ class HistoryScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         c = self.conversation
         with Vertical(id="history-box"):
-            yield Label(f"History: {c.title}", classes="title")
+            yield Label(f"History: {c.title} (the branch shown)", classes="title")
             yield Static(f"system prompt: {c.system_prompt or '(none)'}", markup=False, classes="dim")
             yield DataTable(id="history-table", cursor_type="row", zebra_stripes=True)
             yield Label(self._totals(), id="history-totals")
@@ -339,7 +339,9 @@ class HistoryScreen(ModalScreen[None]):
         for i, m in enumerate(self.conversation.messages, 1):
             text = " ".join(m.content.split())
             text = text if len(text) <= 48 else text[:47] + "…"
-            table.add_row(str(i), m.role, text, *self._stats_cells(m.stats),
+            versions = self.conversation.siblings(m)
+            role = f"{m.role} ‹{versions.index(m) + 1}/{len(versions)}›" if len(versions) > 1 else m.role
+            table.add_row(str(i), role, text, *self._stats_cells(m.stats),
                           m.note or ("generating" if m.streaming else ""))
         table.focus()
 
