@@ -5,13 +5,15 @@ LRU queue, so a later request with the same prefix (the next chat turn) can stil
 they are reused. Only FULL blocks whose KV is entirely computed are hashed; generated tokens count,
 so a follow-up that repeats prompt + output hits them too.
 
-A prompt whose tokens are cached except in its last, partly filled block (a regenerated reply, an
-edited message at the same spot) also reuses the cached prefix of a full block that starts the same
-way: its KV slots are copied into a fresh block (copy-on-write, `copy_kv`), so only the final token
-is computed again, for its logits.
+Where the cached blocks stop matching (a regenerated reply's last, partly filled block; an edited
+message), the prompt also reuses the matching start of a cached block that continues the same chain:
+those KV slots are copied into a fresh block (copy-on-write, `copy_kv`), so a prompt is computed only
+from the first token that differs (a regenerated one: only its final token, for the logits).
 
-Chat sessions may pin the blocks of their last turn (a session reference). Pinned blocks are
-evicted only under memory pressure, least recently used session first.
+Chat sessions may pin the blocks of their last turn (a session reference), the partly filled last
+one included: the session's next turn, whose prompt extends those tokens, takes that block over and
+computes only its new tokens. Pinned blocks are evicted only under memory pressure, least recently
+used session first.
 
 Hybrid models (Gated DeltaNet layers) carry a recurrent state per sequence, so a block-hash hit
 alone cannot resume a sequence: the state at the hit point is needed too. In hybrid mode
@@ -74,6 +76,7 @@ class SessionPin:
     blocks: list[int]
     tokens: tuple[int, ...] = ()    # hybrid mode: the computed tokens the blocks and state hold
     state_slot: int | None = None   # hybrid mode: the recurrent state at len(tokens)
+    tail: tuple[int, tuple[int, ...]] | None = None   # the partly filled last block and its computed tokens
 
 
 class BlockManager:
@@ -154,9 +157,10 @@ class BlockManager:
                 break
             hits.append(self.blocks[block_id])
             prev = h
-        if len(hits) < max_blocks or self.copy_kv is None:
+        if self.copy_kv is None:
             return hits, None, 0
-        rest = seq.token_ids[len(hits) * self.block_size:len(seq) - 1]
+        start = len(hits) * self.block_size   # the first block not cached whole: how far does one match?
+        rest = seq.token_ids[start:min(start + self.block_size, len(seq) - 1)]
         best, best_n = None, 0
         for block_id in self.children.get(prev, ()):
             tokens = self.blocks[block_id].token_ids
@@ -174,18 +178,22 @@ class BlockManager:
         if self.hybrid:
             return self._allocate_hybrid(seq)
         hits, partial, partial_n = self._cached_prefix(seq)
-        for block in hits + ([partial] if partial is not None else []):   # protect them from eviction below
+        tail, tail_n = self._session_tail(seq, hits)
+        if tail is not None:
+            partial = None   # the session's own last block, taken over: nothing to copy
+        kept = hits + [b for b in (tail, partial) if b is not None]
+        for block in kept:   # protect them from eviction below
             self._ref(block)
-        needed = self.num_blocks_for(len(seq)) - len(hits)
+        needed = self.num_blocks_for(len(seq)) - len(hits) - (tail is not None)
         if not self.can_get(needed):
-            for block in reversed(hits + ([partial] if partial is not None else [])):
+            for block in reversed(kept):
                 self._unref(block.block_id)
             return False
-        seq.block_table = [b.block_id for b in hits]
+        seq.block_table = [b.block_id for b in hits] + ([tail.block_id] if tail is not None else [])
         seq.block_hashes = [b.hash for b in hits]
         for _ in range(needed):
             seq.block_table.append(self._take_free_block().block_id)
-        cached = len(hits) * self.block_size
+        cached = len(hits) * self.block_size + tail_n
         if partial is not None:
             self.copy_kv(partial.block_id, seq.block_table[len(hits)], partial_n)
             self._unref(partial.block_id)
@@ -195,6 +203,18 @@ class BlockManager:
         self.counters.hit_tokens += cached
         self.counters.queried_tokens += len(seq)
         return True
+
+    def _session_tail(self, seq: Sequence, hits: list[Block]) -> tuple[Block | None, int]:
+        """The partly filled last block pinned by seq's session, when seq's prompt goes on from it."""
+        pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
+        if pin is None or pin.tail is None:
+            return None, 0
+        block_id, tokens = pin.tail
+        start = len(hits) * self.block_size
+        if [b.block_id for b in hits] != pin.blocks[:-1] or start + len(tokens) > len(seq) - 1 \
+                or tuple(seq.token_ids[start:start + len(tokens)]) != tokens:
+            return None, 0
+        return self.blocks[block_id], len(tokens)
 
     def _allocate_hybrid(self, seq: Sequence) -> bool:
         pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
@@ -279,13 +299,19 @@ class BlockManager:
             self._pin(session_id, list(seq.block_table), tuple(seq.token_ids[:computed]), seq.state_slot)
             seq.state_slot = None
             return
-        self._pin(session_id, seq.block_table[:len(seq.block_hashes)])
+        full = len(seq.block_hashes)
+        blocks, tail = seq.block_table[:full], None
+        computed = min(seq.num_computed_tokens, len(seq))
+        if computed > full * self.block_size and full < len(seq.block_table):
+            tail = (seq.block_table[full], tuple(seq.token_ids[full * self.block_size:computed]))
+            blocks = blocks + [tail[0]]
+        self._pin(session_id, blocks, tail=tail)
 
     def _pin(self, session_id: str, blocks: list[int], tokens: tuple[int, ...] = (),
-             state_slot: int | None = None) -> None:
+             state_slot: int | None = None, tail: tuple[int, tuple[int, ...]] | None = None) -> None:
         for block_id in blocks:
             self._ref(self.blocks[block_id])
-        self.sessions[session_id] = SessionPin(blocks, tokens, state_slot)
+        self.sessions[session_id] = SessionPin(blocks, tokens, state_slot, tail)
 
     def touch_session(self, session_id: str) -> None:
         if session_id in self.sessions:

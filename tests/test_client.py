@@ -191,6 +191,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def expected_cached(shared: int, other_computed: int, prompt: int, block: int) -> int:
+    """Cached tokens of a prompt sharing `shared` ids with a resident sequence whose first
+    `other_computed` ids have KV: whole blocks, then the matching start of the block where they part
+    (copied) when that block of the other sequence is full; never the prompt's last token."""
+    whole = shared // block * block
+    copied = shared if whole + block <= other_computed else whole
+    return min(copied, prompt - 1)
+
+
 def branch_point_cached(client, session, edited: str, at: int):
     """Branch `session` after `at` turns and send `edited` there; returns the branch, its reply and
     the length of the prompt ids the branch shares with `session`. The two stay resident, their
@@ -217,7 +226,9 @@ def test_branches_share_their_prefix_and_match_a_from_scratch_run(client, tiny_m
         branch, reply, shared = branch_point_cached(client, session, f"branch {at}: tell me about owls", at)
         assert branch.history[:2 * at] == session.history[:2 * at] and len(branch.history) == 2 * at + 2
         assert branch.token_ids[:branch.turn_starts[at]] == session.token_ids[:session.turn_starts[at]]
-        assert reply.stats.cached_tokens == shared // block * block      # the shared prefix, in whole blocks
+        # the shared prefix: all of it (the session's last sampled token and end-of-turn were never computed)
+        assert reply.stats.cached_tokens == expected_cached(shared, len(session.token_ids) - 2,
+                                                            reply.stats.prompt_tokens, block)
         prompt = branch.token_ids[:reply.stats.prompt_tokens]
         assert scratch.generate([prompt], GREEDY)[0].token_ids == reply.token_ids
         client.close_session(branch)
@@ -231,7 +242,9 @@ def test_branches_share_their_prefix_and_match_a_from_scratch_run(client, tiny_m
     branch = client.branch_session(session, 1, more)
     assert branch.token_ids == session.token_ids[:session.turn_starts[1]]
     reply = client.submit_turn(branch, "go on", GREEDY).result(30)
-    assert reply.stats.cached_tokens == common_prefix(branch.token_ids, session.token_ids) // block * block
+    shared = common_prefix(branch.token_ids, session.token_ids)
+    assert reply.stats.cached_tokens == expected_cached(shared, len(session.token_ids) - 2,
+                                                        reply.stats.prompt_tokens, block)
     seeded = client.open_session("Be brief.", session.history[:2] + more)   # the same, rendered from text
     client.submit_turn(seeded, "go on", GREEDY).result(30)
     a, b = seeded.turn_starts, branch.turn_starts     # the branch's own turn, rendered as a seeded one is

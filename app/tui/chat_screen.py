@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.reactive import reactive
@@ -29,7 +29,7 @@ from nanochat.app.tui.commands import NanochatCommands
 from nanochat.app.tui.messages import MessageAction, ReplyStreamed, RunCommand, TurnFinished
 from nanochat.app.tui.screens import ContextFullScreen, GaugedScreen
 from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHints, ConversationList, GaugePanel,
-                                     InputHistory)
+                                     InputHistory, MessageView)
 from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import THEME_NAMES
 
@@ -281,6 +281,17 @@ class ChatScreen(GaugedScreen):
         await self.show_conversation(other.id)
         self.query_one(ChatInput).focus()
         self.notify(f"Forked into “{other.title}”")
+
+    def on_key(self, event: events.Key) -> None:
+        """Typing while a message is focused (after moving between its versions) goes to the input. The
+        input consumes what it is typed itself, so a key reaching here with the input focused was sent
+        to a message before the focus moved (the rest of a fast burst)."""
+        if isinstance(self.focused, (MessageView, ChatInput)) and event.is_printable and event.character \
+                and event.key not in MessageView.KEYS:
+            chat_input = self.query_one(ChatInput)
+            self.set_focus(chat_input)   # at once: the keys typed after this one go to the input too
+            chat_input.insert(event.character)
+            event.stop()
 
     @on(MessageAction)
     async def _message_action(self, event: MessageAction) -> None:

@@ -66,6 +66,7 @@ class MessageView(Vertical, can_focus=True):
         Binding("e", "act('edit')", "Edit"),
         Binding("f", "act('fork')", "Fork here"),
     ]
+    KEYS = frozenset(key for binding in BINDINGS for key in binding.key.split(","))
 
     def __init__(self, message: Message, versions: tuple[int, int] = (1, 1), **kwargs):
         super().__init__(classes=f"message {message.role}", **kwargs)
