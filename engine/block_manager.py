@@ -111,13 +111,17 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
+            siblings = self.children.get(block.parent, set())
+            siblings.discard(block_id)
             if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            siblings = self.children.get(block.parent)
-            if siblings is not None:
-                siblings.discard(block_id)
-                if not siblings:
-                    del self.children[block.parent]
+                # Another block may hold the same tokens (computed twice): it answers for the hash now.
+                twin = next((i for i in siblings if self.blocks[i].hash == block.hash), None)
+                if twin is None:
+                    del self.hash_to_block[block.hash]
+                else:
+                    self.hash_to_block[block.hash] = twin
+            if not siblings:
+                self.children.pop(block.parent, None)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block
 
@@ -351,6 +355,8 @@ class BlockManager:
                 f"block {block.block_id}: ref {block.ref_count} but free={block.block_id in free}"
         for h, block_id in self.hash_to_block.items():
             assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"
+        for block in self.blocks:
+            assert block.hash is None or block.hash in self.hash_to_block, f"block {block.block_id} cannot be found"
         for parent, ids in self.children.items():
             for block_id in ids:
                 block = self.blocks[block_id]
