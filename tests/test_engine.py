@@ -303,6 +303,28 @@ def test_block_invariant_after_random_workload():
     assert bm.counters.hit_tokens > 0
 
 
+def test_the_branch_shown_is_evicted_last():
+    """Two branches' sessions pinned; the one shown is touched (the client's focus_session): under
+    memory pressure the other one's blocks go first."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sp = SamplingParams(max_tokens=1)
+    for sid, first in (("shown", 0), ("hidden", 50)):
+        seq = Sequence(list(range(first, first + 12)), sp, session_id=sid)
+        assert bm.allocate(seq)
+        seq.num_computed_tokens = len(seq)
+        bm.commit_computed(seq)
+        bm.pin_session(sid, seq)
+        bm.deallocate(seq)
+    bm.touch_session("shown")                                  # moved back to: most recently used
+    big = Sequence(list(range(100, 113)), sp)                  # needs 4 blocks; 2 are free
+    assert bm.allocate(big)
+    assert list(bm.sessions) == ["shown"]
+    bm.deallocate(big)
+    bm.release_session("shown")
+    bm.check_invariants()
+    assert bm.num_free_blocks == 8
+
+
 def test_sessions_copies_and_pins_keep_every_block_accounted_for():
     """Chat-like random traffic: sessions that go on from their last turn (taking over its partly filled
     block), branches that part mid-block (copy-on-write), evictions under pressure; the invariants hold,
