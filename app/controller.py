@@ -9,9 +9,13 @@ ChatObserver what changed, so the front end redraws at most once per drain howev
 Blocking engine work (load a model, restart a dead engine) is in `load_model` / `restart_engine`,
 for the front end to run in a worker thread; they touch nothing but the client.
 
+A conversation is a tree: `regenerate` and `edit` add versions beside the messages they replace,
+`switch` shows another version, `fork` copies a branch into a new conversation. Each branch recently
+shown keeps an engine session; a new branch is cut from the session it shares the longest prefix
+with, so its shared KV is found in the prefix cache (`_session_for`).
+
 A reply is saved while it streams (SAVE_INTERVAL), so when the app itself is killed a restart shows
-the reply up to its last save, marked STOPPED_NOTE; `rewind` takes back the last exchange, for the
-front end to send its message again (regenerate).
+the reply up to its last save, marked STOPPED_NOTE; `regenerate` writes a new version of it.
 
 Engine death (kill -9, the OOM killer, a crash in a kernel): the reply in flight ends with an error
 event that keeps its partial text; the controller saves that partial reply marked INTERRUPTED_NOTE,
@@ -26,6 +30,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -590,7 +595,8 @@ class ChatController:
             self.rename(conv, text.strip().splitlines()[0][:40])
         return turn
 
-    def _attached(self, conv: Conversation, user: Message, parent: Message | None, start) -> Turn:
+    def _attached(self, conv: Conversation, user: Message, parent: Message | None,
+                  start: Callable[[], Turn]) -> Turn:
         """Run `start` with `user` attached under `parent`; detached again when the turn cannot start."""
         conv.attach(user, parent)
         try:
@@ -694,9 +700,10 @@ class ChatController:
             self.store.set_context_after(conv.id, conv.context_after.id)
         return dropped
 
-    @staticmethod
-    def _reply_room(conv: Conversation, limit: int) -> int:
-        return min(int(conv.settings.get("max_tokens", 256)), limit // 4)
+    def _reply_room(self, conv: Conversation, limit: int) -> int:
+        """Tokens kept free for a reply when trimming or summarizing: max_tokens, at most a quarter of
+        the context."""
+        return min(int(self.sampling_for(conv)["max_tokens"]), limit // 4)
 
     def summarize(self, conv: Conversation, timeout: float = 600.0) -> str:
         """A summary of the chat, written by the model from the newest turns that fit (blocking: run it

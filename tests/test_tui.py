@@ -17,7 +17,7 @@ import time
 
 import pytest
 from textual.widgets._markdown import MarkdownParagraph
-from textual.widgets import Label
+from textual.widgets import Label, Static
 
 from nanochat.app.controller import INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, format_stats
 from nanochat.app.paths import get_paths
@@ -557,6 +557,27 @@ async def test_ctrl_r_regenerates_the_last_reply_as_a_new_version(shared_client,
         await send(pilot, "/new")
         await send(pilot, "/retry")
         assert any("cannot retry" in n for n in notifications(app)), notifications(app)
+
+
+@sync
+async def test_set_changes_this_chat_only_and_shows_in_the_gauges(shared_client, home):
+    app = make_app(shared_client, home, max_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        conv = screen.current
+        await send(pilot, "/set temperature 0.3")
+        await send(pilot, "/set top_p 7")
+        await send(pilot, "/set max_tokens lots")
+        await pilot.pause()
+        assert conv.settings == {"temperature": 0.3}
+        errors = [n for n in notifications(app) if n.startswith("/set")]
+        assert any("top_p" in n for n in errors) and any("not a whole number" in n for n in errors)
+        sampling = str(screen.query_one("#g-sampling", Static).render())
+        assert "temperature 0.3*" in sampling and "max_tokens 3" in sampling
+        await send(pilot, "/new")
+        await pilot.pause()
+        assert "temperature 0.3" not in str(screen.query_one("#g-sampling", Static).render())
+        assert ChatStore(home.chat_db).load_conversation(conv.id).settings == {"temperature": 0.3}
 
 
 @sync

@@ -133,7 +133,7 @@ class ChatCommands:
         except (ChatError, ValueError) as e:
             self.notify(f"/set {name}: {e}", severity="error")
             return
-        self.screen.show_chat_settings()
+        self.screen.refresh_chat_status()
         self.notify(f"{name} = {raw}" if value is not None else f"{name}: back to the default")
 
     async def history(self, arg: str) -> None:

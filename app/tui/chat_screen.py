@@ -418,9 +418,6 @@ class ChatScreen(GaugedScreen):
         self.chat_status = ChatStatus(self.controller.context_used(conv), model.max_model_len if model else 0,
                                       describe_settings(self.controller.sampling_for(conv), conv.settings))
 
-    def show_chat_settings(self) -> None:
-        self.refresh_chat_status()
-
     def watch_engine_status(self, old, new) -> None:
         if (old.model, old.detail) != (new.model, new.detail) and self.is_mounted:
             self.refresh_chat_status()   # another model: another context size and recommendations
