@@ -19,6 +19,11 @@ from nanochat.app.options import (DTYPE_NAMES, KV_CACHE_GIB, PENALTY, POSITIVE_I
                                   TOP_K, TOP_P, accepts, valid_device)
 
 MAX_RECENT = 10
+VERSION = 2
+# Version 1 files hold every sampling setting, its default written out whether chosen or not. Read as
+# "not stated", those defaults let the model file's recommendations apply (options.effective_sampling).
+V1_SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "max_tokens": 512,
+                        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 class SettingsNotSaved(OSError):
@@ -86,8 +91,9 @@ class Settings:
         if not isinstance(raw, dict):
             settings.warnings.append(f"{path}: settings must be a JSON object; using defaults")
             return settings
+        unchosen = V1_SAMPLING_DEFAULTS if raw.get("version", 1) < VERSION else {}
         for name, check in _CHECKS.items():
-            if name not in raw:
+            if name not in raw or (name in unchosen and raw[name] == unchosen[name]):
                 continue
             value = raw[name]
             if check(value):
@@ -120,7 +126,7 @@ class Settings:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("warnings")
-        return d
+        return {"version": VERSION, **d}
 
     # ------------------------------------------------------------------ helpers
     def remember_model(self, model: str) -> None:

@@ -323,6 +323,26 @@ def test_settings_roundtrip_and_defaults(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["settings.json"]    # no temp files left
 
 
+def test_a_version_1_settings_file_leaves_unchosen_sampling_to_the_model(tmp_path):
+    """Version 1 wrote every sampling default out: those read as unset (the model file's recommendation,
+    else nanochat's default applies); a value that differs was chosen and stays; version 2 files keep
+    even a default-looking value, since they write unset ones as null."""
+    import json
+
+    path = tmp_path / "settings.json"
+    v1 = {"theme": "nanochat-light", "temperature": 0.7, "top_p": 0.95, "top_k": -1, "max_tokens": 300,
+          "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    path.write_text(json.dumps(v1))
+    s = Settings.load(path)
+    assert (s.theme, s.max_tokens) == ("nanochat-light", 300) and s.warnings == []
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.presence_penalty) == (None,) * 5
+    s.temperature = 0.7                                    # chosen now
+    s.save(path)
+    assert json.loads(path.read_text())["version"] == 2
+    again = Settings.load(path)
+    assert again.temperature == 0.7 and again.top_p is None and again.max_tokens == 300
+
+
 def test_settings_tolerate_bad_files(tmp_path):
     path = tmp_path / "settings.json"
     path.write_text("{not json")

@@ -103,7 +103,7 @@ def test_settings_file_uses_the_same_rules(tmp_path):
     path = tmp_path / "settings.json"
     good = {"dtype": "bf16", "temperature": 0, "top_p": 1, "top_k": -1, "max_tokens": 5, "kv_cache_gib": 2,
             "max_model_len": 128, "repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2}
-    path.write_text(json.dumps(good))
+    path.write_text(json.dumps({"version": 2, **good}))   # a current file: -1 for top_k was chosen
     loaded = Settings.load(path)
     assert not loaded.warnings and {k: getattr(loaded, k) for k in good} == good
     bad = {"dtype": "int3", "temperature": -0.1, "top_p": 0, "top_k": -2, "max_tokens": 1.5, "kv_cache_gib": 0,
