@@ -95,7 +95,8 @@ def _v4(conn: sqlite3.Connection) -> None:
         ALTER TABLE conversations ADD COLUMN leaf_id INTEGER;
         ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
         ALTER TABLE conversations ADD COLUMN context_after INTEGER;
-        UPDATE conversations SET leaf_id = (SELECT MAX(m.id) FROM messages m WHERE m.conversation_id = conversations.id);
+        UPDATE conversations SET leaf_id = (SELECT MAX(m.id) FROM messages m
+                                            WHERE m.conversation_id = conversations.id);
     """)
 
 
@@ -219,7 +220,8 @@ class ChatStore:
         now = created if created is not None else time.time()
         with self._lock, self._conn:
             if parent_id is AFTER_LEAF:
-                row = self._conn.execute("SELECT leaf_id FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+                row = self._conn.execute("SELECT leaf_id FROM conversations WHERE id = ?",
+                                         (conversation_id,)).fetchone()
                 parent_id = row[0] if row is not None else None
             cur = self._conn.execute(
                 "INSERT INTO messages (conversation_id, role, content, stats, created, note, partial, parent_id) "

@@ -25,7 +25,7 @@ extends the pinned tokens, resuming exactly where the last turn stopped.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanochat.engine.sequence import Sequence
 

@@ -598,7 +598,8 @@ def test_per_chat_settings_are_validated_saved_and_win(make, tmp_path, monkeypat
     chat.set_setting(conv, "top_k", 5)
     chat.set_setting(conv, "max_tokens", 3)
     assert chat.sampling_for(conv)["top_k"] == 5
-    assert describe_settings(chat.sampling_for(conv), conv.settings) == "temperature 0 · top_p 0.95 · top_k 5* · max_tokens 3*"
+    assert describe_settings(chat.sampling_for(conv), conv.settings) == \
+        "temperature 0 · top_p 0.95 · top_k 5* · max_tokens 3*"
     for name, value, why in [("top_p", 7.0, "top_p"), ("temperature", -1.0, "temperature"),
                              ("max_tokens", 0, "max_tokens"), ("colour", 1, "unknown setting")]:
         with pytest.raises(ChatError, match=why):

@@ -16,9 +16,9 @@ from pathlib import Path
 from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.reactive import reactive
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.reactive import reactive
 from textual.widgets import ContentSwitcher, Footer, Header, Label, OptionList
 
 from nanochat.app.controller import (ChatController, ChatError, Conversation, EngineState, Message, Turn,
