@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from nanochat.app.options import effective_sampling
+from nanochat.app.options import SAMPLING_RULES, effective_sampling
 from nanochat.app.store import ChatStore, StoredConversation
 from nanochat.engine.output import EngineStats, Reply, RequestStats, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
@@ -50,8 +50,7 @@ STOPPED_NOTE = "interrupted: nanochat stopped"   # saved mid-reply and never fin
 UNANSWERED_NOTE = "not answered: nanochat stopped · /retry sends it again"
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
 MAX_BRANCH_SESSIONS = 4   # engine sessions kept per conversation (the branch shown and recent others)
-CHAT_SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+CHAT_SETTINGS = tuple(SAMPLING_RULES)   # what /set may change
 
 
 # ---------------------------------------------------------------------------------- conversations
@@ -104,6 +103,11 @@ class Conversation:
     def siblings(self, message: Message) -> list[Message]:
         """The versions of `message`: its parent's children (the first messages, for a first message)."""
         return message.parent.children if message.parent is not None else self.roots
+
+    def version(self, message: Message) -> tuple[int, int]:
+        """(k, n): `message` is version k of n (‹k/n›)."""
+        versions = self.siblings(message)
+        return versions.index(message) + 1, len(versions)
 
     def show(self, leaf: Message | None) -> None:
         """Make the path ending at `leaf` the one shown."""
@@ -217,18 +221,16 @@ def as_history(messages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-INT_SETTINGS = ("top_k", "seed", "max_tokens")
-
-
 def setting_value(name: str, raw: str):
-    """A /set value typed as text, as the setting's type (ValueError with one line when it is not)."""
-    if name not in CHAT_SETTINGS:
+    """A /set value typed as text, as the setting's type (ValueError with one line when it is not; the
+    value itself is checked by set_setting, with the others)."""
+    if name not in SAMPLING_RULES:
         raise ValueError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
+    cast = SAMPLING_RULES[name].cast
     try:
-        return int(raw) if name in INT_SETTINGS else float(raw)
+        return cast(raw)
     except ValueError:
-        kind = "a whole number" if name in INT_SETTINGS else "a number"
-        raise ValueError(f"{raw!r} is not {kind}") from None
+        raise ValueError(f"{raw!r} is not {'a whole number' if cast is int else 'a number'}") from None
 
 
 NEUTRAL_SETTINGS = {"top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -641,7 +643,7 @@ class ChatController:
         if not 0 <= at < len(siblings):
             return None
         conv.show(latest_leaf([siblings[at]]) or siblings[at])
-        self.store.set_leaf(conv.id, conv.leaf.id if conv.leaf is not None else None)
+        self._save_leaf(conv)
         held = tuple(conv.held())
         for key, session in conv.sessions:
             if key == held:   # its KV is resident: keep it so, ahead of the branches not shown
@@ -710,7 +712,8 @@ class ChatController:
         in a worker). ChatError when it cannot be written."""
         limit = self.client.model.max_model_len
         room = self._reply_room(conv, limit)
-        held, sizes = conv.held(), _turn_sizes(conv.held())
+        held = conv.held()
+        sizes = _turn_sizes(held)
         budget, start = limit - room - SUMMARY_OVERHEAD, len(sizes)
         while start > 0 and budget - sizes[start - 1] > 0:
             start -= 1
@@ -755,6 +758,9 @@ class ChatController:
             raise ChatError(one_line(e)) from None
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
+
+    def _save_leaf(self, conv: Conversation) -> None:
+        self.store.set_leaf(conv.id, conv.leaf.id if conv.leaf is not None else None)
 
     def _note_model(self, conv: Conversation) -> None:
         model = self.client.model.model
@@ -841,7 +847,7 @@ class ChatController:
                 if user.id is not None:
                     self.store.delete_message(user.id)
             conv.show(turn.shown_before)
-            self.store.set_leaf(conv.id, conv.leaf.id if conv.leaf is not None else None)
+            self._save_leaf(conv)
             return
         reply.stats = turn.fold.stats
         if turn.interrupted:

@@ -172,7 +172,10 @@ def engine_config(args, settings, **extra) -> dict:
     return cfg
 
 
-PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+# Every sampling setting a user can state (flags, settings.json, a chat's /set), with its check.
+SAMPLING_RULES = {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
+                  "max_tokens": POSITIVE_INT, "repetition_penalty": REPETITION_PENALTY,
+                  "presence_penalty": PENALTY, "frequency_penalty": PENALTY}
 # What a chat samples with where neither the user nor the model file says (SamplingParams' own defaults,
 # 1.0 and 64 tokens, suit the API, not a chat).
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512}
@@ -181,8 +184,7 @@ CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512}
 def sampling_options(args, settings) -> dict:
     """The SamplingParams keyword arguments the user states: each flag over its settings value (--seed and
     --ignore-eos have none); what neither states is left out, for `effective_sampling` to fill."""
-    opts = {name: pick(args, name, getattr(settings, name))
-            for name in ("temperature", "top_p", "top_k", "max_tokens", *PENALTIES)}
+    opts = {name: pick(args, name, getattr(settings, name)) for name in SAMPLING_RULES if name != "seed"}
     opts["seed"] = getattr(args, "seed", None)
     if getattr(args, "ignore_eos", False):
         opts["ignore_eos"] = True

@@ -13,10 +13,10 @@ import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
-from nanochat.app.options import (DTYPE_NAMES, KV_CACHE_GIB, PENALTY, POSITIVE_INT, REPETITION_PENALTY, TEMPERATURE,
-                                  TOP_K, TOP_P, accepts, valid_device)
+from nanochat.app.options import DTYPE_NAMES, KV_CACHE_GIB, POSITIVE_INT, SAMPLING_RULES, accepts, valid_device
 
 MAX_RECENT = 10
 VERSION = 2
@@ -34,19 +34,17 @@ def _optional_str(v) -> bool:
     return v is None or isinstance(v, str)
 
 
+def _optional(rule, v) -> bool:
+    return v is None or accepts(rule, v)
+
+
 # field -> check of a value read from the file (the command line's checks, app/options.py)
 _CHECKS = {
     "default_model": _optional_str,
     "device": valid_device,
     "dtype": lambda v: v in DTYPE_NAMES,
     "theme": lambda v: isinstance(v, str) and bool(v),
-    "temperature": lambda v: v is None or accepts(TEMPERATURE, v),
-    "top_p": lambda v: v is None or accepts(TOP_P, v),
-    "top_k": lambda v: v is None or accepts(TOP_K, v),
-    "max_tokens": lambda v: v is None or accepts(POSITIVE_INT, v),
-    "repetition_penalty": lambda v: v is None or accepts(REPETITION_PENALTY, v),
-    "presence_penalty": lambda v: v is None or accepts(PENALTY, v),
-    "frequency_penalty": lambda v: v is None or accepts(PENALTY, v),
+    **{name: partial(_optional, rule) for name, rule in SAMPLING_RULES.items() if name != "seed"},
     "system_prompt": _optional_str,
     "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "kv_cache_gib": lambda v: v is None or accepts(KV_CACHE_GIB, v),

@@ -7,8 +7,6 @@ models/ may not import the engine (tests/test_layering.py).
 
 from __future__ import annotations
 
-import json
-
 import gguf
 import numpy as np
 
@@ -26,7 +24,8 @@ _FLOAT32 = (int(gguf.GGUFValueType.FLOAT32),)
 def sampling_defaults(source) -> dict:
     """SamplingParams keyword -> value for each setting the model file states and SamplingParams accepts;
     a value of the wrong type or out of range is left out. `source`: a GGUFSource or an HFSource."""
-    stated = _hf_stated(source.root) if hasattr(source, "root") else _gguf_stated(source)
+    stated = _hf_stated(source.generation_config()) if hasattr(source, "generation_config") \
+        else _gguf_stated(source)
     checked = {name: _checked(name, value) for name, value in stated.items()}
     return {name: value for name, value in checked.items() if value is not None}
 
@@ -42,13 +41,7 @@ def _gguf_stated(source) -> dict:
     return stated
 
 
-def _hf_stated(root) -> dict:
-    try:
-        config = json.loads((root / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):   # absent or unreadable: states nothing
-        return {}
-    if not isinstance(config, dict):
-        return {}
+def _hf_stated(config: dict) -> dict:
     stated = {name: config[name] for name in ("temperature", "top_p", "top_k", "repetition_penalty")
               if name in config}
     if config.get("do_sample") is False:

@@ -175,15 +175,19 @@ class HFSource:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return template
 
-    def generation_eos_ids(self) -> tuple[int, ...]:
-        """Extra end ids from generation_config.json; an unreadable file only states none (as for
-        transformers, the file is advice: config.json and the tokenizer still say how to stop)."""
+    def generation_config(self) -> dict:
+        """generation_config.json, or {} when absent or unreadable: the file is advice (config.json and
+        the tokenizer still say how to stop), so a bad one never stops a load."""
         p = self.root / "generation_config.json"
         try:
             config = _read_json(p) if p.is_file() else {}
         except (ModelLoadError, RecursionError):
-            return ()
-        eos = config.get("eos_token_id") if isinstance(config, dict) else None
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    def generation_eos_ids(self) -> tuple[int, ...]:
+        """Extra end ids from generation_config.json."""
+        eos = self.generation_config().get("eos_token_id")
         if isinstance(eos, list):
             return tuple(e for e in eos if isinstance(e, int) and not isinstance(e, bool))
         return (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else ()

@@ -339,8 +339,8 @@ class HistoryScreen(ModalScreen[None]):
         for i, m in enumerate(self.conversation.messages, 1):
             text = " ".join(m.content.split())
             text = text if len(text) <= 48 else text[:47] + "…"
-            versions = self.conversation.siblings(m)
-            role = f"{m.role} ‹{versions.index(m) + 1}/{len(versions)}›" if len(versions) > 1 else m.role
+            k, n = self.conversation.version(m)
+            role = f"{m.role} ‹{k}/{n}›" if n > 1 else m.role
             table.add_row(str(i), role, text, *self._stats_cells(m.stats),
                           m.note or ("generating" if m.streaming else ""))
         table.focus()

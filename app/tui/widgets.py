@@ -154,8 +154,7 @@ class ChatView(VerticalScroll):
             yield self._view(m)
 
     def _view(self, message: Message) -> MessageView:
-        versions = self.conversation.siblings(message)
-        return MessageView(message, (versions.index(message) + 1, len(versions)))
+        return MessageView(message, self.conversation.version(message))
 
     def on_mount(self) -> None:
         self.refresh_placeholder()
