@@ -249,6 +249,10 @@ def dispatch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nanochat.engine.config import launched_rank
+    if launched_rank():   # torchrun started this process as a rank other than 0: it becomes a worker of rank 0
+        import os
+        os.execv(sys.executable, [sys.executable, "-m", "nanochat.engine.tensor_parallel"])
     parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)

@@ -135,6 +135,8 @@ def add_engine_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--kv-cache-gib", type=kv_cache_gib_float, metavar="GIB", help="CPU KV-cache budget")
     add_option(parser, suppress, "--dequantize", action="store_true", default=argparse.SUPPRESS if suppress else False,
                help="materialise GGUF weights as dense tensors (more memory, exact fp32/bf16 maths)")
+    add_option(parser, suppress, "--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
+               help="split the model over N ranks (GPUs, or CPU processes); under torchrun, its WORLD_SIZE")
     add_option(parser, suppress, "--quantize", choices=["q8_0"],
                help="quantize a Hugging Face checkpoint's linears to Q8_0 at load (~4x less memory than fp32, "
                     "the fast CPU path)")
@@ -163,7 +165,8 @@ def engine_config(args, settings, **extra) -> dict:
            "max_model_len": pick(args, "max_model_len", settings.max_model_len),
            "kv_cache_gib": pick(args, "kv_cache_gib", settings.kv_cache_gib),
            "dequantize": True if getattr(args, "dequantize", False) else None,
-           "quantize": getattr(args, "quantize", None), **extra}
+           "quantize": getattr(args, "quantize", None),
+           "tensor_parallel_size": getattr(args, "tensor_parallel_size", None), **extra}
     cfg = {k: v for k, v in cfg.items() if v is not None}
     try:
         Config.create("", **cfg)

@@ -40,6 +40,7 @@ ENV_OVERRIDES = {
     "NANO_VLLM_KVCACHE_BLOCK_SIZE": ("kvcache_block_size", int),
     "NANO_VLLM_CPU_THREADS": ("cpu_threads", int),
     "NANO_VLLM_KV_CACHE_DTYPE": ("kv_cache_dtype", str),
+    "NANO_VLLM_TENSOR_PARALLEL_SIZE": ("tensor_parallel_size", int),
     "NANOCHAT_PACK_CACHE": ("pack_cache", _flag),
     "NANOCHAT_CPU_ISA": ("cpu_isa", str),
     "NANOCHAT_QUANT_BACKEND": ("quant_backend", str),
@@ -56,6 +57,24 @@ DEVICES = "cpu, cuda, cuda:N or auto"   # what valid_device accepts, for message
 QUANT_BACKENDS = ("auto", "q8", "int4", "dense", "triton")
 MAX_CPU_THREADS = 1024          # 100000 threads crashed the engine process (SIGSEGV); 10**100 overflowed torch
 MAX_KV_CACHE_GIB = 2 ** 20      # 1 PiB, past any machine; the budget in bytes (x 2**30) must stay a finite float
+
+
+MAX_TP = 64
+
+
+def _launch_world_size() -> int | None:
+    """WORLD_SIZE when a torch.distributed launcher (torchrun) started this process among several."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    if "RANK" not in os.environ or not raw.isdigit() or int(raw) < 2:
+        return None
+    return int(raw)
+
+
+def launched_rank() -> int | None:
+    """This process's RANK when a torch.distributed launcher (torchrun) started several, else None."""
+    if _launch_world_size() is None or not os.environ["RANK"].isdigit():
+        return None
+    return int(os.environ["RANK"])
 
 
 def valid_device(name) -> bool:
@@ -94,6 +113,8 @@ class Config:
     quant_backend: str = "auto"         # GGUF linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
     fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/fused_forward.py)
     act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
+    tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
+                                        # torch.distributed launcher (torchrun) its WORLD_SIZE
 
     @classmethod
     def create(cls, model: str = "", **kwargs) -> "Config":
@@ -114,6 +135,11 @@ class Config:
                     raise ValueError(f"{env}={shown(raw)} is not {kind}; fix or unset it") from None
                 from_env[name] = f"{env}={shown(raw)}"
         values.update({k: v for k, v in kwargs.items() if v is not None})
+        world = _launch_world_size()
+        if world is not None:   # started by torchrun & co: every rank of the launch is a tensor-parallel rank
+            asked = values.setdefault("tensor_parallel_size", world)
+            if asked != world:
+                raise ValueError(f"tensor_parallel_size {asked} differs from the launcher's WORLD_SIZE {world}")
         cfg = cls(model=model, **values)
         try:
             cfg.validate()
@@ -163,6 +189,8 @@ class Config:
         if self.quant_backend not in QUANT_BACKENDS:
             raise ValueError(f"quant_backend must be one of {', '.join(QUANT_BACKENDS)}, "
                              f"got {shown(self.quant_backend)}")
+        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP:
+            raise ValueError(f"tensor_parallel_size must be from 1 to {MAX_TP}, got {self.tensor_parallel_size!r}")
         if self.act_levels not in (1, 2):
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 

@@ -37,14 +37,20 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, model: str, config: Config | None = None, loaded=None, load_progress=None, **kwargs):
-        """`load_progress(done, total)`: called as the weights load (a progress bar)."""
-        from nanochat.models.loader import build_model, load
+        """`load_progress(done, total)`: called as the weights load (a progress bar). Under a torch.distributed
+        launcher (torchrun), on a rank other than 0 this serves rank 0's engine and exits the process."""
+        from nanochat.engine.config import launched_rank
+        from nanochat.models.loader import load
+
+        if launched_rank():
+            from nanochat.engine.tensor_parallel import run_worker
+            raise SystemExit(run_worker())
 
         started = time.perf_counter()
         config = config or Config.create(model, **kwargs)
         self.device = config.resolved_device()
         if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads or default_cpu_threads())
+            torch.set_num_threads(config.cpu_threads or max(1, default_cpu_threads() // config.tensor_parallel_size))
             if config.cpu_isa != "auto":
                 from nanochat.kernels import cpu_qgemv
                 cpu_qgemv.use_isa(config.cpu_isa)
@@ -55,10 +61,16 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
         self.sampling_defaults = sampling_defaults(self.loaded.source)   # what the model file recommends
-        model_obj = build_model(self.loaded.source, self.device, self.dtype, self.config.kvcache_block_size,
-                                self.config.max_model_len, self.config.dequantize, self.config.moe_offload,
-                                self.config.quantize, load_progress, self.config.pack_cache)
-        self.runner = ModelRunner(self.config, model_obj, self.device, self.dtype)
+        self.workers = None
+        if self.config.tensor_parallel_size > 1:
+            from nanochat.engine.tensor_parallel import Workers, worker_device
+            self.device = worker_device(self.config, 0)
+            self.workers = Workers(self.config.tensor_parallel_size, self.device, model, self.config)
+        try:
+            self.runner = self._build_runner(load_progress)
+        except BaseException:
+            self.close()
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_state_slots)
         self.block_manager.copy_kv = self.runner.copy_kv
@@ -70,6 +82,33 @@ class LLMEngine:
         self._window: deque[tuple[float, int, int, float, float]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
         self.load_seconds = time.perf_counter() - started
+
+    def _build_runner(self, load_progress) -> ModelRunner:
+        from nanochat.models.loader import build_model
+
+        c, tp = self.config, None if self.workers is None else self.workers.tp
+        if self.workers is None:
+            model = build_model(self.loaded.source, self.device, self.dtype, c.kvcache_block_size, c.max_model_len,
+                                c.dequantize, c.moe_offload, c.quantize, load_progress, c.pack_cache)
+            return ModelRunner(c, model, self.device, self.dtype)
+        model, error = None, None
+        try:   # every rank builds its shard; all of them agree before the first collective of the runner
+            model = build_model(self.loaded.source, self.device, self.dtype, c.kvcache_block_size, c.max_model_len,
+                                c.dequantize, c.moe_offload, c.quantize, load_progress, c.pack_cache, tp=tp)
+        except Exception as e:
+            try:
+                self.workers.agree(" ".join(str(e).split()) or type(e).__name__)
+            except Exception:
+                pass
+            raise
+        self.workers.agree(None)
+        return ModelRunner(c, model, self.device, self.dtype, ranks=self.workers)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); the engine is unusable after."""
+        workers, self.workers = getattr(self, "workers", None), None
+        if workers is not None:
+            workers.stop()
 
     @property
     def model_config(self):
@@ -259,6 +298,9 @@ class LLMEngine:
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
+        if self.workers is not None:
+            report.extra["tensor parallel"] = (f"{self.config.tensor_parallel_size} ranks; the weights and KV cache "
+                                               "above are rank 0's shard")
         report.sampling_defaults = self.sampling_defaults
         return report
 

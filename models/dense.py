@@ -12,22 +12,34 @@ from torch import nn
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.fused_forward import FusedForward
-from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head
+from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, \
+    head_logits
+from nanochat.models.parallel import head_shard
 
 
 class DenseAttention(nn.Module):
+    """Tensor parallel: this rank's KV heads with their query heads (models/parallel.head_shard)."""
+
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, backend: AttentionBackend,
                  rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hd = self.head_dim = cfg.head_dim
+        o_name = f"{prefix}.o_proj.weight"
+        shard = head_shard(w.tp, cfg.num_attention_heads, cfg.num_key_value_heads, hd, w.align([o_name]), prefix)
+        self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         names = [f"{prefix}.{p}_proj.weight" for p in "qkv"]
+        rows = cols = None
+        if w.tp.on:
+            kv = [(shard.kv_start * hd, self.kv_size)]
+            rows, cols = [[(shard.q_start * hd, self.q_size)], kv, kv], (shard.q_start * hd, self.q_size)
         bias = None
         if cfg.attention_bias:
-            bias = torch.cat([w.dense(f"{prefix}.{p}_proj.bias") for p in "qkv"])
-        self.qkv_proj = Linear(w.linear_weight(names), bias)
-        self.o_proj = Linear(w.linear_weight([f"{prefix}.o_proj.weight"]))
+            bias = torch.cat([w.dense(f"{prefix}.{p}_proj.bias", rows=r)
+                              for p, r in zip("qkv", rows or [None] * 3)])
+        self.qkv_proj = Linear(w.linear_weight(names, rows), bias)
+        self.o_proj = Linear(w.linear_weight([o_name], cols=cols), reduce=w.tp if w.tp.on else None)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(w.dense(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
@@ -70,7 +82,7 @@ class DenseDecoderLayer(nn.Module):
 class DenseForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, w.tp
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
         self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
@@ -90,5 +102,5 @@ class DenseForCausalLM(nn.Module):
             x = layer(positions, x, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return head_logits(self.lm_head, hidden)

@@ -62,6 +62,8 @@ class FusedForward:
     def _check(model) -> str | None:
         if not fused_forward_enabled():
             return OFF_REASON
+        if model.tp.on:
+            return "tensor parallel (the compiled step has no all-reduce between its layers)"
         if model.backend.kind != "torch" or model.norm.weight.device.type != "cpu":
             return "not on the CPU"
         if model.norm.weight.dtype != torch.float32:

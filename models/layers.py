@@ -12,6 +12,9 @@ from torch import nn
 
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
+from nanochat.models.parallel import SINGLE, TensorParallel, column_units, split
+
+Ranges = list[tuple[int, int]]   # (start, count) slices of a weight's rows, concatenated in order
 
 
 class RMSNorm(nn.Module):
@@ -95,10 +98,16 @@ class Linear(nn.Module):
 
     Segments: a fused q|k|v or gate|up whose parts the file stores in different types (llama.cpp's
     quantizer mixes them, e.g. Q5_0 q/k with a Q8_0 v) keeps each part in its own type, one kernel call
-    per part, rather than a dense copy of the whole."""
+    per part, rather than a dense copy of the whole.
 
-    def __init__(self, weight, bias: torch.Tensor | None = None):
+    Tensor parallel: a row-parallel Linear (`reduce`) sums the ranks' partial outputs; a column-parallel
+    one that must end whole on rank 0 (the lm_head, `gather`) gathers the ranks' columns there (the
+    other ranks' forward returns None)."""
+
+    def __init__(self, weight, bias: torch.Tensor | None = None, reduce: TensorParallel | None = None,
+                 gather: tuple[TensorParallel, list[int]] | None = None):
         super().__init__()
+        self.reduce, self.gather = reduce, gather
         self.quant = None
         self.segments: list | None = None
         if isinstance(weight, torch.Tensor):
@@ -121,6 +130,14 @@ class Linear(nn.Module):
         return None if self.quant is None else [self.quant]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._local(x)
+        if self.reduce is not None:
+            return self.reduce.all_reduce(y)
+        if self.gather is not None:
+            return self.gather[0].gather_columns(y, self.gather[1])
+        return y
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None and self.segments is None:
             return F.linear(x, self.weight, self.bias)
         from nanochat.kernels.quant_matmul import quant_linear
@@ -132,11 +149,13 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token embedding from a dense table (fp32, or 16-bit rows widened on lookup), from raw GGML
-    blocks, or from the packed weight of a tied lm_head (one copy for both), rows dequantized on lookup."""
+    blocks, or from the packed weight of a tied lm_head (one copy for both), rows dequantized on lookup.
+    Tensor parallel: the table holds the vocabulary rows [vocab_start, vocab_start + rows) of this rank."""
 
-    def __init__(self, weight, dtype: torch.dtype):
+    def __init__(self, weight, dtype: torch.dtype, tp: TensorParallel = SINGLE, vocab_start: int = 0):
         super().__init__()
         self.dtype = dtype
+        self.tp, self.vocab_start = tp, vocab_start
         self.quant = weight if isinstance(weight, QuantWeight) else None
         self.packed = None
         if not isinstance(weight, (torch.Tensor, QuantWeight)):  # a q8 PreparedQuantWeight
@@ -146,6 +165,17 @@ class Embedding(nn.Module):
         self.weight = None if table is None else nn.Parameter(table, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.on:
+            return self._lookup(ids)
+        rows = self.weight.shape[0] if self.weight is not None else (
+            self.packed.shape[0] if self.packed is not None else self.quant.out_features)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < rows)
+        x = self._lookup(torch.where(mine, local, torch.zeros_like(local)))
+        x = x.masked_fill(~mine.unsqueeze(-1), 0).contiguous()
+        return self.tp.all_reduce(x)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.embedding(ids, self.weight).to(self.dtype)
         if self.packed is not None:
@@ -157,28 +187,52 @@ class Embedding(nn.Module):
 
 def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, Linear]:
     """The token embedding and the lm_head, quantized as the file has them. A tied head on the q8
-    kernels serves the embedding too (one copy of a 151k x 896 table instead of two)."""
+    kernels serves the embedding too (one copy of a 151k x 896 table instead of two). Tensor parallel:
+    both are split by vocabulary rows, the same rows for both, so a tied head still shares its table."""
     embed = "model.embed_tokens.weight"
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in w.names
-    head = Linear(w.linear_weight([embed if tied else "lm_head.weight"]))
+    tp = w.tp
+    vocab = [split(cfg.vocab_size, tp.size, r) for r in range(tp.size)]
+    start, count = vocab[tp.rank]
+    rows = [[(start, count)]] if tp.on else None
+    gather = (tp, [n for _, n in vocab]) if tp.on else None
+    head = Linear(w.linear_weight([embed if tied else "lm_head.weight"], rows), gather=gather)
+
+    def embedding(table):
+        return Embedding(table, w.dtype, tp, start)
+
     if tied and head.quant is not None and head.quant.backend == "q8":
-        return Embedding(head.quant, w.dtype), head
+        return embedding(head.quant), head
     table = w.get(embed)
     if isinstance(table, QuantWeight) and not w.dequantize:
-        return Embedding(table.to(w.device), w.dtype), head
+        return embedding(_slice(table, rows and rows[0], None).to(w.device)), head
     if isinstance(table, torch.Tensor) and table.dtype in (torch.float16, torch.bfloat16) and not w.dequantize \
             and w.device.type == "cpu":
-        return Embedding(table, w.dtype), head   # 16-bit rows straight from the file, widened on lookup
-    return Embedding(w.dense(embed), w.dtype), head
+        return embedding(_slice(table, rows and rows[0], None)), head   # 16-bit rows straight from the file
+    return embedding(w.dense(embed, rows=rows and rows[0])), head
+
+
+def head_logits(lm_head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
+    """fp32 logits [n, vocab] (None on a tensor-parallel rank other than 0)."""
+    logits = lm_head(hidden)
+    return None if logits is None else logits.float()
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate x) * up x) with gate/up fused into one matmul."""
+    """down(silu(gate x) * up x) with gate/up fused into one matmul. Tensor parallel: each rank holds a
+    slice of the intermediate columns; reduce=False leaves the partial sum to the caller (a MoE block
+    sums it with its routed experts' in one all-reduce)."""
 
-    def __init__(self, w: WeightLoader, prefix: str):
+    def __init__(self, w: WeightLoader, prefix: str, reduce: bool = True):
         super().__init__()
-        self.gate_up_proj = Linear(w.linear_weight([f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]))
-        self.down_proj = Linear(w.linear_weight([f"{prefix}.down_proj.weight"]))
+        names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
+        down = f"{prefix}.down_proj.weight"
+        rows = cols = None
+        if w.tp.on:
+            cols = column_units(w.tp, w.shape(down)[1], w.align([down]), down)
+            rows = [[cols], [cols]]
+        self.gate_up_proj = Linear(w.linear_weight(names, rows))
+        self.down_proj = Linear(w.linear_weight([down], cols=cols), reduce=w.tp if w.tp.on and reduce else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -202,6 +256,7 @@ class WeightLoader:
     quantize: str | None = None    # "q8_0": dense linears (not GGUF blocks) are quantized to Q8_0 here
     progress: Callable[[int, int], None] | None = None   # (tensors loaded, of total): a load bar
     pack_cache: object | None = None   # models.pack_cache.PackCache: packed tiles kept across loads
+    tp: TensorParallel = SINGLE        # this rank's slice of every split weight (models/parallel.py)
 
     def get(self, name: str):
         """The source tensor `name`, counted for `progress` (routed experts are left out of the count:
@@ -218,25 +273,32 @@ class WeightLoader:
         self._seen: set[str] = set()
         self._total = 0
 
-    def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        w = self.get(name)
+    def dense(self, name: str, dtype: torch.dtype | None = None, rows: Ranges | None = None,
+              cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """`name` as a dense tensor on the device; rows / cols: only that slice (sliced before it is
+        dequantized or copied)."""
+        w = _slice(self.get(name), rows, cols)
         if isinstance(w, QuantWeight):
             from nanochat.kernels.gguf_quants import dequantize
             w = dequantize(w, torch.float32)
         return w.to(device=self.device, dtype=dtype or self.dtype)
 
-    def linear_weight(self, names: list[str]):
+    def linear_weight(self, names: list[str], rows: list[Ranges | None] | None = None,
+                      cols: tuple[int, int] | None = None):
         """One weight for the row-concatenation of `names` (e.g. q,k,v): a PreparedQuantWeight when the
         parts are GGML blocks of one type, a list of them (segments) when their types differ, else a
-        dense tensor."""
+        dense tensor. rows (per name) / cols: this rank's slice of each (tensor parallel)."""
         from nanochat.kernels.quant_matmul import prepare_quant_weight
 
+        rows = rows or [None] * len(names)
         parts = [self._file_weight(n) for n in names]
         if all(isinstance(p, QuantWeight) for p in parts):
+            parts = [_slice(p, r, cols) for p, r in zip(parts, rows)]
             if len({p.ggml_type for p in parts}) == 1:
                 return self._prepared(parts, names)
             return [self._prepared([p], [n]) for p, n in zip(parts, names)]
-        dense = torch.cat([self.dense(n) for n in names]) if len(names) > 1 else self.dense(names[0])
+        dense = [self.dense(n, rows=r, cols=cols) for n, r in zip(names, rows)]
+        dense = torch.cat(dense) if len(dense) > 1 else dense[0]
         if self.quantize == "q8_0" and dense.shape[-1] % 32 == 0:
             # Like a Q8_0 GGUF (the same blocks gguf would write): quantized kernels, the CPU fused path.
             from nanochat.kernels.gguf_quants import Q8_0, quantize_q8_0
@@ -266,6 +328,8 @@ class WeightLoader:
         from nanochat.kernels.quant_matmul import PreparedQuantWeight, prepare_quant_weight
 
         name, t = "+".join(names), parts[0].ggml_type
+        if self.tp.on:   # each rank packs its own slice
+            name += f"@tp{self.tp.rank}of{self.tp.size}"
         shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         tiles = None if self.pack_cache is None else self.pack_cache.lookup(name, t, shape)
         if tiles is not None:
@@ -281,6 +345,18 @@ class WeightLoader:
                 self.source.release(n)
         return pw
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        w = self.source.get(name)
+        return tuple(w.shape)
+
+    def align(self, names: list[str]) -> int:
+        """The column boundaries a row-parallel split of `names` must keep: their GGML blocks (32 more
+        when dense weights are quantized to Q8_0 at load), 1 for dense weights."""
+        from nanochat.kernels.gguf_quants import BLOCK_SIZES
+        sizes = [BLOCK_SIZES.get(w.ggml_type, (1, 0))[0] if isinstance(w := self._file_weight(n), QuantWeight)
+                 else (32 if self.quantize == "q8_0" else 1) for n in names]
+        return math.lcm(*sizes)
+
     def optional(self, name: str) -> torch.Tensor | None:
         return self.dense(name) if name in self.names else None
 
@@ -289,3 +365,27 @@ class WeightLoader:
         if not hasattr(self, "_names"):
             self._names = set(self.source.tensor_names())
         return self._names
+
+
+def _slice(w, rows: Ranges | None, cols: tuple[int, int] | None):
+    """Rows (ranges, concatenated) and a column range of a dense tensor or GGML blocks; GGML columns are
+    cut on block boundaries (models/parallel.py makes sure they fall there)."""
+    if rows is not None:
+        if isinstance(w, QuantWeight):
+            data = torch.cat([w.data[s:s + n] for s, n in rows]) if len(rows) > 1 else \
+                w.data[rows[0][0]:rows[0][0] + rows[0][1]]
+            w = QuantWeight(w.ggml_type, (sum(n for _, n in rows), *w.shape[1:]), data)
+        else:
+            w = torch.cat([w[s:s + n] for s, n in rows]) if len(rows) > 1 else w[rows[0][0]:rows[0][0] + rows[0][1]]
+    if cols is not None:
+        start, count = cols
+        if isinstance(w, QuantWeight):
+            from nanochat.kernels.gguf_quants import BLOCK_SIZES
+            elems, nbytes = BLOCK_SIZES[w.ggml_type]
+            if start % elems or count % elems:
+                raise ValueError(f"columns {start}:{start + count} do not fall on {elems}-element blocks")
+            data = w.data[:, start // elems * nbytes:(start + count) // elems * nbytes].contiguous()
+            w = QuantWeight(w.ggml_type, (w.shape[0], count), data)
+        else:
+            w = w[:, start:start + count].contiguous()
+    return w

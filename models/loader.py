@@ -86,10 +86,12 @@ def load(model: str) -> LoadedModel:
 
 def build_model(source, device: torch.device, dtype: torch.dtype, block_size: int, max_positions: int,
                 dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None,
-                progress=None, pack_cache: bool = False):
+                progress=None, pack_cache: bool = False, tp=None):
     """The model on `device`; `progress(done, total)` is called as its tensors are loaded. pack_cache: keep
-    the CPU kernels' packed weights of a GGUF on disk (models/pack_cache.py), so the next load maps them."""
+    the CPU kernels' packed weights of a GGUF on disk (models/pack_cache.py), so the next load maps them.
+    tp: this rank's models.parallel.TensorParallel (its shard of the model), None for the whole model."""
     from nanochat.models.layers import WeightLoader
+    from nanochat.models.parallel import SINGLE
 
     cfg = source.config
     cache = None
@@ -97,7 +99,7 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
         from nanochat.models.pack_cache import PackCache, usable
         if usable():
             cache = PackCache(source.path)
-    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache)
+    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE)
     model = _build(cfg, source, loader, block_size, max_positions)
     if cache is not None:
         cache.save()

@@ -20,6 +20,12 @@ device. Per MoE layer only the hidden states and the routing (top-k ids and weig
 and only the routed output comes back; on CUDA the shared expert runs on the GPU meanwhile.
 "cpu" forces it; "auto" uses it on CUDA when the experts would not fit in free GPU memory, and on a
 CPU device whenever the experts are quantized (and not dequantized by the loader); "none" never.
+
+Tensor parallel: the routed experts are split by expert (expert parallel), each rank holding whole
+experts [start, start + count); the router and the shared expert's split are as in a dense MLP, and
+one all-reduce sums the routed and shared partial outputs. Whole experts rather than slices of each:
+a GGUF's expert stacks stay views of the memory map, and a slice of Qwen3-30B-A3B's 768 columns over
+two ranks (384) would not fall on the K-quants' 256-element blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
 from nanochat.models.layers import GatedMLP, Linear, WeightLoader
+from nanochat.models.parallel import split
 
 OFFLOAD_MODES = ("auto", "cpu", "none")
 _DENSE_IDS = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}
@@ -49,17 +56,21 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class Experts(nn.Module):
-    def __init__(self, w: WeightLoader, prefix: str, num_experts: int):
+    """Experts [first, first + num_experts) of the layer (all of them without tensor parallelism)."""
+
+    def __init__(self, w: WeightLoader, prefix: str, num_experts: int, first: int = 0):
         super().__init__()
         self.num_experts = num_experts
         self.w13 = self.w2 = None          # dense: [E, 2I, H], [E, H, I]
         self.quant = None                  # quantized: nn.ModuleList of (gate_up, down) per expert
         fused = f"{prefix}.gate_up_proj"
         if fused in w.names:
-            self.w13 = nn.Parameter(w.dense(fused), requires_grad=False)
-            self.w2 = nn.Parameter(w.dense(f"{prefix}.down_proj"), requires_grad=False)
+            mine = [(first, num_experts)]
+            self.w13 = nn.Parameter(w.dense(fused, rows=mine), requires_grad=False)
+            self.w2 = nn.Parameter(w.dense(f"{prefix}.down_proj", rows=mine), requires_grad=False)
         else:
-            names = [[f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in range(num_experts)]
+            names = [[f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+                     for e in range(first, first + num_experts)]
             if isinstance(w.source.get(names[0][0]), QuantWeight) and not w.dequantize:
                 self.quant = nn.ModuleList(
                     nn.ModuleList([Linear(w.linear_weight(n[:2])), Linear(w.linear_weight(n[2:]))]) for n in names)
@@ -208,13 +219,18 @@ def use_host_experts(w: WeightLoader, cfg: ModelConfig) -> bool:
 
 
 class HostOffloadedExperts(nn.Module):
-    """Routed experts computed on the host by kernels.moe_cpu; same call as `Experts`."""
+    """Routed experts computed on the host by kernels.moe_cpu; same call as `Experts`. Holds experts
+    [first, first + count) of the layer's num_experts (count None: all)."""
 
-    def __init__(self, w: WeightLoader, prefix: str, num_experts: int):
+    def __init__(self, w: WeightLoader, prefix: str, num_experts: int, first: int = 0, count: int | None = None):
         super().__init__()
         gate, up, down = host_expert_stacks(w, prefix, num_experts)
         if gate.num_experts != num_experts:
             raise ValueError(f"{prefix}: expected {num_experts} experts, got {gate.num_experts}")
+        if count is not None:   # a view of this rank's experts (the memory map is not copied)
+            gate, up, down = (StackedWeight(s.ggml_type, (count, *s.shape[1:]), s.data[first:first + count])
+                              for s in (gate, up, down))
+            num_experts = count
         self.host = HostExperts(gate, up, down, name=prefix)
         self.num_experts = num_experts
 
@@ -250,17 +266,22 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.tp = w.tp
         # Router logits in the model dtype (as the reference), softmax in fp32.
         self.gate = Linear(w.dense(f"{prefix}.gate.weight"))
         self.offloaded = use_host_experts(w, cfg)
+        self.first, count = split(cfg.num_experts, w.tp.size, w.tp.rank)
+        if w.tp.on and count == 0:
+            raise ValueError(f"{prefix}: {cfg.num_experts} experts cannot be split over {w.tp.size} ranks")
         if self.offloaded:
-            self.experts = HostOffloadedExperts(w, f"{prefix}.experts", cfg.num_experts)
+            self.experts = HostOffloadedExperts(w, f"{prefix}.experts", cfg.num_experts, self.first,
+                                                count if w.tp.on else None)
         else:
-            self.experts = Experts(w, f"{prefix}.experts", cfg.num_experts)
+            self.experts = Experts(w, f"{prefix}.experts", count, self.first)
             self.experts.use_grouped_mm = grouped_mm_usable(w.device, w.dtype)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(w, f"{prefix}.shared_expert")
+            self.shared_expert = GatedMLP(w, f"{prefix}.shared_expert", reduce=False)
             self.shared_expert_gate = Linear(w.dense(f"{prefix}.shared_expert_gate.weight"))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -270,6 +291,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.tp.on:
+            y = self._local_experts(x, ids, weights)
+            shared = self._shared(x)
+            return self.tp.all_reduce(y if shared is None else y + shared)
         if self.offloaded:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("MoE experts offloaded to the CPU cannot run inside a CUDA graph: run this "
@@ -281,6 +306,20 @@ class SparseMoeBlock(nn.Module):
             y = self.experts(x, ids, weights)
             shared = self._shared(x)
         return y if shared is None else y + shared
+
+
+    def _local_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed output: the (token, expert) pairs whose expert it holds, run
+        as one pair per row, summed back per token (zeros where it holds none of a token's experts)."""
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.experts.num_experts)
+        tokens, slots = mine.nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if tokens.numel():
+            y = self.experts(x.index_select(0, tokens), local[tokens, slots].unsqueeze(1),
+                             weights[tokens, slots].unsqueeze(1))
+            out.index_add_(0, tokens, y.to(x.dtype))
+        return out
 
 
 def has_host_experts(model: nn.Module) -> bool:

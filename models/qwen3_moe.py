@@ -11,8 +11,7 @@ from torch import nn
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.dense import DenseAttention
-from nanochat.models.layers import RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head
-from nanochat.models.layers import GatedMLP
+from nanochat.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
 from nanochat.models.moe import SparseMoeBlock
 
 
@@ -40,7 +39,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, w.tp
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
         self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
@@ -57,5 +56,5 @@ class Qwen3MoeForCausalLM(nn.Module):
             x = layer(positions, x, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return head_logits(self.lm_head, hidden)

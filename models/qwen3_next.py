@@ -33,7 +33,8 @@ from torch import nn
 from nanochat.kernels import gated_delta as gd
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head
+from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
+from nanochat.models.parallel import head_shard, split
 from nanochat.models.qwen3_moe import load_mlp
 
 
@@ -75,14 +76,21 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, backend: AttentionBackend,
                  rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        hd = self.head_dim = cfg.head_dim
+        o_name = f"{prefix}.o_proj.weight"
+        shard = head_shard(w.tp, cfg.num_attention_heads, cfg.num_key_value_heads, hd, w.align([o_name]), prefix)
+        self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.gated = cfg.attn_output_gate
-        self.q_size = self.num_heads * self.head_dim * (2 if self.gated else 1)
+        q_rows = self.head_dim * (2 if self.gated else 1)    # [query | gate] per head
+        self.q_size = self.num_heads * q_rows
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(w.linear_weight([f"{prefix}.{p}_proj.weight" for p in "qkv"]))
-        self.o_proj = Linear(w.linear_weight([f"{prefix}.o_proj.weight"]))
+        rows = cols = None
+        if w.tp.on:
+            kv = [(shard.kv_start * hd, self.kv_size)]
+            rows, cols = [[(shard.q_start * q_rows, self.q_size)], kv, kv], (shard.q_start * hd, self.num_heads * hd)
+        self.qkv_proj = Linear(w.linear_weight([f"{prefix}.{p}_proj.weight" for p in "qkv"], rows))
+        self.o_proj = Linear(w.linear_weight([o_name], cols=cols), reduce=w.tp if w.tp.on else None)
         self.q_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
         self.k_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.backend, self.rotary = backend, rotary
@@ -104,29 +112,62 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """Tensor parallel: split by key heads, each with its value heads (the state, the conv channels and
+    the projections' rows of those heads); out_proj is row-parallel over the value heads."""
+
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str):
         super().__init__()
-        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        if not (self.nk and self.nv and self.dk and self.dv) or self.nv % self.nk:
-            raise ValueError(f"{prefix}: bad Gated DeltaNet shape (key heads {self.nk}, value heads {self.nv}, "
-                             f"dims {self.dk}/{self.dv})")
-        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if not (nk and nv and dk and dv) or nv % nk:
+            raise ValueError(f"{prefix}: bad Gated DeltaNet shape (key heads {nk}, value heads {nv}, "
+                             f"dims {dk}/{dv})")
+        r = nv // nk
+        out_name = f"{prefix}.out_proj.weight"
+        k0, kn = self._key_heads(w, nk, r * dv, w.align([out_name]), prefix)
+        self.nk, self.nv = kn, kn * r
+        self.key_dim, self.value_dim = self.nk * dk, self.nv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel_size = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
         self.grouped = f"{prefix}.in_proj_qkvz.weight" in w.names
         parts = (["in_proj_qkvz", "in_proj_ba"] if self.grouped
                  else ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
-        self.in_proj = Linear(w.linear_weight([f"{prefix}.{p}.weight" for p in parts]))
-        conv = w.dense(f"{prefix}.conv1d.weight", torch.float32)
+        # This rank's rows of each input projection: mixed q|k|v (and conv channels) by head, z/b/a by value head.
+        full_key = nk * dk
+        mixed = [(k0 * dk, kn * dk), (full_key + k0 * dk, kn * dk), (2 * full_key + k0 * r * dv, kn * r * dv)]
+        value = [(k0 * r, kn * r)]
+        rows = out_cols = None
+        if w.tp.on:
+            out_cols = (k0 * r * dv, kn * r * dv)
+            if self.grouped:   # Qwen3-Next: per key head [q k v z] rows, then [b a] rows
+                rows = [[(k0 * (2 * dk + 2 * r * dv), kn * (2 * dk + 2 * r * dv))], [(k0 * 2 * r, kn * 2 * r)]]
+            else:
+                rows = [mixed, [out_cols], value, value]
+        self.in_proj = Linear(w.linear_weight([f"{prefix}.{p}.weight" for p in parts], rows))
+        tp = w.tp.on
+        conv = w.dense(f"{prefix}.conv1d.weight", torch.float32, rows=mixed if tp else None)
         self.conv_weight = nn.Parameter(conv.reshape(self.conv_dim, self.kernel_size), requires_grad=False)
-        self.neg_a = nn.Parameter(-w.dense(f"{prefix}.A_log", torch.float32).exp(), requires_grad=False)
-        self.dt_bias = nn.Parameter(w.dense(f"{prefix}.dt_bias", torch.float32), requires_grad=False)
+        self.neg_a = nn.Parameter(-w.dense(f"{prefix}.A_log", torch.float32, rows=value if tp else None).exp(),
+                                  requires_grad=False)
+        self.dt_bias = nn.Parameter(w.dense(f"{prefix}.dt_bias", torch.float32, rows=value if tp else None),
+                                    requires_grad=False)
         self.norm_weight = nn.Parameter(w.dense(f"{prefix}.norm.weight", torch.float32), requires_grad=False)
-        self.out_proj = Linear(w.linear_weight([f"{prefix}.out_proj.weight"]))
+        self.out_proj = Linear(w.linear_weight([out_name], cols=out_cols), reduce=w.tp if tp else None)
         self.use_triton = w.device.type == "cuda" and triton_available()
         self.conv_state = self.recurrent_state = None   # assigned by the model's allocate_state
+
+    @staticmethod
+    def _key_heads(w: WeightLoader, nk: int, value_cols: int, align: int, prefix: str) -> tuple[int, int]:
+        """(first, count) of this rank's key heads, in units whose out_proj columns end on a block."""
+        if not w.tp.on:
+            return 0, nk
+        unit = next((u for u in range(1, nk + 1) if nk % u == 0 and (u * value_cols) % align == 0), nk)
+        if nk // unit < w.tp.size or (unit * value_cols) % align:
+            raise ValueError(f"{prefix}: {nk} Gated DeltaNet key heads cannot be split over {w.tp.size} ranks "
+                             f"on {align}-element block boundaries")
+        start, count = split(nk // unit, w.tp.size, w.tp.rank)
+        return start * unit, count * unit
 
     def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (num_slots, self.conv_dim, self.kernel_size - 1), (num_slots, self.nv, self.dk, self.dv)
@@ -202,7 +243,7 @@ class Qwen3NextForCausalLM(nn.Module):
         super().__init__()
         if not cfg.layer_types:
             raise ValueError(f"{cfg.arch}: hybrid model config has no layer_types")
-        self.config = cfg
+        self.config, self.tp = cfg, w.tp
         self.dtype = w.dtype
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.rotary_dim, max_positions, w.device)
@@ -252,5 +293,5 @@ class Qwen3NextForCausalLM(nn.Module):
             x = layer(positions, x, meta, step)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return head_logits(self.lm_head, hidden)

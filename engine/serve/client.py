@@ -129,6 +129,7 @@ class EngineClient:
         self._config: dict = {}
         self._conn = None
         self._proc: subprocess.Popen | None = None
+        self._stderr_thread: threading.Thread | None = None
         self._core_thread: threading.Thread | None = None
         self._lock = threading.RLock()
         self._send_lock = threading.Lock()
@@ -174,8 +175,9 @@ class EngineClient:
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                     start_new_session=True)   # terminal signals (Ctrl-C, hang-up) are the front end's to handle
                 theirs.close()
-                threading.Thread(target=self._drain_stderr, args=(self._proc,), name="nanochat-engine-stderr",
-                                 daemon=True).start()
+                self._stderr_thread = threading.Thread(target=self._drain_stderr, args=(self._proc,),
+                                                       name="nanochat-engine-stderr", daemon=True)
+                self._stderr_thread.start()
             self._conn = Connection(ours.detach())
             self.epoch += 1
             self.died = None
@@ -386,6 +388,8 @@ class EngineClient:
                 name = f"signal {-code}"
             hint = " (out of memory?)" if name == "SIGKILL" else ""
             return f"the engine process was killed by {name}{hint}"
+        if self._stderr_thread is not None:   # its last words may still be in the pipe
+            self._stderr_thread.join(timeout=1.0)
         last = next((line for line in reversed(self._stderr_tail) if line.strip()), "")
         detail = f": {last.strip()}" if last else ""
         return f"the engine process exited (code {code}){detail}"

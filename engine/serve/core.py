@@ -74,6 +74,8 @@ class EngineCore:
             while call is not False:
                 if call is None or call.op == "shutdown":
                     self._abort_all()
+                    if self.engine is not None:
+                        self.engine.close()
                     if call is not None:
                         self.send(("done", call.call_id, None))
                     return
@@ -92,6 +94,11 @@ class EngineCore:
         except BaseException as e:   # a failed step must not leave requests hanging
             if not _answerable(e):
                 raise
+            from nanochat.engine.tensor_parallel import WorkerLost
+            if isinstance(e, WorkerLost):   # the engine cannot go on: say why and stop; the client's next
+                print(one_line(e), file=sys.stderr, flush=True)   # message starts a new one
+                self.engine.close()
+                os._exit(1)
             events = self._abort_all("error", f"the engine step failed: {one_line(e)}")
         self._publish(events)
 
@@ -149,6 +156,11 @@ class EngineCore:
         def progress(done: int, total: int) -> None:
             self.send(("progress", call.call_id, (done, total)))
 
+        if self.engine is not None and (self.engine.workers is not None or config.get("tensor_parallel_size", 1) > 1):
+            # one tensor-parallel group per process: the old engine goes first (a failed load leaves none)
+            self._publish(self._abort_all())
+            self.engine.close()
+            self.engine = None
         engine = LLMEngine(model, load_progress=progress, **config)   # raises: the old engine stays
         self._publish(self._abort_all())
         self.engine, self.model = engine, model
