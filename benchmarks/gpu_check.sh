@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: one script for a CUDA machine, under 8 minutes, one JSON report.
 #
-#   benchmarks/gpu_check.sh [REPORT]    (default: $OUT/gpu_check.json when OUT is set, else ./gpu_check.json)
+#   benchmarks/gpu_check.sh [REPORT [--smoke]]   (default REPORT: $OUT/gpu_check.json when OUT is set,
+#                                                  else ./gpu_check.json; --smoke: a dry run without a GPU)
 #
 # On a bare machine with only this repository: makes a venv (.gpu-venv) that sees the system's packages,
 # so a CUDA build of torch already there is used as it is; installs torch (PyPI's CUDA build) only when
@@ -11,6 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPORT="${1:-${OUT:-.}/gpu_check.json}"
+[ $# -gt 0 ] && shift
 VENV="${GPU_VENV:-.gpu-venv}"
 BUDGET="${GPU_CHECK_BUDGET:-420}"      # seconds for the checks themselves, after the set-up
 started=$(date +%s)
@@ -22,8 +24,9 @@ pip_get() {   # the index first (short timeouts: an offline machine fails fast),
         "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links .whl "$@"
 }
 "$PY" -c "import torch" 2>/dev/null || pip_get torch || { echo "gpu_check: cannot install torch" >&2; exit 1; }
-"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . ||
-    { echo "gpu_check: cannot install nanochat" >&2; exit 1; }
+log=$(mktemp)
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . >"$log" 2>&1 ||
+    { cat "$log" >&2; echo "gpu_check: cannot install nanochat" >&2; exit 1; }
 # import name -> distribution, for what nanochat and the GPU tests need beside torch
 missing=$("$PY" - <<'PY'
 import importlib.util
@@ -37,7 +40,7 @@ if [ -n "$missing" ]; then
     pip_get $missing || echo "gpu_check: could not install: $missing (the report says what failed)" >&2
 fi
 echo "gpu_check: set up in $(( $(date +%s) - started )) s; running the checks" >&2
-PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu_check.py "$REPORT" --budget "$BUDGET"
+PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu_check.py "$REPORT" --budget "$BUDGET" "$@"
 status=$?
 echo "gpu_check: report in $REPORT after $(( $(date +%s) - started )) s" >&2
 exit $status
