@@ -134,6 +134,21 @@ class Workers(RankGroup):
         atexit.register(self.stop)
         self.broadcast((model, config))
         self.use_device(device)
+        if device.type == "cuda" and self.procs:
+            threading.Thread(target=self._watch, name="nanochat-tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """CUDA: a collective with a dead rank waits on NCCL's timeout (minutes), not an error as on gloo;
+        so when a worker dies while serving, rank 0's process stops at once with one line (the engine
+        process: its client shows the line and starts a new engine on the next message)."""
+        while self.procs:
+            for rank, proc in enumerate(list(self.procs), start=1):
+                if proc.poll() is not None and self.serving:
+                    code = proc.returncode
+                    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                    print(f"tensor-parallel rank {rank} stopped ({how})", file=sys.stderr, flush=True)
+                    os._exit(1)
+            time.sleep(0.2)
 
     def call(self, method: str, *args) -> None:
         """Have every worker run its runner's `method(*args)` (rank 0 runs it itself after)."""

@@ -164,3 +164,22 @@ def test_tensor_parallel_over_nccl_matches_one_gpu(tiny_models):
         assert [r.token_ids for r in two.generate(PROMPTS, GREEDY)] == one
     finally:
         two.engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_dead_nccl_worker_stops_rank_0_with_one_line(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "kill.py"
+    script.write_text(
+        "import os, signal\n"
+        "from nanochat.engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_models['qwen3'])!r}, device='cuda', max_model_len=256, tensor_parallel_size=2)\n"
+        "worker = llm.engine.workers.procs[0]\n"
+        "for event in llm.stream([list(range(5, 40))], SamplingParams(max_tokens=5000, ignore_eos=True)):\n"
+        "    if worker.poll() is None:\n"
+        "        os.kill(worker.pid, signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == "tensor-parallel rank 1 stopped (killed by signal 9)"
