@@ -206,12 +206,39 @@ def test_the_shards_are_what_the_split_says(zoo):
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_dtype="float32", cpu_threads=1)
 
 
-@pytest.mark.parametrize("name", ["hf:qwen3", "gguf:qwen3", "hf:qwen3_5_moe"])
-def test_greedy_tokens_match_batched_preempted_chunked_and_cached(name, zoo):
+# every architecture, from safetensors and from GGUF
+THROUGH_THE_ENGINE = ["hf:llama", "hf:qwen2", "hf:qwen3", "hf:qwen3_moe", "hf:qwen3_next", "hf:qwen3_5_moe",
+                      "gguf:llama", "gguf:qwen2", "gguf:qwen3", "gguf-moe:qwen3_moe", "gguf-moe:qwen3_next",
+                      "gguf-moe:qwen3_5_moe"]
+
+
+def two_turns(engine: LLMEngine) -> list[tuple[list[int], int]]:
+    """A two-turn chat session in the engine: (reply token ids, cached prompt tokens) per turn."""
+    from nanochat.engine.output import Reply
+    from nanochat.engine.serve.session import ChatSession
+
+    session = ChatSession(engine.tokenizer, engine.loaded.chat_template, "Be brief.")
+    turns = []
+    for text in ("hello there", "and the capital of France?"):
+        request = engine.add_request(session.prepare_turn(text), GREEDY, session_id=session.session_id)
+        reply = Reply()
+        while not reply.done:
+            for event in engine.step():
+                if event.request_id == request:
+                    reply.add(event)
+        session.finish_turn(reply)
+        turns.append((reply.token_ids, reply.stats.cached_tokens))
+    return turns
+
+
+@pytest.mark.parametrize("name", THROUGH_THE_ENGINE)
+def test_greedy_tokens_match_batched_preempted_chunked_cached_and_chatting(name, zoo):
     from test_parity import GREEDY as SP, PROMPTS as LONG
 
     path = zoo.get(name)
-    reference = [r.token_ids for r in LLM(path, **ENGINE).generate(LONG, SP)]
+    one = LLM(path, **ENGINE)
+    reference = [r.token_ids for r in one.generate(LONG, SP)]
+    chat = two_turns(one.engine)
     # 8 blocks of 16 cannot hold the four at once (preemption); 16-token chunks split the long prompts
     with tp2(path, **ENGINE, num_kvcache_blocks=8, max_num_batched_tokens=16) as llm:
         batched = llm.generate(LONG, SP)
@@ -219,8 +246,12 @@ def test_greedy_tokens_match_batched_preempted_chunked_and_cached(name, zoo):
         assert llm.engine.stats().preemptions > 0, "the small cache should have preempted someone"
         again = llm.generate([LONG[2]], SP)[0]
         assert again.token_ids == reference[2]
-        if not llm.engine.runner.is_hybrid:   # a hybrid resumes only its own sessions' state
+        hybrid = llm.engine.runner.is_hybrid
+        if not hybrid:   # a hybrid resumes only its own sessions' state
             assert again.stats.cached_tokens >= 32, "the prefix cache should have held the prompt"
+        turns = two_turns(llm.engine)
+        assert [ids for ids, _ in turns] == [ids for ids, _ in chat]
+        assert turns[1][1] > 0, "the second turn should reuse the session's KV"
 
 
 def test_builtin_model_answers_as_tp1():
