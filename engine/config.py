@@ -191,6 +191,11 @@ class Config:
                              f"got {shown(self.quant_backend)}")
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP:
             raise ValueError(f"tensor_parallel_size must be from 1 to {MAX_TP}, got {self.tensor_parallel_size!r}")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) if launched_rank() is not None else 0
+        cpus = os.cpu_count() or 1
+        if self.device == "cpu" and (local or self.tensor_parallel_size) > cpus:
+            raise ValueError(f"tensor_parallel_size must be at most {cpus} on the CPU (this machine's CPUs: each "
+                             f"rank needs one), got {self.tensor_parallel_size}")
         if self.act_levels not in (1, 2):
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 

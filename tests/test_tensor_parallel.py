@@ -417,3 +417,16 @@ def test_the_command_line_with_tensor_parallel_answers_as_tp1(zoo, tmp_path):
     two = subprocess.run([*args, "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120, env=env)
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and one.stdout.strip()
+
+
+def test_more_cpu_ranks_than_cpus_is_a_usage_error(zoo, tmp_path):
+    import subprocess
+    import sys
+
+    too_many = (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match=f"tensor_parallel_size must be at most {too_many - 1} on the CPU"):
+        LLM(zoo.get("hf:qwen3"), tensor_parallel_size=too_many)
+    proc = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "--prompt", "hi", "-tp", str(too_many)],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, NANOCHAT_HOME=str(tmp_path)))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "tensor_parallel_size must be at most" in proc.stderr

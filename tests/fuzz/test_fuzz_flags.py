@@ -99,7 +99,8 @@ GENERATION = {"--max-tokens": int_in(1), "--top-k": int_in(-1), "--seed": int_in
               "--frequency-penalty": float_where(lambda v: -2 <= v <= 2)}
 ENGINE = {"--device": device, "--dtype": one_of("auto", *DTYPES), "--max-model-len": int_in(1),
           "--kv-cache-gib": float_where(lambda v: 0 < v <= MAX_KV_CACHE_GIB), "--quantize": one_of("q8_0"),
-          "--model": non_blank}   # a non-blank --model is the loader's to judge: see the path cases
+          "--model": non_blank,   # a non-blank --model is the loader's to judge: see the path cases
+          "--tensor-parallel-size": int_in(1, os.cpu_count() or 1)}   # on the CPU: one rank per CPU at most
 BENCH = {  # the fast tier's 64 + 64 tokens must fit --max-model-len; sizes are capped (the bench holds them)
     "--max-model-len": int_in(128), "--seed": int_in(0), "--tier": one_of("fast", "normal", "heavy"),
     "--workload": one_of("random", "nano-vllm"), "--num-seqs": int_in(1, 2 ** 16), "--iters": int_in(1, 2 ** 16),
@@ -121,6 +122,7 @@ ENV_DOMAINS = {   # README "Environment variables"; an empty value is an unset o
     "NANO_VLLM_KV_CACHE_DTYPE": one_of("auto", *DTYPES), "NANOCHAT_PACK_CACHE": flag_word,
     "NANOCHAT_CPU_ISA": one_of("auto", "avx2", "scalar"), "NANOCHAT_QUANT_BACKEND": one_of(*QUANT_BACKENDS),
     "NANOCHAT_FUSED_FORWARD": flag_word, "NANOCHAT_ACT_LEVELS": int_in(1, 2),
+    "NANO_VLLM_TENSOR_PARALLEL_SIZE": int_in(1, os.cpu_count() or 1),
 }
 DEBUG_OFF = ("", "0", "false", "no", "off")
 
@@ -247,7 +249,7 @@ def settings_cases(rng: random.Random, per_key: int | None) -> list[Case]:
     for key, flag in SETTINGS_DOMAINS.items():
         values = SETTINGS_VALUES if per_key is None else rng.sample(SETTINGS_VALUES, per_key)
         for value in values:
-            ok = (value is None and key in ("kv_cache_gib", "max_model_len")) or (
+            ok = (value is None and key not in ("device", "dtype")) or (   # None: not stated (settings v2)
                 isinstance(value, str) == (key in ("device", "dtype")) and not isinstance(value, (bool, list, dict))
                 and value is not None and domains[flag](str(value)))
             cases.append(Case("settings", f"settings {key}={str(value)[:30]}", ["--prompt", "hi"], ok, (key,),
