@@ -98,7 +98,8 @@ def random_qwen3(folder: Path) -> Path:
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": rnd(c["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    tensors = {"model.embed_tokens.weight": rnd(c["vocab_size"], h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         tensors.update({

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
+from conftest import gone
 from nanochat.engine import LLM, SamplingParams
 from nanochat.engine.serve.client import EngineClient
 from nanochat.engine.serve.protocol import EngineDied, EngineError
@@ -23,17 +23,6 @@ from nanochat.models.errors import ModelLoadError
 ENGINE = dict(dtype="float32", max_model_len=256, kvcache_block_size=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-
-
-def gone(pid: int, within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def slow_session(client, session, text):

@@ -19,7 +19,7 @@ import gguf
 import pytest
 import torch
 
-from conftest import build_tokenizer, make_hf_model, smollm_gguf_path
+from conftest import build_tokenizer, gone, make_hf_model, smollm_gguf_path
 from gguf_writer import write_gguf_from_hf
 from nanochat.engine import LLM, LLMEngine, SamplingParams
 from nanochat.engine.tensor_parallel import WorkerLost
@@ -34,22 +34,6 @@ LOGIT_TOL = 1e-5
 # of max |logit|: the activation grid, see test_tp2_logits_on_the_quantized_kernels (two levels for the dense
 # linears; the host experts' one level is 128x coarser)
 QUANT_TOL, HOST_EXPERTS_TOL = 2e-3, 1e-2
-
-
-def gone(pid: int, within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:   # a child of this process: reap it
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    return False
 
 
 @contextmanager
@@ -183,7 +167,8 @@ def test_tp2_logits_on_the_quantized_kernels(name, zoo):
         two = step_logits(llm.engine, PROMPTS)
     for step, (a, b) in enumerate(zip(one, two)):
         rel = ((a - b).abs().max() / a.abs().max()).item()
-        assert rel <= (HOST_EXPERTS_TOL if "moe-quant" in name else QUANT_TOL), f"{name} step {step}: TP 2 logits differ from TP 1 by {rel:.2e} of their max"
+        tol = HOST_EXPERTS_TOL if "moe-quant" in name else QUANT_TOL
+        assert rel <= tol, f"{name} step {step}: TP 2 logits differ from TP 1 by {rel:.2e} of their max"
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
