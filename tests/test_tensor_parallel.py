@@ -260,7 +260,8 @@ def test_two_turn_chat_through_the_engine_process(zoo):
     for size in (1, 2):
         client = EngineClient()
         try:
-            client.load_model(path, **ENGINE, tensor_parallel_size=size)
+            info = client.load_model(path, **ENGINE, tensor_parallel_size=size)
+            assert info.tensor_parallel_size == size        # the TUI's gauges show "cpu × 2 ranks"
             session = client.open_session("Be brief.")
             first = client.submit_turn(session, "hello there", GREEDY).result(60)
             second = client.submit_turn(session, "and the capital of France?", GREEDY).result(60)

@@ -58,7 +58,8 @@ def engine_labels(controller: ChatController) -> tuple[str, str, bool]:
         return name, "engine stopped", False
     if info is None:
         return name, "", False
-    return name, " · ".join(x for x in (info.arch, info.device, info.dtype) if x), False
+    device = info.device if info.tensor_parallel_size == 1 else f"{info.device} × {info.tensor_parallel_size} ranks"
+    return name, " · ".join(x for x in (info.arch, device, info.dtype) if x), False
 
 
 class NanochatApp(App):

@@ -169,7 +169,8 @@ class EngineCore:
         self._maybe_send_stats(force=True)
         return ModelInfo(model=model, arch=engine.model_config.arch, device=str(engine.device),
                          dtype=str(engine.dtype).removeprefix("torch."), max_model_len=engine.config.max_model_len,
-                         load_seconds=engine.load_seconds, sampling_defaults=engine.sampling_defaults)
+                         load_seconds=engine.load_seconds, sampling_defaults=engine.sampling_defaults,
+                         tensor_parallel_size=engine.config.tensor_parallel_size)
 
     def _engine(self):
         if self.engine is None:

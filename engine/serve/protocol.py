@@ -36,6 +36,7 @@ class ModelInfo:
     max_model_len: int
     load_seconds: float
     sampling_defaults: dict = field(default_factory=dict)   # SamplingParams keywords the model file recommends
+    tensor_parallel_size: int = 1
 
 
 class EngineError(RuntimeError):
