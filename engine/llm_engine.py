@@ -43,8 +43,8 @@ class LLMEngine:
         from nanochat.models.loader import load
 
         if launched_rank():
-            from nanochat.engine.tensor_parallel import run_worker
-            raise SystemExit(run_worker())
+            from nanochat.engine.tensor_parallel import run_worker_and_exit
+            run_worker_and_exit()
 
         started = time.perf_counter()
         config = config or Config.create(model, **kwargs)

@@ -36,6 +36,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object = None        # torch.distributed ProcessGroup of the ranks (None: the default group)
+    shm: object = None          # models.shm_reduce.ShmAllReduce: CPU ranks of one machine add through it
 
     @property
     def on(self) -> bool:
@@ -43,6 +44,8 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.shm is not None and self.shm.fits(x):   # the same choice on every rank: same shapes
+                return self.shm.all_reduce(x)
             import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x

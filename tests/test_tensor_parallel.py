@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -306,14 +306,16 @@ def test_a_worker_killed_in_the_engine_process_ends_the_reply_and_the_next_messa
 
     client = EngineClient()
     try:
-        client.load_model(zoo.get("hf:qwen3"), **ENGINE, tensor_parallel_size=2)
+        client.load_model(zoo.get("hf:qwen3"), **dict(ENGINE, max_model_len=8192), tensor_parallel_size=2)
         session = client.open_session("sys")
         client.submit_turn(session, "hello there", GREEDY).result(60)
         workers = _children_of(client.pid)
         assert len(workers) == 1
-        stream = client.submit_turn(session, "a long story", SamplingParams(temperature=0, max_tokens=400,
-                                                                            ignore_eos=True))
-        time.sleep(0.3)
+        started = threading.Event()
+        stream = client.submit_turn(session, "a long story", SamplingParams(temperature=0, max_tokens=8000,
+                                                                            ignore_eos=True),
+                                    on_event=lambda event: started.set())
+        assert started.wait(30)
         os.kill(workers[0], signal.SIGKILL)
         reply = stream.result(60)
         assert reply.final.finish_reason == "error"
