@@ -86,23 +86,21 @@ class LLMEngine:
     def _build_runner(self, load_progress) -> ModelRunner:
         from nanochat.models.loader import build_model
 
-        c, tp = self.config, None if self.workers is None else self.workers.tp
-        if self.workers is None:
+        c, workers = self.config, self.workers
+        try:   # with tensor parallelism every rank builds its shard, and all agree before the first collective
             model = build_model(self.loaded.source, self.device, self.dtype, c.kvcache_block_size, c.max_model_len,
-                                c.dequantize, c.moe_offload, c.quantize, load_progress, c.pack_cache)
-            return ModelRunner(c, model, self.device, self.dtype)
-        model, error = None, None
-        try:   # every rank builds its shard; all of them agree before the first collective of the runner
-            model = build_model(self.loaded.source, self.device, self.dtype, c.kvcache_block_size, c.max_model_len,
-                                c.dequantize, c.moe_offload, c.quantize, load_progress, c.pack_cache, tp=tp)
+                                c.dequantize, c.moe_offload, c.quantize, load_progress, c.pack_cache,
+                                tp=None if workers is None else workers.tp)
         except Exception as e:
-            try:
-                self.workers.agree(" ".join(str(e).split()) or type(e).__name__)
-            except Exception:
-                pass
+            if workers is not None:
+                try:
+                    workers.agree(" ".join(str(e).split()) or type(e).__name__)
+                except Exception:
+                    pass
             raise
-        self.workers.agree(None)
-        return ModelRunner(c, model, self.device, self.dtype, ranks=self.workers)
+        if workers is not None:
+            workers.agree(None)
+        return ModelRunner(c, model, self.device, self.dtype, ranks=workers)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them); the engine is unusable after."""

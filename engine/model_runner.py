@@ -43,7 +43,7 @@ class ModelRunner:
         a worker), None without tensor parallelism."""
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
         self.ranks = ranks
-        self.workers = ranks if ranks is not None and hasattr(ranks, "call") else None
+        self.workers = ranks if ranks is not None and ranks.tp.rank == 0 else None   # rank 0 sends the calls
         self.kv_dtype = config.resolved_kv_dtype(device, dtype)
         self.block_size = config.kvcache_block_size
         # Hybrid models: one recurrent-state slot per running sequence plus as many for resident chats.

@@ -195,9 +195,9 @@ def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, 
     tp = w.tp
     vocab = [split(cfg.vocab_size, tp.size, r) for r in range(tp.size)]
     start, count = vocab[tp.rank]
-    rows = [[(start, count)]] if tp.on else None
+    mine = [(start, count)] if tp.on else None     # this rank's vocabulary rows
     gather = (tp, [n for _, n in vocab]) if tp.on else None
-    head = Linear(w.linear_weight([embed if tied else "lm_head.weight"], rows), gather=gather)
+    head = Linear(w.linear_weight([embed if tied else "lm_head.weight"], mine and [mine]), gather=gather)
 
     def embedding(table):
         return Embedding(table, w.dtype, tp, start)
@@ -206,11 +206,11 @@ def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, 
         return embedding(head.quant), head
     table = w.get(embed)
     if isinstance(table, QuantWeight) and not w.dequantize:
-        return embedding(_slice(table, rows and rows[0], None).to(w.device)), head
+        return embedding(_slice(table, mine, None).to(w.device)), head
     if isinstance(table, torch.Tensor) and table.dtype in (torch.float16, torch.bfloat16) and not w.dequantize \
             and w.device.type == "cpu":
-        return embedding(_slice(table, rows and rows[0], None)), head   # 16-bit rows straight from the file
-    return embedding(w.dense(embed, rows=rows and rows[0])), head
+        return embedding(_slice(table, mine, None)), head   # 16-bit rows straight from the file
+    return embedding(w.dense(embed, rows=mine)), head
 
 
 def head_logits(lm_head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -361,7 +361,7 @@ class WeightLoader:
         """The column boundaries a row-parallel split of `names` must keep: their GGML blocks (32 more
         when dense weights are quantized to Q8_0 at load), 1 for dense weights."""
         from nanochat.kernels.gguf_quants import BLOCK_SIZES
-        sizes = [BLOCK_SIZES.get(w.ggml_type, (1, 0))[0] if isinstance(w := self._file_weight(n), QuantWeight)
+        sizes = [BLOCK_SIZES[w.ggml_type][0] if isinstance(w := self._file_weight(n), QuantWeight)
                  else (32 if self.quantize == "q8_0" else 1) for n in names]
         return math.lcm(*sizes)
 
@@ -379,12 +379,10 @@ def _slice(w, rows: Ranges | None, cols: tuple[int, int] | None):
     """Rows (ranges, concatenated) and a column range of a dense tensor or GGML blocks; GGML columns are
     cut on block boundaries (models/parallel.py makes sure they fall there)."""
     if rows is not None:
-        if isinstance(w, QuantWeight):
-            data = torch.cat([w.data[s:s + n] for s, n in rows]) if len(rows) > 1 else \
-                w.data[rows[0][0]:rows[0][0] + rows[0][1]]
-            w = QuantWeight(w.ggml_type, (sum(n for _, n in rows), *w.shape[1:]), data)
-        else:
-            w = torch.cat([w[s:s + n] for s, n in rows]) if len(rows) > 1 else w[rows[0][0]:rows[0][0] + rows[0][1]]
+        def take(t):   # one range stays a view
+            return torch.cat([t[s:s + n] for s, n in rows]) if len(rows) > 1 else t[rows[0][0]:sum(rows[0])]
+        w = QuantWeight(w.ggml_type, (sum(n for _, n in rows), *w.shape[1:]), take(w.data)) \
+            if isinstance(w, QuantWeight) else take(w)
     if cols is not None:
         start, count = cols
         if isinstance(w, QuantWeight):
