@@ -891,6 +891,11 @@ class ChatController:
     def generating(self) -> bool:
         return any(c.generating for c in self.conversations.values())
 
+    @property
+    def awaiting_first_token(self) -> bool:
+        """Whether a turn in flight has not had its first token yet."""
+        return any(c.turn is not None and not c.turn.kept for c in self.conversations.values())
+
     def load_model(self, model: str, progress=None) -> ModelInfo:
         """Load (or switch to) `model`. Blocking: run it in a worker thread. Replies in flight are
         cancelled; on failure the previous model stays and the engine's error is raised."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import re
 import time
 
@@ -23,7 +24,7 @@ from nanochat.app.controller import INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, 
 from nanochat.app.paths import get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore
-from nanochat.app.tui.app import NanochatApp
+from nanochat.app.tui.app import MAX_TICK, STREAM_HZ, UI_SHARE, NanochatApp, next_tick
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.commands import SLASH_COMMANDS
 from nanochat.app.tui.screens import BenchScreen, ContextFullScreen, HistoryScreen, ModelPicker
@@ -114,17 +115,16 @@ def notifications(app) -> list[str]:
 # ---------------------------------------------------------------------------------- chat
 @sync
 async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_client, home, monkeypatch, slow_steps):
-    from textual.widgets._markdown import MarkdownStream
+    from textual.widgets import Markdown
 
     writes = []
-    original = MarkdownStream.write
+    original = Markdown.append
 
-    async def spy(self, fragment):
-        view = self.markdown_widget.parent
-        writes.append((fragment, view.has_class("streaming")))
-        await original(self, fragment)
+    def spy(self, fragment):
+        writes.append((fragment, self.parent.has_class("streaming")))
+        return original(self, fragment)
 
-    monkeypatch.setattr(MarkdownStream, "write", spy)
+    monkeypatch.setattr(Markdown, "append", spy)
     app = make_app(shared_client, home, max_tokens=12)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
@@ -136,9 +136,9 @@ async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_client, ho
         await pilot.press("enter")
         assert box.text == ""
         reply = await reply_done(pilot, conv)
-        # the text went into the live Markdown stream of the view marked streaming (the app batches the
-        # tokens that arrive between two drains, so there may be fewer writes than tokens; the steps are
-        # slowed down so that the reply surely outlasts the mounting of its view)
+        # the text went into the Markdown of the view marked streaming, a few tokens at a time (the
+        # stream tick draws the tokens that arrived since the last tick, so there may be fewer writes
+        # than tokens; the steps are slowed down so that the reply surely outlasts the mounting of its view)
         assert 1 <= len(writes) <= 12 and all(live for _, live in writes)
         assert "".join(w[0] for w in writes) == reply.content
         assert reply.role == "assistant" and not reply.streaming and reply.content
@@ -157,6 +157,47 @@ async def test_streamed_reply_and_second_turn_reuses_the_cache(shared_client, ho
         stored = ChatStore(home.chat_db).load_conversation(conv.id)
         assert [m.role for m in stored.messages] == ["user", "assistant", "user", "assistant"]
         assert stored.messages[-1].stats == second.stats
+
+
+@sync
+async def test_a_reply_streams_into_room_below_its_question_and_nothing_jumps_when_it_ends(shared_client, home,
+                                                                                       slow_steps):
+    app = make_app(shared_client, home, max_tokens=30)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        conv = screen.current
+        await send(pilot, "first question")
+        await reply_done(pilot, conv)
+        await send(pilot, "a second question that wraps, " * 6)   # its height is only known once laid out
+        chat = screen.chat_view(conv)
+        question, reply = list(chat.query(MessageView))[-2:]
+        await wait_for(pilot, lambda: reply.room > 0 and len(reply.message.content) > 0, what="the room")
+        await pilot.pause(0.3)
+        assert conv.generating and not gc.isenabled()     # the garbage collector waits for the reply
+        # the question at the top of the view, the reply's room down to its bottom (a full view)
+        top = question.virtual_region.y - question.styles.margin.top
+        assert chat.scroll_y == chat.max_scroll_y == top
+        assert reply.virtual_region.bottom == top + chat.scrollable_content_region.height
+        height = chat.virtual_size.height
+        await reply_done(pilot, conv)
+        await pilot.pause(0.3)
+        assert gc.isenabled()
+        # the room is now below the reply: the stats line follows the text, and the view did not move
+        assert reply.room == 0 and reply.styles.margin.bottom > 0
+        assert chat.virtual_size.height == height and chat.scroll_y == top
+        blocks = [b for b in reply.body.children if b.display]
+        assert reply.body.size.height == max(b.virtual_region.bottom + b.styles.margin.bottom for b in blocks)
+        # the next turn takes the room over
+        await send(pilot, "third")
+        assert reply.styles.margin.bottom == 0
+        await reply_done(pilot, conv)
+
+
+def test_the_stream_tick_keeps_to_its_budget():
+    assert next_tick(0.0, False) == pytest.approx(1 / STREAM_HZ)        # cheap drawing: full rate
+    assert next_tick(UI_SHARE * 0.3, False) == pytest.approx(0.3)        # the UI thread's share kept
+    assert next_tick(10.0, False) == MAX_TICK                            # but the text never stalls
+    assert next_tick(10.0, True) == pytest.approx(1 / STREAM_HZ)         # a first token shows at once
 
 
 @sync

@@ -2,10 +2,16 @@
 
 Threads: the UI thread never waits on the engine. The engine runs in its own process behind an
 EngineClient; token events and stats arrive on the client's reader thread, which only drops them in
-the controller's inbox, and a UI timer drains that STREAM_HZ times a second: a streaming reply costs
-at most STREAM_HZ frames a second. Those frames are what the TUI costs the engine: a frame that
-re-lays out a growing reply takes 30-45 ms of CPU at 160x48, more as the chat grows
-(benchmarks/tui_vs_headless.py; 4 Hz instead of 10 saved only ~25% of it). Model loads and engine restarts are blocking client calls, run in worker threads.
+the controller's inbox, and the stream tick drains that and draws what it brought in one batch (one
+frame, plus the one Textual adds when a growing paragraph changes height).
+
+Those frames are what the TUI costs the engine, since both share the CPU. So the tick keeps the UI
+thread to a budget: it comes every 1/STREAM_HZ s while drawing is cheap, and less often when the
+last interval cost more than UI_SHARE of a core (a long chat, a big terminal, a slow machine), but
+at least every MAX_TICK s; a reply's first token shows at once. On a 2-core machine streaming
+300 tok/s that is about 2 ticks a second (benchmarks/tui_vs_headless.py). The gauges take new engine
+stats at most every STATS_EVERY s, and Python's garbage collector waits for the replies to end.
+Model loads and engine restarts are blocking client calls, run in worker threads.
 
 Data flows down (the controller and settings into screens, `engine_status` into the gauges); news
 flows up as messages (the controller's through TuiObserver, LoadModel from the picker and /model).
@@ -14,13 +20,15 @@ flows up as messages (the controller's through TuiObserver, LoadModel from the p
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from textual import on, work
 from textual.app import App
-from textual.reactive import reactive
+from textual.reactive import var
 
 from nanochat.app.controller import ChatController, EngineState, model_display_name
 from nanochat.app.options import sampling_options
@@ -28,14 +36,25 @@ from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore, StoreError
 from nanochat.app.tui.chat_screen import ChatScreen
-from nanochat.app.tui.messages import (EngineChanged, EngineStatsChanged, EngineStopped, LoadModel, TuiObserver,
-                                       TurnFinished)
+from nanochat.app.tui.messages import EngineChanged, EngineStopped, LoadModel, TuiObserver, TurnFinished
 from nanochat.app.tui.widgets import EngineStatus, InputHistory
 from nanochat.engine.serve.client import EngineClient
 from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import DEFAULT_THEME, register_themes
 
-STREAM_HZ = 10
+STREAM_HZ = 10       # the most stream ticks a second
+UI_SHARE = 0.06      # of one core: the UI thread's budget while replies stream
+MAX_TICK = 0.5       # seconds: the longest wait between ticks, however slow drawing is
+STATS_EVERY = 1.0    # seconds between gauge updates while the engine is busy
+GC_DEFER_MAX = 30.0  # seconds: the longest streaming holds off Python's cyclic garbage collector
+
+
+def next_tick(spent: float, awaiting_first_token: bool) -> float:
+    """Seconds to the next stream tick, after an interval whose UI-thread CPU time was `spent`: soon
+    while a reply waits for its first token, then as often as UI_SHARE allows."""
+    if awaiting_first_token:
+        return 1 / STREAM_HZ
+    return min(MAX_TICK, max(1 / STREAM_HZ, spent / UI_SHARE))
 
 
 def open_store(path: Path) -> tuple[ChatStore, str | None]:
@@ -66,7 +85,7 @@ class NanochatApp(App):
     TITLE = "nanochat"
     CSS_PATH = ["app.tcss", "screens.tcss"]
 
-    engine_status: reactive[EngineStatus] = reactive(EngineStatus())
+    engine_status: var[EngineStatus] = var(EngineStatus())
 
     def __init__(self, client: EngineClient | None = None, paths: Paths | None = None,
                  settings: Settings | None = None, model: str | None = None, engine_config: dict | None = None,
@@ -86,7 +105,8 @@ class NanochatApp(App):
             engine_config)
         self.chat_screen = ChatScreen(self.controller, InputHistory(self.paths.input_history), self.paths.exports_dir,
                                       discover or self.discover_models, bench_overrides)
-        self.controller.observer = TuiObserver(self.chat_screen)
+        self.observer = TuiObserver(self.chat_screen)
+        self.controller.observer = self.observer
         register_themes(self)
         self.theme = self.settings.theme if self.settings.theme in self.available_themes else DEFAULT_THEME
 
@@ -96,7 +116,10 @@ class NanochatApp(App):
     def on_mount(self) -> None:
         self.engine_status = EngineStatus(*engine_labels(self.controller), stats=self.client.stats(),
                                           last_ttft=self.controller.last_ttft())
-        self.set_interval(1 / STREAM_HZ, self.controller.drain)
+        self._tick_cpu = time.thread_time()
+        self._stats_at = 0.0
+        self._gc_deferred_at: float | None = None
+        self.set_timer(1 / STREAM_HZ, self.stream_tick)
         if self._store_warning:
             self.notify(self._store_warning, severity="error", timeout=30)
         for warning in self.settings.warnings:
@@ -108,6 +131,8 @@ class NanochatApp(App):
             self.call_later(self.chat_screen.commands.run, "/model")
 
     def on_unmount(self) -> None:
+        if self._gc_deferred_at is not None:
+            gc.enable()
         # Quitting mid-reply keeps the partial replies (marked cancelled); no engine process outlives us.
         self.controller.close()
         self.controller.store.close()
@@ -119,9 +144,42 @@ class NanochatApp(App):
         model, detail, busy = engine_labels(self.controller)
         self.engine_status = replace(self.engine_status, model=model, detail=detail, busy=busy)
 
-    @on(EngineStatsChanged)
-    def _stats_changed(self, message: EngineStatsChanged) -> None:
-        self.engine_status = replace(self.engine_status, stats=message.stats)
+    async def stream_tick(self) -> None:
+        """Drain the controller and draw what it brought (reply text, gauges) as one batch; then wait
+        for the next tick as long as the UI thread's budget asks."""
+        try:
+            self.controller.drain()
+            news = self.observer.take()
+            stats = news.stats
+            if stats is not None and stats.running and time.monotonic() - self._stats_at < STATS_EVERY:
+                self.observer.news.stats = stats   # for a later tick, unless newer stats come first
+                stats = None
+            with self.batch_update():
+                if stats is not None:   # an idle engine's final numbers show at once
+                    self._stats_at = time.monotonic()
+                    self.engine_status = replace(self.engine_status, stats=stats)
+                await self.chat_screen.show_replies(news.replies)
+            self._pace_gc(self.controller.generating)
+        finally:
+            now = time.thread_time()
+            spent, self._tick_cpu = now - self._tick_cpu, now   # since the last tick: its frames, typing
+            self.set_timer(next_tick(spent, self.controller.awaiting_first_token), self.stream_tick)
+
+    def _pace_gc(self, streaming: bool) -> None:
+        """Python's cyclic garbage collector waits while replies stream: a full collection of the app's
+        objects takes 50-70 ms of the UI thread, about one a turn, and the engine loses that time. It
+        runs when the replies end (the engine idle), or every GC_DEFER_MAX s of streaming."""
+        now = time.monotonic()
+        if streaming and self._gc_deferred_at is None and gc.isenabled():
+            gc.disable()
+            self._gc_deferred_at = now
+        elif self._gc_deferred_at is not None and (not streaming or now - self._gc_deferred_at > GC_DEFER_MAX):
+            gc.collect()
+            if streaming:
+                self._gc_deferred_at = now
+            else:
+                gc.enable()
+                self._gc_deferred_at = None
 
     @on(EngineChanged)
     def _engine_changed(self) -> None:

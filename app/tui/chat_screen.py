@@ -1,8 +1,8 @@
 """The chat screen: conversation list | chat views, slash-command hints and input | gauges.
 
 It drives the ChatController (passed down by the app): the input sends through it, slash commands run
-through ChatCommands, and the controller's news arrive as messages (ReplyStreamed, TurnFinished) that
-update the views. What the engine does (load, restart, stats) is the app's; this screen only restarts a
+through ChatCommands; streamed text arrives from the app's stream tick (show_replies) and the other news
+of the controller as messages (TurnFinished) that update the views. What the engine does (load, restart, stats) is the app's; this screen only restarts a
 stopped engine when a message is sent, since that is part of sending.
 """
 
@@ -18,7 +18,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.widgets import ContentSwitcher, Footer, Header, Label, OptionList
 
 from nanochat.app.controller import (ChatController, ChatError, Conversation, EngineState, Message, Turn,
@@ -26,7 +26,7 @@ from nanochat.app.controller import (ChatController, ChatError, Conversation, En
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.chat_commands import ChatCommands
 from nanochat.app.tui.commands import NanochatCommands
-from nanochat.app.tui.messages import MessageAction, ReplyStreamed, RunCommand, TurnFinished
+from nanochat.app.tui.messages import MessageAction, RunCommand, TurnFinished
 from nanochat.app.tui.screens import ContextFullScreen, GaugedScreen
 from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHints, ConversationList, GaugePanel,
                                      InputHistory, MessageView)
@@ -41,9 +41,12 @@ NOT_READY = {
 }
 
 
+ROOM_SETTLES = 0.2   # seconds: a reply's last text is laid out (a growing paragraph takes two layouts)
+
+
 class ChatScreen(GaugedScreen):
     COMMANDS = {NanochatCommands}
-    chat_status: reactive[ChatStatus] = reactive(ChatStatus())
+    chat_status: var[ChatStatus] = var(ChatStatus())
     BINDINGS = [
         Binding("escape", "cancel_reply", "Cancel reply"),
         Binding("ctrl+n", "new_conversation", "New chat"),
@@ -315,12 +318,13 @@ class ChatScreen(GaugedScreen):
             chat_input.set_text(text)
 
     # ------------------------------------------------------------------ replies
-    @on(ReplyStreamed)
-    async def _reply_streamed(self, message: ReplyStreamed) -> None:
-        view = self.chat_view(message.turn.conversation)
-        mview = view.view_for(message.turn.reply) if view is not None else None
-        if mview is not None:
-            await mview.sync()
+    async def show_replies(self, turns: list[Turn]) -> None:
+        """Show what these replies gained (the app's stream tick calls this inside one batch update)."""
+        for turn in turns:
+            view = self.chat_view(turn.conversation)
+            mview = view.view_for(turn.reply) if view is not None else None
+            if mview is not None:
+                await mview.sync()
 
     @on(TurnFinished)
     async def _turn_finished(self, message: TurnFinished) -> None:
@@ -331,6 +335,7 @@ class ChatScreen(GaugedScreen):
             mview = view.view_for(turn.reply) if view is not None else None
             if mview is not None:
                 await mview.finish()
+                view.set_timer(ROOM_SETTLES, partial(view.room_below, mview))
             if turn.finish_reason == "error" and not turn.interrupted:
                 self.notify(f"reply stopped by an error: {turn.error}", severity="error", timeout=8)
         else:

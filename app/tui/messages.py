@@ -3,6 +3,7 @@ and widgets post upward (load a model, run a slash command)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from textual.message import Message
@@ -16,26 +17,12 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------- controller -> UI
-class ReplyStreamed(Message):
-    """A reply gained text (the chat screen shows it)."""
-
-    def __init__(self, turn: Turn):
-        super().__init__()
-        self.turn = turn
-
-
 class TurnFinished(Message):
     """A turn ended, saved or forgotten (the chat screen updates its views; the app its last TTFT)."""
 
     def __init__(self, turn: Turn):
         super().__init__()
         self.turn = turn
-
-
-class EngineStatsChanged(Message):
-    def __init__(self, stats: EngineStats):
-        super().__init__()
-        self.stats = stats
 
 
 class EngineChanged(Message):
@@ -50,21 +37,38 @@ class EngineStopped(Message):
         self.reason = reason
 
 
+@dataclass
+class StreamNews:
+    """What one drain brought for the screen to draw: the replies that gained text and the engine's
+    latest stats (None: unchanged)."""
+
+    replies: list[Turn] = field(default_factory=list)
+    stats: EngineStats | None = None
+
+
 class TuiObserver(ChatObserver):
-    """Turns the controller's callbacks into messages posted to the chat screen; what the screen does
-    not handle bubbles up to the app. The controller calls it from drain(), on the UI thread."""
+    """The controller's callbacks, which it makes from drain() on the UI thread. Streaming news (reply
+    text, engine stats) is kept for the app's stream tick to draw all at once, in one frame; the rest
+    becomes messages posted to the chat screen, and what the screen does not handle bubbles up to the
+    app."""
 
     def __init__(self, target: MessagePump):
         self.target = target
+        self.news = StreamNews()
+
+    def take(self) -> StreamNews:
+        news, self.news = self.news, StreamNews()
+        return news
 
     def reply_streamed(self, turn: Turn) -> None:
-        self.target.post_message(ReplyStreamed(turn))
+        if turn not in self.news.replies:
+            self.news.replies.append(turn)
+
+    def engine_stats(self, stats: EngineStats) -> None:
+        self.news.stats = stats
 
     def turn_finished(self, turn: Turn) -> None:
         self.target.post_message(TurnFinished(turn))
-
-    def engine_stats(self, stats: EngineStats) -> None:
-        self.target.post_message(EngineStatsChanged(stats))
 
     def engine_changed(self) -> None:
         self.target.post_message(EngineChanged())

@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message as TextualMessage
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.screen import ModalScreen, Screen
 from textual.widgets import (DataTable, Footer, Input, Label, LoadingIndicator, Markdown, OptionList, ProgressBar,
                              Static)
@@ -53,7 +53,7 @@ class GaugedScreen(Screen):
     """A screen with a gauge panel. The app's engine status flows down into `engine_status`, which
     the screen's GaugePanel binds to (`GaugePanel().data_bind(status=GaugedScreen.engine_status)`)."""
 
-    engine_status: reactive[EngineStatus] = reactive(EngineStatus())
+    engine_status: var[EngineStatus] = var(EngineStatus())
 
     def on_mount(self) -> None:
         self.watch(self.app, "engine_status", self._app_status_changed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.message import Message as TextualMessage
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.widgets import Label, LoadingIndicator, Markdown, OptionList, ProgressBar, Sparkline, Static, TextArea
 from textual.widgets.option_list import Option
 
@@ -68,24 +69,34 @@ class MessageView(Vertical, can_focus=True):
     ]
     KEYS = frozenset(key for binding in BINDINGS for key in binding.key.split(","))
 
+    room: var[int] = var(0, init=False)   # the least height of the body (ChatView's room for a reply)
+
     def __init__(self, message: Message, versions: tuple[int, int] = (1, 1), **kwargs):
         super().__init__(classes=f"message {message.role}", **kwargs)
         self.message = message
         self.versions = versions  # (this one's number, how many): ‹2/3›
-        self._stream = None
         self._shown = 0          # characters of message.content already handed to the Markdown widget
 
     def compose(self) -> ComposeResult:
         self._shown = len(self.message.content)
         yield Label(self._role_text(), classes="role")
-        yield Markdown(self.message.content, classes="body", parser_factory=chat_markdown)
+        body = Markdown(self.message.content, classes="body", parser_factory=chat_markdown)
+        body.styles.min_height = self.room or None
+        yield body
         yield Static(self._footer_text(), classes="footer", markup=False)
 
     async def on_mount(self) -> None:
         if self.message.streaming:
             self.add_class("streaming")
-            self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self.sync()
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(".body", Markdown)
+
+    def watch_room(self, room: int) -> None:
+        if self.is_mounted:
+            self.body.styles.min_height = room or None
 
     def _role_text(self) -> str:
         label = ROLE_LABELS.get(self.message.role, self.message.role)
@@ -106,18 +117,13 @@ class MessageView(Vertical, can_focus=True):
         """Show what the message gained since the last call. The message text is the source of truth,
         so text that arrived before this view was mounted is never lost or doubled."""
         new = self.message.content[self._shown:]
-        if new and self._stream is not None:
-            await self._stream.write(new)      # MarkdownStream batches fragments: no full re-render per token
-        elif new:                              # the reply ended before this view started streaming
-            await self.query_one(Markdown).update(self.message.content)
-        self._shown = len(self.message.content)
+        self._shown = len(self.message.content)    # before the await: a second call adds only what is newer
+        if new:   # the app calls this once per stream tick, so each call brings many tokens
+            await self.query_one(Markdown).append(new)
         self.refresh_footer()
 
     async def finish(self) -> None:
         await self.sync()
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
         self.remove_class("streaming")
         self.refresh_footer()
 
@@ -141,11 +147,14 @@ class MessageView(Vertical, can_focus=True):
 
 
 class ChatView(VerticalScroll):
-    """The messages of one conversation. Anchored: follows new tokens only while scrolled to the bottom."""
+    """The messages of one conversation. Anchored: follows new tokens only while scrolled to the bottom;
+    a streaming reply grows into room made below its question (make_room)."""
 
     def __init__(self, conversation: Conversation, **kwargs):
         super().__init__(id=f"chat-{conversation.id}", classes="chat", **kwargs)
         self.conversation = conversation
+        self._room: MessageView | None = None   # the reply given room below its question (_make_room)
+        self._room_bottom = 0                   # where that room ends, in the chat's virtual space
 
     def compose(self) -> ComposeResult:
         yield Static("Type a message and press Enter. /help lists the commands, Ctrl+P opens the palette.",
@@ -183,10 +192,72 @@ class ChatView(VerticalScroll):
             keep += 1
         if views[keep:]:
             await self.remove_children(views[keep:])
+        self._drop_room()
         if path[keep:]:
-            await self.mount_all([self._view(m) for m in path[keep:]])
+            new = [self._view(m) for m in path[keep:]]
+            if new[-1].message.streaming and len(path) > 1 and path[-2].role == "user":
+                self._make_room(path[-2], new[-1])
+            await self.mount_all(new)
         self.refresh_placeholder()
         self.anchor()
+        if self._room is not None:
+            self.call_after_refresh(self._fit_room, self._room)
+
+    # ------------------------------------------------------------------ the room of a streaming reply
+    # A streaming reply gets the rest of the view below its question (the question at the top, as web
+    # chats do), so it grows into space already laid out: a tick redraws the lines that changed, where
+    # a reply growing at the bottom of an anchored view scrolls, and so redraws, the whole chat at every
+    # new line. The room is estimated before the views mount (one layout), checked once they have
+    # (_fit_room), moved below the reply when it ends (room_below), and taken over by the next turn.
+    def _make_room(self, question: Message, reply: MessageView) -> None:
+        width = self.scrollable_content_region.width - 4   # a message's border and padding
+        if width <= 0:
+            return
+        lines = sum(max(1, math.ceil(len(line) / width)) for line in question.content.splitlines() or [""])
+        # question: margin, role, text; reply: margin, role, (text), footer
+        room = self.scrollable_content_region.height - (lines + 5)
+        if room > 0:
+            reply.room = room
+            self._room = reply
+
+    def _fit_room(self, reply: MessageView, tries: int = 10) -> None:
+        """Correct the estimated room once the views are laid out (a question that wraps otherwise)."""
+        if reply is not self._room or not reply.is_attached or not reply.message.streaming:
+            return
+        siblings = list(self.children)
+        question = siblings[siblings.index(reply) - 1]
+        if not (isinstance(question, MessageView) and question.virtual_region and reply.virtual_region):
+            if tries:
+                self.call_after_refresh(self._fit_room, reply, tries - 1)
+            return
+        top = question.virtual_region.y - question.styles.margin.top
+        self._room_bottom = top + self.scrollable_content_region.height
+        room = reply.body.outer_size.height + self._room_bottom - reply.virtual_region.bottom
+        if room != reply.room:
+            reply.room = max(0, room)
+
+    def _drop_room(self) -> None:
+        if self._room is not None and self._room.is_attached:   # (not: removed, by /clear or a regenerate)
+            self._room.room = 0
+            self._room.styles.margin = None
+        self._room, self._room_bottom = None, 0
+
+    def on_resize(self) -> None:
+        if self._room is not None and self._room.message.streaming:
+            self.call_after_refresh(self._fit_room, self._room)
+
+    def room_below(self, reply: MessageView) -> None:
+        """Move the room of a reply that ended below it, once its last text is laid out: its stats line
+        follows the text, and the chat's height, so its scroll position, stays as it is."""
+        if reply is not self._room or not reply.is_attached or not reply.room:
+            return
+        blocks = [b for b in reply.body.children if b.display]
+        text = max((b.virtual_region.bottom + b.styles.margin.bottom for b in blocks), default=0)
+        height = reply.outer_size.height - reply.body.outer_size.height + text   # without the room
+        reply.room = 0
+        spare = self._room_bottom - (reply.virtual_region.y + height)
+        if spare > 0:
+            reply.styles.margin = (reply.styles.margin.top, 0, spare, 0)
 
 
 class InputHistory:
@@ -401,8 +472,8 @@ class GaugePanel(Vertical):
     """Live engine gauges: model, decode/prefill speed, TTFT, KV cache, prefix hits, batch; with
     `chat`, also the chat shown: its context use and sampling settings."""
 
-    status: reactive[EngineStatus] = reactive(EngineStatus())
-    chat_status: reactive[ChatStatus] = reactive(ChatStatus())
+    status: var[EngineStatus] = var(EngineStatus())
+    chat_status: var[ChatStatus] = var(ChatStatus())
 
     def __init__(self, chat: bool = False, **kwargs):
         super().__init__(**kwargs)
@@ -438,23 +509,24 @@ class GaugePanel(Vertical):
             bar.update(total=limit, progress=min(status.context_used, limit))
         self.query_one("#g-sampling", Static).update(status.sampling)
 
-    async def on_mount(self) -> None:
+    def on_mount(self) -> None:
         self.query_one("#g-loading").display = False
-        await self._show(None, self.status)
+        self._show(None, self.status)
         self.watch_chat_status(self.chat_status)
 
-    async def watch_status(self, old: EngineStatus, new: EngineStatus) -> None:
+    def watch_status(self, old: EngineStatus, new: EngineStatus) -> None:
         if self.is_mounted:
-            await self._show(old, new)
+            self._show(old, new)
 
-    async def _show(self, old: EngineStatus | None, new: EngineStatus) -> None:
-        """Redraw what changed from `old` (None: everything); every update re-lays out the screen."""
+    def _show(self, old: EngineStatus | None, new: EngineStatus) -> None:
+        """Redraw what changed from `old` (None: everything). Synchronous, so that the app's stream tick
+        draws the gauges in the same frame as the reply text."""
         try:
             if old is None or (old.model, old.detail) != (new.model, new.detail):
                 self.query_one("#g-model", Static).update(new.model)
                 self.query_one("#g-device", Static).update(new.detail)
             if old is None or old.busy != new.busy:
-                await self._show_busy(new.busy)
+                self.call_later(self._show_busy, new.busy)
             ttft = "—" if new.last_ttft is None else f"{new.last_ttft * 1000:.0f} ms"
             self._set("#g-ttft", f"TTFT (last turn)  {ttft}")
             if new.stats is not None and (old is None or new.stats is not old.stats):
@@ -463,7 +535,10 @@ class GaugePanel(Vertical):
             pass
 
     async def _show_busy(self, busy: bool) -> None:
-        row = self.query_one("#g-loading")
+        try:
+            row = self.query_one("#g-loading")
+        except NoMatches:
+            return
         await row.remove_children()
         if busy:
             await row.mount(LoadingIndicator())
