@@ -213,8 +213,9 @@ class ChatScreen(GaugedScreen):
             self.notify(f"cannot {verb}: {e}", severity="error")
             self.give_back(conv, text)
             return False
-        await self.show_path(conv)
-        self.refresh_item(conv)   # the generating dot, and the title taken from the first message
+        with self.app.batch_update():   # one frame: each one now is time the engine's prefill loses
+            await self.show_path(conv)
+            self.refresh_item(conv)   # the generating dot, and the title taken from the first message
         return True
 
     async def show_path(self, conv: Conversation) -> None:

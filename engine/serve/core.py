@@ -3,8 +3,8 @@
     python -m nanochat.engine.serve.core FD      (started by EngineClient; FD is its end of a socketpair)
 
 A reader thread takes calls off the connection into an inbox (and sets a running bench's cancel
-flag at once); the main thread alternates between the inbox and engine steps, sending each step's
-events in one message. When the client goes away (its end closes) the process exits at once: it
+flag at once); the main thread alternates between the inbox and engine steps, sending the token
+events of the steps of the last EVENTS_INTERVAL seconds in one message (a request's end at once). When the client goes away (its end closes) the process exits at once: it
 holds nothing that is not also held by the client.
 """
 
@@ -18,7 +18,7 @@ import threading
 import time
 
 from nanochat.engine.output import ContextExceeded, Reply, RequestStats, TokenEvent
-from nanochat.engine.serve.protocol import STATS_INTERVAL, Call, ModelInfo, error_kind, one_line
+from nanochat.engine.serve.protocol import EVENTS_INTERVAL, STATS_INTERVAL, Call, ModelInfo, error_kind, one_line
 
 
 # What a call may raise and still be answered: every Exception, and the BaseExceptions that are not
@@ -40,6 +40,8 @@ class EngineCore:
         self.bench_cancel: threading.Event | None = None
         self._send_lock = threading.Lock()
         self._last_stats = 0.0
+        self._events: list[TokenEvent] = []      # published, not sent yet (_publish)
+        self._events_sent = 0.0
 
     # ------------------------------------------------------------------ transport
     def send(self, message: tuple) -> None:
@@ -103,13 +105,18 @@ class EngineCore:
         self._publish(events)
 
     def _publish(self, events: list[TokenEvent]) -> None:
-        """Send one step's events (chat turns that end record their reply in their session first)."""
+        """Queue one step's events, and send the queue when it is EVENTS_INTERVAL old, a request ended
+        or the engine has nothing left to run (chat turns that end record their reply first)."""
         for event in events:
             turn = self.turns.get(event.request_id)
             if turn is not None:
                 self._fold_turn(event, *turn)
-        if events:
-            self.send(("events", events))
+        self._events += events
+        now = time.monotonic()
+        if self._events and (now - self._events_sent >= EVENTS_INTERVAL or any(e.finished for e in events)
+                             or self.engine is None or not self.engine.has_unfinished()):
+            self.send(("events", self._events))
+            self._events, self._events_sent = [], now
 
     def _fold_turn(self, event: TokenEvent, session, reply: Reply) -> None:
         if reply.add(event).done:
