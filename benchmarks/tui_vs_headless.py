@@ -80,7 +80,8 @@ def cpu_seconds(pid: int) -> float:
 def ui_pid(pane_pid: int) -> int:
     """The app's process: the pane's shell may have exec'd it or may be its parent."""
     for pid in (pane_pid, *map(int, Path(f"/proc/{pane_pid}/task/{pane_pid}/children").read_text().split())):
-        if any(b"nanochat" in arg or arg.endswith(b".py") for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2]):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2]
+        if any(b"nanochat" in arg or arg.endswith(b".py") for arg in argv):
             return pid
     raise RuntimeError("the nanochat process was not found in the tmux pane")
 

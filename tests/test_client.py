@@ -311,3 +311,52 @@ def test_an_engine_that_cannot_start_says_why(monkeypatch):
         client.load_model("whatever")
     with pytest.raises(EngineError, match="no model"):
         client.submit([1], GREEDY)
+
+
+def test_the_engine_core_batches_token_events_but_sends_an_end_at_once(monkeypatch):
+    from nanochat.engine.output import TokenEvent
+    from nanochat.engine.serve import core
+    from nanochat.engine.serve.protocol import EVENTS_INTERVAL
+
+    class Conn:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    class Engine:
+        unfinished = True
+
+        def has_unfinished(self):
+            return self.unfinished
+
+    now = [100.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: now[0])
+    conn, engine = Conn(), Engine()
+    engine_core = core.EngineCore(conn)
+    engine_core.engine = engine
+    step = EVENTS_INTERVAL / 3.5                           # the 4th step is past the interval
+
+    def token(request_id, i, finished=False):
+        return TokenEvent(request_id, i, f"<{i}>", finished, "length" if finished else None)
+
+    engine_core._publish([token("a", 0)])                 # the first events go at once
+    assert [len(m[1]) for m in conn.sent] == [1]
+    for i in range(1, 4):                                 # then they wait for EVENTS_INTERVAL
+        now[0] += step
+        engine_core._publish([token("a", i), token("b", i)])
+    assert len(conn.sent) == 1
+    now[0] += step
+    engine_core._publish([token("a", 4)])
+    assert [len(m[1]) for m in conn.sent] == [1, 7]
+    now[0] += step
+    engine_core._publish([token("b", 5, finished=True)])  # an end is not held back, nor what came before it
+    now[0] += step
+    engine_core._publish([token("a", 6)])
+    engine.unfinished = False                              # nor anything once the engine has no work left
+    engine_core._publish([token("a", 7, finished=True)])
+    sent = [e for m in conn.sent for e in m[1]]
+    assert [len(m[1]) for m in conn.sent] == [1, 7, 1, 2]
+    assert [e.token_id for e in sent if e.request_id == "a"] == [0, 1, 2, 3, 4, 6, 7]
+    assert sent[-1].finished and not engine_core._events

@@ -1,9 +1,10 @@
 """The chat screen: conversation list | chat views, slash-command hints and input | gauges.
 
 It drives the ChatController (passed down by the app): the input sends through it, slash commands run
-through ChatCommands; streamed text arrives from the app's stream tick (show_replies) and the other news
-of the controller as messages (TurnFinished) that update the views. What the engine does (load, restart, stats) is the app's; this screen only restarts a
-stopped engine when a message is sent, since that is part of sending.
+through ChatCommands; streamed text arrives from the app's stream tick (show_replies) and the
+controller's other news as messages (TurnFinished) that update the views. What the engine does (load,
+restart, stats) is the app's; this screen only restarts a stopped engine when a message is sent,
+since that is part of sending.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 
 A reader thread takes calls off the connection into an inbox (and sets a running bench's cancel
 flag at once); the main thread alternates between the inbox and engine steps, sending the token
-events of the steps of the last EVENTS_INTERVAL seconds in one message (a request's end at once). When the client goes away (its end closes) the process exits at once: it
-holds nothing that is not also held by the client.
+events of the steps of the last EVENTS_INTERVAL seconds in one message (a request's end at once).
+When the client goes away (its end closes) the process exits at once: it holds nothing that is not
+also held by the client.
 """
 
 from __future__ import annotations
