@@ -6,8 +6,9 @@ Headless: the conversation runs through EngineClient (the engine process every f
 with nothing drawing. TUI: the real app in a tmux terminal (160x48), driven by send-keys, the
 replies' stats read back from its chat store. Each reply is greedy with ignore_eos, so both runs
 generate the same number of tokens, reply by reply. Headless and TUI runs alternate, `--rounds` of
-each, and the table compares each reply's best (noise from other work on the machine only ever slows
-a run down). Decode tok/s is the engine's own measure (completion tokens after the first / time
+each; the table compares each reply's best (noise from other work on the machine only ever slows a
+run down) and gives the median of the rounds' ratios (each TUI run against the headless run just
+before it). Decode tok/s is the engine's own measure (completion tokens after the first / time
 after the first), so it shows what the app's drawing costs the engine: both share the CPU. The last
 column is the app process's CPU time over each reply's wall time.
 """
@@ -19,6 +20,7 @@ import json
 import os
 import shutil
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,13 +132,15 @@ def main() -> int:
         tuis.append(tok_s)
         cpus.append(ui_cpu)
     print(f"model {Path(model).name}, {os.cpu_count()} CPUs, {args.tokens} tokens per reply, "
-          f"best of {args.rounds} alternated runs each")
-    print("| reply | headless tok/s | TUI tok/s | TUI / headless | UI process, cores (mean) |")
-    print("|---|---|---|---|---|")
+          f"{args.rounds} alternated rounds")
+    print("| reply | headless tok/s (best) | TUI tok/s (best) | best / best | TUI / headless, median of rounds "
+          "| UI process, cores (mean) |")
+    print("|---|---|---|---|---|---|")
     for i in range(len(prompts)):
         h, t = max(run[i] for run in heads), max(run[i] for run in tuis)
+        paired = statistics.median(tui_run[i] / head_run[i] for head_run, tui_run in zip(heads, tuis))
         cores = sum(run[i] for run in cpus) / len(cpus)
-        print(f"| {i + 1} | {h:.1f} | {t:.1f} | {t / h:.1%} | {cores:.2f} |")
+        print(f"| {i + 1} | {h:.1f} | {t:.1f} | {t / h:.1%} | {paired:.1%} | {cores:.2f} |")
     return 0
 
 
