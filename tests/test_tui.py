@@ -695,6 +695,7 @@ async def test_engine_killed_mid_reply_is_survived(tiny_models, home, step_delay
             await reply_done(pilot, conv)
             await wait_for(pilot, lambda: "engine stopped" in str(app.query_one("#g-device").render()), 20,
                            "the gauges to show the stopped engine")
+            assert str(app.query_one("#g-seqs").render()) == "running 0 · waiting 0"   # not its last report
             # one clear line, and nothing else about it
             assert notifications(app) == ["engine stopped: the engine process was killed by SIGKILL (out of "
                                           "memory?); your next message restarts it"]

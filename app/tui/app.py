@@ -38,6 +38,7 @@ from nanochat.app.store import ChatStore, StoreError
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.messages import EngineChanged, EngineStopped, LoadModel, TuiObserver, TurnFinished
 from nanochat.app.tui.widgets import EngineStatus, InputHistory
+from nanochat.engine.output import EngineStats
 from nanochat.engine.serve.client import EngineClient
 from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import DEFAULT_THEME, register_themes
@@ -187,6 +188,8 @@ class NanochatApp(App):
 
     @on(EngineStopped)
     def _engine_stopped(self, message: EngineStopped) -> None:
+        self.observer.news.stats = None    # its last reports are void (a deferred one included)
+        self.engine_status = replace(self.engine_status, stats=EngineStats())
         self.notify(f"engine stopped: {message.reason}; your next message restarts it", severity="error",
                     timeout=30)
 
