@@ -87,10 +87,9 @@ class ShmAllReduce:
         self._seq[self.rank] = s
         self._wait(s)
         parts = [buf[r * SLOT_BYTES:r * SLOT_BYTES + n].view(x.dtype).view(x.shape) for r in range(self.size)]
-        total = parts[0].clone()
+        x.copy_(parts[0])   # x's own values are in its slot: sum into x directly, in rank order
         for part in parts[1:]:
-            total += part
-        x.copy_(total)
+            x += part
         return x
 
     def _wait(self, s: int) -> None:

@@ -108,6 +108,10 @@ class NanochatApp(App):
                                       discover or self.discover_models, bench_overrides)
         self.observer = TuiObserver(self.chat_screen)
         self.controller.observer = self.observer
+        self._tick_cpu = 0.0                        # the UI thread's CPU time at the last stream tick
+        self._stats: EngineStats | None = None      # engine stats the gauges have not shown yet
+        self._stats_at = 0.0                        # when the gauges last took stats
+        self._gc_deferred_at: float | None = None   # when streaming turned the garbage collector off
         register_themes(self)
         self.theme = self.settings.theme if self.settings.theme in self.available_themes else DEFAULT_THEME
 
@@ -118,8 +122,6 @@ class NanochatApp(App):
         self.engine_status = EngineStatus(*engine_labels(self.controller), stats=self.client.stats(),
                                           last_ttft=self.controller.last_ttft())
         self._tick_cpu = time.thread_time()
-        self._stats_at = 0.0
-        self._gc_deferred_at: float | None = None
         self.set_timer(1 / STREAM_HZ, self.stream_tick)
         if self._store_warning:
             self.notify(self._store_warning, severity="error", timeout=30)
@@ -151,14 +153,15 @@ class NanochatApp(App):
         try:
             self.controller.drain()
             news = self.observer.take()
-            stats = news.stats
-            if stats is not None and stats.running and time.monotonic() - self._stats_at < STATS_EVERY:
-                self.observer.news.stats = stats   # for a later tick, unless newer stats come first
-                stats = None
+            self._stats = news.stats or self._stats
+            # at most every STATS_EVERY s while the engine works; an idle engine's final numbers at once
+            show = self._stats is not None and (not self._stats.running
+                                                or time.monotonic() - self._stats_at >= STATS_EVERY)
             with self.batch_update():
-                if stats is not None:   # an idle engine's final numbers show at once
+                if show:
                     self._stats_at = time.monotonic()
-                    self.engine_status = replace(self.engine_status, stats=stats)
+                    self.engine_status = replace(self.engine_status, stats=self._stats)
+                    self._stats = None
                 await self.chat_screen.show_replies(news.replies)
             self._pace_gc(self.controller.generating)
         finally:
@@ -188,7 +191,7 @@ class NanochatApp(App):
 
     @on(EngineStopped)
     def _engine_stopped(self, message: EngineStopped) -> None:
-        self.observer.news.stats = None    # its last reports are void (a deferred one included)
+        self._stats = None    # its last reports are void (one not shown yet included)
         self.engine_status = replace(self.engine_status, stats=EngineStats())
         self.notify(f"engine stopped: {message.reason}; your next message restarts it", severity="error",
                     timeout=30)

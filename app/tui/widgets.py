@@ -119,7 +119,7 @@ class MessageView(Vertical, can_focus=True):
         new = self.message.content[self._shown:]
         self._shown = len(self.message.content)    # before the await: a second call adds only what is newer
         if new:   # the app calls this once per stream tick, so each call brings many tokens
-            await self.query_one(Markdown).append(new)
+            await self.body.append(new)
         self.refresh_footer()
 
     async def finish(self) -> None:
