@@ -28,7 +28,7 @@ from nanochat.app.tui.app import MAX_TICK, STREAM_HZ, UI_SHARE, NanochatApp, nex
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.commands import SLASH_COMMANDS
 from nanochat.app.tui.screens import BenchScreen, ContextFullScreen, HistoryScreen, ModelPicker
-from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, chat_markdown, code_blocks
+from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, Readout, chat_markdown, code_blocks
 from nanochat.engine.llm_engine import LLMEngine
 from nanochat.engine.output import RequestStats
 from nanochat.engine.serve.client import EngineClient
@@ -312,7 +312,7 @@ async def test_a_chat_outgrowing_the_context_drops_its_oldest_turns_or_goes_on_f
         text = "tell me about the fox " * 6
         sends = await fill_until_refused(pilot, app, conv, text)
         assert sends > 2 and len(conv.messages) == 2 * (sends - 1)
-        gauge = str(screen.query_one("#g-context-label", Label).render())
+        gauge = str(screen.query_one("#g-context-label", Readout).render())
         assert gauge.startswith("context  ") and gauge.endswith("/256 tokens")
         await pilot.press("enter")                       # the first choice: drop the oldest turns
         await wait_for(pilot, lambda: len(conv.messages) == 2 * sends and not conv.generating, 10, "the resend")
@@ -793,3 +793,25 @@ async def test_a_poem_keeps_its_lines_on_screen(shared_client, home):
         # Two lines on screen, though both would fit on one line of this width.
         assert first.outer_size.height == 2 and len("Roses are red, violets are blue.") < first.outer_size.width
         assert second.content.plain == "A new stanza\nends here."
+
+
+@sync
+async def test_a_message_body_has_no_outer_blank_lines_as_it_grows(shared_client, home):
+    store = ChatStore(home.chat_db)
+    cid = store.create_conversation("code")
+    store.add_message(cid, "user", "code please")
+    store.add_message(cid, "assistant", "```\nprint(1)\n```\n\nThat prints 1.")
+    store.close()
+    app = make_app(shared_client, home)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.chat_screen.show_conversation(cid)
+        await pilot.pause()
+        [_, reply] = app.chat_screen.chat_view(app.controller.conversations[cid]).query(MessageView)
+        fence, para = reply.body.children
+        assert fence.styles.margin.top == 0 and fence.styles.margin.bottom > 0   # no blank line above the code
+        assert para.styles.margin.bottom == 0                                    # nor below the last block
+        reply.message.content += "\n\nA second paragraph."                      # as a streamed reply grows
+        await reply.sync()
+        await pilot.pause()
+        assert reply.body.children[-1] is not para and reply.body.children[-1].styles.margin.bottom == 0
+        assert para.styles.margin.bottom > 0 and fence.styles.margin.top == 0    # no longer last: its margin back

@@ -44,7 +44,7 @@ from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import DEFAULT_THEME, register_themes
 
 STREAM_HZ = 10       # the most stream ticks a second
-UI_SHARE = 0.06      # of one core: the UI thread's budget while replies stream
+UI_SHARE = 0.04      # of one core: the UI thread's budget while replies stream
 MAX_TICK = 0.5       # seconds: the longest wait between ticks, however slow drawing is
 STATS_EVERY = 1.0    # seconds between gauge updates while the engine is busy
 GC_DEFER_MAX = 30.0  # seconds: the longest streaming holds off Python's cyclic garbage collector

@@ -17,7 +17,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.message import Message as TextualMessage
-from textual.reactive import var
+from textual.geometry import Size
+from textual.reactive import Reactive, reactive, var
+from textual.widget import Widget
 from textual.widgets import Label, LoadingIndicator, Markdown, OptionList, ProgressBar, Sparkline, Static, TextArea
 from textual.widgets.option_list import Option
 
@@ -55,6 +57,25 @@ def chat_markdown() -> MarkdownIt:
     return parser
 
 
+FenceBlock = Markdown.BLOCKS["fence"]   # MarkdownFence, which Textual does not export
+
+
+class BodyParagraph(Markdown.BLOCKS["paragraph_open"]):   # MarkdownParagraph, which Textual does not export
+    """A paragraph of a message. `virtual_size` (the scrollable size) is a layout reactive in Textual,
+    so each paragraph that grew would lay the whole screen out a second time, after the layout that
+    grew it; a paragraph never scrolls, so here it only repaints."""
+
+    virtual_size = Reactive(Size(0, 0), layout=False)
+
+
+class MessageBody(Markdown):
+    """A message's Markdown, whose growth while a reply streams costs one layout a tick, not two (see
+    BodyParagraph; the body's overflow is hidden, so it never scrolls either)."""
+
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": BodyParagraph}
+    virtual_size = Reactive(Size(0, 0), layout=False)
+
+
 class MessageView(Vertical, can_focus=True):
     """One message: a role label (with ‹k/n› when it has other versions), its Markdown body (streamed
     while the reply arrives), a stats footer."""
@@ -76,11 +97,12 @@ class MessageView(Vertical, can_focus=True):
         self.message = message
         self.versions = versions  # (this one's number, how many): ‹2/3›
         self._shown = 0          # characters of message.content already handed to the Markdown widget
+        self._edges: tuple[Widget | None, Widget | None] = (None, None)   # the body's first and last blocks
 
     def compose(self) -> ComposeResult:
         self._shown = len(self.message.content)
         yield Label(self._role_text(), classes="role")
-        body = Markdown(self.message.content, classes="body", parser_factory=chat_markdown)
+        body = MessageBody(self.message.content, classes="body", parser_factory=chat_markdown)
         body.styles.min_height = self.room or None
         yield body
         yield Static(self._footer_text(), classes="footer", markup=False)
@@ -91,8 +113,8 @@ class MessageView(Vertical, can_focus=True):
         await self.sync()
 
     @property
-    def body(self) -> Markdown:
-        return self.query_one(".body", Markdown)
+    def body(self) -> MessageBody:
+        return self.query_one(".body", MessageBody)
 
     def watch_room(self, room: int) -> None:
         if self.is_mounted:
@@ -120,7 +142,33 @@ class MessageView(Vertical, can_focus=True):
         self._shown = len(self.message.content)    # before the await: a second call adds only what is newer
         if new:   # the app calls this once per stream tick, so each call brings many tokens
             await self.body.append(new)
+            self._mark_edges()
         self.refresh_footer()
+
+    def on_markdown_table_of_contents_updated(self) -> None:
+        self._mark_edges()   # the body's first blocks are mounted: posted at the end of Markdown.update
+
+    def _mark_edges(self) -> None:
+        """Trim the body's outer margins: no blank line above a code block that opens it, nor below its
+        last block. Inline styles, set on the blocks that start or stop being an edge: a CSS rule with
+        :last-child would restyle every block of the body at each mount, and a CSS class the block and
+        its subtree (~2 ms a block), several times a second while a reply streams."""
+        blocks = self.body.children
+        edges = (blocks[0], blocks[-1]) if blocks else (None, None)
+        if edges == self._edges:
+            return
+        old, self._edges = self._edges, edges
+        for block in {*old, *edges}:
+            if block is not None and block.parent is self.body:
+                self._trim(block, first=block is edges[0], last=block is edges[1])
+
+    @staticmethod
+    def _trim(block: Widget, first: bool, last: bool) -> None:
+        block.styles.clear_rule("margin")   # back to the stylesheet's
+        top, right, bottom, left = block.styles.margin
+        trimmed = (0 if first and isinstance(block, FenceBlock) else top, right, 0 if last else bottom, left)
+        if trimmed != (top, right, bottom, left):
+            block.styles.margin = trimmed
 
     async def finish(self) -> None:
         await self.sync()
@@ -420,32 +468,40 @@ class ChatInput(TextArea):
             hints.show(matching(self.text, self.theme_names))
 
 
+class Readout(Widget):
+    """One line of text that changes while replies stream. Setting `text` repaints this line only:
+    `Label.update` would ask for a layout of the whole screen (a frame of 10-20 ms in a long chat)."""
+
+    DEFAULT_CSS = "Readout { width: 1fr; height: 1; }"
+    text: reactive[str] = reactive("", layout=False)
+
+    def __init__(self, text: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.set_reactive(Readout.text, text)
+
+    def render(self) -> str:
+        return self.text
+
+
 class Gauge(Vertical):
     """A number with its recent history as a sparkline."""
 
     def __init__(self, title: str, **kwargs):
         super().__init__(classes="gauge", **kwargs)
         self.title = title
-        self.text = "—"
         self.history: deque[float] = deque([0.0] * 40, maxlen=40)
+        self.readout = Readout(f"{title}  —", classes="gauge-value")
+        self.sparkline = Sparkline(list(self.history), summary_function=max)
 
     def compose(self) -> ComposeResult:
-        yield Label(self._label(), classes="gauge-value")
-        yield Sparkline(list(self.history), summary_function=max)
-
-    def _label(self) -> str:
-        return f"{self.title}  {self.text}"
+        yield self.readout
+        yield self.sparkline
 
     def set_value(self, text: str, value: float | None = None) -> None:
-        changed = text != self.text
-        self.text = text
+        self.readout.text = f"{self.title}  {text}"
         if value is not None:
             self.history.append(value)
-        labels, lines = self.query(".gauge-value"), self.query(Sparkline)
-        if labels and lines:   # before compose, compose() picks the values up
-            if changed:
-                labels.first(Label).update(self._label())
-            lines.first(Sparkline).data = list(self.history)
+            self.sparkline.data = list(self.history)
 
 
 @dataclass(frozen=True)
@@ -478,7 +534,7 @@ class GaugePanel(Vertical):
     def __init__(self, chat: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.chat = chat
-        self._texts: dict[str, str] = {}
+        self._sampling = ""
 
     def compose(self) -> ComposeResult:
         yield Label("Model", classes="section")
@@ -487,14 +543,14 @@ class GaugePanel(Vertical):
         yield Horizontal(id="g-loading", classes="loading-row")
         yield Gauge("decode tok/s", id="g-decode")
         yield Gauge("prefill tok/s", id="g-prefill")
-        yield Label("TTFT (last turn)  —", id="g-ttft")
-        yield Label("KV cache  —", id="g-kv-label")
+        yield Readout("TTFT (last turn)  —", id="g-ttft")
+        yield Readout("KV cache  —", id="g-kv-label")
         yield ProgressBar(total=1, show_eta=False, show_percentage=True, id="g-kv")
-        yield Label("prefix hits  —", id="g-hit")
-        yield Label("running 0 · waiting 0", id="g-seqs")
+        yield Readout("prefix hits  —", id="g-hit")
+        yield Readout("running 0 · waiting 0", id="g-seqs")
         if self.chat:
             yield Label("This chat", classes="section")
-            yield Label("context  —", id="g-context-label")
+            yield Readout("context  —", id="g-context-label")
             yield ProgressBar(total=1, show_eta=False, show_percentage=True, id="g-context")
             yield Static("", id="g-sampling", classes="dim", markup=False)
 
@@ -507,7 +563,9 @@ class GaugePanel(Vertical):
         bar = self.query_one("#g-context", ProgressBar)
         if (bar.total, bar.progress) != (limit, status.context_used):
             bar.update(total=limit, progress=min(status.context_used, limit))
-        self.query_one("#g-sampling", Static).update(status.sampling)
+        if self._sampling != status.sampling:   # Static.update re-lays out the screen, even for the same text
+            self._sampling = status.sampling
+            self.query_one("#g-sampling", Static).update(status.sampling)
 
     def on_mount(self) -> None:
         self.query_one("#g-loading").display = False
@@ -545,9 +603,7 @@ class GaugePanel(Vertical):
         row.display = busy
 
     def _set(self, selector: str, text: str) -> None:
-        if self._texts.get(selector) != text:
-            self._texts[selector] = text
-            self.query_one(selector, Label).update(text)
+        self.query_one(selector, Readout).text = text
 
     def _show_stats(self, s: EngineStats) -> None:
         self.query_one("#g-decode", Gauge).set_value(f"{s.decode_tok_s:.1f}", s.decode_tok_s)
