@@ -4,11 +4,15 @@
 
 Headless: the conversation runs through EngineClient (the engine process every front end uses),
 with nothing drawing. TUI: the real app in a tmux terminal (160x48), driven by send-keys, the
-replies' stats read back from its chat store. Each reply is greedy with ignore_eos, so both runs
-generate the same number of tokens, reply by reply. Headless and TUI runs alternate, `--rounds` of
-each; the table compares each reply's best (noise from other work on the machine only ever slows a
-run down) and gives the median of the rounds' ratios (each TUI run against the headless run just
-before it). Decode tok/s is the engine's own measure (completion tokens after the first / time
+replies' stats read back from its chat store. Each reply is greedy with ignore_eos, so both
+conversations generate the same number of tokens, reply by reply.
+
+The two conversations advance in lockstep, reply k of one right after reply k of the other (which
+goes first alternates), so each pair runs within seconds: these shared machines change speed over
+tens of seconds, by 10-40% in later replies, which swamps a difference of a few percent between
+runs made one after the other. Each engine is idle while the other generates. The table compares
+each reply's best over `--rounds` (noise only ever slows a run down) and gives the median of the
+pairs' ratios. Decode tok/s is the engine's own measure (completion tokens after the first / time
 after the first), so it shows what the app's drawing costs the engine: both share the CPU. The last
 column is the app process's CPU time over each reply's wall time.
 """
@@ -37,18 +41,23 @@ PROMPTS = [
 SESSION = "nanochat-tui-bench"
 
 
-def headless(model: str, prompts: list[str], tokens: int) -> list[float]:
-    from nanochat.engine import SamplingParams
-    from nanochat.engine.serve.client import EngineClient
+class Headless:
+    """The conversation through EngineClient, one reply at a time."""
 
-    client = EngineClient()
-    try:
-        client.load_model(model)
-        session = client.open_session()
-        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        return [client.submit_turn(session, p, sp).result(600).stats.decode_tok_s for p in prompts]
-    finally:
-        client.shutdown()
+    def __init__(self, model: str, tokens: int):
+        from nanochat.engine import SamplingParams
+        from nanochat.engine.serve.client import EngineClient
+
+        self.client = EngineClient()
+        self.client.load_model(model)
+        self.session = self.client.open_session()
+        self.sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+
+    def reply(self, prompt: str) -> float:
+        return self.client.submit_turn(self.session, prompt, self.sampling).result(600).stats.decode_tok_s
+
+    def close(self) -> None:
+        self.client.shutdown()
 
 
 def tmux(*args: str) -> str:
@@ -88,30 +97,60 @@ def ui_pid(pane_pid: int) -> int:
     raise RuntimeError("the nanochat process was not found in the tmux pane")
 
 
-def tui(model: str, prompts: list[str], tokens: int) -> tuple[list[float], list[float]]:
-    from nanochat.app.paths import get_paths
+class Tui:
+    """The real app in tmux, one reply at a time: (decode tok/s, the app's CPU over the reply's wall time)."""
 
-    home = Path(tempfile.mkdtemp(prefix="nanochat-tui-bench-"))
-    (home / "cache").symlink_to(get_paths().ensure().cache_dir)   # the built kernels and packed weights
-    nanochat = shutil.which("nanochat") or str(Path(sys.executable).with_name("nanochat"))
-    command = (f"NANOCHAT_HOME={home} {nanochat} --model {model} --temperature 0 --ignore-eos "
-               f"--max-tokens {tokens}")
-    tmux("new-session", "-d", "-s", SESSION, "-x", "160", "-y", "48", command)
-    try:
-        wait(lambda: "Loaded" in tmux("capture-pane", "-p", "-t", SESSION), 300, "the model to load")
-        db = home / "data" / "chats.sqlite3"
-        pid = ui_pid(int(tmux("display-message", "-p", "-t", SESSION, "#{pane_pid}")))
-        ui_cpu = []
-        for n, prompt in enumerate(prompts, 1):
-            before, start = cpu_seconds(pid), time.monotonic()
-            tmux("send-keys", "-t", SESSION, "-l", prompt)
-            tmux("send-keys", "-t", SESSION, "Enter")
-            wait(lambda: len(replies_in_store(db)) >= n, 600, f"reply {n}")
-            ui_cpu.append((cpu_seconds(pid) - before) / (time.monotonic() - start))
-        return [s["decode_tok_s"] for s in replies_in_store(db)], ui_cpu
-    finally:
+    def __init__(self, model: str, tokens: int):
+        from nanochat.app.paths import get_paths
+
+        self.home = Path(tempfile.mkdtemp(prefix="nanochat-tui-bench-"))
+        (self.home / "cache").symlink_to(get_paths().ensure().cache_dir)   # the built kernels, packed weights
+        nanochat = shutil.which("nanochat") or str(Path(sys.executable).with_name("nanochat"))
+        command = (f"NANOCHAT_HOME={self.home} {nanochat} --model {model} --temperature 0 --ignore-eos "
+                   f"--max-tokens {tokens}")
+        tmux("new-session", "-d", "-s", SESSION, "-x", "160", "-y", "48", command)
+        try:
+            wait(lambda: "Loaded" in tmux("capture-pane", "-p", "-t", SESSION), 300, "the model to load")
+            self.db = self.home / "data" / "chats.sqlite3"
+            self.pid = ui_pid(int(tmux("display-message", "-p", "-t", SESSION, "#{pane_pid}")))
+        except BaseException:
+            self.close()
+            raise
+
+    def reply(self, prompt: str) -> tuple[float, float]:
+        n = len(replies_in_store(self.db)) + 1
+        before, start = cpu_seconds(self.pid), time.monotonic()
+        tmux("send-keys", "-t", SESSION, "-l", prompt)
+        tmux("send-keys", "-t", SESSION, "Enter")
+        wait(lambda: len(replies_in_store(self.db)) >= n, 600, f"reply {n}")
+        cores = (cpu_seconds(self.pid) - before) / (time.monotonic() - start)
+        return replies_in_store(self.db)[-1]["decode_tok_s"], cores
+
+    def close(self) -> None:
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def conversation_pair(model: str, prompts: list[str], tokens: int, flip: bool) -> tuple[list[float], ...]:
+    """One round: both conversations in lockstep, headless first on even replies (odd ones with `flip`).
+    Headless tok/s, TUI tok/s and the app's CPU, per reply."""
+    head, app = Headless(model, tokens), None
+    try:
+        app = Tui(model, tokens)
+        heads, tuis, cpus = [], [], []
+        for k, prompt in enumerate(prompts):
+            if (k + flip) % 2 == 0:
+                heads.append(head.reply(prompt))
+            tok_s, cores = app.reply(prompt)
+            tuis.append(tok_s)
+            cpus.append(cores)
+            if (k + flip) % 2 == 1:
+                heads.append(head.reply(prompt))
+        return heads, tuis, cpus
+    finally:
+        head.close()
+        if app is not None:
+            app.close()
 
 
 def main() -> int:
@@ -121,18 +160,20 @@ def main() -> int:
     p.add_argument("--model", default=None, help="default: the built-in SmolLM2")
     p.add_argument("--replies", type=int, default=5)
     p.add_argument("--tokens", type=int, default=400, help="tokens per reply (~300 words)")
-    p.add_argument("--rounds", type=int, default=3, help="headless and TUI runs, alternated")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the two conversations")
     args = p.parse_args()
     model = resolve_default_model(args.model)
     prompts = PROMPTS[:args.replies]
     heads, tuis, cpus = [], [], []
-    for _ in range(args.rounds):
-        heads.append(headless(model, prompts, args.tokens))
-        tok_s, ui_cpu = tui(model, prompts, args.tokens)
-        tuis.append(tok_s)
-        cpus.append(ui_cpu)
+    for r in range(args.rounds):
+        h, t, c = conversation_pair(model, prompts, args.tokens, flip=bool(r % 2))
+        print(f"round {r + 1}: headless", " ".join(f"{x:.0f}" for x in h), "| TUI", " ".join(f"{x:.0f}" for x in t),
+              file=sys.stderr, flush=True)
+        heads.append(h)
+        tuis.append(t)
+        cpus.append(c)
     print(f"model {Path(model).name}, {os.cpu_count()} CPUs, {args.tokens} tokens per reply, "
-          f"{args.rounds} alternated rounds")
+          f"{args.rounds} rounds, replies paired")
     print("| reply | headless tok/s (best) | TUI tok/s (best) | best / best | TUI / headless, median of rounds "
           "| UI process, cores (mean) |")
     print("|---|---|---|---|---|---|")
