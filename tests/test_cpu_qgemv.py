@@ -414,3 +414,13 @@ def test_real_smollm_tensors():
         qw = QuantWeight(int(t.tensor_type), (rows, int(t.shape[0])), torch.from_numpy(raw.copy()))
         x = torch.randn(3, qw.in_features)
         _check_bound(cpu_qgemv.matmul(x, cpu_qgemv.pack(qw)), x, gq.dequantize(qw), 2)
+
+
+def test_a_built_library_loads_without_torch_build_tools():
+    """A process that finds the kernels built before does not import torch's cpp_extension (setuptools and
+    all: ~50 ms of every start-up)."""
+    import subprocess
+    assert cpu_qgemv.available()   # built (or found) here first
+    code = ("import sys; from nanochat.kernels import cpu_qgemv; assert cpu_qgemv.available(); "
+            "assert 'torch.utils.cpp_extension' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
