@@ -360,3 +360,21 @@ def test_the_engine_core_batches_token_events_but_sends_an_end_at_once(monkeypat
     assert [len(m[1]) for m in conn.sent] == [1, 7, 1, 2]
     assert [e.token_id for e in sent if e.request_id == "a"] == [0, 1, 2, 3, 4, 6, 7]
     assert sent[-1].finished and not engine_core._events
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have their own nice value on Linux")
+def test_the_engine_keeps_the_priority_of_the_thread_that_made_the_client():
+    """The TUI lowers its drawing thread's priority; an engine (re)started from that thread, or from a
+    worker thread it made, must not inherit it (an unprivileged process can never raise it again)."""
+    client = EngineClient()
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        def start_from_a_low_priority_thread():
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice + 5)
+            client.start()
+        thread = threading.Thread(target=start_from_a_low_priority_thread)
+        thread.start()
+        thread.join(60)
+        assert client.alive and os.getpriority(os.PRIO_PROCESS, client.pid) == nice
+    finally:
+        client.shutdown()

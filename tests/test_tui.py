@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import os
 import re
+import sys
+import threading
 import time
 
 import pytest
@@ -24,7 +27,7 @@ from nanochat.app.controller import INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, 
 from nanochat.app.paths import get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore
-from nanochat.app.tui.app import MAX_TICK, STREAM_HZ, UI_SHARE, NanochatApp, next_tick
+from nanochat.app.tui.app import MAX_TICK, STREAM_HZ, UI_NICE, UI_SHARE, NanochatApp, next_tick, yield_to_engine
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.commands import SLASH_COMMANDS
 from nanochat.app.tui.screens import BenchScreen, ContextFullScreen, HistoryScreen, ModelPicker
@@ -191,6 +194,18 @@ async def test_a_reply_streams_into_room_below_its_question_and_nothing_jumps_wh
         await send(pilot, "third")
         assert reply.styles.margin.bottom == 0
         await reply_done(pilot, conv)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have their own nice value on Linux")
+def test_the_drawing_thread_yields_to_the_engine():
+    seen = []
+    def draw():   # on a thread of its own: the test process keeps its priority
+        yield_to_engine()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    thread = threading.Thread(target=draw)
+    thread.start()
+    thread.join()
+    assert seen == [max(UI_NICE, os.getpriority(os.PRIO_PROCESS, 0))]
 
 
 def test_the_stream_tick_keeps_to_its_budget():

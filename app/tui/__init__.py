@@ -8,7 +8,7 @@ def main(args=None) -> int:
     from nanochat.app.options import engine_config, sampling_options
     from nanochat.app.paths import get_paths
     from nanochat.app.settings import Settings
-    from nanochat.app.tui.app import NanochatApp
+    from nanochat.app.tui.app import NanochatApp, yield_to_engine
     from nanochat.engine.serve.client import EngineClient
     from nanochat.models.catalog import resolve_default_model
     from nanochat.models.errors import ModelLoadError
@@ -29,6 +29,7 @@ def main(args=None) -> int:
     sampling = {k: v for k, v in sampling.items() if v is not None}
     system = getattr(args, "system", None)
     client = EngineClient()
+    yield_to_engine()   # after the client exists: its engine processes keep the default priority
     app = NanochatApp(client=client, paths=paths, settings=settings, model=model,
                       engine_config=engine_config(args, settings), sampling=sampling,
                       system_prompt=system if system is not None else settings.system_prompt)

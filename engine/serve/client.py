@@ -116,6 +116,30 @@ class _Pending:
         self.progress = progress
 
 
+class _Starter:
+    """One long-lived thread that starts the engine process and the client's threads. A new process or
+    thread takes the scheduling priority (nice value) of the thread that starts it, and a front end may
+    lower its own (the TUI's drawing thread yields to the engine); started from here, the engine keeps
+    the priority of the thread that created the client, whichever thread (re)starts it."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="nanochat-engine-starter", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:
+                done.set_exception(e)
+
+    def run(self, fn: Callable[[], object]) -> object:
+        done: Future = Future()
+        self._jobs.put((fn, done))
+        return done.result()
+
+
 class EngineClient:
     """Starts and talks to the engine process. `in_process=True` runs the same core on a thread of
     this process instead (over the same connection and messages): for embedding and tests, at the
@@ -145,6 +169,7 @@ class EngineClient:
         self._closing = False
         self._gone = threading.Event()      # set once the connection's end has been dealt with
         self.died: str | None = None        # why the last engine process ended, until the next start
+        self._starter = _Starter()          # created here: at the priority of the thread creating the client
 
     # ------------------------------------------------------------------ process
     @property
@@ -154,35 +179,38 @@ class EngineClient:
     def start(self) -> None:
         """Start the engine process (idempotent). Loading a model starts it too."""
         with self._lock:
-            if self._conn is not None:
-                return
-            from multiprocessing.connection import Connection
+            if self._conn is None:
+                self._starter.run(self._start)
 
-            ours, theirs = socket.socketpair()
-            self._closing = False
-            self._gone = threading.Event()
-            if self.in_process:
-                from nanochat.engine.serve.core import EngineCore
+    def _start(self) -> None:
+        """start(), on the starter thread (see _Starter); the caller holds the lock."""
+        from multiprocessing.connection import Connection
 
-                core_conn = Connection(theirs.detach())
-                self._core_thread = threading.Thread(target=self._run_core, args=(EngineCore(core_conn),),
-                                                     name="nanochat-engine", daemon=True)
-                self._core_thread.start()
-            else:
-                fd = theirs.fileno()
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "nanochat.engine.serve.core", str(fd)], pass_fds=(fd,),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                    start_new_session=True)   # terminal signals (Ctrl-C, hang-up) are the front end's to handle
-                theirs.close()
-                self._stderr_thread = threading.Thread(target=self._drain_stderr, args=(self._proc,),
-                                                       name="nanochat-engine-stderr", daemon=True)
-                self._stderr_thread.start()
-            self._conn = Connection(ours.detach())
-            self.epoch += 1
-            self.died = None
-            threading.Thread(target=self._read, args=(self._conn,), name="nanochat-client-reader",
-                             daemon=True).start()
+        ours, theirs = socket.socketpair()
+        self._closing = False
+        self._gone = threading.Event()
+        if self.in_process:
+            from nanochat.engine.serve.core import EngineCore
+
+            core_conn = Connection(theirs.detach())
+            self._core_thread = threading.Thread(target=self._run_core, args=(EngineCore(core_conn),),
+                                                 name="nanochat-engine", daemon=True)
+            self._core_thread.start()
+        else:
+            fd = theirs.fileno()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "nanochat.engine.serve.core", str(fd)], pass_fds=(fd,),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True)   # terminal signals (Ctrl-C, hang-up) are the front end's to handle
+            theirs.close()
+            self._stderr_thread = threading.Thread(target=self._drain_stderr, args=(self._proc,),
+                                                   name="nanochat-engine-stderr", daemon=True)
+            self._stderr_thread.start()
+        self._conn = Connection(ours.detach())
+        self.epoch += 1
+        self.died = None
+        threading.Thread(target=self._read, args=(self._conn,), name="nanochat-client-reader",
+                         daemon=True).start()
 
     @staticmethod
     def _run_core(core) -> None:
