@@ -791,18 +791,28 @@ def test_single_newlines_break_lines_in_messages():
     assert [t.type for t in fence] == ["fence"] and fence[0].content == "a\nb\n"
 
 
+def stored_chat(home, reply: str) -> int:
+    """A conversation of one question and `reply`, written to the store before the app starts: its id."""
+    store = ChatStore(home.chat_db)
+    cid = store.create_conversation("stored")
+    store.add_message(cid, "user", "a question")
+    store.add_message(cid, "assistant", reply)
+    store.close()
+    return cid
+
+
+async def shown_reply(pilot, app, cid: int) -> MessageView:
+    await app.chat_screen.show_conversation(cid)
+    await pilot.pause()
+    return list(app.chat_screen.chat_view(app.controller.conversations[cid]).query(MessageView))[-1]
+
+
 @sync
 async def test_a_poem_keeps_its_lines_on_screen(shared_client, home):
-    store = ChatStore(home.chat_db)
-    cid = store.create_conversation("poem")
-    store.add_message(cid, "user", "a poem please")
-    store.add_message(cid, "assistant", POEM)
-    store.close()
+    cid = stored_chat(home, POEM)
     app = make_app(shared_client, home)
     async with app.run_test(size=SIZE) as pilot:
-        await app.chat_screen.show_conversation(cid)
-        await pilot.pause()
-        [_, reply] = app.chat_screen.chat_view(app.controller.conversations[cid]).query(MessageView)
+        reply = await shown_reply(pilot, app, cid)
         [first, second] = reply.query(MarkdownParagraph)
         assert first.content.plain.split("\n") == ["Roses are red,", "violets are blue."]
         # Two lines on screen, though both would fit on one line of this width.
@@ -812,16 +822,10 @@ async def test_a_poem_keeps_its_lines_on_screen(shared_client, home):
 
 @sync
 async def test_a_message_body_has_no_outer_blank_lines_as_it_grows(shared_client, home):
-    store = ChatStore(home.chat_db)
-    cid = store.create_conversation("code")
-    store.add_message(cid, "user", "code please")
-    store.add_message(cid, "assistant", "```\nprint(1)\n```\n\nThat prints 1.")
-    store.close()
+    cid = stored_chat(home, "```\nprint(1)\n```\n\nThat prints 1.")
     app = make_app(shared_client, home)
     async with app.run_test(size=SIZE) as pilot:
-        await app.chat_screen.show_conversation(cid)
-        await pilot.pause()
-        [_, reply] = app.chat_screen.chat_view(app.controller.conversations[cid]).query(MessageView)
+        reply = await shown_reply(pilot, app, cid)
         fence, para = reply.body.children
         assert fence.styles.margin.top == 0 and fence.styles.margin.bottom > 0   # no blank line above the code
         assert para.styles.margin.bottom == 0                                    # nor below the last block
