@@ -58,9 +58,9 @@ UI_NICE = 19         # the drawing thread's nice value: it yields to the engine 
 def yield_to_engine() -> None:
     """Lower the calling (drawing) thread's priority to nice UI_NICE, on Linux, where a thread has its
     own. The app's drawing then runs in the gaps the engine leaves (its Python between kernel calls)
-    instead of preempting a kernel thread, which stalls the whole step: on a 2-core machine the
-    engine's tok/s goes from ~90% to ~97% of headless (benchmarks/tui_vs_headless.py, AVX2 build).
-    Typing still echoes in 20-100 ms while a reply streams. Irreversible without privileges, so the
+    instead of preempting a kernel thread, which stalls the whole step (on 2 cores, AVX2 build: the
+    engine at 85-96% of its headless tok/s per reply without it, 95-100% with it; medians of 8 rounds
+    of benchmarks/tui_vs_headless.py). Typing still echoes in 20-100 ms while a reply streams. Irreversible without privileges, so the
     engine is started from a thread of its own (EngineClient) and keeps its priority."""
     if sys.platform.startswith("linux"):
         tid = threading.get_native_id()
