@@ -1,6 +1,6 @@
 """The TUI's decode speed against the headless engine's, reply by reply, on one conversation.
 
-    .venv/bin/python benchmarks/tui_vs_headless.py [--model M] [--replies 5] [--tokens 400] [--rounds 3]
+    .venv/bin/python benchmarks/tui_vs_headless.py [--model M] [--replies 5] [--tokens 400] [--rounds 3] [--control]
 
 Headless: the conversation runs through EngineClient (the engine process every front end uses),
 with nothing drawing. TUI: the real app in a tmux terminal (160x48), driven by send-keys, the
@@ -8,13 +8,15 @@ replies' stats read back from its chat store. Each reply is greedy with ignore_e
 conversations generate the same number of tokens, reply by reply.
 
 The two conversations advance in lockstep, reply k of one right after reply k of the other (which
-goes first alternates), so each pair runs within seconds: these shared machines change speed over
-tens of seconds, by 10-40% in later replies, which swamps a difference of a few percent between
-runs made one after the other. Each engine is idle while the other generates. The table compares
-each reply's best over `--rounds` (noise only ever slows a run down) and gives the median of the
-pairs' ratios. Decode tok/s is the engine's own measure (completion tokens after the first / time
-after the first), so it shows what the app's drawing costs the engine: both share the CPU. The last
-column is the app process's CPU time over each reply's wall time.
+goes first alternates), and each engine is idle while the other generates. (Run one after the other,
+the second conversation was often the slower one in its later replies, whichever it was.) Even in
+lockstep, two engines on these shared machines can differ by up to 1.6x at ~2k tokens of context:
+`--control` puts a second headless conversation in the app's place, to show that noise floor. So
+take many rounds: the table gives each reply's best over `--rounds` (noise only ever slows a run
+down) and the median of the pairs' ratios. Decode tok/s is the engine's own measure (completion
+tokens after the first / time after the first), so it shows what the app's drawing costs the
+engine: both share the CPU. The last column is the app process's CPU time over each reply's wall
+time.
 """
 
 from __future__ import annotations
@@ -131,12 +133,21 @@ class Tui:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
-def conversation_pair(model: str, prompts: list[str], tokens: int, flip: bool) -> tuple[list[float], ...]:
+class Control(Headless):
+    """`--control`: a second headless conversation in the app's place. What it shows against the first
+    is the machine's noise: the ratios a TUI that cost nothing would get."""
+
+    def reply(self, prompt: str) -> tuple[float, float]:
+        return super().reply(prompt), 0.0
+
+
+def conversation_pair(model: str, prompts: list[str], tokens: int, flip: bool,
+                      control: bool = False) -> tuple[list[float], ...]:
     """One round: both conversations in lockstep, headless first on even replies (odd ones with `flip`).
-    Headless tok/s, TUI tok/s and the app's CPU, per reply."""
+    Headless tok/s, TUI (or control) tok/s and the app's CPU, per reply."""
     head, app = Headless(model, tokens), None
     try:
-        app = Tui(model, tokens)
+        app = Control(model, tokens) if control else Tui(model, tokens)
         heads, tuis, cpus = [], [], []
         for k, prompt in enumerate(prompts):
             if (k + flip) % 2 == 0:
@@ -161,21 +172,24 @@ def main() -> int:
     p.add_argument("--replies", type=int, default=5)
     p.add_argument("--tokens", type=int, default=400, help="tokens per reply (~300 words)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the two conversations")
+    p.add_argument("--control", action="store_true",
+                   help="a second headless conversation instead of the app: the noise floor of the ratios")
     args = p.parse_args()
     model = resolve_default_model(args.model)
     prompts = PROMPTS[:args.replies]
+    other = "control" if args.control else "TUI"
     heads, tuis, cpus = [], [], []
     for r in range(args.rounds):
-        h, t, c = conversation_pair(model, prompts, args.tokens, flip=bool(r % 2))
-        print(f"round {r + 1}: headless", " ".join(f"{x:.0f}" for x in h), "| TUI", " ".join(f"{x:.0f}" for x in t),
-              file=sys.stderr, flush=True)
+        h, t, c = conversation_pair(model, prompts, args.tokens, flip=bool(r % 2), control=args.control)
+        print(f"round {r + 1}: headless", " ".join(f"{x:.0f}" for x in h), f"| {other}",
+              " ".join(f"{x:.0f}" for x in t), file=sys.stderr, flush=True)
         heads.append(h)
         tuis.append(t)
         cpus.append(c)
     print(f"model {Path(model).name}, {os.cpu_count()} CPUs, {args.tokens} tokens per reply, "
           f"{args.rounds} rounds, replies paired")
-    print("| reply | headless tok/s (best) | TUI tok/s (best) | best / best | TUI / headless, median of rounds "
-          "| UI process, cores (mean) |")
+    print(f"| reply | headless tok/s (best) | {other} tok/s (best) | best / best | {other} / headless, median of "
+          "rounds | UI process, cores (mean) |")
     print("|---|---|---|---|---|---|")
     for i in range(len(prompts)):
         h, t = max(run[i] for run in heads), max(run[i] for run in tuis)
