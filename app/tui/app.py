@@ -9,9 +9,12 @@ Those frames are what the TUI costs the engine, since both share the CPU. So the
 thread to a budget: it comes every 1/STREAM_HZ s while drawing is cheap, and less often when the
 last interval cost more than UI_SHARE of a core (a long chat, a big terminal, a slow machine), but
 at least every MAX_TICK s; a reply's first token shows at once. On a 2-core machine streaming
-300 tok/s that is about 2 ticks a second (benchmarks/tui_vs_headless.py). The gauges take new engine
-stats at most every STATS_EVERY s, and Python's garbage collector waits for the replies to end. The
-UI thread itself runs at a low priority (yield_to_engine), so that it draws in the gaps the engine leaves.
+300 tok/s through a long chat that is about one tick a second, a few hundred tokens each: faster than
+anyone reads. Each frame also evicts the engine's data from the caches they share: at 2 ticks a
+second the engine lost 5-13% in later replies on AVX-512 (benchmarks/tui_vs_headless.py). The gauges
+take new engine stats at most every STATS_EVERY s, and Python's garbage collector waits for the
+replies to end. The UI thread itself runs at a low priority (yield_to_engine), so that it draws in
+the gaps the engine leaves.
 Model loads and engine restarts are blocking client calls, run in worker threads.
 
 Data flows down (the controller and settings into screens, `engine_status` into the gauges); news
@@ -48,8 +51,8 @@ from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import DEFAULT_THEME, register_themes
 
 STREAM_HZ = 10       # the most stream ticks a second
-UI_SHARE = 0.04      # of one core: the UI thread's budget while replies stream
-MAX_TICK = 0.5       # seconds: the longest wait between ticks, however slow drawing is
+UI_SHARE = 0.02      # of one core: the UI thread's budget while replies stream
+MAX_TICK = 1.0       # seconds: the longest wait between ticks, however slow drawing is
 STATS_EVERY = 1.0    # seconds between gauge updates while the engine is busy
 GC_DEFER_MAX = 30.0  # seconds: the longest streaming holds off Python's cyclic garbage collector
 UI_NICE = 19         # the drawing thread's nice value: it yields to the engine (see yield_to_engine)
