@@ -208,6 +208,21 @@ def test_the_drawing_thread_yields_to_the_engine():
     assert seen == [max(UI_NICE, os.getpriority(os.PRIO_PROCESS, 0))]
 
 
+@sync
+async def test_a_turn_shows_its_first_token_at_once_whatever_the_tick_budget(shared_client, home, monkeypatch):
+    """A slow machine's budget may put the next stream tick MAX_TICK away (here 30 s): a new turn's
+    first token must not wait for it."""
+    import nanochat.app.tui.app as tui_app
+    monkeypatch.setattr(tui_app, "next_tick", lambda spent, awaiting: 1 / STREAM_HZ if awaiting else 30.0)
+    app = make_app(shared_client, home, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        conv = app.chat_screen.current
+        await pilot.pause(0.5)    # the tick after start-up has scheduled the next one 30 s away
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: conv.messages[-1].role == "assistant" and conv.messages[-1].content,
+                       5.0, "the first token")
+
+
 def test_the_stream_tick_keeps_to_its_budget():
     assert next_tick(0.0, False) == pytest.approx(1 / STREAM_HZ)        # cheap drawing: full rate
     assert next_tick(UI_SHARE * 0.3, False) == pytest.approx(0.3)        # the UI thread's share kept

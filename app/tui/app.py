@@ -36,6 +36,7 @@ from pathlib import Path
 from textual import on, work
 from textual.app import App
 from textual.reactive import var
+from textual.timer import Timer
 
 from nanochat.app.controller import ChatController, EngineState, model_display_name
 from nanochat.app.options import sampling_options
@@ -43,7 +44,8 @@ from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore, StoreError
 from nanochat.app.tui.chat_screen import ChatScreen
-from nanochat.app.tui.messages import EngineChanged, EngineStopped, LoadModel, TuiObserver, TurnFinished
+from nanochat.app.tui.messages import (EngineChanged, EngineStopped, LoadModel, TuiObserver, TurnFinished,
+                                       TurnStarted)
 from nanochat.app.tui.widgets import EngineStatus, InputHistory
 from nanochat.engine.output import EngineStats
 from nanochat.engine.serve.client import EngineClient
@@ -132,6 +134,9 @@ class NanochatApp(App):
         self.observer = TuiObserver(self.chat_screen)
         self.controller.observer = self.observer
         self._tick_cpu = 0.0                        # the UI thread's CPU time at the last stream tick
+        self._tick_timer: Timer | None = None       # the next stream tick
+        self._ticking = False                       # a stream tick is running (it schedules the next)
+        self._hurry = False                         # a turn began during the running tick
         self._stats: EngineStats | None = None      # engine stats the gauges have not shown yet
         self._stats_at = 0.0                        # when the gauges last took stats
         self._gc_deferred_at: float | None = None   # when streaming turned the garbage collector off
@@ -145,7 +150,7 @@ class NanochatApp(App):
         self.engine_status = EngineStatus(*engine_labels(self.controller), stats=self.client.stats(),
                                           last_ttft=self.controller.last_ttft())
         self._tick_cpu = time.thread_time()
-        self.set_timer(1 / STREAM_HZ, self.stream_tick)
+        self._tick_timer = self.set_timer(1 / STREAM_HZ, self.stream_tick)
         if self._store_warning:
             self.notify(self._store_warning, severity="error", timeout=30)
         for warning in self.settings.warnings:
@@ -173,6 +178,7 @@ class NanochatApp(App):
     async def stream_tick(self) -> None:
         """Drain the controller and draw what it brought (reply text, gauges) as one batch; then wait
         for the next tick as long as the UI thread's budget asks."""
+        self._ticking = True
         try:
             self.controller.drain()
             news = self.observer.take()
@@ -190,7 +196,18 @@ class NanochatApp(App):
         finally:
             now = time.thread_time()
             spent, self._tick_cpu = now - self._tick_cpu, now   # since the last tick: its frames, typing
-            self.set_timer(next_tick(spent, self.controller.awaiting_first_token), self.stream_tick)
+            delay = 1 / STREAM_HZ if self._hurry else next_tick(spent, self.controller.awaiting_first_token)
+            self._ticking = self._hurry = False
+            self._tick_timer = self.set_timer(delay, self.stream_tick)
+
+    @on(TurnStarted)
+    def _turn_started(self) -> None:
+        """Its first token shows at once: the tick already scheduled may be up to MAX_TICK away."""
+        if self._ticking:
+            self._hurry = True
+        elif self._tick_timer is not None:
+            self._tick_timer.stop()
+            self._tick_timer = self.set_timer(1 / STREAM_HZ, self.stream_tick)
 
     def _pace_gc(self, streaming: bool) -> None:
         """Python's cyclic garbage collector waits while replies stream: a full collection of the app's

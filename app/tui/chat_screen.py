@@ -27,7 +27,7 @@ from nanochat.app.controller import (ChatController, ChatError, Conversation, En
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.chat_commands import ChatCommands
 from nanochat.app.tui.commands import NanochatCommands
-from nanochat.app.tui.messages import MessageAction, RunCommand, TurnFinished
+from nanochat.app.tui.messages import MessageAction, RunCommand, TurnFinished, TurnStarted
 from nanochat.app.tui.screens import ContextFullScreen, GaugedScreen
 from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHints, ConversationList, GaugePanel,
                                      InputHistory, MessageView)
@@ -214,6 +214,7 @@ class ChatScreen(GaugedScreen):
             self.notify(f"cannot {verb}: {e}", severity="error")
             self.give_back(conv, text)
             return False
+        self.post_message(TurnStarted())
         with self.app.batch_update():   # one frame: each one now is time the engine's prefill loses
             await self.show_path(conv)
             self.refresh_item(conv)   # the generating dot, and the title taken from the first message

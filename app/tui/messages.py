@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------- controller -> UI
+class TurnStarted(Message):
+    """A turn began: the app's next stream tick comes at once, whatever the drawing before it cost."""
+
+
 class TurnFinished(Message):
     """A turn ended, saved or forgotten (the chat screen updates its views; the app its last TTFT)."""
 
