@@ -65,8 +65,9 @@ def yield_to_engine() -> None:
     own. The app's drawing then runs in the gaps the engine leaves (its Python between kernel calls)
     instead of preempting a kernel thread, which stalls the whole step (on 2 cores, AVX2 build: the
     engine at 85-96% of its headless tok/s per reply without it, 95-100% with it; medians of 8 rounds
-    of benchmarks/tui_vs_headless.py). Typing still echoes in 20-100 ms while a reply streams. Irreversible without privileges, so the
-    engine is started from a thread of its own (EngineClient) and keeps its priority."""
+    of benchmarks/tui_vs_headless.py). Typing still echoes in 20-100 ms while a reply streams.
+    Irreversible without privileges, so the engine is started from a thread of its own (EngineClient)
+    and keeps its priority."""
     if sys.platform.startswith("linux"):
         tid = threading.get_native_id()
         try:
@@ -134,8 +135,7 @@ class NanochatApp(App):
         self.observer = TuiObserver(self.chat_screen)
         self.controller.observer = self.observer
         self._tick_cpu = 0.0                        # the UI thread's CPU time at the last stream tick
-        self._tick_timer: Timer | None = None       # the next stream tick
-        self._ticking = False                       # a stream tick is running (it schedules the next)
+        self._tick_timer: Timer | None = None       # the next stream tick; None while one runs
         self._hurry = False                         # a turn began during the running tick
         self._stats: EngineStats | None = None      # engine stats the gauges have not shown yet
         self._stats_at = 0.0                        # when the gauges last took stats
@@ -178,7 +178,7 @@ class NanochatApp(App):
     async def stream_tick(self) -> None:
         """Drain the controller and draw what it brought (reply text, gauges) as one batch; then wait
         for the next tick as long as the UI thread's budget asks."""
-        self._ticking = True
+        self._tick_timer = None   # this tick schedules the next
         try:
             self.controller.drain()
             news = self.observer.take()
@@ -197,15 +197,15 @@ class NanochatApp(App):
             now = time.thread_time()
             spent, self._tick_cpu = now - self._tick_cpu, now   # since the last tick: its frames, typing
             delay = 1 / STREAM_HZ if self._hurry else next_tick(spent, self.controller.awaiting_first_token)
-            self._ticking = self._hurry = False
+            self._hurry = False
             self._tick_timer = self.set_timer(delay, self.stream_tick)
 
     @on(TurnStarted)
     def _turn_started(self) -> None:
         """Its first token shows at once: the tick already scheduled may be up to MAX_TICK away."""
-        if self._ticking:
+        if self._tick_timer is None:
             self._hurry = True
-        elif self._tick_timer is not None:
+        else:
             self._tick_timer.stop()
             self._tick_timer = self.set_timer(1 / STREAM_HZ, self.stream_tick)
 

@@ -17,10 +17,6 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------- controller -> UI
-class TurnStarted(Message):
-    """A turn began: the app's next stream tick comes at once, whatever the drawing before it cost."""
-
-
 class TurnFinished(Message):
     """A turn ended, saved or forgotten (the chat screen updates its views; the app its last TTFT)."""
 
@@ -82,6 +78,10 @@ class TuiObserver(ChatObserver):
 
 
 # ---------------------------------------------------------------------------------- requests upward
+class TurnStarted(Message):
+    """A turn began: the app's next stream tick comes at once, whatever the drawing before it cost."""
+
+
 class LoadModel(Message):
     """Load `model` (the app does it in a worker); a picker that asked hears back through load_finished."""
 
