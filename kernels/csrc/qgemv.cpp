@@ -12,7 +12,8 @@
 // (x = d * q1 + d / 256 * q2 + r, |r| <= d / 512, or d / 256 where q2 clamps at +-127, i.e.
 // |r| <= amax / 32512) and both code sets are dotted with the same
 // unpacked weights, combined exactly in int32 as 256 * dot(q1) + dot(q2). ~15-bit activations for
-// twice the integer work, which is nearly free while decode waits on memory.
+// twice the integer work, which is nearly free while decode waits on memory. (AVX2, which has no
+// VNNI, dots the combined code as int16 in one pass instead: V256::dots_wide.)
 //
 // Dense weights are exact, so x is not quantized for them: fp32 x (bf16 converted exactly) times the
 // fp32 weights with fp32 FMAs, 4 partial sums per output row (column i into partial i % 4: independent
@@ -323,6 +324,7 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
 struct Acts {
   const int8_t* q;
   const int8_t* q2;
+  const int16_t* c16;  // two-level on AVX2: the combined codes 256 q + q2 (|c| <= 32639) as int16
   const float* d;
   const int32_t* s16;
   const float* ds;
@@ -651,6 +653,38 @@ struct V256 {
     const I p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
+  // Two-level activations without VNNI: two maddubs/madd passes (q, then q2) cost twice one level. The
+  // combined code c = 256 q + q2 fits int16, so the weight codes widened to int16 are dotted with c by
+  // one vpmaddwd per 16 pairs: the multiplies of one level, and the same exact int32 sums as the two
+  // passes. Per half of the groups, its 8 widened vectors stay in registers for all T rows of x.
+  static constexpr bool WIDE_X2 = true;
+  static I bcast4(const int16_t* p) {
+    long long v;
+    std::memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+  }
+  // For rows t < T of x (combined codes c + t * ld): lo[t], hi[t] as dot32 gives them.
+  template <int T, bool SIGNED>
+  static void dots_wide(const I u[8], const int16_t* c, int64_t ld, I* lo, I* hi) {
+    for (int half = 0; half < 2; ++half) {
+      I wl[4], wh[4];  // group g: rows 0, 1 | 4, 5 (wl) and 2, 3 | 6, 7 (wh), 4 codes each
+      for (int g = 0; g < 4; ++g) {
+        const I v = u[4 * half + g], ext = SIGNED ? _mm256_cmpgt_epi8(zero(), v) : zero();
+        wl[g] = _mm256_unpacklo_epi8(v, ext);
+        wh[g] = _mm256_unpackhi_epi8(v, ext);
+      }
+      for (int t = 0; t < T; ++t) {
+        const int16_t* ct = c + t * ld + 16 * half;
+        I al = zero(), ah = zero();
+        for (int g = 0; g < 4; ++g) {
+          const I x = bcast4(ct + 4 * g);
+          al = add(al, _mm256_madd_epi16(wl[g], x));
+          ah = add(ah, _mm256_madd_epi16(wh[g], x));
+        }
+        (half ? hi : lo)[t] = _mm256_hadd_epi32(al, ah);  // each row's two pair sums: rows 0..3 | 4..7
+      }
+    }
+  }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I set1(int v) { return _mm256_set1_epi32(v); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -707,6 +741,7 @@ struct V512 {
   static I dot8(I acc, I w, I x) {  // (w + 128) as unsigned; the caller subtracts 128 * sum(x)
     return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x);
   }
+  static constexpr bool WIDE_X2 = false;  // vpdpbusd: two passes cost no more than widening would
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I set1(int v) { return _mm512_set1_epi32(v); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
@@ -841,6 +876,8 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32;
   constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : (TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0);
+  // One row of x (decode) gains nothing from widening, bar Q8_0's sign handling: unwidened two passes.
+  constexpr bool WIDE = X2 && V::WIDE_X2 && (T > 1 || TYPE == Q8_0);
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
   alignas(64) float out[T][ROWS];
   for (int h = 0; h < V::HALVES; ++h) {
@@ -878,15 +915,22 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
           cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
         }
         const int64_t blk = kb * SUBS + s;
+        [[maybe_unused]] typename V::I wide_lo[T], wide_hi[T];
+        if constexpr (WIDE) V::template dots_wide<T, TYPE == Q8_0>(u, a.c16 + t0 * a.k + 32 * blk, a.k, wide_lo, wide_hi);
         for (int t = 0; t < T; ++t) {
           const int64_t row = t0 + t;
           typename V::I lo, hi;
-          dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
-          if constexpr (X2) {  // combined code 256 q + q2: at most 2^28 in magnitude, exact in int32
+          if constexpr (WIDE) {
+            lo = wide_lo[t];
+            hi = wide_hi[t];
+          } else if constexpr (X2) {  // combined code 256 q + q2: at most 2^28 in magnitude, exact in int32
+            dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
             typename V::I lo2, hi2;
             dot32<V, TYPE>(u, a.q2 + row * a.k + 32 * blk, lo2, hi2);
             lo = V::add(V::shl8(lo), lo2);
             hi = V::add(V::shl8(hi), hi2);
+          } else {
+            dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
           }
           const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
           const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
@@ -1221,6 +1265,7 @@ void parallel_for(int64_t items, int64_t chunk, int threads, const F& body) {
 
 struct Scratch {  // per calling thread: the quantized activations (dense weights: bf16 x as fp32)
   std::vector<int8_t> q, q2;
+  std::vector<int16_t> c16;
   std::vector<float> d, ds, xf;
   std::vector<int32_t> s16;
 };
@@ -1361,15 +1406,22 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
     }
     if (static_cast<int64_t>(sc.s16.size()) < n * k / 16) sc.s16.resize(n * k / 16);
     int8_t* q2 = x2 ? sc.q2.data() : nullptr;
+    // The V256 kernels read the combined codes (tile_simd's WIDE: several rows of x, or Q8_0).
+    const bool wide = x2 && g_simd == SIMD_AVX2 && (n > 1 || type == Q8_0);
+    if (wide && static_cast<int64_t>(sc.c16.size()) < n * k) sc.c16.resize(n * k);
     a.q = sc.q.data();
     a.q2 = q2;
+    a.c16 = sc.c16.data();
     a.d = sc.d.data();
     a.s16 = sc.s16.data();
     a.ds = sc.ds.data();
     parallel_for(n, n < 4 * TMAX ? n : TMAX, n < 4 * TMAX ? 1 : nt, [&](int64_t r0, int64_t r1) {
-      for (int64_t t = r0; t < r1; ++t)
+      for (int64_t t = r0; t < r1; ++t) {
         quantize_any(x_row(t), x_bf16, k, sc.q.data() + t * k, q2 ? q2 + t * k : nullptr, sc.d.data() + t * (k / 32),
                      sc.s16.data() + t * (k / 16), sc.ds.data() + t * (k / 32));
+        if (wide)
+          for (int64_t i = t * k; i < (t + 1) * k; ++i) sc.c16[i] = static_cast<int16_t>(256 * sc.q[i] + q2[i]);
+      }
     });
   }
   const Out o{y, y_bf16, ldy, bias, rows};
