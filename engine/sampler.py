@@ -42,6 +42,15 @@ def candidates(row: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tenso
     return ids, probs / probs.sum()
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index of the 1-D distribution `probs` (any positive total), from one uniform draw of `generator`
+    through the inverse of its CDF (accumulated in float64). torch.multinomial takes ~2.5 ms on a
+    151k-token vocabulary, a third of a batched decode step on two cores; this ~0.3 ms."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+
+
 History = tuple[list[int] | torch.Tensor, int]   # (prompt + generated token ids, number of prompt ids)
 
 
@@ -143,8 +152,8 @@ class Sampler:
             row = (logits[i] / sp.temperature).cpu()
             kept = candidates(row, sp.top_k, sp.top_p)
             if kept is None:
-                out.append(int(torch.multinomial(row.softmax(-1), 1, generator=generators[i]).item()))
+                out.append(draw(row.softmax(-1), generators[i]))
             else:
                 ids, probs = kept
-                out.append(int(ids[torch.multinomial(probs, 1, generator=generators[i])].item()))
+                out.append(int(ids[draw(probs, generators[i])]))
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat.engine.sampler import FIRST_GUESS, Sampler, TokenHistory, apply_penalties, candidates
+from nanochat.engine.sampler import FIRST_GUESS, Sampler, TokenHistory, apply_penalties, candidates, draw
 from nanochat.engine.sampling_params import SamplingParams
 
 
@@ -67,6 +67,27 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
     assert freq[4] == 0 and freq[3] == 0          # outside the nucleus: never drawn
     torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = [draw(probs * 3, g) for _ in range(4000)]       # any positive total
+    freq = torch.bincount(torch.tensor(draws), minlength=6).float() / len(draws)
+    assert freq[0] == 0 and freq[2] == 0 and freq[5] == 0
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_unfiltered_sampling_over_a_large_vocabulary():
+    """No top-k / top-p: the whole softmax, here a 151,936-token row with three likely tokens."""
+    logits = torch.full((1, 151_936), -30.0)
+    logits[0, [7, 70_000, 151_935]] = torch.tensor([2.0, 1.0, 0.0])
+    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+    draws = torch.tensor([Sampler()(logits, [sp], [torch.Generator().manual_seed(s)])[0] for s in range(1500)])
+    want = torch.tensor([2.0, 1.0, 0.0]).softmax(-1)
+    got = torch.stack([(draws == i).float().mean() for i in (7, 70_000, 151_935)])
+    assert got.sum() == 1.0
+    torch.testing.assert_close(got, want, atol=0.04, rtol=0)
 
 
 # ---------------------------------------------------------------- penalties
