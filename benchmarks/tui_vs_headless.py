@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sqlite3
 import statistics
@@ -108,7 +109,10 @@ class Tui:
         self.home = Path(tempfile.mkdtemp(prefix="nanochat-tui-bench-"))
         (self.home / "cache").symlink_to(get_paths().ensure().cache_dir)   # the built kernels, packed weights
         nanochat = shutil.which("nanochat") or str(Path(sys.executable).with_name("nanochat"))
-        command = (f"NANOCHAT_HOME={self.home} {nanochat} --model {model} --temperature 0 --ignore-eos "
+        # A tmux server that is already running would give the app its own environment, not ours.
+        knobs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                         if k.startswith(("NANOCHAT_", "NANO_VLLM_")) and k != "NANOCHAT_HOME")
+        command = (f"{knobs} NANOCHAT_HOME={self.home} {nanochat} --model {model} --temperature 0 --ignore-eos "
                    f"--max-tokens {tokens}")
         tmux("new-session", "-d", "-s", SESSION, "-x", "160", "-y", "48", command)
         try:
