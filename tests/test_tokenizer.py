@@ -414,3 +414,22 @@ def test_incremental_detokenizer_invalid_bytes_then_text(smol):
     deltas, joined = _stream(IncrementalDetokenizer(smol), ids)
     assert joined == smol.decode(ids)
     assert deltas[-1].endswith("fine")
+
+
+def _tiny_vocab_meta(merges):
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": ["a", "b", "ab", "", "é x", "<ctl>", "<think>"],
+            "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3, 4], "tokenizer.ggml.merges": merges}
+
+
+def test_gguf_vocabulary_rules_for_unusual_entries():
+    """The whole-list fast paths (tokens already in byte-level spelling, merges of exactly two words)
+    fall back to the per-entry rules: a token stored as raw text is re-spelled, an empty one gets
+    llama.cpp's name, control / user-defined ones stay text, and a merge without a space is an error."""
+    tok = Tokenizer.from_gguf(_tiny_vocab_meta(["a b"]))
+    vocab = tok.backend.get_vocab()
+    assert vocab["[EMPTY_3]"] == 3 and vocab["Ã©Ġx"] == 4 and vocab["<ctl>"] == 5 and vocab["<think>"] == 6
+    assert tok.encode("ab<think>a") == [2, 6, 0]
+    assert tok.decode([2, 5, 6], skip_special_tokens=True) == "ab<think>"
+    with pytest.raises(ValueError, match="bad BPE merge 'ab'"):
+        Tokenizer.from_gguf(_tiny_vocab_meta(["a b", "ab"]))
