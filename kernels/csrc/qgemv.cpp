@@ -658,6 +658,9 @@ struct V256 {
   // one vpmaddwd per 16 pairs: the multiplies of one level, and the same exact int32 sums as the two
   // passes. Per half of the groups, its 8 widened vectors stay in registers for all T rows of x.
   static constexpr bool WIDE_X2 = true;
+  // Which passes widen: several rows of x share each widening; one row (decode) gains nothing from it,
+  // bar Q8_0, whose sign handling it also saves. nc_qg_matmul fills the combined codes by the same rule.
+  static constexpr bool widens(int type, int64_t rows) { return rows > 1 || type == Q8_0; }
   static I bcast4(const int16_t* p) {
     long long v;
     std::memcpy(&v, p, 8);
@@ -876,8 +879,10 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32;
   constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : (TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0);
-  // One row of x (decode) gains nothing from widening, bar Q8_0's sign handling: unwidened two passes.
-  constexpr bool WIDE = X2 && V::WIDE_X2 && (T > 1 || TYPE == Q8_0);
+  constexpr bool WIDE = [] {
+    if constexpr (X2 && V::WIDE_X2) return V::widens(TYPE, T);
+    return false;
+  }();
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
   alignas(64) float out[T][ROWS];
   for (int h = 0; h < V::HALVES; ++h) {
@@ -1406,8 +1411,12 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
     }
     if (static_cast<int64_t>(sc.s16.size()) < n * k / 16) sc.s16.resize(n * k / 16);
     int8_t* q2 = x2 ? sc.q2.data() : nullptr;
-    // The V256 kernels read the combined codes (tile_simd's WIDE: several rows of x, or Q8_0).
-    const bool wide = x2 && g_simd == SIMD_AVX2 && (n > 1 || type == Q8_0);
+    // The V256 kernels' widened passes read the combined codes (a pass has at most n rows).
+#if QG_AVX2
+    const bool wide = x2 && g_simd == SIMD_AVX2 && V256::widens(type, n);
+#else
+    const bool wide = false;
+#endif
     if (wide && static_cast<int64_t>(sc.c16.size()) < n * k) sc.c16.resize(n * k);
     a.q = sc.q.data();
     a.q2 = q2;
