@@ -26,6 +26,14 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("nanochat"))
 
 
+def build_root() -> Path:
+    """Where the compiled kernels live: $NANOCHAT_KERNEL_DIR, else under the cache dir. One folder can
+    serve several homes (the builds are keyed by source and CPU), so a fresh NANOCHAT_HOME need not
+    compile them again: a minute or more of g++ on 2 cores."""
+    shared = os.environ.get("NANOCHAT_KERNEL_DIR")
+    return Path(shared).expanduser() if shared else cache_root() / "torch_extensions"
+
+
 def cpu_fingerprint() -> str:
     flags = platform.machine()
     try:
@@ -44,7 +52,7 @@ def build_library(sources: Path | list[Path], variants: list[tuple[str, list[str
     the compiler accepts. Raises RuntimeError naming each variant's failure."""
     sources = [sources] if isinstance(sources, Path) else list(sources)
     tag = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + cpu_fingerprint().encode()).hexdigest()[:16]
-    build_dirs = [cache_root() / "torch_extensions" / f"{name}-{tag}" for name, _, _ in variants]
+    build_dirs = [build_root() / f"{name}-{tag}" for name, _, _ in variants]
     for (name, _, _), build_dir in zip(variants, build_dirs):
         # Built before (the directory is keyed by the sources and the CPU): no need for torch's
         # cpp_extension, whose import (setuptools and all) is ~50 ms of a model's load.

@@ -10,9 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanochat.kernels.cpp_build import build_root
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Loads in tests do not write packed weights into the user's cache (tests/test_pack_cache.py covers it).
 os.environ.setdefault("NANOCHAT_PACK_CACHE", "0")
+# Engines started with a test's own NANOCHAT_HOME find the C++ kernels built already, in the usual
+# place: else each would compile them again (over 30 s on some 2-core machines: a REPL test timed out).
+os.environ.setdefault("NANOCHAT_KERNEL_DIR", str(build_root()))
 torch.set_num_threads(2)
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "

@@ -417,11 +417,24 @@ def test_real_smollm_tensors():
         _check_bound(cpu_qgemv.matmul(x, cpu_qgemv.pack(qw)), x, gq.dequantize(qw), 2)
 
 
-def test_a_built_library_loads_without_torch_build_tools():
+def test_a_built_library_loads_without_torch_build_tools(tmp_path):
     """A process that finds the kernels built before does not import torch's cpp_extension (setuptools and
-    all: ~50 ms of every start-up)."""
+    all: ~50 ms of every start-up), also from a fresh NANOCHAT_HOME when NANOCHAT_KERNEL_DIR names the build
+    (conftest.py sets it to this process's own)."""
+    import os
     import subprocess
     assert cpu_qgemv.available()   # built (or found) here first
     code = ("import sys; from nanochat.kernels import cpu_qgemv; assert cpu_qgemv.available(); "
             "assert 'torch.utils.cpp_extension' not in sys.modules, 'imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    env = dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home"))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+    assert not (tmp_path / "home").exists()    # nothing built or written under the fresh home
+
+
+def test_kernels_are_built_under_the_home_unless_a_kernel_dir_is_named(tmp_path, monkeypatch):
+    from nanochat.kernels.cpp_build import build_root
+    monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("NANOCHAT_KERNEL_DIR")
+    assert build_root() == tmp_path / "home" / "cache" / "torch_extensions"
+    monkeypatch.setenv("NANOCHAT_KERNEL_DIR", str(tmp_path / "kernels"))
+    assert build_root() == tmp_path / "kernels"

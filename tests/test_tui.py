@@ -35,11 +35,9 @@ from nanochat.app.tui.widgets import ChatInput, CommandHints, MessageView, Reado
 from nanochat.engine.llm_engine import LLMEngine
 from nanochat.engine.output import RequestStats
 from nanochat.engine.serve.client import EngineClient
-from nanochat.kernels.cpp_build import cache_root
 from test_controller import install_step_delay_hook, process_gone
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_kvcache_blocks=96)
-KERNEL_CACHE = cache_root()      # where the C++ kernels are built outside the tests' NANOCHAT_HOMEs
 SIZE = (120, 40)
 LONG_USER = "hello there, how are you today? tell me about the quick brown fox and the lazy dog"
 
@@ -697,13 +695,8 @@ async def test_edit_an_earlier_message_then_move_between_branches_and_fork(share
 
 
 @pytest.fixture
-def step_delay(home, tmp_path, monkeypatch):
-    """Engine processes started in this test read a step delay from a file (see test_controller.py),
-    and find the C++ kernels built already: the test home's cache is the usual one (else every new
-    engine process would build them again in its fresh NANOCHAT_HOME, ~15 s)."""
-    KERNEL_CACHE.mkdir(parents=True, exist_ok=True)
-    home.cache_dir.rmdir()
-    home.cache_dir.symlink_to(KERNEL_CACHE, target_is_directory=True)
+def step_delay(tmp_path, monkeypatch):
+    """Engine processes started in this test read a step delay from a file (see test_controller.py)."""
     return install_step_delay_hook(tmp_path / "engine-hook", monkeypatch)
 
 
