@@ -19,8 +19,8 @@ Two backends:
   (no compiler / ninja), with a one-time warning.
 
 The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja needed),
-cached under $NANOCHAT_HOME/cache or the platformdirs user cache dir, and called through ctypes
-(plain C ABI, so the build needs no torch headers and takes seconds). It runs an OpenMP team of
+cached under $NANOCHAT_KERNEL_DIR, $NANOCHAT_HOME/cache or the platformdirs user cache dir, and called
+through ctypes (plain C ABI, so the build needs no torch headers and takes seconds). It runs an OpenMP team of
 `cpu_threads()` threads: the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them with
 `set_threads`, default half the logical CPUs (at least 1).
 """
