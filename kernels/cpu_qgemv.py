@@ -27,9 +27,9 @@ the other rows of the batch.
 The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja), cached under
 $NANOCHAT_KERNEL_DIR, else $NANOCHAT_HOME/cache or the platformdirs user cache dir (keyed by the
 source and the CPU's flags: it is compiled with -march=native), and called through ctypes (plain C
-ABI: no torch headers, a build takes 10-60 s). Threads: torch.get_num_threads() at call time unless `set_threads(n)`; the
-kernels run on a small pool of their own (not OpenMP), where the caller never waits for a worker
-that has not started yet: on a busy machine a call degrades to the 1-thread time instead of
+ABI: no torch headers, a build takes 10-60 s). Threads: torch.get_num_threads() at call time unless
+`set_threads(n)`; the kernels run on a small pool of their own (not OpenMP), where the caller never
+waits for a worker that has not started yet: on a busy machine a call degrades to the 1-thread time instead of
 stalling a scheduler tick (4-8 ms) as an OpenMP fork/join does. Each thread streams large contiguous
 shares of the weight (2 per thread), prefetched in software, so a decode call (weights from DRAM) runs
 at about the memory bandwidth. When the compiler is missing,

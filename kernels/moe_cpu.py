@@ -20,9 +20,9 @@ Two backends:
 
 The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja needed),
 cached under $NANOCHAT_KERNEL_DIR, $NANOCHAT_HOME/cache or the platformdirs user cache dir, and called
-through ctypes (plain C ABI, so the build needs no torch headers and takes seconds). It runs an OpenMP team of
-`cpu_threads()` threads: the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them with
-`set_threads`, default half the logical CPUs (at least 1).
+through ctypes (plain C ABI, so the build needs no torch headers and takes seconds). It runs an OpenMP
+team of `cpu_threads()` threads: the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them
+with `set_threads`, default half the logical CPUs (at least 1).
 """
 
 from __future__ import annotations

@@ -434,7 +434,7 @@ def test_a_built_library_loads_without_torch_build_tools(tmp_path):
 def test_kernels_are_built_under_the_home_unless_a_kernel_dir_is_named(tmp_path, monkeypatch):
     from nanochat.kernels.cpp_build import build_root
     monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("NANOCHAT_KERNEL_DIR")
+    monkeypatch.delenv("NANOCHAT_KERNEL_DIR", raising=False)
     assert build_root() == tmp_path / "home" / "cache" / "torch_extensions"
     monkeypatch.setenv("NANOCHAT_KERNEL_DIR", str(tmp_path / "kernels"))
     assert build_root() == tmp_path / "kernels"
