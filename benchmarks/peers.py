@@ -42,9 +42,11 @@ Ratios are nanochat / llama.cpp. Each table names the CPU ISA of each engine: na
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -668,8 +670,12 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    import nanochat
     from nanochat.kernels import cpu_qgemv
     cpu_qgemv.available()   # build the kernels once here (cached), not inside a timed load
+    # An installed package has its bytecode (pip compiles it); a source checkout run with
+    # PYTHONDONTWRITEBYTECODE=1 would compile nanochat's modules again in every timed process.
+    compileall.compile_dir(str(Path(nanochat.__file__).parent), quiet=1, rx=re.compile(r"[/\\](tests|\.venv)[/\\]"))
     if args.names:
         models_dir = args.models_dir or matrix_models.default_models_dir()
         python = matrix_models.peer_python(args.peer_python)

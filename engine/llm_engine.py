@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,22 @@ from nanochat.engine.sampler import Sampler, TokenHistory
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
+
+
+@contextmanager
+def _collector_paused():
+    """No cyclic garbage collection during a load: torch's import leaves ~170k tracked objects, every full
+    collection walks them all (~0.15 s on a slow 2-core machine), and the hundreds of thousands of small
+    objects a load makes (a vocabulary's merges, the model's modules) would trigger several. The collector's
+    state is restored whether the load succeeds or not. (Not gc.freeze: a model the picker later replaces
+    would never be collected if it were frozen.)"""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass
@@ -40,13 +58,19 @@ class LLMEngine:
         """`load_progress(done, total)`: called as the weights load (a progress bar). Under a torch.distributed
         launcher (torchrun), on a rank other than 0 this serves rank 0's engine and exits the process."""
         from nanochat.engine.config import launched_rank
-        from nanochat.models.loader import load
 
         if launched_rank():
             from nanochat.engine.tensor_parallel import run_worker_and_exit
             run_worker_and_exit()
 
         started = time.perf_counter()
+        with _collector_paused():
+            self._load(model, config, loaded, load_progress, kwargs)
+        self.load_seconds = time.perf_counter() - started
+
+    def _load(self, model: str, config: Config | None, loaded, load_progress, kwargs: dict) -> None:
+        from nanochat.models.loader import load
+
         config = config or Config.create(model, **kwargs)
         self.device = config.resolved_device()
         if self.device.type == "cpu":
@@ -81,7 +105,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._window: deque[tuple[float, int, int, float, float]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
-        self.load_seconds = time.perf_counter() - started
 
     def _build_runner(self, load_progress) -> ModelRunner:
         from nanochat.models.loader import build_model

@@ -2,7 +2,7 @@
 
 gguf.GGUFReader builds a numpy view for every element of every metadata array (seconds to tens of
 seconds on a 150k-token vocabulary) and trusts length fields (a corrupt array length makes it loop
-~2**64 times). Here string arrays are decoded in one tight loop, numeric arrays with one
+~2**64 times). Here a string array is decoded in one call after one walk over its lengths, numeric arrays with one
 np.frombuffer each, and every length or count is checked against the bytes left before it is used:
 a file that is not a readable GGUF raises GGUFError (a ValueError) with a one-line message that
 starts with the path, never struct.error / IndexError / UnicodeDecodeError.
@@ -153,22 +153,37 @@ class _Cursor:
         return items, (_ARRAY, *inner)
 
     def strings(self, count: int) -> list[str]:
-        # The hot loop for vocabularies and merges: locals only, one unpack and one decode per item.
-        buf, pos, end = self.buf, self.pos, self.end
+        """`count` strings (a vocabulary, merges): one bounds-checked walk over the length fields, then
+        the items decoded in one call, each length field's last byte (0: no string is 2**56 bytes long)
+        left in as the separator. Items that hold a NUL themselves are decoded one by one instead."""
+        buf, start, end = self.buf, self.pos, self.end
         unpack = _U64.unpack_from
-        out: list[str] = []
-        append = out.append
-        for _ in range(count):
-            if pos + 8 > end:
-                raise _Corrupt(f"field at byte {pos} runs past the end of the file")
-            n = unpack(buf, pos)[0]
-            pos += 8
-            if n > end - pos:
-                raise _Corrupt(f"field at byte {pos - 8} runs past the end of the file")
-            append(str(buf[pos:pos + n], "utf-8", "replace"))
-            pos += n
+        fields = [0] * count   # where each length field starts
+        pos = start
+        # A memoryview makes unpack_from faster; `with` releases it on the way out, errors included (the
+        # mmap cannot be closed while a view of it is alive).
+        with memoryview(buf) as view:
+            try:
+                for i in range(count):   # a length past the end makes the next unpack (or the check below) fail
+                    fields[i] = pos
+                    pos += 8 + unpack(view, pos)[0]
+            except (struct.error, OverflowError):   # OverflowError: a length near 2**64
+                bad = fields[i] if fields[i] <= end else fields[i - 1]   # this field or the one whose length sent us here
+                raise _Corrupt(f"field at byte {bad} runs past the end of the file") from None
+        if pos > end:
+            raise _Corrupt(f"field at byte {fields[-1]} runs past the end of the file")
         self.pos = pos
-        return out
+        if count == 0:
+            return []
+        region = np.frombuffer(buf, np.uint8, pos - start, start)
+        at = np.asarray(fields, dtype=np.int64) - start
+        keep = np.ones(len(region), dtype=bool)
+        keep[(at[:, None] + np.arange(7)).ravel()] = False
+        keep[7] = False   # no separator before the first item
+        packed = region[keep]
+        if np.count_nonzero(packed == 0) != count - 1:   # a NUL inside an item
+            return [str(buf[a + 8:b], "utf-8", "replace") for a, b in zip(fields, fields[1:] + [pos])]
+        return packed.tobytes().decode("utf-8", "replace").split("\0")
 
     def metadata(self, n_kv: int, until: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
         if n_kv > (self.end - self.pos) // _MIN_KV_BYTES:

@@ -12,9 +12,11 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -290,24 +292,25 @@ class Tokenizer:
                    chat_template=meta.get("tokenizer.chat_template"), name=name)
 
 
-def _build_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: dict) -> _HFTokenizer:
-    vocab: dict[str, int] = {}
-    added: list[AddedToken] = []
-    for i, (tok, ttype) in enumerate(zip(tokens, types)):
-        if not tok:
-            tok = f"[EMPTY_{i}]"  # llama.cpp's name for empty entries
-        if ttype in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
-            # Stored as the raw text to match in the input, not in byte-level spelling.
-            added.append(AddedToken(tok, special=ttype == TOKEN_TYPE_CONTROL, normalized=False))
-        else:
-            tok = _spell_byte_level(tok)
-        vocab[tok] = i  # a duplicate keeps the last id, as llama.cpp's token_to_id does
-    pairs = []
-    for merge in merges:
-        cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
-        if cut < 0:
-            raise ValueError(f"bad BPE merge {merge!r} in GGUF metadata")
-        pairs.append((merge[:cut], merge[cut + 1:]))
+def _build_byte_level_bpe(tokens: list[str], types, merges: list[str], pre: dict) -> _HFTokenizer:
+    # Whole-list operations where a file is as usual (every token already byte-level spelled, no merge
+    # starting with a space): a 150k vocabulary is not walked token by token in Python.
+    n = min(len(tokens), len(types))
+    names = list(tokens[:n])
+    for i in [i for i, tok in enumerate(names) if not tok]:
+        names[i] = f"[EMPTY_{i}]"  # llama.cpp's name for empty entries
+    kinds = np.asarray(types[:n])
+    raw = np.flatnonzero((kinds == TOKEN_TYPE_CONTROL) | (kinds == TOKEN_TYPE_USER_DEFINED)).tolist()
+    if not set("".join(names)) <= _BYTE_ALPHABET:
+        # Control and user-defined tokens are stored as the raw text to match in the input, not in
+        # byte-level spelling; a normal token stored as raw text (rare) is re-spelled.
+        keep = set(raw)
+        names = [tok if i in keep else _spell_byte_level(tok) for i, tok in enumerate(names)]
+    vocab = dict(zip(names, range(n)))  # a duplicate keeps the last id, as llama.cpp's token_to_id does
+    added = [AddedToken(names[i], special=int(kinds[i]) == TOKEN_TYPE_CONTROL, normalized=False) for i in raw]
+    pairs = list(map(tuple, map(str.split, merges, repeat(" "), repeat(1))))
+    if sum(map(len, pairs)) != 2 * len(pairs) or any(map(str.startswith, merges, repeat(" "))):
+        pairs = [_split_merge(merge) for merge in merges]   # a merge without a space, or starting with one
     bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre["ignore_merges"], fuse_unk=False)
     backend = _HFTokenizer(bpe)
     backend.pre_tokenizer = _byte_level_pre_tokenizer(pre["splits"])
@@ -317,6 +320,13 @@ def _build_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str]
     backend.add_special_tokens([t for t in added if t.special])
     backend.add_tokens([t for t in added if not t.special])
     return backend
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
+    if cut < 0:
+        raise ValueError(f"bad BPE merge {merge!r} in GGUF metadata")
+    return merge[:cut], merge[cut + 1:]
 
 
 def _token_content(value) -> str | None:

@@ -454,3 +454,31 @@ def test_penalties_on_a_chat_session_turn_count_the_whole_conversation(tiny_mode
     assert req.seq.stats.num_cached_tokens > 0
     fresh = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, enable_prefix_caching=False)
     assert second == fresh.generate([turn2], PENALIZED)[0].token_ids
+
+
+def test_a_load_runs_no_garbage_collection_and_restores_the_collector(tiny_models, tmp_path):
+    """Full collections walk every object torch's import left (a fraction of a second each on a slow machine)
+    and a load would trigger several; none runs during one, and the collector is left as it was found,
+    after a failed load too."""
+    import gc
+
+    from nanochat.models.errors import ModelLoadError
+
+    runs = []
+    record = lambda phase, info: runs.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.collect()   # counts at zero: what follows cannot start a collection before the load begins
+    gc.callbacks.append(record)
+    try:   # a load makes thousands of tracked objects (modules, tensors, dicts): collections would start
+        LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+        assert runs in ([], [0]) and gc.isenabled()   # at most the young collection as the collector returns
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(b"GGUF not really")
+        with pytest.raises(ModelLoadError):
+            LLMEngine(str(bad))
+        assert gc.isenabled()
+        gc.disable()
+        LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(record)

@@ -188,6 +188,23 @@ def test_invalid_utf8_is_replaced(tmp_path):
     assert f.get("test.list") == ["a\ufffd", "b"]
 
 
+def test_string_arrays_decode_item_by_item(tmp_path):
+    """Each item decodes on its own, as bytes.decode(errors="replace") would: a broken sequence at an
+    item's end or start does not merge with its neighbour, and items that hold a NUL come out whole."""
+    broken = [b"\xe6\x97", b"\x80x", b"\xf0\x9f\x98", b"", b"ok", "日本".encode(), b"\xc3"]
+    with_nul = [b"a\x00b", b"", b"\x00", b"\xe6\x97", b"end\xc3"]
+    w = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+    w.add_key_value("test.broken", broken, VT.ARRAY, VT.STRING)
+    w.add_key_value("test.with_nul", with_nul, VT.ARRAY, VT.STRING)
+    w.add_key_value("test.one", [b"x"], VT.ARRAY, VT.STRING)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "s.gguf")
+    for key, items in (("test.broken", broken), ("test.with_nul", with_nul), ("test.one", [b"x"])):
+        assert f.get(key) == [b.decode("utf-8", "replace") for b in items], key
+
+
 def test_read_metadata_stops_early(big):
     path, _ = big
     meta = read_metadata(path, until=("general.architecture", "general.alignment"))
