@@ -12,6 +12,8 @@ line on stdout (errors as {"error": "..."}).
     {"cmd": "decode", "ids": [...], "n": N}                    -> {"seconds", "tokens", "ids"} (timed after the
                                                                   first token; ids: the n greedy tokens)
     {"cmd": "serve", "requests": [[ids, n], ...]}              -> {"seconds", "tokens"} (one after another)
+    {"cmd": "multi_turn", "turns": N, "user_tokens": N, "reply_tokens": N, "seed": N, "id_max": N}
+                                                               -> {"ttft_ms": [per turn], "ratio": last / first}
     {"cmd": "quit"}
 
 Generation is greedy (argmax of the last logits), and never stops early (EOS is ignored), so the
@@ -129,7 +131,46 @@ def cmd_serve(req: dict) -> dict:
     return {"seconds": time.perf_counter() - t0, "tokens": tokens}
 
 
-COMMANDS = {"load": cmd_load, "prefill": cmd_prefill, "decode": cmd_decode, "serve": cmd_serve}
+def _chat_shape(llm) -> tuple[list[int], list[int], list[int]]:
+    """ChatML framing ids around a turn (user head, user tail + assistant head, reply tail), as
+    nanochat's bench frames its synthetic turns; empty when the vocabulary has no ChatML tokens."""
+    enc = lambda text: llm.tokenize(text.encode(), add_bos=False, special=True)  # noqa: E731
+    start, end = enc("<|im_start|>"), enc("<|im_end|>")
+    if len(start) != 1 or len(end) != 1:
+        return [], [], []
+    return start + enc("user\n"), end + enc("\n") + start + enc("assistant\n"), end + enc("\n")
+
+
+def cmd_multi_turn(req: dict) -> dict:
+    """One conversation whose KV stays in the context between turns (each turn evaluates only its new
+    tokens after the ones already there): per turn, a user message of random ids in ChatML framing,
+    then `reply_tokens` greedy tokens. TTFT: from the turn's first new token to its first reply token."""
+    import random
+
+    llm, rng = STATE["llm"], random.Random(int(req.get("seed", 0)))
+    turns, user, reply = int(req.get("turns", 8)), int(req.get("user_tokens", 64)), int(req.get("reply_tokens", 64))
+    vocab = min(STATE["n_vocab"], int(req.get("id_max", 10000)) + 1)
+    head, tail, reply_tail = _chat_shape(llm)
+    llm.reset()
+    _fresh_eval(llm, [rng.randrange(vocab) for _ in range(user)])   # warm-up, as nanochat's bench does
+    _argmax_last(llm)
+    llm.reset()
+    pending, ttfts = [], []
+    for _ in range(turns):
+        new = pending + head + [rng.randrange(vocab) for _ in range(user)] + tail
+        t0 = time.perf_counter()
+        llm.eval(new)   # after llm.n_tokens: the history's KV is reused
+        out = [_argmax_last(llm)]
+        ttfts.append((time.perf_counter() - t0) * 1000)
+        for _ in range(reply - 1):
+            llm.eval([out[-1]])
+            out.append(_argmax_last(llm))
+        pending = [out[-1]] + reply_tail   # the last reply token is not in the KV yet
+    return {"ttft_ms": ttfts, "ratio": ttfts[-1] / ttfts[0] if ttfts[0] else None}
+
+
+COMMANDS = {"load": cmd_load, "prefill": cmd_prefill, "decode": cmd_decode, "serve": cmd_serve,
+            "multi_turn": cmd_multi_turn}
 
 
 # ---------------------------------------------------------------------------------- one-off jobs
