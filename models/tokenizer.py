@@ -301,9 +301,12 @@ def _build_byte_level_bpe(tokens: list[str], types, merges: list[str], pre: dict
         names[i] = f"[EMPTY_{i}]"  # llama.cpp's name for empty entries
     kinds = np.asarray(types[:n])
     raw = np.flatnonzero((kinds == TOKEN_TYPE_CONTROL) | (kinds == TOKEN_TYPE_USER_DEFINED)).tolist()
-    if not set("".join(names)) <= _BYTE_ALPHABET:
-        # Control and user-defined tokens are stored as the raw text to match in the input, not in
-        # byte-level spelling; a normal token stored as raw text (rare) is re-spelled.
+    # Control and user-defined tokens are stored as the raw text to match in the input, not in byte-level
+    # spelling; a normal token stored as raw text (rare) is re-spelled.
+    normal = list(names)
+    for i in raw:
+        normal[i] = ""
+    if not set("".join(normal)) <= _BYTE_ALPHABET:
         keep = set(raw)
         names = [tok if i in keep else _spell_byte_level(tok) for i, tok in enumerate(names)]
     vocab = dict(zip(names, range(n)))  # a duplicate keeps the last id, as llama.cpp's token_to_id does

@@ -433,3 +433,16 @@ def test_gguf_vocabulary_rules_for_unusual_entries():
     assert tok.decode([2, 5, 6], skip_special_tokens=True) == "ab<think>"
     with pytest.raises(ValueError, match="bad BPE merge 'ab'"):
         Tokenizer.from_gguf(_tiny_vocab_meta(["a b", "ab"]))
+
+
+def test_control_tokens_outside_the_byte_alphabet_stay_raw_and_the_rest_keep_their_spelling():
+    """A control token in raw text with characters byte-level spelling never uses (DeepSeek's fullwidth
+    bars) does not change how the normal tokens are read."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": ["a", "b", "Ġ", "Ġa", "<｜end▁of▁sentence｜>"],
+            "tokenizer.ggml.token_type": [1, 1, 1, 1, 3], "tokenizer.ggml.merges": ["Ġ a"]}
+    tok = Tokenizer.from_gguf(meta)
+    vocab = tok.backend.get_vocab()
+    assert vocab["Ġa"] == 3 and vocab["<｜end▁of▁sentence｜>"] == 4
+    assert tok.encode("b a<｜end▁of▁sentence｜>b") == [1, 3, 4, 1]
+    assert tok.decode([1, 3, 4, 1], skip_special_tokens=True) == "b ab"
