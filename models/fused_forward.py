@@ -10,6 +10,8 @@ The engine's fused_forward=False (env NANOCHAT_FUSED_FORWARD=0) turns it off, th
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from nanochat.models.attention import AttnMetadata
@@ -54,7 +56,9 @@ class FusedForward:
     the cache is reallocated. `why_not` says why a model cannot use it (None when it can)."""
 
     def __init__(self, model):
-        self.model = model
+        # A weak reference: the model owns this object, and a cycle would keep a replaced model's memory
+        # until a full garbage collection.
+        self._model = weakref.ref(model)
         self.why_not = self._check(model)
         self._decoder = None
 
@@ -83,7 +87,7 @@ class FusedForward:
         return self.why_not is None
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        model = self.model
+        model = self._model()
         first = model.layers[0].self_attn
         if self._decoder is None or not self._decoder.uses(first.k_cache):
             self._decoder = self._build()
@@ -94,7 +98,8 @@ class FusedForward:
     def _build(self):
         from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer, FusedDecoder
 
-        model, cfg = self.model, self.model.config
+        model = self._model()
+        cfg = model.config
         attn0 = model.layers[0].self_attn
         dims = DecoderDims(layers=len(model.layers), hidden=cfg.hidden_size, heads=attn0.num_heads,
                            kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,

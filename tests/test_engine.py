@@ -482,3 +482,22 @@ def test_a_load_runs_no_garbage_collection_and_restores_the_collector(tiny_model
     finally:
         gc.enable()
         gc.callbacks.remove(record)
+
+
+def test_a_dropped_engine_frees_its_model_at_once(tiny_models):
+    """Reference counting alone frees an engine's model (no cycle waiting for a full collection), so a
+    model the picker replaces gives its memory back before the next one fills the cache."""
+    import gc
+    import weakref
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256)
+        llm.generate(PROMPTS[:1], GREEDY)
+        gone = [weakref.ref(x) for x in (llm.engine, llm.engine.runner.model, llm.engine.runner)]
+        del llm
+        assert [ref() is None for ref in gone] == [True, True, True]
+    finally:
+        if was_enabled:
+            gc.enable()
