@@ -2,10 +2,10 @@
 
 gguf.GGUFReader builds a numpy view for every element of every metadata array (seconds to tens of
 seconds on a 150k-token vocabulary) and trusts length fields (a corrupt array length makes it loop
-~2**64 times). Here a string array is decoded in one call after one walk over its lengths, numeric arrays with one
-np.frombuffer each, and every length or count is checked against the bytes left before it is used:
-a file that is not a readable GGUF raises GGUFError (a ValueError) with a one-line message that
-starts with the path, never struct.error / IndexError / UnicodeDecodeError.
+~2**64 times). Here a string array is decoded in one call after one walk over its lengths, a
+numeric array with one np.frombuffer, and every length or count is checked against the bytes left
+before it is used: a file that is not a readable GGUF raises GGUFError (a ValueError) with a
+one-line message that starts with the path, never struct.error / IndexError / UnicodeDecodeError.
 
 Only little-endian GGUF v2 / v3 is read. Every string (keys, values, tensor names) is decoded as
 UTF-8 with errors="replace". Metadata values are Python int / float / bool / str scalars, list[str]
@@ -168,7 +168,7 @@ class _Cursor:
                     fields[i] = pos
                     pos += 8 + unpack(view, pos)[0]
             except (struct.error, OverflowError):   # OverflowError: a length near 2**64
-                bad = fields[i] if fields[i] <= end else fields[i - 1]   # this field or the one whose length sent us here
+                bad = fields[i] if fields[i] <= end else fields[i - 1]   # or the field whose length sent us there
                 raise _Corrupt(f"field at byte {bad} runs past the end of the file") from None
         if pos > end:
             raise _Corrupt(f"field at byte {fields[-1]} runs past the end of the file")
