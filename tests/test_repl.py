@@ -92,12 +92,8 @@ def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(env, tiny_models):
         child.sendline("hello there")
         child.expect(READING_DONE)
         time.sleep(0.15)
-        # Ctrl-C during the reply cancels it. One sent while prompt_toolkit still holds the terminal raw
-        # is only a keystroke (it once came too early on a busy 2-core machine): send again until it lands.
-        for _ in range(20):
-            child.sendintr()
-            if child.expect([STATS, pexpect.TIMEOUT], timeout=0.25) == 0:
-                break
+        child.sendintr()                 # Ctrl-C during the reply cancels it
+        child.expect(STATS)
         assert "cancelled" in child.after
         assert 0 < int(child.match.group(1)) < 450
         child.expect(PROMPT)
