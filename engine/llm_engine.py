@@ -27,8 +27,8 @@ def _collector_paused():
     """No cyclic garbage collection during a load: torch's import leaves ~170k tracked objects, every full
     collection walks them all (~0.15 s on a slow 2-core machine), and the hundreds of thousands of small
     objects a load makes (a vocabulary's merges, the model's modules) would trigger several. The collector's
-    state is restored whether the load succeeds or not. (Not gc.freeze: a model the picker later replaces
-    would never be collected if it were frozen.)"""
+    state is restored whether the load succeeds or not. (Not gc.freeze: whatever it froze that later became
+    cyclic garbage would never be collected.)"""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
