@@ -13,6 +13,7 @@ the line, Ctrl-D exits.
 
 from __future__ import annotations
 
+import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -64,6 +65,26 @@ class _Terminal:
     def info(self, text: str) -> None:
         """Answers to commands: part of the conversation's output, so stdout."""
         self.write(text + "\n")
+
+
+def _ctrl_c_interrupts() -> None:
+    """Make a Ctrl-C during a reply reach this process as KeyboardInterrupt, whatever it inherited: a
+    SIGINT that its parent ignored or blocked (both pass through exec), or a terminal left without
+    ISIG (Ctrl-C would be a byte on stdin until the next prompt). prompt_toolkit reads Ctrl-C at the
+    prompt as a key, so without this the prompt clears and a reply cannot be stopped."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    import termios
+
+    try:
+        fd = sys.stdin.fileno()
+        attrs = termios.tcgetattr(fd)
+        if not attrs[3] & termios.ISIG:
+            attrs[3] |= termios.ISIG
+            termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    except (ImportError, OSError, ValueError, termios.error):
+        pass
 
 
 def _line_reader(opts: ReplOptions, interactive: bool):
@@ -128,6 +149,8 @@ class Repl:
                 self.turn(line)
 
     def turn(self, text: str) -> None:
+        if self.term.interactive:
+            _ctrl_c_interrupts()
         try:
             if not self.client.alive:
                 self.term.note("restarting the engine…")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -26,10 +27,10 @@ def env(tmp_path):
     return e
 
 
-def spawn(env, model, *extra):
+def spawn(env, model, *extra, preexec_fn=None):
     child = pexpect.spawn(sys.executable, ["-m", "nanochat.app.cli", "repl", "--model", str(model),
                                            "--temperature", "0", *extra],
-                          env=env, encoding="utf-8", timeout=30, dimensions=(40, 200))
+                          env=env, encoding="utf-8", timeout=30, dimensions=(40, 200), preexec_fn=preexec_fn)
     child.expect("Ctrl-D to exit")
     child.expect(PROMPT)
     return child
@@ -94,7 +95,7 @@ def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(env, tiny_models):
         time.sleep(0.15)
         child.sendintr()                 # Ctrl-C during the reply cancels it
         child.expect(STATS)
-        assert "cancelled" in child.after
+        assert "cancelled" in child.after, f"{child.after} ({ctrl_c_state(child)})"
         assert 0 < int(child.match.group(1)) < 450
         child.expect(PROMPT)
         child.sendline("/history")
@@ -109,6 +110,43 @@ def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(env, tiny_models):
     assert child.exitstatus == 0
     history = (env["NANOCHAT_HOME"] + "/state/repl_history")
     assert "hello there" in open(history).read()     # prompt_toolkit FileHistory persisted it
+
+
+def _ignore_and_block_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def test_ctrl_c_cancels_a_reply_whatever_sigint_state_the_repl_inherited(env, tiny_models):
+    """A parent that ignores and blocks SIGINT (nohup, some launchers) passes both on through exec; a
+    Python started so would never see a Ctrl-C during a reply (at the prompt prompt_toolkit reads it
+    as a key)."""
+    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos",
+                  preexec_fn=_ignore_and_block_sigint)
+    try:
+        child.sendline("hello there")
+        child.expect(READING_DONE)
+        time.sleep(0.15)
+        child.sendintr()
+        child.expect(STATS)
+        assert "cancelled" in child.after, f"{child.after} ({ctrl_c_state(child)})"
+        child.expect(PROMPT)
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def ctrl_c_state(child) -> str:
+    """Why a Ctrl-C might not have reached the REPL: its signal masks, the terminal's ISIG and foreground
+    process group."""
+    import termios
+
+    status = open(f"/proc/{child.pid}/status").read().splitlines()
+    masks = [line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+    isig = bool(termios.tcgetattr(child.child_fd)[3] & termios.ISIG)
+    return f"{', '.join(masks)}, ISIG {isig}, foreground {os.tcgetpgrp(child.child_fd)} vs pid {child.pid}"
 
 
 def test_repl_without_a_terminal(env, tiny_models):
