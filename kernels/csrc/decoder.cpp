@@ -552,15 +552,23 @@ inline void tile_scores(const float* const* q, const float* kt, int64_t d, float
 
 #if DEC_VL
 // Columns (of VL floats) of the output that weighted_values<D, NV> accumulates per pass over the
-// keys: NV x cols accumulators, at most 16 of AVX-512's 32 registers (one pass for the sizes used)
-// or 8 of AVX2's 16 (the rest hold the NV weights and the values).
+// keys: NV x cols accumulators, at most 16 of AVX-512's 32 registers (one pass for the sizes used);
+// on AVX2 as many as fit its 16 beside the cols values and one broadcast weight (12 for NV = 6).
 template <int D, int NV>
 constexpr int pass_cols() {
-  int c = std::min(D / VL, (VL == 16 ? 16 : 8) / NV);
+  int c = std::min(D / VL, VL == 16 ? 16 / NV : std::max(1, 15 / (NV + 1)));
   while ((D / VL) % c) --c;
   return c;
 }
 #endif
+
+// Query vectors per pass over a block's values (weighted_values' NV) and over a key tile
+// (tile_scores' NV): each value row or key tile loaded (and widened from fp16) once per pass serves
+// them all. AVX2: 6 x 2 vectors of accumulators, 12 independent FMA chains (its 2 FMA units x 4
+// cycles of latency need 8) in 15 of its 16 registers.
+template <int D>
+constexpr int values_per_pass() { return DEC_VL == 8 ? 6 : D > 64 ? 2 : 4; }
+constexpr int QV = DEC_VL == 16 ? 8 : DEC_VL == 8 ? 6 : 8;
 
 // out[v][e] = sum_p w[v][p] * V[slot[p]][e] for NV query vectors over the same keys (one head's
 // values, row stride `stride` values): each value row is loaded once per pass for all NV.
@@ -631,8 +639,6 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   scores.resize(nq * ld);
   auto query = [&](int64_t i) { return j.qkv + (it.lo + i / group) * j.width() + (g * group + i % group) * d; };
 
-  // Query vectors per pass over a key tile: QV x 16 / VL accumulators (8 registers).
-  constexpr int QV = DEC_VL ? DEC_VL / 2 : 8;
   for (int64_t tile = 0; tile * KEY_TILE < keys; ++tile) {
     const float* kt = j.key_tile(it.seq, g, tile);
     const float* q[QV];
@@ -645,29 +651,35 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
     }
     for (int64_t r = i - i % QV; r < nq; ++r) tile_scores<1>(&q[r % QV], kt, d, j.scale, &s[r % QV]);
   }
-  for (int64_t row = it.lo; row < it.hi; ++row) {   // a row's query heads share their keys
-    const int64_t seen = j.b->positions[row] + 1;
-    const float* w[8];
-    float* out[8];
-    for (int64_t h = 0; h < group; ++h) {
-      float* s = &scores[((row - it.lo) * group + h) * ld];
-      const float inv = 1.0f / exp_shifted(s, seen, max_of(s, seen));
-      for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
+  // Causal softmax per query vector. A row's weights past its own last key are zero, so every query
+  // vector of the block (all its rows and heads) can share the passes over the values up to the
+  // block's last key: each value row is read once per pass for PV of them, not once per row. The
+  // zero terms add +-0 to a sum of positive weights, which leaves it as it was bit for bit.
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t seen = j.b->positions[it.lo + i / group] + 1;
+    float* s = &scores[i * ld];
+    const float inv = 1.0f / exp_shifted(s, seen, max_of(s, seen));
+    for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
+    std::fill(s + seen, s + keys, 0.f);
+  }
+  constexpr int PV = values_per_pass<D>();
+  const T* vbase = static_cast<const T*>(j.v_cache) + g * d;
+  for (int64_t i0 = 0; i0 < nq; i0 += PV) {
+    const int64_t nv = std::min<int64_t>(PV, nq - i0);
+    const float* w[PV];
+    float* out[PV];
+    for (int64_t u = 0; u < nv; ++u) {
+      const int64_t i = i0 + u;
+      w[u] = &scores[i * ld];
+      out[u] = j.out + (it.lo + i / group) * m.q_size() + (g * group + i % group) * d;
     }
-    constexpr int PV = D > 64 ? 2 : 4;   // query heads per pass over the values
-    for (int64_t h0 = 0; h0 < group; h0 += PV) {
-      const int64_t nv = std::min<int64_t>(PV, group - h0);
-      for (int64_t u = 0; u < nv; ++u) {
-        w[u] = &scores[((row - it.lo) * group + h0 + u) * ld];
-        out[u] = j.out + row * m.q_size() + (g * group + h0 + u) * d;
-      }
-      const T* vbase = static_cast<const T*>(j.v_cache) + g * d;
-      switch (nv) {
-        case 4: weighted_values<D, 4>(w, seen, vbase, kv, slots, d, out); break;
-        case 3: weighted_values<D, 3>(w, seen, vbase, kv, slots, d, out); break;
-        case 2: weighted_values<D, 2>(w, seen, vbase, kv, slots, d, out); break;
-        default: weighted_values<D, 1>(w, seen, vbase, kv, slots, d, out);
-      }
+    switch (nv) {
+      case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, keys, vbase, kv, slots, d, out); break;
+      case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, keys, vbase, kv, slots, d, out); break;
+      case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, keys, vbase, kv, slots, d, out); break;
+      case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, keys, vbase, kv, slots, d, out); break;
+      case 2: weighted_values<D, 2>(w, keys, vbase, kv, slots, d, out); break;
+      default: weighted_values<D, 1>(w, keys, vbase, kv, slots, d, out);
     }
   }
 }
