@@ -90,14 +90,7 @@ def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(env, tiny_models):
         time.sleep(0.3)
         child.sendintr()                 # Ctrl-C at the prompt clears the line
         child.expect(PROMPT)
-        child.sendline("hello there")
-        child.expect(READING_DONE)
-        time.sleep(0.15)
-        child.sendintr()                 # Ctrl-C during the reply cancels it
-        child.expect(STATS)
-        assert "cancelled" in child.after, f"{child.after} ({ctrl_c_state(child)})"
-        assert 0 < int(child.match.group(1)) < 450
-        child.expect(PROMPT)
+        cancel_a_reply(child, "hello there")
         child.sendline("/history")
         child.expect("user: hello there")   # not "abc hello there": the cleared line is gone
         child.expect("assistant: ")         # the partial reply is kept
@@ -124,18 +117,24 @@ def test_ctrl_c_cancels_a_reply_whatever_sigint_state_the_repl_inherited(env, ti
     child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos",
                   preexec_fn=_ignore_and_block_sigint)
     try:
-        child.sendline("hello there")
-        child.expect(READING_DONE)
-        time.sleep(0.15)
-        child.sendintr()
-        child.expect(STATS)
-        assert "cancelled" in child.after, f"{child.after} ({ctrl_c_state(child)})"
-        child.expect(PROMPT)
+        cancel_a_reply(child, "hello there")
         child.sendcontrol("d")
         child.expect(pexpect.EOF)
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def cancel_a_reply(child, line: str) -> None:
+    """Send `line`, Ctrl-C while its reply (450 tokens at most) streams: the reply ends cancelled."""
+    child.sendline(line)
+    child.expect(READING_DONE)
+    time.sleep(0.15)
+    child.sendintr()
+    child.expect(STATS)
+    assert "cancelled" in child.after, f"{child.after} ({ctrl_c_state(child)})"
+    assert 0 < int(child.match.group(1)) < 450
+    child.expect(PROMPT)
 
 
 def ctrl_c_state(child) -> str:
