@@ -145,8 +145,11 @@ class Repl:
             if line.startswith("/"):
                 if self.command(line) == "exit":
                     return 0
-            else:
+                continue
+            try:
                 self.turn(line)
+            except KeyboardInterrupt:   # a Ctrl-C after the reply ended (its stats line): keep the chat
+                self.term.write("\n")
 
     def turn(self, text: str) -> None:
         if self.term.interactive:

@@ -198,3 +198,35 @@ def test_engine_killed_mid_reply_gives_one_line_and_the_next_message_restarts_it
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_a_ctrl_c_that_escapes_a_turn_keeps_the_repl_going():
+    """A Ctrl-C that lands after a reply ended (while its stats line prints) escapes the turn: the REPL
+    goes on reading lines instead of exiting with the conversation lost."""
+    from types import SimpleNamespace
+
+    from nanochat.app.repl import Repl, ReplOptions
+
+    client = SimpleNamespace(model=SimpleNamespace(sampling_defaults={}), open_session=lambda system: object())
+    repl = Repl(ReplOptions(model="m"), client, interactive=False)
+    turns = []
+
+    def turn(text):
+        turns.append(text)
+        if len(turns) == 1:
+            raise KeyboardInterrupt
+
+    repl.turn = turn
+    lines = iter(["first", "second"])
+
+    def read_line():
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    try:
+        rc = repl.run(read_line)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped the REPL's loop")
+    assert rc == 0 and turns == ["first", "second"]
