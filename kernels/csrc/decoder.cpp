@@ -451,7 +451,7 @@ struct AttnJob {
 
 // A pool thread's buffers: scores, and one cached row widened to fp32.
 struct Local {
-  std::vector<float> scores, row;
+  std::vector<float> scores, row, vals;
 };
 
 // Scores, exp and weighted values of keys [p0, p1) of one-row sequence t, for all query heads. Keys
@@ -570,25 +570,26 @@ template <int D>
 constexpr int values_per_pass() { return DEC_VL == 8 ? 6 : D > 64 ? 2 : 4; }
 constexpr int QV = DEC_VL == 16 ? 8 : DEC_VL == 8 ? 6 : 8;
 
-// out[v][e] = sum_p w[v][p] * V[slot[p]][e] for NV query vectors over the same keys (one head's
-// values, row stride `stride` values): each value row is loaded once per pass for all NV.
-template <int D, int NV, class T>
-void weighted_values(const float* const* w, int64_t n, const T* v, int64_t stride, const int64_t* slots,
-                     int64_t d, float* const* out) {
+// out[v][e] (+)= sum_p w[v][p] * vals[p][e] for NV query vectors over the same n keys, whose values
+// are fp32 rows of d in `vals`: each value row is loaded once per pass for all NV. accumulate: add to
+// what out holds (the sums over the keys before these), in the same order as one pass over all.
+template <int D, int NV>
+void weighted_values(const float* const* w, int64_t n, const float* vals, int64_t d, bool accumulate,
+                     float* const* out) {
 #if DEC_VL
   if constexpr (D > 0 && D % VL == 0) {
     constexpr int CW = pass_cols<D, NV>();
     for (int c0 = 0; c0 < D / VL; c0 += CW) {
       vf acc[NV][CW];
-      for (auto& row : acc)
-        for (auto& a : row) a = vset(0.f);
+      for (int u = 0; u < NV; ++u)
+        for (int c = 0; c < CW; ++c) acc[u][c] = accumulate ? vload(out[u] + VL * (c0 + c)) : vset(0.f);
       for (int64_t p = 0; p < n; ++p) {
-        const T* row = v + slots[p] * stride + c0 * VL;
-        vf vals[CW];
-        for (int c = 0; c < CW; ++c) vals[c] = vload(row + VL * c);
+        const float* row = vals + p * D + c0 * VL;
+        vf v[CW];
+        for (int c = 0; c < CW; ++c) v[c] = vload(row + VL * c);
         for (int u = 0; u < NV; ++u) {
           const vf wp = vset(w[u][p]);
-          for (int c = 0; c < CW; ++c) acc[u][c] = vfmadd(wp, vals[c], acc[u][c]);
+          for (int c = 0; c < CW; ++c) acc[u][c] = vfmadd(wp, v[c], acc[u][c]);
         }
       }
       for (int u = 0; u < NV; ++u)
@@ -598,11 +599,9 @@ void weighted_values(const float* const* w, int64_t n, const T* v, int64_t strid
   }
 #endif
   for (int u = 0; u < NV; ++u) {
-    std::fill(out[u], out[u] + d, 0.f);
-    for (int64_t p = 0; p < n; ++p) {
-      const T* row = v + slots[p] * stride;
-      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * widen(row[e]);
-    }
+    if (!accumulate) std::fill(out[u], out[u] + d, 0.f);
+    for (int64_t p = 0; p < n; ++p)
+      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * vals[p * d + e];
   }
 }
 
@@ -662,24 +661,39 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
     for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
     std::fill(s + seen, s + keys, 0.f);
   }
+  // The values in chunks of 16 KB, widened to fp32 once: a chunk stays in L1 for every pass of every
+  // query vector over it, instead of each pass reading the cache's rows (strided, from L2 or further)
+  // again.
   constexpr int PV = values_per_pass<D>();
+  const int64_t chunk = std::max<int64_t>(1, 4096 / d);
   const T* vbase = static_cast<const T*>(j.v_cache) + g * d;
-  for (int64_t i0 = 0; i0 < nq; i0 += PV) {
-    const int64_t nv = std::min<int64_t>(PV, nq - i0);
-    const float* w[PV];
-    float* out[PV];
-    for (int64_t u = 0; u < nv; ++u) {
-      const int64_t i = i0 + u;
-      w[u] = &scores[i * ld];
-      out[u] = j.out + (it.lo + i / group) * m.q_size() + (g * group + i % group) * d;
+  local.vals.resize(chunk * d);
+  for (int64_t p0 = 0; p0 < keys; p0 += chunk) {
+    const int64_t n = std::min(chunk, keys - p0);
+    for (int64_t p = 0; p < n; ++p) {
+      float* dst = &local.vals[p * d];
+      const float* row = as_f32(vbase + slots[p0 + p] * kv, d, dst);
+      if (row != dst) std::memcpy(dst, row, d * sizeof(float));
     }
-    switch (nv) {
-      case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, keys, vbase, kv, slots, d, out); break;
-      case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, keys, vbase, kv, slots, d, out); break;
-      case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, keys, vbase, kv, slots, d, out); break;
-      case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, keys, vbase, kv, slots, d, out); break;
-      case 2: weighted_values<D, 2>(w, keys, vbase, kv, slots, d, out); break;
-      default: weighted_values<D, 1>(w, keys, vbase, kv, slots, d, out);
+    for (int64_t i0 = 0; i0 < nq; i0 += PV) {
+      const int64_t nv = std::min<int64_t>(PV, nq - i0);
+      const float* w[PV];
+      float* out[PV];
+      for (int64_t u = 0; u < nv; ++u) {
+        const int64_t i = i0 + u;
+        w[u] = &scores[i * ld + p0];
+        out[u] = j.out + (it.lo + i / group) * m.q_size() + (g * group + i % group) * d;
+      }
+      const float* vals = local.vals.data();
+      const bool acc = p0 > 0;
+      switch (nv) {
+        case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, n, vals, d, acc, out); break;
+        case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, n, vals, d, acc, out); break;
+        case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, n, vals, d, acc, out); break;
+        case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, n, vals, d, acc, out); break;
+        case 2: weighted_values<D, 2>(w, n, vals, d, acc, out); break;
+        default: weighted_values<D, 1>(w, n, vals, d, acc, out);
+      }
     }
   }
 }
