@@ -77,13 +77,13 @@ def _ctrl_c_interrupts() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import termios
 
-    try:
+    try:  # stdin may be a terminal that refuses (or, under a wrapper, no terminal at all)
         fd = sys.stdin.fileno()
         attrs = termios.tcgetattr(fd)
         if not attrs[3] & termios.ISIG:
             attrs[3] |= termios.ISIG
             termios.tcsetattr(fd, termios.TCSANOW, attrs)
-    except (ImportError, OSError, ValueError, termios.error):
+    except (OSError, ValueError, termios.error):
         pass
 
 
@@ -130,6 +130,8 @@ class Repl:
 
     # ------------------------------------------------------------------ loop
     def run(self, read_line) -> int:
+        if self.term.interactive:
+            _ctrl_c_interrupts()
         while True:
             try:
                 line = read_line()
@@ -152,8 +154,6 @@ class Repl:
                 self.term.write("\n")
 
     def turn(self, text: str) -> None:
-        if self.term.interactive:
-            _ctrl_c_interrupts()
         try:
             if not self.client.alive:
                 self.term.note("restarting the engine…")

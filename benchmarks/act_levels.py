@@ -77,7 +77,7 @@ def timing(types: list[str], rows: list[int], repeats: int) -> None:
     rng = np.random.default_rng(0)
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)] * 6   # q|k|v, o, gate|up, down
     print(f"time of six Qwen3-0.6B layers' linears, {cpu_qgemv.simd_level()}, {cpu_qgemv.num_threads()} threads: "
-          "one level / two levels (best of {repeats})".replace("{repeats}", str(repeats)))
+          f"one level / two levels (best of {repeats})")
     for name in types:
         t = getattr(gq, name)
         weights = [cpu_qgemv.pack(random_weight(t, o, i, rng)) for o, i in shapes]

@@ -449,7 +449,7 @@ struct AttnJob {
   }
 };
 
-// A pool thread's buffers: scores, and one cached row widened to fp32.
+// A pool thread's buffers: scores, one cached row widened to fp32, a chunk of value rows widened.
 struct Local {
   std::vector<float> scores, row, vals;
 };
@@ -568,7 +568,7 @@ constexpr int pass_cols() {
 // cycles of latency need 8) in 15 of its 16 registers.
 template <int D>
 constexpr int values_per_pass() { return DEC_VL == 8 ? 6 : D > 64 ? 2 : 4; }
-constexpr int QV = DEC_VL == 16 ? 8 : DEC_VL == 8 ? 6 : 8;
+constexpr int QV = DEC_VL == 8 ? 6 : 8;
 
 // out[v][e] (+)= sum_p w[v][p] * vals[p][e] for NV query vectors over the same n keys, whose values
 // are fp32 rows of d in `vals`: each value row is loaded once per pass for all NV. accumulate: add to
