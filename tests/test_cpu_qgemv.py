@@ -438,3 +438,35 @@ def test_kernels_are_built_under_the_home_unless_a_kernel_dir_is_named(tmp_path,
     assert build_root() == tmp_path / "home" / "cache" / "torch_extensions"
     monkeypatch.setenv("NANOCHAT_KERNEL_DIR", str(tmp_path / "kernels"))
     assert build_root() == tmp_path / "kernels"
+
+
+def test_the_kernel_benchmark_builds_and_reproduces_across_code_paths(tmp_path):
+    """benchmarks/qgemv_tiles.cpp includes the kernels' source: it must keep compiling against it, and its
+    tile loop (and whole calls) give the same y on every code path, as the library does."""
+    import os
+    import shutil
+    import subprocess
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++ to build the benchmark")
+    src = Path(__file__).resolve().parent.parent / "benchmarks" / "qgemv_tiles.cpp"
+    exe = tmp_path / "qgemv_tiles"
+    build = subprocess.run([gxx, "-O1", "-std=c++20", "-ffp-contract=off", "-march=native", "-pthread", str(src),
+                            "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+
+    def checksum(*args, simd="", threads="0"):
+        env = dict(os.environ, QG_SIMD=simd) if simd else dict(os.environ)
+        r = subprocess.run([str(exe), *args, "0.01", threads], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        assert ("whole calls" in r.stdout) == (threads != "0") and (simd or "") in r.stdout
+        return r.stdout.rsplit("checksum", 1)[1].strip()
+
+    for name, levels in (("Q4_K", "2"), ("Q6_K", "2"), ("Q8_0", "1")):
+        shape = (name, "32", "512", "3", levels)
+        native = checksum(*shape)
+        assert checksum(*shape, simd="scalar") == native
+        assert checksum(*shape, threads="2") == native
+    bad = subprocess.run([str(exe), "Q9_9", "16", "32", "1", "2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "bad arguments" in bad.stderr
