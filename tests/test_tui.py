@@ -461,6 +461,31 @@ async def test_slash_commands(shared_client, home):
 
 
 @sync
+async def test_a_room_callback_landing_while_its_reply_is_removed_is_ignored(shared_client, home):
+    """Textual removes a view's children before the view itself: a /clear (or a regenerate) right after a
+    reply ended could run the reply's pending room callback in between, which looked for the gone body
+    and took the app down. Neither the callback nor a room change may need the body then."""
+    app = make_app(shared_client, home, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        conv = app.chat_screen.current
+        await send(pilot, "hello")
+        reply = await reply_done(pilot, conv)
+        view = app.chat_screen.chat_view(conv)
+        mview = view.view_for(reply)
+        await pilot.pause(0.3)                       # the reply's own room callback has run
+        mview.room = 3                               # as if it had not
+        await mview.body.remove()                    # the first half of a removal
+        assert mview.is_attached
+        view.room_below(mview)
+        mview.room = 0
+        await pilot.pause()
+        await send(pilot, "/clear")
+        assert conv.messages == [] and not list(view.query(MessageView))
+        await send(pilot, "still here")
+        assert (await reply_done(pilot, conv)).content
+
+
+@sync
 async def test_command_palette_runs_the_same_actions(shared_client, home):
     app = make_app(shared_client, home)
     async with app.run_test(size=SIZE) as pilot:

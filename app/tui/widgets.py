@@ -116,8 +116,13 @@ class MessageView(Vertical, can_focus=True):
     def body(self) -> MessageBody:
         return self.query_one(".body", MessageBody)
 
+    @property
+    def intact(self) -> bool:
+        """On screen with its parts: Textual takes a removed view's children away before the view."""
+        return self.is_attached and bool(self.query_children(".body"))
+
     def watch_room(self, room: int) -> None:
-        if self.is_mounted:
+        if self.is_mounted and self.intact:
             self.body.styles.min_height = room or None
 
     def _role_text(self) -> str:
@@ -221,6 +226,7 @@ class ChatView(VerticalScroll):
         self.query_one(".placeholder").display = not self.conversation.messages
 
     async def clear_messages(self) -> None:
+        self._drop_room()   # first: a reply's pending room callback then finds no room to move
         await self.query(MessageView).remove()
         self.refresh_placeholder()
 
@@ -238,9 +244,9 @@ class ChatView(VerticalScroll):
         keep = 0
         while keep < min(len(views), len(path)) and views[keep].message is path[keep]:
             keep += 1
+        self._drop_room()   # before the removal, as in clear_messages
         if views[keep:]:
             await self.remove_children(views[keep:])
-        self._drop_room()
         if path[keep:]:
             new = [self._view(m) for m in path[keep:]]
             if new[-1].message.streaming and len(path) > 1 and path[-2].role == "user":
@@ -270,7 +276,7 @@ class ChatView(VerticalScroll):
 
     def _fit_room(self, reply: MessageView, tries: int = 10) -> None:
         """Correct the estimated room once the views are laid out (a question that wraps otherwise)."""
-        if reply is not self._room or not reply.is_attached or not reply.message.streaming:
+        if reply is not self._room or not reply.intact or not reply.message.streaming:
             return
         siblings = list(self.children)
         question = siblings[siblings.index(reply) - 1]
@@ -285,7 +291,7 @@ class ChatView(VerticalScroll):
             reply.room = max(0, room)
 
     def _drop_room(self) -> None:
-        if self._room is not None and self._room.is_attached:   # (not: removed, by /clear or a regenerate)
+        if self._room is not None and self._room.intact:   # (not: removed, by /clear or a regenerate)
             self._room.room = 0
             self._room.styles.margin = None
         self._room, self._room_bottom = None, 0
@@ -297,7 +303,7 @@ class ChatView(VerticalScroll):
     def room_below(self, reply: MessageView) -> None:
         """Move the room of a reply that ended below it, once its last text is laid out: its stats line
         follows the text, and the chat's height, so its scroll position, stays as it is."""
-        if reply is not self._room or not reply.is_attached or not reply.room:
+        if reply is not self._room or not reply.intact or not reply.room:
             return
         blocks = [b for b in reply.body.children if b.display]
         text = max((b.virtual_region.bottom + b.styles.margin.bottom for b in blocks), default=0)
