@@ -1,16 +1,16 @@
-// The CPU matmul kernels without Python: time nc_qg_matmul's tile loop on one thread (or the whole call
-// on N threads), on random GGML blocks, to compare kernel variants at the instruction level.
+// The CPU matmul kernels without Python: time nc_qg_matmul on random GGML blocks, to compare kernel
+// variants at the instruction level.
 //
 //   g++ -O3 -std=c++20 -ffp-contract=off -march=native -pthread benchmarks/qgemv_tiles.cpp -o /tmp/qgemv_tiles
 //   /tmp/qgemv_tiles TYPE ROWS K N LEVELS [SECONDS] [THREADS]
 //
 // TYPE: Q4_0 Q5_0 Q8_0 Q4_K Q5_K Q6_K; ROWS x K: the weight; N: rows of x; LEVELS: activation levels
-// (1 or 2). THREADS 0 (default) times the tile loop alone on this thread, the activations quantized once
-// beforehand; THREADS >= 1 times whole nc_qg_matmul calls (quantization and thread pool included).
-// Prints the best of 20-call batches over SECONDS (default 1) and a checksum of y, which a variant of
-// the kernels must reproduce bit for bit. With ROWS x K a few hundred KB the weights stay in L2: the
-// kernels' arithmetic alone. Compile with -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy;
-// QG_SIMD=avx2 (or scalar) forces a code path, as NANOCHAT_CPU_ISA does for the library.
+// (1 or 2); THREADS: the kernels' threads (default 1). A call quantizes x and runs the tiles. Prints
+// the best of 20-call batches over SECONDS (default 1) and a checksum of y, which a variant of the
+// kernels must reproduce bit for bit, and the same on any THREADS. With ROWS x K a few hundred KB the
+// weights stay in L2: the kernels' arithmetic, not the memory's bandwidth. Compile with -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy;
+// QG_SIMD=avx2 (or scalar) forces a code path, as NANOCHAT_CPU_ISA does for the library; unset or
+// anything else: the best one compiled.
 
 #ifndef QG_SOURCE
 #define QG_SOURCE "../kernels/csrc/qgemv.cpp"
@@ -33,32 +33,6 @@ struct Raw {  // a GGML block: its bytes, values per block, where its fp16 scale
 constexpr Raw RAWS[] = {{"Q4_0", Q4_0, 18, 32, 0, -1}, {"Q5_0", Q5_0, 22, 32, 0, -1}, {"Q8_0", Q8_0, 34, 32, 0, -1},
                         {"Q4_K", Q4_K, 144, 256, 0, 2}, {"Q5_K", Q5_K, 176, 256, 0, 2}, {"Q6_K", Q6_K, 210, 256, 208, -1}};
 
-// nc_qg_matmul's tile loop alone, over the activations its last call on this thread quantized.
-void tile_loop(int type, const uint8_t* w, int64_t rows, int64_t k, int64_t n, float* y, bool x2) {
-  const Fmt* f = find_fmt(type);
-  const int64_t nblk = k / f->elems, tiles = rows / ROWS, tile_stride = nblk * f->tile_bytes;
-  const int64_t groups = (n + TMAX - 1) / TMAX;
-  Scratch& sc = g_scratch;
-  Acts a{};
-  a.k = k;
-  a.q = sc.q.data();
-  a.q2 = x2 ? sc.q2.data() : nullptr;
-  a.c16 = sc.c16.data();
-  a.d = sc.d.data();
-  a.s16 = sc.s16.data();
-  a.ds = sc.ds.data();
-  const Out o{y, 0, rows, nullptr, rows};
-  const TileFn fn = pick(type);
-  for (int64_t it = 0; it < tiles * groups; ++it) {
-    const int64_t tile = it / groups, t0 = (it % groups) * TMAX;
-    const int nt = static_cast<int>(std::min<int64_t>(TMAX, n - t0));
-    if (fn)
-      fn(w + tile * tile_stride, nblk, a, t0, nt, o, tile * ROWS);
-    else  // the scalar path
-      tile_scalar(*f, w + tile * tile_stride, nblk, a, t0, nt, o, tile * ROWS);
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -72,10 +46,10 @@ int main(int argc, char** argv) {
   const int64_t rows = std::atoll(argv[2]), k = std::atoll(argv[3]), n = std::atoll(argv[4]);
   const bool x2 = std::atoi(argv[5]) == 2;
   const double secs = argc > 6 ? std::atof(argv[6]) : 1.0;
-  const int threads = argc > 7 ? std::atoi(argv[7]) : 0;
-  if (!raw || rows <= 0 || rows % ROWS || k <= 0 || k % raw->elems || n <= 0) {
+  const int threads = argc > 7 ? std::atoi(argv[7]) : 1;
+  if (!raw || rows <= 0 || rows % ROWS || k <= 0 || k % raw->elems || n <= 0 || threads < 1) {
     std::fprintf(stderr, "bad arguments: TYPE one of Q4_0 Q5_0 Q8_0 Q4_K Q5_K Q6_K, ROWS a multiple of %d, "
-                         "K of the block size\n", ROWS);
+                         "K of the block size, THREADS >= 1\n", ROWS);
     return 2;
   }
   if (const char* simd = std::getenv("QG_SIMD"))
@@ -104,10 +78,7 @@ int main(int argc, char** argv) {
   do {
     const auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < 20; ++r)
-      if (threads > 0)
-        nc_qg_matmul(raw->type, packed.data(), rows, k, x.data(), 0, n, k, y2.data(), 0, rows, nullptr, x2, threads);
-      else
-        tile_loop(raw->type, packed.data(), rows, k, n, y2.data(), x2);
+      nc_qg_matmul(raw->type, packed.data(), rows, k, x.data(), 0, n, k, y2.data(), 0, rows, nullptr, x2, threads);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 20);
   } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < secs);
   if (std::memcmp(y.data(), y2.data(), y.size() * sizeof(float)) != 0) {
@@ -117,8 +88,7 @@ int main(int argc, char** argv) {
   double checksum = 0;
   for (float v : y) checksum += v;
   const char* isa[] = {"scalar", "avx2", "avx512"};
-  std::printf("%s %ldx%ld, %ld rows of x, %d level(s), %s, %s: %.1f us, %.2f GMAC/s, checksum %.9g\n", raw->name,
-              static_cast<long>(rows), static_cast<long>(k), static_cast<long>(n), x2 ? 2 : 1, isa[nc_qg_simd()],
-              threads > 0 ? (std::to_string(threads) + " thread(s), whole calls").c_str() : "tile loop, 1 thread",
-              best * 1e6, static_cast<double>(n) * rows * k / best / 1e9, checksum);
+  std::printf("%s %ldx%ld, %ld rows of x, %d level(s), %s, %d thread(s): %.1f us, %.2f GMAC/s, checksum %.9g\n",
+              raw->name, static_cast<long>(rows), static_cast<long>(k), static_cast<long>(n), x2 ? 2 : 1,
+              isa[nc_qg_simd()], threads, best * 1e6, static_cast<double>(n) * rows * k / best / 1e9, checksum);
 }

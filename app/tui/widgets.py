@@ -122,7 +122,7 @@ class MessageView(Vertical, can_focus=True):
         return self.is_attached and bool(self.query_children(".body"))
 
     def watch_room(self, room: int) -> None:
-        if self.is_mounted and self.intact:
+        if self.intact:
             self.body.styles.min_height = room or None
 
     def _role_text(self) -> str:
@@ -291,7 +291,7 @@ class ChatView(VerticalScroll):
             reply.room = max(0, room)
 
     def _drop_room(self) -> None:
-        if self._room is not None and self._room.intact:   # (not: removed, by /clear or a regenerate)
+        if self._room is not None and self._room.intact:   # (not: removed with its conversation)
             self._room.room = 0
             self._room.styles.margin = None
         self._room, self._room_bottom = None, 0
