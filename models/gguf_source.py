@@ -55,7 +55,7 @@ from nanochat.models.gguf_file import GGUFError, GGUFFile, to_python
 T = gguf.GGMLQuantizationType
 
 
-from nanochat.models.errors import ModelLoadError  # noqa: E402  (re-exported for callers)
+from nanochat.models.errors import ModelLoadError, missing_path  # noqa: E402  (re-exported for callers)
 
 
 DENSE_TYPES = {T.F32, T.F16, T.BF16}
@@ -213,7 +213,7 @@ class GGUFSource:
     @staticmethod
     def _open(path: str) -> GGUFFile:
         if not os.path.exists(path):
-            raise ModelLoadError(f"{path}: no such file")
+            raise missing_path(path)
         if not os.path.isfile(path):
             raise ModelLoadError(f"{path}: not a regular file")
         try:

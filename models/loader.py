@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from nanochat.models.config import DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, ModelConfig
-from nanochat.models.errors import ModelLoadError
+from nanochat.models.errors import ModelLoadError, missing_path
 
 
 @dataclass
@@ -27,14 +27,16 @@ def open_source(model: str):
     if path.suffix.lower() == ".gguf" or path.is_file():
         from nanochat.models.gguf_source import GGUFSource
         if not path.exists():
-            raise ModelLoadError(f"{path}: no such file")
+            raise missing_path(path)
         return GGUFSource(str(path))
     from nanochat.models.hf_source import HFSource, resolve_hub_id
     if path.exists():
         return HFSource(path)
+    if path.is_symlink():   # a loop or a dangling link, not a hub id
+        raise missing_path(path)
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return HFSource(resolve_hub_id(model))
-    raise ModelLoadError(f"{model}: no such file or folder")
+    raise missing_path(model, "no such file or folder")
 
 
 def load_tokenizer_and_template(source):

@@ -216,6 +216,16 @@ def _truncated_gguf(tmp_path):
     return p
 
 
+def _symlink(link, target):
+    link.symlink_to(target)
+    return link
+
+
+def _symlink_loop(tmp_path, name):
+    _symlink(tmp_path / "other", tmp_path / name)
+    return _symlink(tmp_path / name, tmp_path / "other")
+
+
 def _gpt2_folder(tmp_path, tiny_models):
     import shutil
     d = tmp_path / "gpt2-model"
@@ -229,13 +239,18 @@ def _gpt2_folder(tmp_path, tiny_models):
 
 @pytest.mark.parametrize("case, fragment", [
     ("missing", "no such file"),
+    ("loop", "symlink loop"),
+    ("loop_gguf", "symlink loop"),
+    ("dangling", "broken symlink"),
     ("not_gguf", "not a GGUF"),
     ("truncated", "cut.gguf"),
     ("gpt2", "gpt2"),
     ("folder", "config.json"),
 ])
 def test_model_errors(home, tmp_path, tiny_models, capsys, case, fragment):
-    model = {"missing": lambda: tmp_path / "nope.gguf", "not_gguf": lambda: _not_gguf(tmp_path),
+    model = {"missing": lambda: tmp_path / "nope.gguf", "loop": lambda: _symlink_loop(tmp_path, "m"),
+             "loop_gguf": lambda: _symlink_loop(tmp_path, "m.gguf"),
+             "dangling": lambda: _symlink(tmp_path / "d.gguf", tmp_path / "gone.gguf"), "not_gguf": lambda: _not_gguf(tmp_path),
              "truncated": lambda: _truncated_gguf(tmp_path), "gpt2": lambda: _gpt2_folder(tmp_path, tiny_models),
              "folder": lambda: tmp_path}[case]()
     assert cli.main(["--model", str(model), "--prompt", "hi", "--max-tokens", "2"]) == 1
