@@ -378,3 +378,26 @@ def test_the_engine_keeps_the_priority_of_the_thread_that_made_the_client():
         assert client.alive and os.getpriority(os.PRIO_PROCESS, client.pid) == nice
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("last_words, reason", [
+    (b"terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc\n",
+     "the engine process was killed by SIGABRT (out of memory: an allocation failed)"),
+    (b"", "the engine process was killed by SIGABRT"),
+])
+def test_an_engine_abort_names_memory_when_an_allocation_failed(tiny_models, last_words, reason):
+    """A `ulimit -v` makes a large prompt end the engine with std::bad_alloc and SIGABRT: the message
+    names memory then, and only then. The engine's own stderr pipe gets the words an abort leaves."""
+    c = EngineClient()
+    c.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    pid = c.pid
+    died = threading.Event()
+    reasons = []
+    c.add_death_listener(lambda why: (reasons.append(why), died.set()))
+    with open(f"/proc/{pid}/fd/2", "wb") as stderr:
+        stderr.write(last_words)
+    os.kill(pid, signal.SIGABRT)
+    assert died.wait(30)
+    assert reasons == [reason]
+    c.shutdown()
+    assert gone(pid)

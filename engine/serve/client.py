@@ -39,6 +39,19 @@ from nanochat.engine.serve.protocol import Call, EngineDied, EngineError, ModelI
 STDERR_TAIL = 40   # lines of the engine process's stderr kept for the message when it dies
 
 
+# What an allocation failure leaves on stderr: C++ (torch, the kernels) aborts with std::bad_alloc, the
+# allocator and Python name ENOMEM.
+MEMORY_SIGNS = ("bad_alloc", "Cannot allocate memory", "can't allocate memory", "MemoryError", "out of memory")
+
+
+def _memory_hint(signal_name: str, stderr_tail: list[str]) -> str:
+    """Why a killed engine probably died: SIGKILL is how the kernel's OOM killer ends a process; an abort
+    after an allocation failure (a `ulimit -v`, a container limit) says so in its last words."""
+    if any(sign in line for line in stderr_tail[-4:] for sign in MEMORY_SIGNS):
+        return " (out of memory: an allocation failed)"
+    return " (out of memory?)" if signal_name == "SIGKILL" else ""
+
+
 @dataclass(eq=False)
 class Session:
     """A chat session as the client keeps it: enough to rebuild it in a new engine process."""
@@ -409,17 +422,16 @@ class EngineClient:
                 code = self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        if self._stderr_thread is not None:   # its last words may still be in the pipe
+            self._stderr_thread.join(timeout=1.0)
+        tail = [line.strip() for line in self._stderr_tail if line.strip()]
         if code is not None and code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            hint = " (out of memory?)" if name == "SIGKILL" else ""
-            return f"the engine process was killed by {name}{hint}"
-        if self._stderr_thread is not None:   # its last words may still be in the pipe
-            self._stderr_thread.join(timeout=1.0)
-        last = next((line for line in reversed(self._stderr_tail) if line.strip()), "")
-        detail = f": {last.strip()}" if last else ""
+            return f"the engine process was killed by {name}{_memory_hint(name, tail)}"
+        detail = f": {tail[-1]}" if tail else ""
         return f"the engine process exited (code {code}){detail}"
 
     # ------------------------------------------------------------------ listeners
