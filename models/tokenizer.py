@@ -426,7 +426,8 @@ class IncrementalDetokenizer:
     Decodes a short window (the last finalised tokens plus the pending ones) and emits only text
     that is final: while the window's text ends in U+FFFD a multi-byte character is still
     incomplete, so it is held back. The deltas concatenate to decode(all generated ids) (for
-    byte-level BPE); call flush() at the end to get anything still held.
+    byte-level BPE), less an incomplete character at the very end; call flush() at the end to get
+    anything still held.
     """
 
     _CONTEXT = 4  # prompt tokens kept as left context
@@ -451,8 +452,9 @@ class IncrementalDetokenizer:
         return self._emit(final=False)
 
     def flush(self) -> str:
-        """Whatever is still held back (e.g. a trailing incomplete character, as U+FFFD)."""
-        return self._emit(final=True)
+        """Whatever is still held back, less a character whose last bytes never came (a reply cut by its
+        token limit mid-character would otherwise end in U+FFFD)."""
+        return self._emit(final=True).rstrip("\ufffd")
 
     def _emit(self, final: bool) -> str:
         if self._read == len(self._ids):

@@ -398,14 +398,30 @@ def test_incremental_detokenizer_with_prompt_and_skip(smol, skip):
     assert detok.generated_ids == gen
 
 
-def test_incremental_detokenizer_flushes_incomplete_tail(smol):
-    ids = smol.encode("ok 😀")[:-1]  # the emoji's last byte never arrives
+def test_incremental_detokenizer_holds_back_an_incomplete_tail(smol):
+    ids = smol.encode("ok 😀")[:-1]  # the emoji's last byte never arrives (a token limit cut it)
+    assert smol.decode(ids).endswith("\ufffd")
     detok = IncrementalDetokenizer(smol)
     deltas = [detok.add(i) for i in ids]
     assert "".join(deltas) in ("ok", "ok ")  # the space may ride on the emoji's first byte token
     tail = detok.flush()
-    assert tail.endswith("\ufffd") and "".join(deltas) + tail == smol.decode(ids)
+    assert "".join(deltas) + tail == "ok "
     assert detok.flush() == ""
+
+
+def test_a_reply_cut_mid_character_by_max_tokens_ends_before_it():
+    """The built-in model continues a row of emoji, each spelled by three byte tokens; cut at every
+    length, no reply ends in U+FFFD, and each is its token ids' text less the incomplete character."""
+    from nanochat.engine import LLM, SamplingParams
+    llm = LLM(SMOL_GGUF, max_model_len=128)
+    prompt = llm.tokenizer.encode("😀🎉😀🎉😀🎉😀🎉😀🎉😀🎉")
+    cut = 0
+    for n in range(1, 10):
+        [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        full = llm.tokenizer.decode(out.token_ids)
+        cut += full.endswith("\ufffd")
+        assert out.text == full.rstrip("\ufffd") and "\ufffd" not in out.text
+    assert cut >= 3   # the model did stop mid-character
 
 
 def test_incremental_detokenizer_invalid_bytes_then_text(smol):
