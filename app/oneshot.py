@@ -1,7 +1,8 @@
 """Headless one-shot generation: `nanochat --prompt "..."` and `nanochat run --prompt A --prompt B`.
 
 stdout carries only the reply (streamed as tokens arrive, then one newline), or JSON with --json;
-progress and stats go to stderr. Several prompts run batched; their replies are printed in order,
+progress and stats go to stderr. On a terminal the reply passes the sanitizer (app/terminal_text.py); a
+pipe or a file gets its exact text. Several prompts run batched; their replies are printed in order,
 the earliest unfinished one streaming live while the others are buffered.
 """
 
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanochat.app.options import effective_sampling
+from nanochat.app.terminal_text import dim, for_terminal, is_terminal
 
 LOAD_INDICATOR_DELAY = 0.4   # seconds before a loading spinner appears
 STDIN_WAIT = 1.0             # seconds to wait for a pipe on stdin to say something
@@ -181,13 +183,14 @@ def _print_in_order(streams: list, out) -> None:
     the later ones (generated in the same batch) come out of their buffers when their turn comes."""
     if out is None:
         return
+    terminal = is_terminal(out)
     for n, stream in enumerate(streams):
         printed = False
         for event in stream:
             if event.text:
                 if not printed and n > 0:
                     out.write("\n")     # a blank line between the replies of several prompts
-                out.write(event.text)
+                out.write(for_terminal(event.text, terminal))
                 out.flush()
                 printed = True
         if printed or stream.reply.final.finish_reason != "error":
@@ -198,9 +201,12 @@ def _print_in_order(streams: list, out) -> None:
 def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int:
     errors = [r.final.error or "generation failed" for r in replies if r.final.finish_reason == "error"]
     if opts.json:
+        # JSON escapes C0 controls; on a terminal ensure_ascii escapes C1 and bidi too (the same text)
+        ascii_only = is_terminal(out)
         for reply in replies:
-            out.write(json.dumps(_as_json(reply, opts.model), ensure_ascii=False) + "\n")
+            out.write(json.dumps(_as_json(reply, opts.model), ensure_ascii=ascii_only) + "\n")
         out.flush()
+    terminal = is_terminal(err)
     if not opts.quiet:
         for n, reply in enumerate(replies):
             st = reply.final.stats
@@ -210,11 +216,9 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int
             if reply.final.finish_reason == "length":
                 extra = " · ".join(x for x in (length_note(st), extra) if x)
             prefix = f"#{n + 1} " if len(replies) > 1 else ""
-            line = prefix + format_stats(st, extra)
-            dim = hasattr(err, "isatty") and err.isatty()
-            print(f"\x1b[2m{line}\x1b[0m" if dim else line, file=err, flush=True)
+            print(dim(prefix + format_stats(st, extra), terminal), file=err, flush=True)
     if errors:
-        print(f"nanochat: error: {' '.join(errors[0].split())}", file=err, flush=True)
+        print(for_terminal(f"nanochat: error: {' '.join(errors[0].split())}", terminal), file=err, flush=True)
         return 1
     return 0
 

@@ -5,7 +5,8 @@ prefills only its new message (the stats line after each reply shows cached vs n
 If the engine process dies, the reply in progress says why and the next message restarts it.
 
 prompt_toolkit gives line editing and a persistent history on a terminal; without one (stdin
-piped) lines are read with input(), replies go to stdout and stats lines to stderr.
+piped) lines are read with input(), replies go to stdout and stats lines to stderr. What goes to a
+terminal passes the sanitizer (app/terminal_text.py); a pipe or a file gets the exact text.
 
 Keys: Ctrl-C during a reply cancels it (the partial reply is kept), Ctrl-C at the prompt clears
 the line, Ctrl-D exits.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from nanochat.app.oneshot import format_stats, length_note, model_label
 from nanochat.app.options import effective_sampling
+from nanochat.app.terminal_text import dim, for_terminal, is_terminal
 
 PROMPT = "> "
 COMMANDS = {
@@ -39,32 +41,33 @@ class ReplOptions:
     history_file: str | None = None                  # prompt_toolkit FileHistory path
 
 
-# Control characters a model might emit (escape sequences could reprogram the terminal).
-_UNPRINTABLE = {c: None for c in range(32) if chr(c) not in "\n\t"} | {0x7F: None}
-
-
 class _Terminal:
-    """Where text goes: replies to stdout; notes and stats dim on a terminal, else to stderr."""
+    """Where text goes: replies to stdout; notes and stats dim on a terminal, else to stderr. Every
+    write passes for_terminal or dim, which sanitize what goes to a terminal."""
 
     def __init__(self, interactive: bool):
         self.interactive = interactive
-
-    def write(self, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        self.tty = is_terminal(sys.stdout)
+        self.err_tty = is_terminal(sys.stderr)
 
     def reply(self, text: str) -> None:
-        self.write(text.translate(_UNPRINTABLE) if self.interactive else text)
+        print(for_terminal(text, self.tty), end="", flush=True)
+
+    def newline(self) -> None:
+        print(flush=True)
 
     def note(self, text: str) -> None:
         if self.interactive:
-            self.write(f"\x1b[2m{text}\x1b[0m\n")
+            print(dim(text, self.tty), flush=True)
         else:
-            print(text, file=sys.stderr, flush=True)
+            print(for_terminal(text, self.err_tty), file=sys.stderr, flush=True)
 
     def info(self, text: str) -> None:
         """Answers to commands: part of the conversation's output, so stdout."""
-        self.write(text + "\n")
+        print(for_terminal(text, self.tty), flush=True)
+
+    def error(self, text: str) -> None:
+        print(for_terminal(f"nanochat: error: {text}", self.err_tty), file=sys.stderr, flush=True)
 
 
 def _ctrl_c_interrupts() -> None:
@@ -139,7 +142,7 @@ class Repl:
                 continue          # prompt_toolkit already cleared the line
             except EOFError:
                 if self.term.interactive:
-                    self.term.write("\n")
+                    self.term.newline()
                 return 0
             line = line.strip()
             if not line:
@@ -151,7 +154,7 @@ class Repl:
             try:
                 self.turn(line)
             except KeyboardInterrupt:   # a Ctrl-C after the reply ended (its stats line): keep the chat
-                self.term.write("\n")
+                self.term.newline()
 
     def turn(self, text: str) -> None:
         try:
@@ -167,11 +170,11 @@ class Repl:
             self.turns += [_Turn("user", text), _Turn("assistant", reply.text, reply.stats)]
         if final.finish_reason == "error":
             if reply.token_ids:
-                self.term.write("\n")
+                self.term.newline()
             hint = " (type /clear to start over)" if self.turns and self.client.alive else ""
-            print(f"nanochat: error: {final.error or 'generation failed'}{hint}", file=sys.stderr, flush=True)
+            self.term.error(f"{final.error or 'generation failed'}{hint}")
             return
-        self.term.write("\n")
+        self.term.newline()
         st = reply.stats
         extra = "cancelled" if cancelled else (length_note(st) if final.finish_reason == "length" else "")
         self.term.note(format_stats(st, extra))

@@ -8,6 +8,7 @@ def main(args=None) -> int:
     from nanochat.app.options import engine_config, sampling_options
     from nanochat.app.paths import get_paths
     from nanochat.app.settings import Settings
+    from nanochat.app.tui import paste
     from nanochat.app.tui.app import NanochatApp, yield_to_engine
     from nanochat.engine.serve.client import EngineClient
     from nanochat.models.catalog import resolve_default_model
@@ -33,6 +34,7 @@ def main(args=None) -> int:
     app = NanochatApp(client=client, paths=paths, settings=settings, model=model,
                       engine_config=engine_config(args, settings), sampling=sampling,
                       system_prompt=system if system is not None else settings.system_prompt)
+    paste.install()   # a paste holding ESC bytes stays one paste
     try:
         app.run()
     finally:

@@ -43,6 +43,7 @@ from nanochat.app.options import sampling_options
 from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore, StoreError
+from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.chat_screen import ChatScreen
 from nanochat.app.tui.messages import (EngineChanged, EngineStopped, LoadModel, TuiObserver, TurnFinished,
                                        TurnStarted)
@@ -145,6 +146,13 @@ class NanochatApp(App):
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat_screen
+
+    def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Every notification (a screen's or a widget's notify comes here too) is shown through the
+        sanitizer, and as plain text whatever `markup` says: it may quote a title, a model's name or an
+        error, where "[/]" is not markup."""
+        super().notify(sanitize(message), title=sanitize(title), severity=severity, timeout=timeout, markup=False)
 
     def on_mount(self) -> None:
         self.engine_status = EngineStatus(*engine_labels(self.controller), stats=self.client.stats(),

@@ -22,8 +22,9 @@ from textual.css.query import NoMatches
 from textual.reactive import var
 from textual.widgets import ContentSwitcher, Footer, Header, Label, OptionList
 
-from nanochat.app.controller import (ChatController, ChatError, Conversation, EngineState, Message, Turn,
-                                     describe_settings)
+from nanochat.app.controller import (DEFAULT_TITLE, ChatController, ChatError, Conversation, EngineState, Message,
+                                     Turn, describe_settings)
+from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.chat_commands import ChatCommands
 from nanochat.app.tui.commands import NanochatCommands
@@ -109,7 +110,7 @@ class ChatScreen(GaugedScreen):
     def refresh_item(self, conv: Conversation) -> None:
         self.query_one(ConversationList).refresh_conversation(conv)
         if conv.id == self.current_id:
-            self.sub_title = conv.title
+            self.sub_title = sanitize(conv.title)
 
     async def show_conversation(self, conversation_id: int) -> None:
         conv = self.controller.conversations[conversation_id]
@@ -120,7 +121,7 @@ class ChatScreen(GaugedScreen):
         if conv.id != self.current_id and self.editing is not None:
             self.stop_edit()
         self.current_id = conv.id
-        self.sub_title = conv.title
+        self.sub_title = sanitize(conv.title)
         self.query_one(ConversationList).select_id(conv.id)
         self.refresh_chat_status()
 
@@ -250,8 +251,8 @@ class ChatScreen(GaugedScreen):
         chat_input.select_all()   # typing replaces it; an arrow key keeps it to change
         chat_input.focus()
         label = self.query_one("#editing", Label)
-        label.update(f"Editing message {conv.messages.index(message) + 1} · Enter sends a new version · "
-                     "Esc stops")
+        label.update(sanitize(f"Editing message {conv.messages.index(message) + 1} · Enter sends a new version · "
+                              "Esc stops"))
         label.display = True
 
     def stop_edit(self) -> None:
@@ -299,6 +300,15 @@ class ChatScreen(GaugedScreen):
             chat_input.insert(event.character)
             event.stop()
 
+    def on_paste(self, event: events.Paste) -> None:
+        """A paste while a message has the focus goes to the input, as typing does (the input handles
+        its own pastes; this sees them bubble up)."""
+        if isinstance(self.focused, MessageView):
+            chat_input = self.query_one(ChatInput)
+            self.set_focus(chat_input)
+            chat_input.insert(event.text)
+            event.stop()
+
     @on(MessageAction)
     async def _message_action(self, event: MessageAction) -> None:
         event.stop()
@@ -315,10 +325,25 @@ class ChatScreen(GaugedScreen):
         return next((m for m in reversed(conv.messages) if len(conv.siblings(m)) > 1), None)
 
     def give_back(self, conv: Conversation, text: str) -> None:
-        """Put an unsent message back into the input (unless something else was typed since)."""
+        """Put an unsent message back into the input, on lines of its own above what was typed since (a
+        message sent next must not run into it)."""
+        if not text or conv.id != self.current_id:   # (a retry gives back no text)
+            return
         chat_input = self.query_one(ChatInput)
-        if conv.id == self.current_id and not chat_input.text:
-            chat_input.set_text(text)
+        typed = chat_input.text
+        chat_input.set_text(f"{text}\n{typed}" if typed else text)
+
+    def take_back(self, turn: Turn) -> None:
+        """A message of a turn that was not answered goes back to the input. When it was the first of its
+        chat, the chat, empty again, drops the title it took from the message."""
+        if not turn.new_user:
+            return
+        conv = turn.conversation
+        titled_by_it = " ".join(turn.user.content.split()).startswith(conv.title)   # as controller.send does
+        if not conv.roots and conv.title != DEFAULT_TITLE and titled_by_it:
+            self.controller.rename(conv, DEFAULT_TITLE)
+            self.refresh_item(conv)
+        self.give_back(conv, turn.user.content)
 
     # ------------------------------------------------------------------ replies
     async def show_replies(self, turns: list[Turn]) -> None:
@@ -360,8 +385,7 @@ class ChatScreen(GaugedScreen):
             self.notify(f"reply failed: {turn.error or 'unknown error'}", severity="error", timeout=8)
         else:
             self.notify("Reply cancelled before the first token")
-        if turn.new_user:
-            self.give_back(turn.conversation, turn.user.content)
+        self.take_back(turn)
 
     # ------------------------------------------------------------------ the context window
     async def offer_context_choice(self, turn: Turn) -> None:
@@ -374,8 +398,8 @@ class ChatScreen(GaugedScreen):
             elif choice == "summary":
                 self.notify("Writing a summary of this chat…")
                 self.summarize_and_resend(turn)
-            elif turn.new_user:
-                self.give_back(turn.conversation, turn.user.content)
+            else:
+                self.take_back(turn)
 
         await self.app.push_screen(ContextFullScreen(turn.fold.stats.prompt_tokens, limit), chosen)
 
@@ -394,8 +418,7 @@ class ChatScreen(GaugedScreen):
             dropped = self.controller.drop_oldest(conv, turn)
         except ChatError as e:
             self.notify(f"cannot drop turns: {e}", severity="error", timeout=8)
-            if turn.new_user:
-                self.give_back(conv, turn.user.content)
+            self.take_back(turn)
             return
         self.notify(f"The model no longer sees the oldest {dropped} turn{'s' if dropped != 1 else ''} "
                     "(they stay on screen)", timeout=8)
@@ -409,8 +432,7 @@ class ChatScreen(GaugedScreen):
             summary = await asyncio.to_thread(self.controller.summarize, conv)
         except ChatError as e:
             self.notify(str(e), severity="error", timeout=10)
-            if turn.new_user:
-                self.give_back(conv, turn.user.content)
+            self.take_back(turn)
             return
         other = self.controller.continue_with_summary(conv, summary)
         self.refresh_list()

@@ -1,4 +1,7 @@
-"""Screens: the gauged-screen base, model picker, bench, history, help, and small prompts."""
+"""Screens: the gauged-screen base, model picker, bench, history, help, and small prompts.
+
+As in widgets.py, text that is not a literal is shown through `sanitize`, and as plain text, not
+markup (a model file, a title or a message may hold "[/]"): DataTable cells as rich Text."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -19,6 +23,7 @@ from textual.widgets import (DataTable, Footer, Input, Label, LoadingIndicator, 
 from textual.widgets.option_list import Option
 
 from nanochat.app.controller import Conversation
+from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.messages import LoadModel
 from nanochat.app.tui.widgets import EngineStatus, GaugePanel
 from nanochat.engine.output import EngineStats, RequestStats
@@ -46,6 +51,11 @@ def short_path(path: str, width: int = 30) -> str:
         return path
     keep = width - 1
     return path[:keep // 3] + "…" + path[-(keep - keep // 3):]
+
+
+def cells(*values: str) -> list[Text]:
+    """A DataTable row as rich Text: DataTable reads a str cell as markup."""
+    return [Text(sanitize(value)) for value in values]
 
 
 # ---------------------------------------------------------------------------------- gauged screens
@@ -78,13 +88,13 @@ class ModelPicker(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="picker"):
             yield Label("Choose a model", classes="title")
-            yield Static(f"loaded: {self._current or 'none'}", id="picker-current", markup=False)
+            yield Static(sanitize(f"loaded: {self._current or 'none'}"), id="picker-current", markup=False)
             yield Input(placeholder="a .gguf file, a model folder, or a Hugging Face id (org/name) + Enter",
                         id="picker-path")
             yield DataTable(id="picker-table", cursor_type="row", zebra_stripes=True)
             with Horizontal(id="picker-status"):
                 yield LoadingIndicator(id="picker-loading")
-                yield Label("looking for models…", id="picker-message")
+                yield Label("looking for models…", id="picker-message", markup=False)
             yield Label("Enter: load · Tab: switch field · Esc: close", classes="hint")
 
     def on_mount(self) -> None:
@@ -108,11 +118,11 @@ class ModelPicker(ModalScreen[str | None]):
         for e in entries:
             if e.path in table.rows:
                 continue
-            table.add_row(e.name, e.arch or "?", human_size(e.size_bytes), e.quant or "?", e.origin,
-                          short_path(e.path), key=e.path)
+            table.add_row(*cells(e.name, e.arch or "?", human_size(e.size_bytes), e.quant or "?", e.origin,
+                                 short_path(e.path)), key=e.path)
         message = error or (f"{len(entries)} model(s) found" if entries else
                             "no models found: type a path or a hub id")
-        self.query_one("#picker-message", Label).update(message)
+        self.query_one("#picker-message", Label).update(sanitize(message))
         if entries:
             table.focus()
         else:
@@ -132,7 +142,7 @@ class ModelPicker(ModalScreen[str | None]):
             return
         self._loading = True
         self.query_one("#picker-loading").display = True
-        self.query_one("#picker-message", Label).update(f"loading {model} …")
+        self.query_one("#picker-message", Label).update(sanitize(f"loading {model} …"))
         self.post_message(LoadModel(model, picker=self))
 
     def load_finished(self, model: str, error: str | None) -> None:
@@ -142,7 +152,7 @@ class ModelPicker(ModalScreen[str | None]):
             self.dismiss(model)
             return
         self.query_one("#picker-loading").display = False
-        self.query_one("#picker-message", Label).update(f"could not load {model}; the previous model is kept")
+        self.query_one("#picker-message", Label).update(sanitize(f"could not load {model}; the previous model is kept"))
 
     def action_close(self) -> None:
         if not self._loading:
@@ -251,8 +261,8 @@ class BenchScreen(GaugedScreen):
         with Horizontal(id="bench-body"):
             with Vertical(id="bench-main"):
                 extra = " ".join(f"{k}={v}" for k, v in self.overrides.items())
-                yield Label(f"Bench: {self.tier} {extra}".strip(), classes="title")
-                yield Label("starting…", id="bench-status")
+                yield Label(sanitize(f"Bench: {self.tier} {extra}".strip()), classes="title", markup=False)
+                yield Label("starting…", id="bench-status", markup=False)
                 yield ProgressBar(total=None, show_eta=False, id="bench-progress")
                 yield Static("", id="bench-summary", classes="dim", markup=False)
                 yield DataTable(id="bench-results", cursor_type="row", zebra_stripes=True)
@@ -287,7 +297,7 @@ class BenchScreen(GaugedScreen):
         self.post_message(BenchUpdate(progress, stats))
 
     def _set_status(self, text: str) -> None:
-        self.query_one("#bench-status", Label).update(text)
+        self.query_one("#bench-status", Label).update(sanitize(text))
 
     def on_bench_update(self, message: BenchUpdate) -> None:
         p = message.progress
@@ -300,10 +310,10 @@ class BenchScreen(GaugedScreen):
         table = self.query_one(DataTable)
         table.clear(columns=True)
         columns, rows = report_table(data)
-        table.add_columns(*columns)
+        table.add_columns(*cells(*columns))
         for row in rows:
-            table.add_row(*row)
-        self.query_one("#bench-summary", Static).update(report_summary(data))
+            table.add_row(*cells(*row))
+        self.query_one("#bench-summary", Static).update(sanitize(report_summary(data)))
         self._set_status("done · Esc to close")
         self.query_one("#bench-progress", ProgressBar).update(total=1, progress=1)
         table.focus()
@@ -327,10 +337,10 @@ class HistoryScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         c = self.conversation
         with Vertical(id="history-box"):
-            yield Label(f"History: {c.title} (the branch shown)", classes="title")
-            yield Static(f"system prompt: {c.system_prompt or '(none)'}", markup=False, classes="dim")
+            yield Label(sanitize(f"History: {c.title} (the branch shown)"), classes="title", markup=False)
+            yield Static(sanitize(f"system prompt: {c.system_prompt or '(none)'}"), markup=False, classes="dim")
             yield DataTable(id="history-table", cursor_type="row", zebra_stripes=True)
-            yield Label(self._totals(), id="history-totals")
+            yield Label(sanitize(self._totals()), id="history-totals", markup=False)
             yield Label("Esc: close", classes="hint")
 
     def on_mount(self) -> None:
@@ -341,8 +351,8 @@ class HistoryScreen(ModalScreen[None]):
             text = text if len(text) <= 48 else text[:47] + "…"
             k, n = self.conversation.version(m)
             role = f"{m.role} ‹{k}/{n}›" if n > 1 else m.role
-            table.add_row(str(i), role, text, *self._stats_cells(m.stats),
-                          m.note or ("generating" if m.streaming else ""))
+            table.add_row(*cells(str(i), role, text, *self._stats_cells(m.stats),
+                                 m.note or ("generating" if m.streaming else "")))
         table.focus()
 
     @staticmethod
@@ -379,7 +389,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-box"):
-            yield Markdown(self.markdown)
+            yield Markdown(sanitize(self.markdown))
             yield Label("Esc: close", classes="hint")
 
     def action_close(self) -> None:
@@ -396,8 +406,8 @@ class TextPrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="prompt-box"):
-            yield Label(self.title_text, classes="title")
-            yield Input(self.value, placeholder=self.placeholder)
+            yield Label(sanitize(self.title_text), classes="title", markup=False)
+            yield Input(sanitize(self.value), placeholder=sanitize(self.placeholder))
             yield Label("Enter: OK · Esc: cancel", classes="hint")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -416,7 +426,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="prompt-box"):
-            yield Label(self.question, classes="title")
+            yield Label(sanitize(self.question), classes="title", markup=False)
             yield Label("y / Enter: yes · n / Esc: no", classes="hint")
 
     def action_answer(self, yes: bool) -> None:
@@ -438,9 +448,9 @@ class ContextFullScreen(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="prompt-box"):
-            yield Label(f"This chat no longer fits: the next turn needs {self.prompt_tokens:,} tokens, the "
-                        f"model's context holds {self.limit:,}.", classes="title")
-            yield OptionList(*[Option(text, id=key) for key, text in self.CHOICES], id="context-choices")
+            yield Label(sanitize(f"This chat no longer fits: the next turn needs {self.prompt_tokens:,} tokens, the "
+                                 f"model's context holds {self.limit:,}."), classes="title", markup=False)
+            yield OptionList(*[Option(sanitize(text), id=key) for key, text in self.CHOICES], id="context-choices")
             yield Label("Enter: choose · Esc: cancel", classes="hint")
 
     def on_mount(self) -> None:
@@ -463,7 +473,7 @@ class ThemePicker(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="prompt-box"):
             yield Label("Theme", classes="title")
-            yield OptionList(*[Option(n, id=n) for n in self.names], id="theme-list")
+            yield OptionList(*[Option(sanitize(n), id=n) for n in self.names], id="theme-list")
             yield Label("Enter: choose · Esc: cancel", classes="hint")
 
     def on_mount(self) -> None:

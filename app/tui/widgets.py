@@ -1,4 +1,8 @@
-"""Widgets of the main screen: messages, the chat pane, the input, slash-command hints, gauges."""
+"""Widgets of the main screen: messages, the chat pane, the input, slash-command hints, gauges.
+
+Text that is not a literal reaches a widget through `sanitize` (app/terminal_text.py): a message, a
+title, a model's name are untrusted, and a control character Textual passed on would reach the
+terminal (tests/test_terminal_text.py checks every widget call of app/tui)."""
 
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ from textual.reactive import Reactive, reactive, var
 from textual.widget import Widget
 from textual.widgets import Label, LoadingIndicator, Markdown, OptionList, ProgressBar, Sparkline, Static, TextArea
 from textual.widgets.option_list import Option
+from textual.widgets.text_area import Edit, EditResult
 
 from nanochat.app.controller import Conversation, Message, format_stats
+from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.messages import MessageAction
 from nanochat.engine.output import EngineStats
 
@@ -101,8 +107,8 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         self._shown = len(self.message.content)
-        yield Label(self._role_text(), classes="role")
-        body = MessageBody(self.message.content, classes="body", parser_factory=chat_markdown)
+        yield Label(self._role_text(), classes="role", markup=False)
+        body = MessageBody(sanitize(self.message.content), classes="body", parser_factory=chat_markdown)
         body.styles.min_height = self.room or None
         yield body
         yield Static(self._footer_text(), classes="footer", markup=False)
@@ -128,17 +134,17 @@ class MessageView(Vertical, can_focus=True):
     def _role_text(self) -> str:
         label = ROLE_LABELS.get(self.message.role, self.message.role)
         k, n = self.versions
-        return f"{label}  ‹{k}/{n}›" if n > 1 else label
+        return sanitize(f"{label}  ‹{k}/{n}›" if n > 1 else label)
 
     def action_act(self, action: str) -> None:
         self.post_message(MessageAction(self.message, action))
 
     def _footer_text(self) -> str:
         if self.message.role != "assistant":
-            return self.message.note
+            return sanitize(self.message.note)
         if self.message.streaming:
-            return f"generating… {self.message.generated_tokens} tok"
-        return format_stats(self.message.stats, self.message.note)
+            return sanitize(f"generating… {self.message.generated_tokens} tok")
+        return sanitize(format_stats(self.message.stats, self.message.note))
 
     async def sync(self) -> None:
         """Show what the message gained since the last call. The message text is the source of truth,
@@ -146,7 +152,7 @@ class MessageView(Vertical, can_focus=True):
         new = self.message.content[self._shown:]
         self._shown = len(self.message.content)    # before the await: a second call adds only what is newer
         if new:   # the app calls this once per stream tick, so each call brings many tokens
-            await self.body.append(new)
+            await self.body.append(sanitize(new))   # character by character: safe at any split
             self._mark_edges()
         self.refresh_footer()
 
@@ -376,7 +382,7 @@ class CommandHints(OptionList):
         if not items:
             self.display = False
             return
-        self.add_options([Option(f"{text:<16} {desc}", id=text) for text, desc in items[:12]])
+        self.add_options([Option(sanitize(f"{text:<16} {desc}"), id=text) for text, desc in items[:12]])
         self.highlighted = 0
         self.display = True
 
@@ -387,8 +393,15 @@ class CommandHints(OptionList):
         return option.id
 
 
+def as_typed(text: str) -> str:
+    """Text put into the input as it is shown there: a CR is a line break (terminals paste line breaks as
+    CR), other control characters are shown by the sanitizer, and so are sent as shown."""
+    return sanitize(text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
 class ChatInput(TextArea):
-    """Multi-line input: Enter sends, Shift+Enter / Ctrl+J insert a newline, Up/Down browse history."""
+    """Multi-line input: Enter sends, Shift+Enter / Ctrl+J insert a newline, Up/Down browse history.
+    Whatever comes in (keys, a paste, a message to edit, history) passes `as_typed`."""
 
     BINDINGS = [
         Binding("shift+enter,ctrl+j", "newline", "New line", show=False),
@@ -424,6 +437,14 @@ class ChatInput(TextArea):
             self.post_message(self.Submitted(text))
             return
         await super()._on_key(event)
+
+    def edit(self, edit: Edit) -> EditResult:
+        """Every change of the text (typing, a paste, insert, replace) comes through here."""
+        edit.text = as_typed(edit.text)
+        return super().edit(edit)
+
+    def load_text(self, text: str) -> None:
+        super().load_text(as_typed(text))
 
     def action_newline(self) -> None:
         start, end = self.selection
@@ -486,7 +507,7 @@ class Readout(Widget):
         self.set_reactive(Readout.text, text)
 
     def render(self) -> str:
-        return self.text
+        return sanitize(self.text)
 
 
 class Gauge(Vertical):
@@ -544,8 +565,8 @@ class GaugePanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Label("Model", classes="section")
-        yield Static(self.status.model, id="g-model", classes="value", markup=False)
-        yield Static(self.status.detail, id="g-device", classes="dim", markup=False)
+        yield Static(sanitize(self.status.model), id="g-model", classes="value", markup=False)
+        yield Static(sanitize(self.status.detail), id="g-device", classes="dim", markup=False)
         yield Horizontal(id="g-loading", classes="loading-row")
         yield Gauge("decode tok/s", id="g-decode")
         yield Gauge("prefill tok/s", id="g-prefill")
@@ -571,7 +592,7 @@ class GaugePanel(Vertical):
             bar.update(total=limit, progress=min(status.context_used, limit))
         if self._sampling != status.sampling:   # Static.update re-lays out the screen, even for the same text
             self._sampling = status.sampling
-            self.query_one("#g-sampling", Static).update(status.sampling)
+            self.query_one("#g-sampling", Static).update(sanitize(status.sampling))
 
     def on_mount(self) -> None:
         self.query_one("#g-loading").display = False
@@ -587,8 +608,8 @@ class GaugePanel(Vertical):
         draws the gauges in the same frame as the reply text."""
         try:
             if old is None or (old.model, old.detail) != (new.model, new.detail):
-                self.query_one("#g-model", Static).update(new.model)
-                self.query_one("#g-device", Static).update(new.detail)
+                self.query_one("#g-model", Static).update(sanitize(new.model))
+                self.query_one("#g-device", Static).update(sanitize(new.detail))
             if old is None or old.busy != new.busy:
                 self.call_later(self._show_busy, new.busy)
             ttft = "—" if new.last_ttft is None else f"{new.last_ttft * 1000:.0f} ms"
@@ -624,13 +645,17 @@ class GaugePanel(Vertical):
 
 
 class ConversationList(OptionList):
-    """The conversations, newest first; a dot marks one that is generating."""
+    """The conversations, newest first; a dot marks one that is generating. Titles are plain text (a
+    title of "[/]" is not markup)."""
 
     BINDINGS = [
         Binding("n", "screen.new_conversation", "New"),
         Binding("r", "screen.rename_conversation", "Rename"),
         Binding("d,delete", "screen.delete_conversation", "Delete"),
     ]
+
+    def __init__(self, **kwargs):
+        super().__init__(markup=False, **kwargs)
 
     def set_conversations(self, conversations: list[Conversation], current_id: int | None) -> None:
         self.clear_options()
@@ -640,7 +665,7 @@ class ConversationList(OptionList):
 
     @staticmethod
     def _label(c: Conversation) -> str:
-        return ("● " if c.generating else "  ") + c.title
+        return sanitize(("● " if c.generating else "  ") + c.title)
 
     def select_id(self, conversation_id: int) -> None:
         try:
