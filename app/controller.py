@@ -16,6 +16,9 @@ with, so its shared KV is found in the prefix cache (`_session_for`).
 
 A reply is saved while it streams (SAVE_INTERVAL), so when the app itself is killed a restart shows
 the reply up to its last save, marked STOPPED_NOTE; `regenerate` writes a new version of it.
+A write the storage refuses (a full disk, an I/O error) changes nothing here: the store keeps it and
+saves it when it can (drain() gives it the chance now and then), messages keep the ids the store gave
+them, and the observer hears `storage_changed` when saving stops and starts working.
 
 Engine death (kill -9, the OOM killer, a crash in a kernel): the reply in flight ends with an error
 event that keeps its partial text; the controller saves that partial reply marked INTERRUPTED_NOTE,
@@ -27,17 +30,18 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from nanochat.app.options import SAMPLING_RULES, effective_sampling
-from nanochat.app.store import ChatStore, StoredConversation
+from nanochat.app.store import ChatStore, StoredConversation, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, RequestStats, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.serve.client import EngineClient, RequestStream, Session
@@ -351,18 +355,66 @@ def tree_json(conv: Conversation, model_label: str | None = None) -> dict:
             "settings": conv.settings, "created": conv.created, "messages": [node(m) for m in conv.roots]}
 
 
-def write_export(conv: Conversation, folder: Path, model_label: str | None = None, tree: bool = False) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    suffix = ".json" if tree else ".md"
-    path = folder / f"{slugify(conv.title)}-{conv.id}-{stamp}{suffix}"
-    n = 1
+def _why(e: OSError) -> str:
+    """An OSError's reason, lowercase ("permission denied", "no space left on device")."""
+    reason = e.strerror or str(e)
+    return reason[:1].lower() + reason[1:]
+
+
+def _make_folder(folder: Path, what: str) -> None:
+    """Make `folder` and its parents; ChatError naming the file in the way, if a file is."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise ChatError(f"{what} {folder} is a file" if blocker == folder
+                        else f"{blocker} is a file, not a folder") from None
+    except OSError as e:
+        raise ChatError(f"cannot make the {what} {folder}: {_why(e)}") from None
+
+
+def _export_path(conv: Conversation, folder: Path, target: str, suffix: str) -> Path:
+    """Where an export goes: `target` itself, or a new file in the folder it names (or `folder`)."""
+    what = "exports folder"
+    if target:
+        path = Path(os.path.abspath(os.path.expanduser(target)))   # as a shell's cd reads "..": by name
+        if not (path.is_dir() or target.endswith(("/", os.sep))):
+            _make_folder(path.parent, "folder")
+            return path
+        folder, what = path, "folder"
+    _make_folder(folder, what)
+    name = f"{slugify(conv.title)}-{conv.id}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = folder / f"{name}{suffix}", 1
     while path.exists():
         n += 1
-        path = folder / f"{slugify(conv.title)}-{conv.id}-{stamp}-{n}{suffix}"
+        path = folder / f"{name}-{n}{suffix}"
+    return path
+
+
+def write_export(conv: Conversation, folder: Path, model_label: str | None = None, tree: bool = False,
+                 target: str = "") -> Path:
+    """Write the path shown as Markdown, or (`tree`) every branch as JSON, to `target`: a file, or a folder
+    (one that exists, or a name ending in /) for a new file named after the chat; "" is `folder`, the
+    exports folder. `~` is expanded, relative paths start at the working folder, and a file that exists
+    is never overwritten. Returns the file written; ChatError (one line) when it cannot be written."""
     text = (json.dumps(tree_json(conv, model_label), indent=2, ensure_ascii=False) + "\n" if tree
             else export_markdown(conv, model_label))
-    path.write_text(text, encoding="utf-8")
+    try:
+        path = _export_path(conv, folder, target, ".json" if tree else ".md")
+        file = open(path, "x", encoding="utf-8")
+    except FileExistsError:
+        raise ChatError(f"{path} already exists; /export does not overwrite a file") from None
+    except OSError as e:
+        raise ChatError(f"cannot write {e.filename or target}: {_why(e)}") from None
+    except ValueError as e:   # a NUL in the path
+        raise ChatError(f"cannot write {target!r}: {e}") from None
+    try:
+        with file:
+            file.write(text)
+    except (OSError, ValueError) as e:
+        with suppress(OSError):
+            path.unlink()   # not half an export
+        raise ChatError(f"cannot write {path}: {_why(e) if isinstance(e, OSError) else e}") from None
     return path
 
 
@@ -387,6 +439,12 @@ class ChatObserver:
     def engine_stopped(self, reason: str) -> None:
         """The engine process died (told after engine_changed, and after the turns it cut short have
         finished); the next message restarts it."""
+
+    def storage_changed(self, warning: str | None) -> None:
+        """Saving chats failed (a full disk, an I/O error; `warning` says so: what is not saved stays in
+        memory and is saved when writing works again), or works again (None). Without a front end that
+        shows it: on stderr."""
+        warn_on_stderr(warning)
 
 
 class EngineState(enum.Enum):
@@ -466,6 +524,7 @@ class ChatController:
         self._closed = False
         client.add_stats_listener(self._inbox.put_stats)
         client.add_death_listener(self._on_death)
+        store.on_fault = self._storage_changed
         for stored in store.load_all():
             self.conversations[stored.id] = Conversation.from_stored(stored)
         if not self.conversations:
@@ -511,10 +570,11 @@ class ChatController:
         if not self.conversations:
             self.new_conversation()
 
-    def export(self, conv: Conversation, folder: Path, tree: bool = False) -> Path:
-        """The path shown as Markdown, or (`tree`) every branch as JSON."""
+    def export(self, conv: Conversation, folder: Path, tree: bool = False, target: str = "") -> Path:
+        """The path shown as Markdown, or (`tree`) every branch as JSON, written to `target` or the exports
+        `folder` (see write_export); ChatError when it cannot be written."""
         label = model_display_name(self.client.model.model if self.client.model else None)
-        return write_export(conv, folder, label, tree)
+        return write_export(conv, folder, label, tree, target)
 
     def last_ttft(self) -> float | None:
         """TTFT of the latest reply on record that has one."""
@@ -785,6 +845,10 @@ class ChatController:
         if not self._closed:
             self._inbox.put(_EngineDied(reason))
 
+    def _storage_changed(self, warning: str | None) -> None:         # the store, on the owner thread
+        if not self._closed:   # after close() the front end hears what is lost from store.close()
+            self.observer.storage_changed(warning)
+
     # ------------------------------------------------------------------ drain (owner thread)
     def drain(self) -> None:
         """Apply what arrived since the last call and tell the observer: the latest stats, each reply's
@@ -810,6 +874,7 @@ class ChatController:
             self.observer.engine_changed()
         for reason in deaths:
             self.observer.engine_stopped(reason)
+        self.store.retry()   # what a storage fault held back, now and then
 
     def _apply(self, turn: Turn, events: list[TokenEvent]) -> None:
         if turn.conversation.turn is not turn:   # dropped (cleared, deleted): its last events do not count
@@ -927,10 +992,11 @@ class ChatController:
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         """The front end is going: save the partial replies in flight (marked cancelled) and free every
-        session. The client stays up (its owner shuts it down)."""
+        session. The client and the store stay open (their owner closes them: store.close() says what
+        it could not save)."""
         self.observer = ChatObserver()   # nobody listens any more
-        self.drain()                     # what already arrived belongs to the replies
         self._closed = True
+        self.drain()                     # what already arrived belongs to the replies
         for conv in self.conversations.values():
             if conv.turn is not None:
                 self._save_partial(conv.turn)

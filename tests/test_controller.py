@@ -116,6 +116,9 @@ class Recorder(ChatObserver):
     def engine_stopped(self, reason):
         self.calls.append(("stopped", reason))
 
+    def storage_changed(self, warning):
+        self.calls.append(("storage", warning))
+
     def named(self, name: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == name]
 
@@ -628,3 +631,111 @@ def test_export_json_keeps_every_branch(make, tmp_path):
     assert root["content"] == "one" and [c["shown"] for c in root["children"]] == [False, True]
     markdown = chat.export(conv, tmp_path / "out").read_text()
     assert markdown.count("## Assistant") == 1 and conv.messages[-1].content in markdown
+
+
+# ---------------------------------------------------------------------------------- storage faults
+def test_a_storage_fault_mid_reply_keeps_the_turn_and_saves_it_later(make, delay, monkeypatch):
+    """A full disk mid-reply (injected: the store's writes raise what SQLite raises then): the reply
+    streams on and ends, the observer hears it once, a next message still goes (its id given before its
+    row exists), and once writing works again drain() saves both turns, the tree intact."""
+    import sqlite3
+
+    import nanochat.app.store as store_module
+    from test_store import Faults
+
+    delay.set(0.03)
+    recorder = Recorder()
+    chat = make(db="full.db", observer=recorder, max_tokens=30)
+    faults = Faults(chat.store, monkeypatch)
+    conv = first(chat)
+    turn = chat.send(conv, LONG_USER)
+    wait_until(lambda: len(chat.store.messages(conv.id)) == 2, 10, "the reply's first save", chat)
+    faults.error = sqlite3.OperationalError("database or disk is full")
+    chat.wait(turn)
+    assert turn.kept and turn.reply.stats.completion_tokens == 30 and conv.messages == [turn.user, turn.reply]
+    [(_, warning)] = recorder.named("storage")
+    assert warning.startswith(f"cannot save chats to {chat.store.path} (database or disk is full)")
+    [_, saved] = chat.store.messages(conv.id)
+    assert saved.partial and turn.reply.content.startswith(saved.content)
+    delay.set(0)
+    nxt = chat.wait(chat.send(conv, "and a second question"))       # sent while nothing can be written
+    assert nxt.kept and nxt.user.parent is turn.reply and len(chat.store.messages(conv.id)) == 2
+    chat.drain()
+    assert len(recorder.named("storage")) == 1                       # said once, not at every try
+    faults.error = None
+    monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.0)
+    chat.drain()                                                     # drain gives the store its chance
+    assert recorder.named("storage")[-1] == ("storage", None)
+    stored = chat.store.load_conversation(conv.id)
+    assert [(m.id, m.parent_id, m.content, m.partial) for m in stored.messages] == [
+        (m.id, m.parent.id if m.parent else None, m.content, False) for m in conv.messages]
+    assert stored.leaf_id == nxt.reply.id and stored.messages[1].stats == turn.reply.stats
+
+
+def test_closing_while_nothing_can_be_saved_names_what_is_lost(client, tmp_path, monkeypatch, capsys):
+    """Without a front end to show it, the warning goes to stderr; at close, what is still not saved is
+    named (the front end says it), and nothing raises."""
+    from test_store import Faults
+
+    store = ChatStore(tmp_path / "lost.db")
+    chat = ChatController(client, store, SAMPLING, engine_config=ENGINE)
+    Faults(store, monkeypatch).error = OSError(5, "Input/output error")
+    conv = first(chat)
+    turn = chat.wait(chat.send(conv, "a question that is never saved"))
+    assert turn.kept
+    assert capsys.readouterr().err.startswith(f"nanochat: warning: cannot save chats to {store.path} "
+                                              "(input/output error)")
+    chat.close()
+    lost = store.close()
+    assert lost.startswith(f"could not save to {store.path} (input/output error); not saved: your message “a "
+                           "question that is never saved”, the reply “")
+    assert capsys.readouterr().err == ""                               # close() leaves the telling to its owner
+
+
+# ---------------------------------------------------------------------------------- export
+def test_export_to_a_path_and_its_one_line_errors(tmp_path, monkeypatch):
+    """write_export's targets: the exports folder, a file (~ expanded, relative to the working folder), a
+    folder for the default name; and what cannot be written, in one line that names the path."""
+    import json
+
+    from nanochat.app.controller import Conversation, Message, write_export
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    conv = Conversation(7, "Capital question")
+    question = Message("user", "What is the capital of France?")
+    conv.attach(question, None)
+    conv.attach(Message("assistant", "Paris."), question)
+    conv.show(question.children[0])
+
+    default = write_export(conv, tmp_path / "exports")
+    assert default.parent == tmp_path / "exports" and default.name.startswith("capital-question-7-")
+    assert default.suffix == ".md" and "Paris." in default.read_text()
+    assert write_export(conv, tmp_path / "exports", target="~/notes.md") == home / "notes.md"
+    data = json.loads(write_export(conv, tmp_path / "exports", tree=True, target="tree.json").read_text())
+    assert (cwd / "tree.json").exists() and data["messages"][0]["children"][0]["content"] == "Paris."
+    in_home = write_export(conv, tmp_path / "exports", target="~")
+    assert in_home.parent == home and in_home.name.startswith("capital-question-7-")
+    made = write_export(conv, tmp_path / "exports", tree=True, target="new/folder/")
+    assert made.parent == cwd / "new" / "folder" and made.suffix == ".json"
+
+    (tmp_path / "file").write_text("")
+    errors = {
+        "": f"exports folder {tmp_path / 'file'} is a file",
+        "~/notes.md": f"{home / 'notes.md'} already exists; /export does not overwrite a file",
+        "~/notes.md/x.md": f"folder {home / 'notes.md'} is a file",
+        "~/notes.md/sub/x.md": f"{home / 'notes.md'} is a file, not a folder",
+        "a\x00b": "cannot write 'a\\x00b': embedded null byte",
+        "x" * 300: f"cannot write {cwd / ('x' * 300)}: file name too long",
+    }
+    for target, message in errors.items():
+        with pytest.raises(ChatError) as e:
+            write_export(conv, tmp_path / "file", target=target)
+        assert str(e.value) == message
+    assert (home / "notes.md").read_text().startswith("# Capital question")   # not overwritten
+    if os.path.isdir("/sys/kernel"):   # sysfs: no new files, even for root
+        with pytest.raises(ChatError, match="^cannot write /sys/x.md: (permission denied|read-only file system)$"):
+            write_export(conv, tmp_path / "exports", target="/sys/x.md")

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from nanochat.app.store import SCHEMA_VERSION, ChatStore, StoreError, migrate
+from nanochat.app.store import SCHEMA_VERSION, ChatStore, DamagedStore, StoreError, migrate
 from nanochat.engine.output import RequestStats
 
 
@@ -159,8 +159,9 @@ def test_fresh_schema_and_newer_schema_refused(tmp_path):
 def test_not_a_database(tmp_path):
     bad = tmp_path / "chats.sqlite3"
     bad.write_bytes(b"this is not sqlite" * 100)
-    with pytest.raises(StoreError, match="cannot open"):
+    with pytest.raises(DamagedStore, match=f"{bad} is damaged .file is not a database.") as e:
         ChatStore(bad)
+    assert e.value.path == bad and bad.read_bytes() == b"this is not sqlite" * 100
 
 
 def test_usable_from_several_threads(tmp_path):
@@ -225,3 +226,214 @@ def test_a_streaming_reply_is_rewritten_in_place_and_marked_partial(tmp_path):
     assert (reply.content, reply.partial, reply.note, reply.stats.completion_tokens) == ("Hello there", False, "n", 3)
     other.close()
     store.close()
+
+
+# ---------------------------------------------------------------------------------- storage faults
+class Faults:
+    """Makes a store's writes fail with `error` while it is set (what SQLite raises on a full disk, an
+    OSError, ...), as the storage would."""
+
+    def __init__(self, store: ChatStore, monkeypatch):
+        self.error: Exception | None = None
+        run = store._run
+
+        def failing(statements):
+            if self.error is not None:
+                raise self.error
+            return run(statements)
+
+        monkeypatch.setattr(store, "_run", failing)
+
+
+def test_writes_the_storage_refuses_are_kept_in_order_and_saved_later(tmp_path, monkeypatch):
+    """A full disk mid-chat: every write still returns (ids included, so a reply can name its question
+    before either row exists), the owner hears once that saving fails, and once it works again every
+    write is saved in order, a streaming reply's rewrites as its last one."""
+    import nanochat.app.store as store_module
+
+    store = ChatStore(tmp_path / "chats.db")
+    faults, warnings = Faults(store, monkeypatch), []
+    store.on_fault = warnings.append
+    cid = store.create_conversation("chat")
+    first = store.add_message(cid, "user", "saved before the fault")
+    faults.error = sqlite3.OperationalError("database or disk is full")
+    question = store.add_message(cid, "user", "what is the capital of France?", parent_id=first)
+    reply = store.add_message(cid, "assistant", "Par", parent_id=question, partial=True)
+    store.update_message(reply, "Paris is", partial=True)
+    store.update_message(reply, "Paris is the capital.")
+    other = store.create_conversation("second")
+    store.add_message(other, "user", "in a chat made during the fault")
+    store.set_leaf(cid, reply)
+    assert (question, reply) == (first + 1, first + 2)
+    assert warnings == [f"cannot save chats to {store.path} (database or disk is full); they are kept in "
+                               "memory and saved when writing works again"]
+    assert [m.content for m in store.messages(cid)] == ["saved before the fault"]
+    assert len(store._pending) == 6                        # the reply's first rewrite was superseded
+    monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.0)
+    store.retry()                                          # still failing: nothing changes, nothing said
+    assert warnings[1:] == [] and store.fault == "database or disk is full"
+    faults.error = None
+    store.retry()
+    assert warnings[1:] == [None] and store.fault is None and not store._pending
+    stored = store.load_conversation(cid)
+    assert [(m.id, m.parent_id, m.content, m.partial) for m in stored.messages] == [
+        (first, None, "saved before the fault", False), (question, first, "what is the capital of France?", False),
+        (reply, question, "Paris is the capital.", False)]
+    assert stored.leaf_id == reply
+    assert [m.content for m in store.messages(other)] == ["in a chat made during the fault"]
+    store.close()
+    again = ChatStore(tmp_path / "chats.db")              # ids go on after the ones given out
+    assert again.create_conversation("third") == other + 1
+    assert again.add_message(other, "user", "x") == reply + 2
+    again.close()
+
+
+def test_close_names_what_it_could_not_save(tmp_path, monkeypatch):
+    store = ChatStore(tmp_path / "chats.db")
+    faults, warnings = Faults(store, monkeypatch), []
+    store.on_fault = warnings.append
+    cid = store.create_conversation("chat")
+    faults.error = OSError(28, "No space left on device")
+    question = store.add_message(cid, "user", "a question\nover two lines")
+    reply = store.add_message(cid, "assistant", "An", parent_id=question)
+    store.update_message(reply, "An answer that is long enough to be cut short in the report")
+    forgotten = store.add_message(cid, "user", "sent, then forgotten")
+    store.delete_message(forgotten)
+    store.rename(cid, "renamed")
+    lost = store.close()
+    assert lost == (f"could not save to {store.path} (no space left on device); not saved: your message “a "
+                    "question over two lines”, the reply “An answer that is long enough to be cut…”, 2 other "
+                    "changes (titles, settings, the branch shown)")
+    assert warnings and "no space left on device" in warnings[0]
+
+
+def test_a_failure_of_the_write_itself_is_raised_not_retried(tmp_path):
+    """A write SQLite refuses for what it is (a bug: here a message of no conversation) is not held back
+    for later, where it would block every write after it."""
+    store = ChatStore(tmp_path / "chats.db")
+    warnings = []
+    store.on_fault = warnings.append
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_message(12345, "user", "no such conversation")
+    assert not store._pending and warnings == []
+    cid = store.create_conversation("still works")
+    assert [c.id for c in store.list_conversations()] == [cid]
+    assert store.close() is None
+
+
+# ---------------------------------------------------------------------------------- a damaged file
+def sha256(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def chats_file(path, conversations: int = 30, messages: int = 12) -> None:
+    """A chat database of several pages: each conversation a question-and-answer path."""
+    store = ChatStore(path)
+    for c in range(conversations):
+        cid = store.create_conversation(f"chat {c}")
+        for i in range(messages):
+            store.add_message(cid, "user" if i % 2 == 0 else "assistant", f"chat {c} message {i} " + "words " * 30)
+    assert store.close() is None
+
+
+def damage(path, kind: str) -> None:
+    import random
+
+    rng = random.Random(kind)
+    data = bytearray(path.read_bytes())
+    if kind == "random page bytes":              # inside the page area, the header intact
+        at = len(data) // 2
+        data[at:at + 3000] = rng.randbytes(3000)
+    elif kind == "random header":
+        data[:100] = rng.randbytes(100)
+    elif kind == "truncated":
+        del data[len(data) * 2 // 3:]
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = ["random page bytes", "random header", "truncated"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE + ["schema 99", "a directory"])
+def test_a_file_that_cannot_be_used_is_never_written(tmp_path, kind):
+    """Each kind of damage, and the files that are not damaged but not ours to write (a newer schema, a
+    directory): open_store falls back to memory and names the file, and the file is unchanged byte for
+    byte, with nothing made beside it. Damage is told apart: only it offers a new database."""
+    from nanochat.app.store import open_store
+
+    path = tmp_path / "home" / "chats.sqlite3"
+    if kind == "a directory":
+        path.mkdir(parents=True)
+    else:
+        chats_file(path)
+        if kind == "schema 99":       # as a newer nanochat would leave it, in rollback-journal mode
+            conn = sqlite3.connect(path)
+            conn.execute("PRAGMA journal_mode = DELETE")
+            conn.execute("PRAGMA user_version = 99")
+            conn.close()
+        else:
+            damage(path, kind)
+    before = sha256(path) if path.is_file() else None
+    beside = sorted(p.name for p in path.parent.iterdir())
+    store, warning = open_store(path)
+    assert store.path.name == ":memory:" and str(path) in warning
+    assert ("nothing is saved this session" if kind in DAMAGE else "will NOT be saved") in warning
+    assert (store.damaged is not None) == (kind in DAMAGE)
+    cid = store.create_conversation("in memory")
+    store.add_message(cid, "user", "hello")
+    assert store.close() is None
+    assert (sha256(path) if path.is_file() else None) == before
+    assert sorted(p.name for p in path.parent.iterdir()) == beside
+
+
+def test_a_damaged_file_is_read_as_far_as_it_can_be(tmp_path):
+    """Random bytes over a few pages in the middle: the conversations and messages on sound pages are
+    read into memory; a reply whose question was lost becomes a first message, so its text stays."""
+    from nanochat.app.store import open_store
+
+    path = tmp_path / "chats.sqlite3"
+    chats_file(path)
+    damage(path, "random page bytes")
+    store, warning = open_store(path)
+    read = store.load_all()
+    assert store.damaged is not None and store.damaged.path == path and f"{len(read)} conversations could" in warning
+    messages = [m for c in read for m in c.messages]
+    assert 10 < len(read) <= 30 and 100 < len(messages) < 30 * 12
+    ids = {m.id for m in messages}
+    assert all(m.parent_id is None or m.parent_id in ids for m in messages)
+    assert all(m.content.startswith(f"{c.title} message ") for c in read for m in c.messages)
+    store.close()
+
+
+def test_a_damaged_file_is_kept_beside_a_new_database_when_the_user_chooses(tmp_path, monkeypatch):
+    from nanochat.app.store import open_store
+
+    path = tmp_path / "chats.sqlite3"
+    chats_file(path)
+    damage(path, "random page bytes")
+    before = sha256(path)
+    store, _ = open_store(path)
+    read = {c.title for c in store.list_conversations()}
+    cid = store.create_conversation("made before the choice")
+
+    def refuse(*a):    # the new database cannot be made: everything stays as it was
+        raise sqlite3.OperationalError("unable to open database file")
+
+    with monkeypatch.context() as mp:
+        mp.setattr("nanochat.app.store._open_file", refuse)
+        with pytest.raises(StoreError, match="cannot start a new chat database"):
+            store.replace_damaged()
+    assert sha256(path) == before and sorted(tmp_path.iterdir()) == [path]
+    assert store.damaged is not None and store.path.name == ":memory:"
+
+    kept = store.replace_damaged()
+    assert kept.parent == tmp_path and kept.name.startswith("chats.sqlite3.damaged-") and sha256(kept) == before
+    assert store.path == path and store.damaged is None
+    store.add_message(cid, "user", "saved in the new file")
+    assert store.close() is None
+    new = ChatStore(path)
+    assert {c.title for c in new.list_conversations()} == read | {"made before the choice"}
+    assert [m.content for m in new.messages(cid)] == ["saved in the new file"]
+    new.close()

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from rich.text import Text
 from textual import on, work
 from textual.app import App
 from textual.reactive import var
@@ -42,11 +43,12 @@ from nanochat.app.controller import ChatController, EngineState, model_display_n
 from nanochat.app.options import sampling_options
 from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
-from nanochat.app.store import ChatStore, StoreError
+from nanochat.app.store import open_store
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.chat_screen import ChatScreen
-from nanochat.app.tui.messages import (EngineChanged, EngineStopped, LoadModel, TuiObserver, TurnFinished,
-                                       TurnStarted)
+from nanochat.app.tui.messages import (EngineChanged, EngineStopped, LoadModel, StorageChanged, TuiObserver,
+                                       TurnFinished, TurnStarted)
+from nanochat.app.tui.recovery import offer_recovery
 from nanochat.app.tui.widgets import EngineStatus, InputHistory
 from nanochat.engine.output import EngineStats
 from nanochat.engine.serve.client import EngineClient
@@ -83,14 +85,6 @@ def next_tick(spent: float, awaiting_first_token: bool) -> float:
     if awaiting_first_token:
         return 1 / STREAM_HZ
     return min(MAX_TICK, max(1 / STREAM_HZ, spent / UI_SHARE))
-
-
-def open_store(path: Path) -> tuple[ChatStore, str | None]:
-    """The chat database, or an in-memory one with the reason when the file cannot be used."""
-    try:
-        return ChatStore(path), None
-    except StoreError as e:   # keep working, but say loudly that nothing will be saved
-        return ChatStore(":memory:"), f"{e}; conversations will NOT be saved this session"
 
 
 def engine_labels(controller: ChatController) -> tuple[str, str, bool]:
@@ -159,7 +153,9 @@ class NanochatApp(App):
                                           last_ttft=self.controller.last_ttft())
         self._tick_cpu = time.thread_time()
         self._tick_timer = self.set_timer(1 / STREAM_HZ, self.stream_tick)
-        if self._store_warning:
+        if self.controller.store.damaged is not None:   # the user decides what becomes of the file
+            offer_recovery(self, self.controller.store, self._store_warning)
+        elif self._store_warning:   # keep working, but say loudly that nothing will be saved
             self.notify(self._store_warning, severity="error", timeout=30)
         for warning in self.settings.warnings:
             self.notify(warning, severity="warning")
@@ -174,7 +170,9 @@ class NanochatApp(App):
             gc.enable()
         # Quitting mid-reply keeps the partial replies (marked cancelled); no engine process outlives us.
         self.controller.close()
-        self.controller.store.close()
+        lost = self.controller.store.close()
+        if lost:   # Textual prints it on stderr once the terminal is the shell's again
+            self.exit(self.return_value, self.return_code or 1, message=Text(sanitize(f"nanochat: {lost}")))
         if self.owns_client:
             self.client.shutdown()
 
@@ -243,6 +241,13 @@ class NanochatApp(App):
         self.engine_status = replace(self.engine_status, stats=EngineStats())
         self.notify(f"engine stopped: {message.reason}; your next message restarts it", severity="error",
                     timeout=30)
+
+    @on(StorageChanged)
+    def _storage_changed(self, message: StorageChanged) -> None:
+        if message.warning is not None:
+            self.notify(message.warning, severity="error", timeout=30)
+        else:
+            self.notify(f"Chats are saved again to {self.controller.store.path}")
 
     @on(TurnFinished)
     def _turn_finished(self, message: TurnFinished) -> None:

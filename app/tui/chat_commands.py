@@ -17,7 +17,6 @@ from nanochat.app.tui.messages import LoadModel
 from nanochat.app.tui.screens import (BenchScreen, ConfirmScreen, HelpScreen, HistoryScreen, ModelPicker, TextPrompt,
                                       ThemePicker)
 from nanochat.app.tui.widgets import code_blocks
-from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import THEME_NAMES
 
 if TYPE_CHECKING:
@@ -153,13 +152,11 @@ class ChatCommands:
         self.notify("System prompt removed" if prompt is None else "System prompt set")
 
     async def export(self, arg: str) -> None:
-        if arg not in ("", "json", "md"):
-            self.notify("/export: use /export (Markdown) or /export json (every branch)", severity="warning")
-            return
+        tree, target = slash.parse_export(arg)
         try:
-            path = self.controller.export(self.screen.current, self.exports_dir, tree=arg == "json")
-        except OSError as e:
-            self.notify(f"export failed: {one_line(e)}", severity="error")
+            path = self.controller.export(self.screen.current, self.exports_dir, tree, target)
+        except ChatError as e:
+            self.notify(f"/export: {e}", severity="error")
             return
         self.last_export = path
         self.notify(f"Exported to {path}", timeout=8)

@@ -34,7 +34,9 @@ SLASH_COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("system", "/system [TEXT|-]", "show, set, or (with -) remove the system prompt"),
     SlashCommand("model", "/model [PATH|HUB-ID]", "pick a model, or load the one named"),
     SlashCommand("bench", "/bench [fast|normal|heavy] [key=value ...]", "run the bench workload on the loaded model"),
-    SlashCommand("export", "/export [json]", "save the branch shown as Markdown, or (json) every branch as JSON"),
+    SlashCommand("export", "/export [json|md] [PATH]", "save the branch shown as Markdown, or (json, or a PATH "
+                 "ending in .json) every branch as JSON, to the exports folder or to PATH (a file, or a folder "
+                 "for the default name; never overwrites)"),
     SlashCommand("copy", "/copy [code]", "copy the last reply (or its last code block) to the clipboard"),
     SlashCommand("theme", "/theme [NAME]", "pick or set the theme"),
     SlashCommand("exit", "/exit", "quit nanochat"),
@@ -50,6 +52,21 @@ def parse(text: str) -> tuple[str, str] | None:
         return None
     name, _, rest = text[1:].partition(" ")
     return name.lower(), rest.strip()
+
+
+def parse_export(arg: str) -> tuple[bool, str]:
+    """/export's argument, `[json|md] [PATH]` -> (every branch as JSON, PATH or ""): without json or md
+    first, a PATH ending in .json means JSON. PATH is the rest of the line (spaces and all), one pair of
+    quotes around it dropped."""
+    word, _, rest = arg.partition(" ")
+    if word.lower() in ("json", "md"):
+        return word.lower() == "json", _unquote(rest.strip())
+    path = _unquote(arg)
+    return path.lower().endswith(".json"), path
+
+
+def _unquote(text: str) -> str:
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def unknown_message(name: str) -> str:
@@ -117,14 +134,15 @@ PALETTE_ACTIONS: tuple[tuple[str, str, str], ...] = (
     ("Edit my last message", "send it again, changed, as a new version", "/edit"),
     ("Fork conversation", "copy the branch shown into a new conversation", "/fork"),
     ("Chat settings", "this chat's sampling settings", "/set"),
-    ("Export every branch", "save the conversation tree as JSON", "/export json"),
+    ("Export every branch", "save the conversation tree as JSON in the exports folder (/export json PATH: "
+     "elsewhere)", "/export json"),
     ("Clear conversation", "forget messages, keep the system prompt", "/clear"),
     ("Show history", "messages with per-turn token/cache stats", "/history"),
     ("Choose model", "open the model picker", "/model"),
     ("Bench: fast", "run the fast bench workload", "/bench fast"),
     ("Bench: normal", "run the normal bench workload", "/bench normal"),
     ("Bench: heavy", "run the heavy bench workload", "/bench heavy"),
-    ("Export conversation", "save as Markdown", "/export"),
+    ("Export conversation", "save as Markdown in the exports folder (/export PATH: elsewhere)", "/export"),
     ("Copy last reply", "copy the last reply to the clipboard", "/copy"),
     ("Copy last code block", "copy the last code block to the clipboard", "/copy code"),
     ("Choose theme", "pick a theme", "/theme"),

@@ -37,6 +37,14 @@ class EngineStopped(Message):
         self.reason = reason
 
 
+class StorageChanged(Message):
+    """Saving chats failed (`warning` says why; nothing is lost yet) or works again (None)."""
+
+    def __init__(self, warning: str | None):
+        super().__init__()
+        self.warning = warning
+
+
 @dataclass
 class StreamNews:
     """What one drain brought for the screen to draw: the replies that gained text and the engine's
@@ -75,6 +83,9 @@ class TuiObserver(ChatObserver):
 
     def engine_stopped(self, reason: str) -> None:
         self.target.post_message(EngineStopped(reason))
+
+    def storage_changed(self, warning: str | None) -> None:
+        self.target.post_message(StorageChanged(warning))
 
 
 # ---------------------------------------------------------------------------------- requests upward

@@ -12,6 +12,9 @@ plus unknown flags and conflicting combinations. The assertion, per case:
   (no model loads); `-m slow` then runs a sample of those for real on the built-in model;
 - a bad settings.json value is ignored with a one-line warning naming it, and the command runs on.
 
+The chat app's one slash command that takes a path, `/export [json|md] [PATH]`, gets the same values and
+path-shaped ones (see "/export's argument" below).
+
 The oracle (COMMANDS, ENV_DOMAINS, SETTINGS_DOMAINS) is written from --help and README's environment table, not
 read from app/options.py: "an integer" is what Python's int() reads. Cases run in-process through
 `cli.main(argv)`; a handful run as real processes, to show that no traceback reaches a terminal.
@@ -23,6 +26,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import subprocess
@@ -482,6 +486,109 @@ def fuzz_processes(cases: list[Case], home) -> Tally:
     return tally
 
 
+# ---------------------------------------------------------------------------------- /export's argument
+# The chat app's one slash command that takes a path: `/export [json|md] [PATH]` (README, /help). Each
+# value runs through the slash parser and write_export, with the exports folder a folder and then a file.
+# Per case: no traceback or hang; either a file written where the grammar says (the exports folder;
+# PATH itself; or, for a folder that exists or a PATH ending in /, a new file in it), in the format it
+# says (json or md first, else a PATH ending in .json means JSON), never outside the test's folder and
+# never over a file; or one line (no exception dump) that names the path or the folder in the way.
+EXPORT_VALUES = ["", "json", "md", "JSON", "Md", "x.json", "x.JSON", "x.md", "x", "~", "~/", "~/e.json", "~/new/",
+                 ".", "./", "..", "sub/", "sub/deeper/x.md", "exists.md", "exists.md/x.md", "exists.md/a/x.md",
+                 "'quoted name.md'", '"q.json"', "a b c.md", "md a.json", "json a.md", "json ~/t/", "json",
+                 "md ~", "\x00", "a\x00b.md", "json a\x00b", "x" * 300, "d/" + "x" * 300 + "/f.md", "/dev/null",
+                 "\udcff.md", "\u2603.json", "json \u202e.md", "jsonl", "json.json", "md.md"]
+
+
+def export_cases(rng: random.Random, per_value: int | None) -> list[str]:
+    values = EXPORT_VALUES + POOL if per_value is None else EXPORT_VALUES + rng.sample(POOL, per_value)
+    relative = [v for v in POOL if not v.startswith(("/", "~"))]   # "/dev/null" + ".md" would write in /dev
+    return values + [f"{rng.choice(['json', 'md', ''])} {rng.choice(relative)}{rng.choice(['', '.json', '.md', '/'])}"
+                     for _ in range(per_value or 40)]
+
+
+def _export_oracle(arg: str) -> tuple[bool, str]:
+    """(JSON, the PATH as typed) from the grammar, written here from the README, not from the parser."""
+    words = arg.split(" ", 1)
+    if words[0].lower() in ("json", "md"):
+        tree, path = words[0].lower() == "json", words[1].strip() if len(words) > 1 else ""
+    else:
+        path = arg
+        tree = None
+    if len(path) >= 2 and path[0] == path[-1] and path[0] in "'\"":
+        path = path[1:-1]
+    return (path.lower().endswith(".json") if tree is None else tree), path
+
+
+def run_export_case(raw: str, root, exports) -> Outcome:
+    from nanochat.app.controller import ChatError, Conversation, Message, write_export
+    from nanochat.app.tui import commands as slash
+
+    conv = Conversation(3, "Fuzzed chat")
+    question = Message("user", "What is the capital of France?")
+    conv.attach(question, None)
+    conv.attach(Message("assistant", "Paris."), question)
+    conv.show(question.children[0])
+    parsed = slash.parse(f"/export {raw}")
+    if parsed is None or parsed[0] != "export":
+        return Outcome("messy", None, "", f"parsed as {parsed!r}")
+    arg = parsed[1]
+    tree, target = _export_oracle(arg)
+    expanded = os.path.abspath(os.path.expanduser(target)) if target and "\x00" not in target else ""
+    folder = exports if not target else expanded if (os.path.isdir(expanded) or target.endswith("/")) else None
+
+    def export():
+        got_tree, got_target = slash.parse_export(arg)
+        if (got_tree, got_target) != (tree, target):
+            raise AssertionError(f"parse_export({arg!r}) = {(got_tree, got_target)!r}, not {(tree, target)!r}")
+        return write_export(conv, exports, "model", got_tree, got_target)
+
+    kind, value = call_with_timeout(export, CASE_SECONDS)
+    if kind == "hang":
+        return Outcome("hang", None, "", f"still running after {CASE_SECONDS:g} s")
+    if kind == "error" and isinstance(value, ChatError):
+        message = str(value)
+        places = [p for p in (expanded, *map(str, pathlib.Path(expanded or exports).parents), str(exports),
+                              repr(target)) if p and p != "/"]
+        if "\n" in message or re.search(r"Errno|[A-Z]\w*Error\b", message):
+            return Outcome("messy", None, message, f"not one clean line: {message[:200]!r}")
+        if not any(p in message for p in places):
+            return Outcome("messy", None, message, f"names no path: {message[:200]!r}")
+        return Outcome("clean", None, message)
+    if kind == "error":
+        return Outcome("traceback", None, "", f"{type(value).__name__}: {str(value)[:300]}")
+    path = pathlib.Path(value).resolve()
+    where = path.parent == pathlib.Path(folder).resolve() if folder is not None else \
+        path == pathlib.Path(expanded).resolve()
+    if root.resolve() not in path.parents or not where:
+        return Outcome("messy", None, "", f"written to {str(path)[:200]}, not where the grammar says")
+    text = path.read_text(encoding="utf-8")
+    if json.loads(text)["title"] == "Fuzzed chat" if tree else text.startswith("# Fuzzed chat"):
+        return Outcome("accepted", 0, "")
+    return Outcome("messy", None, "", f"{'JSON' if tree else 'Markdown'} expected in {path.name[:60]}")
+
+
+def fuzz_export(values: list[str], tmp_path, monkeypatch) -> Tally:
+    root = tmp_path / "export-fuzz"
+    cwd, home = root / "a" / "b" / "cwd", root / "home"
+    for folder in (cwd, home):
+        folder.mkdir(parents=True)
+    (cwd / "exists.md").write_text("not to be overwritten\n")
+    (root / "exports-file").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    tally = Tally()
+    start = time.perf_counter()
+    for exports in (root / "exports", root / "exports-file"):
+        for raw in values:
+            t0 = time.perf_counter()
+            case = Case("export", f"/export {raw[:40]!r} ({exports.name})", ["/export", raw], None)
+            tally.add(case, run_export_case(raw, root, exports), time.perf_counter() - t0)
+    tally.seconds = time.perf_counter() - start
+    assert (cwd / "exists.md").read_text() == "not to be overwritten\n"
+    return tally
+
+
 @pytest.fixture(scope="module")
 def builtin_model() -> str:
     from nanochat.models.catalog import embedded_model_path
@@ -504,6 +611,12 @@ def test_fuzz_flags_env_settings(tmp_path, capsys, monkeypatch, builtin_model):
         _check(tally, "flag fuzz (in-process), seed 0")
 
 
+def test_fuzz_export_argument(tmp_path, capsys, monkeypatch):
+    tally = fuzz_export(export_cases(random.Random(0), 12), tmp_path, monkeypatch)
+    with capsys.disabled():
+        _check(tally, "/export argument fuzz, seed 0")
+
+
 def test_fuzz_flags_in_real_processes(tmp_path, capsys, builtin_model):
     tally = fuzz_processes(process_cases(tmp_path, builtin_model), tmp_path / "home")
     with capsys.disabled():
@@ -518,6 +631,14 @@ def test_fuzz_flags_deep(tmp_path, capsys, monkeypatch, builtin_model, seed):
     tally = fuzz_in_process(cases, tmp_path / "home", monkeypatch)
     with capsys.disabled():
         _check(tally, f"flag fuzz (deep, in-process), seed {seed}")
+
+
+@pytest.mark.slow
+def test_fuzz_export_argument_deep(tmp_path, capsys, monkeypatch):
+    """Every pool value, and random ones."""
+    tally = fuzz_export(export_cases(random.Random(4), None), tmp_path, monkeypatch)
+    with capsys.disabled():
+        _check(tally, "/export argument fuzz (deep), seed 4")
 
 
 @pytest.mark.slow
