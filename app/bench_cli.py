@@ -16,6 +16,7 @@ import json
 from functools import partial
 
 from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded
+from nanochat.app.terminal_text import sanitize
 from nanochat.app.options import (add_engine_options, add_option, bench_count_int, bench_tokens_int,
                                   bench_warmup_int, engine_config, non_negative_int, pick, positive_int,
                                   resolve_model, threads_int)
@@ -122,13 +123,19 @@ def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _shown(name: str) -> str:
+    """A model's name (from its file) inside rich markup: sanitized, its brackets not markup."""
+    from rich.markup import escape
+    return escape(sanitize(name))
+
+
 def print_report(report, console) -> None:
     from rich.table import Table
 
     spec = report.spec
     eq = "=" if spec.fixed_lengths else "<="
     what = f"tier {spec.tier}" if spec.tier and spec.workload == "random" else f"workload {spec.workload}"
-    console.print(f"[bold]{report.model}[/] on {report.device} ({what}): {spec.num_seqs} requests, "
+    console.print(f"[bold]{_shown(report.model)}[/] on {report.device} ({what}): {spec.num_seqs} requests, "
                   f"input {eq}{spec.max_input_len}, output {eq}{spec.max_output_len} tokens")
     table = Table(title="throughput", title_justify="left")
     for col in ("iter", "generated", "time s", "tok/s", "prefill tok/s", "decode tok/s", "preempt"):
@@ -153,7 +160,7 @@ def print_multi_turn(report, console) -> None:
     from rich.table import Table
 
     s = report.settings
-    console.print(f"[bold]{report.model}[/] on {report.device}: {s['turns']} turns of {s['user_tokens']} user + "
+    console.print(f"[bold]{_shown(report.model)}[/] on {report.device}: {s['turns']} turns of {s['user_tokens']} user + "
                   f"{s['reply_tokens']} reply tokens, {s['sessions']} session(s)")
     table = Table(title="multi-turn chat: resident KV vs full replay", title_justify="left")
     for col in ("turn", "history", "cached", "prefilled", "TTFT ms", "replay prefilled", "replay TTFT ms"):

@@ -18,6 +18,7 @@ import sys
 
 from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError,
                                  debug_enabled, one_line, report)
+from nanochat.app.terminal_text import for_stream
 from nanochat.app.options import (add_engine_options, add_option, argv_text, engine_config, pick, positive_int,
                                   penalty_float, repetition_penalty_float, resolve_model, sampling_options, seed_int,
                                   temperature_float, top_k_int, top_p_float)
@@ -145,7 +146,7 @@ def cmd_paths() -> int:
     described = get_paths().describe()
     width = max(len(k) for k in described)
     for key, value in described.items():
-        print(f"{key.ljust(width)}  {value}")
+        print(for_stream(f"{key.ljust(width)}  {value}", sys.stdout))
     return EXIT_OK
 
 
@@ -202,7 +203,7 @@ def cmd_info(args, settings) -> int:
     else:
         width = max(len(k) for k, _ in rows)
         for key, value in rows:
-            print(f"{key:<{width}}  {value}")
+            print(for_stream(f"{key:<{width}}  {value}", sys.stdout))
     return EXIT_OK
 
 
@@ -212,8 +213,8 @@ def cmd_tui(args, settings) -> int:
     try:
         from nanochat.app.tui import main as tui_main
     except ImportError as e:
-        print(f"nanochat: the full-screen app is not available ({one_line(e)}); starting the REPL instead",
-              file=sys.stderr, flush=True)
+        message = f"nanochat: the full-screen app is not available ({one_line(e)}); starting the REPL instead"
+        print(for_stream(message, sys.stderr), file=sys.stderr, flush=True)
         return cmd_repl(args, settings)
     code = tui_main(args)
     return EXIT_OK if code is None else int(code)
@@ -226,7 +227,7 @@ def dispatch(args) -> int:
 
     settings = Settings.load()
     for warning in settings.warnings:
-        print(f"nanochat: warning: {warning}", file=sys.stderr, flush=True)
+        print(for_stream(f"nanochat: warning: {warning}", sys.stderr), file=sys.stderr, flush=True)
     args.settings = settings
     command = args.command
     if command in {name for name, *_ in EXTERNAL}:
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:          # argparse: --help, --version, usage errors
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_RUNTIME)
     except UsageError as e:
-        print(f"nanochat: error: {e} (see `nanochat --help`)", file=sys.stderr, flush=True)
+        print(for_stream(f"nanochat: error: {e} (see `nanochat --help`)", sys.stderr), file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

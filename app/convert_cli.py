@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded
 from nanochat.app.options import add_option, name_arg, resolve_model
+from nanochat.app.terminal_text import for_stream
 
 PROG = "nanochat convert-model"
 
@@ -65,14 +66,14 @@ def _convert(args) -> int:
     _check_out(out)
     plan = make_plan(model)
     if out == "-":
-        sys.stdout.write(plan_json(plan))
+        sys.stdout.write(for_stream(plan_json(plan), sys.stdout))   # ASCII JSON: unchanged
         sys.stdout.flush()
         return EXIT_OK
     path = write_plan(plan, out or default_out(model))
     if not getattr(args, "quiet", False):
         fused = sum(1 for t in plan["targets"].values() if t["op"] != "copy")
-        print(f"wrote {path}: {len(plan['targets'])} engine tensors ({fused} fused) from "
-              f"{len(plan['tensors'])} checkpoint tensors", file=sys.stderr, flush=True)
+        print(for_stream(f"wrote {path}: {len(plan['targets'])} engine tensors ({fused} fused) from "
+                         f"{len(plan['tensors'])} checkpoint tensors", sys.stderr), file=sys.stderr, flush=True)
     return EXIT_OK
 
 

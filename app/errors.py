@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Callable
 
+from nanochat.app.terminal_text import for_stream
+
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEBUG_ENV = "NANOCHAT_DEBUG"   # set to 1 to get tracebacks instead of one-line messages
 
@@ -33,7 +35,7 @@ def one_line(exc: BaseException, oom_advice: str | None = "a smaller model or --
 
 
 def report(message: str, prog: str = "nanochat") -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    print(for_stream(f"{prog}: error: {message}", sys.stderr), file=sys.stderr, flush=True)
 
 
 def debug_enabled() -> bool:
@@ -55,7 +57,7 @@ def run_guarded(body: Callable[[], int], prog: str, describe: Callable[[BaseExce
         return EXIT_USAGE
     except interrupts:
         if say_interrupted:
-            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+            print(for_stream(f"{prog}: interrupted", sys.stderr), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except Exception as e:
         if debug_enabled():

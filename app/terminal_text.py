@@ -56,6 +56,11 @@ def for_terminal(text: str, terminal: bool) -> str:
     return sanitize(text) if terminal else text
 
 
+def for_stream(text: str, stream) -> str:
+    """`text` as it should be written to `stream` (see for_terminal)."""
+    return for_terminal(text, is_terminal(stream))
+
+
 def dim(text: str, terminal: bool) -> str:
     """A note, dim and sanitized on a terminal, exact elsewhere."""
     return f"{_DIM}{sanitize(text)}{_UNDIM}" if terminal else text

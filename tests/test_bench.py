@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -149,6 +150,23 @@ def test_tiny_run_counts_and_schema(engine):
     assert set(d["mean"]["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
     engine.block_manager.check_invariants()
     assert not engine.has_unfinished()
+
+
+def test_the_report_shows_a_hostile_model_name_as_text(engine):
+    """A model's name comes from its file: on a terminal its escape sequences are shown, not obeyed, and
+    its brackets are not rich markup."""
+    import io
+
+    from rich.console import Console
+
+    from nanochat.app.bench_cli import print_report
+    report = run_bench(engine, spec_from("fast", warmup=0, iters=1, **SMALL))
+    report.model = "evil\x1b]2;PWNED\x07[/]\x9b31m"
+    out = io.StringIO()
+    print_report(report, Console(file=out, force_terminal=True, width=200))
+    shown = out.getvalue()
+    assert "\x1b]" not in shown and "\x07" not in shown and "\x9b" not in shown
+    assert "evil␛]2;PWNED␇[/]<U+009B>31m" in re.sub(r"\x1b\[[0-9;]*m", "", shown)
 
 
 def test_step_by_step_and_cancel(engine):

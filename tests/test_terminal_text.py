@@ -458,8 +458,9 @@ def plain(screen: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- structure
-RENDERERS = {"sanitize", "for_terminal", "dim"}   # app/terminal_text.py: what text for a terminal passes
-FRONT_ENDS = ["app/oneshot.py", "app/repl.py"]
+RENDERERS = {"sanitize", "for_terminal", "for_stream", "dim"}   # app/terminal_text.py: what text for a terminal passes
+# (bench_cli writes rich tables of numbers; tests/test_bench.py checks the model name it shows)
+FRONT_ENDS = ["app/oneshot.py", "app/repl.py", "app/cli.py", "app/errors.py", "app/convert_cli.py"]
 
 
 def callee(node: ast.Call) -> str:
