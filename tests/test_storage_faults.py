@@ -5,6 +5,7 @@ be mounted), writes that fail while the app runs and when it quits, a damaged ch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import sqlite3
@@ -132,10 +133,10 @@ async def test_failing_writes_never_close_the_app(shared_client, home, monkeypat
 
 
 # ---------------------------------------------------------------------------------- a damaged database
-@sync
-async def test_a_damaged_database_is_left_alone_unless_the_user_chooses(shared_client, home):
-    """Random bytes inside the file's pages: the app starts on what could be read, asks, and "not now"
-    leaves the file byte for byte as it was, through a chat and a quit."""
+@contextlib.asynccontextmanager
+async def damaged_app(shared_client, home):
+    """The app started on a chat database with random bytes in its pages, showing the recovery dialog;
+    yields (app, pilot, the file's hash before)."""
     chats_file(home.chat_db)
     damage(home.chat_db, "random page bytes")
     before = sha256(home.chat_db)
@@ -143,6 +144,14 @@ async def test_a_damaged_database_is_left_alone_unless_the_user_chooses(shared_c
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         assert isinstance(app.screen, RecoveryScreen)
+        yield app, pilot, before
+
+
+@sync
+async def test_a_damaged_database_is_left_alone_unless_the_user_chooses(shared_client, home):
+    """Random bytes inside the file's pages: the app starts on what could be read, asks, and "not now"
+    leaves the file byte for byte as it was, through a chat and a quit."""
+    async with damaged_app(shared_client, home) as (app, pilot, before):
         await pilot.press("escape")                                      # not now
         await pilot.pause()
         assert not isinstance(app.screen, RecoveryScreen)
@@ -157,13 +166,7 @@ async def test_a_damaged_database_is_left_alone_unless_the_user_chooses(shared_c
 
 @sync
 async def test_a_damaged_database_can_be_kept_beside_a_new_one(shared_client, home):
-    chats_file(home.chat_db)
-    damage(home.chat_db, "random page bytes")
-    before = sha256(home.chat_db)
-    app = make_app(shared_client, home, max_tokens=4)
-    async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause()
-        assert isinstance(app.screen, RecoveryScreen)
+    async with damaged_app(shared_client, home) as (app, pilot, before):
         await pilot.press("enter")                                       # keep a copy, start a new one
         await pilot.pause()
         [kept] = home.chat_db.parent.glob("chats.sqlite3.damaged-*[0-9]")
