@@ -453,8 +453,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back, less a character whose last bytes never came (a reply cut by its
-        token limit mid-character would otherwise end in U+FFFD)."""
-        return self._emit(final=True).rstrip("\ufffd")
+        token limit mid-character would otherwise end in U+FFFD). An incomplete character decodes to one
+        U+FFFD; any before it stand for invalid bytes the model did produce, and stay."""
+        text = self._emit(final=True)
+        return text[:-1] if text.endswith("\ufffd") else text
 
     def _emit(self, final: bool) -> str:
         if self._read == len(self._ids):
