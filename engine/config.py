@@ -46,6 +46,7 @@ ENV_OVERRIDES = {
     "NANOCHAT_QUANT_BACKEND": ("quant_backend", str),
     "NANOCHAT_FUSED_FORWARD": ("fused_forward", _flag),
     "NANOCHAT_ACT_LEVELS": ("act_levels", int),
+    "NANOCHAT_BATCH_INVARIANT": ("batch_invariant", _flag),
 }
 
 # dtype names the engine (and the command line's --dtype, besides "auto") accepts -> torch's name
@@ -113,6 +114,8 @@ class Config:
     quant_backend: str = "auto"         # GGUF linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
     fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/fused_forward.py)
     act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
+    batch_invariant: bool = False       # CPU: a sequence's tokens independent of its batch also with dense weights
+                                        # (HF folders, dequantized GGUF), at a prefill cost; see models/layers.py
     tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
                                         # torch.distributed launcher (torchrun) its WORLD_SIZE
 

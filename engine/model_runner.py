@@ -43,6 +43,9 @@ class ModelRunner:
         a worker), None without tensor parallelism."""
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
         self.ranks = ranks
+        if config.batch_invariant and device.type == "cpu":
+            from nanochat.models.layers import use_batch_invariant_kernels
+            use_batch_invariant_kernels(model)
         self.workers = ranks if ranks is not None and ranks.tp.rank == 0 else None   # rank 0 sends the calls
         self.kv_dtype = config.resolved_kv_dtype(device, dtype)
         self.block_size = config.kvcache_block_size

@@ -5,9 +5,9 @@ sequences first, then admits waiting ones while the budget, the sequence cap and
 allow. When blocks run out, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, keeping its generated tokens, to be recomputed later.
 
-Recompute runs the prefill kernels over tokens that decode produced, so their KV (and the logits that
-follow) equal decode's to rounding, not bit for bit: a greedy run can branch differently where two
-logits tie to ~1e-4 (tests/test_fused_models.py pins both the tolerance and that rule).
+Recompute runs the prefill kernels over tokens that decode produced; on the CPU they give a row the
+same bits as decode did (every reduction runs in an order fixed by the row alone, not by the batch:
+tests/test_batch_invariance.py), so a preempted sequence goes on exactly as it would have.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ the ones the model uses: rebuild it when the KV cache is reallocated. The qkv an
 may come as row segments of their own weight types (GGUF files quantize q, k, v and gate, up
 separately); the KV cache may be float16 (K/V rounded to nearest even when stored, all arithmetic
 in fp32) or float32.
+
+A row's result depends only on that row, never on the rest of the batch (csrc/decoder.cpp, "Batch
+invariance"). The module path on the CPU takes the step's attention (`paged_attention`) and
+elementwise activations (`activation`) from here for that reason.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from array import array
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanochat.kernels import cpu_qgemv
 
@@ -182,3 +187,59 @@ class FusedDecoder:
         if rc:
             raise RuntimeError(f"fused decoder: {_ERRORS.get(rc, f'error {rc}')}")
         return x
+
+
+_ACTIVATIONS = {"silu": (0, F.silu), "sigmoid": (1, torch.sigmoid), "softplus": (2, F.softplus), "exp": (3, torch.exp)}
+
+
+def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
+    """silu, sigmoid, softplus or exp of x (times `mul`, of x's shape). On the CPU in float32 through the fused
+    step's library, where each element's result is a function of its value only: torch's kernels compute
+    the last elements of each range they split a tensor into in scalar code, which rounds differently, so
+    a row's values would depend on how many rows share the call. Elsewhere torch's own."""
+    op, ref = _ACTIVATIONS[name]
+    lib = cpu_qgemv.extension() if x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 else None
+    if lib is None or x.shape[-1] == 0 or x.stride(-1) != 1 or (mul is not None and (
+            mul.shape != x.shape or mul.dtype != torch.float32 or mul.stride(-1) != 1)):
+        return ref(x) if mul is None else ref(x) * mul
+    rows = x.reshape(-1, x.shape[-1])      # a view for the layouts the callers have (rows of a wider tensor)
+    u = None if mul is None else mul.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.nc_dec_activation(op, rows.data_ptr(), rows.stride(0), 0 if u is None else u.data_ptr(),
+                          0 if u is None else u.stride(0), rows.shape[0], rows.shape[1], out.data_ptr(), out.stride(0),
+                          cpu_qgemv.num_threads())
+    return out.view(x.shape)
+
+
+def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_attention` takes these: CPU tensors, an fp16 or fp32 cache, the library built."""
+    return q.is_cpu and k_cache.is_cpu and k_cache.dtype in _KV_DTYPES and cpu_qgemv.available()
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """The fused step's attention on its own (the module path on the CPU): q [n, heads, head_dim] of the
+    rows of each sequence (cu_seqlens_q, the last at context_lens - 1), whose K/V are in the paged caches
+    [num_blocks, block_size, kv_heads, head_dim] already; returns float32 [n, heads, head_dim]. The same
+    arithmetic as the fused step (a query's output depends only on it, its position and the cache)."""
+    lib = cpu_qgemv.extension()
+    n, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape \
+            or v_cache.dtype != k_cache.dtype:
+        raise ValueError("paged attention: q and the caches do not fit together")
+    q2 = q.reshape(n, heads * head_dim)
+    if q2.dtype != torch.float32 or q2.stride(-1) != 1:
+        q2 = q2.float().contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    cu = cu_seqlens_q.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    out = torch.empty(n, heads, head_dim, dtype=torch.float32)
+    rc = lib.nc_dec_attention(q2.data_ptr(), q2.stride(0), n, lens.shape[0], cu.data_ptr(), tables.data_ptr(),
+                              tables.stride(0), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              int(k_cache.dtype == torch.float16), heads, kv_heads, head_dim, k_cache.shape[1], scale,
+                              out.data_ptr(), cpu_qgemv.num_threads())
+    if rc:
+        raise RuntimeError(f"paged attention: {_ERRORS.get(rc, f'error {rc}')}")
+    return out

@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels, torch implementation (the CPU path and the reference for the Triton ones).
+"""Gated DeltaNet kernels: torch forms (the reference for the compiled and the Triton ones) and the CPU path.
 
 Per sequence, token t and value head h, with the state S [dk, dv] kept in fp32:
     q, k = l2norm(q) * dk**-0.5, l2norm(k)        (key head h // (nv // nk) serves value head h)
@@ -6,7 +6,9 @@ Per sequence, token t and value head h, with the state S [dk, dv] kept in fp32:
 `recurrent_gated_delta_rule` runs that loop (decode: one step for the whole batch);
 `chunk_gated_delta_rule` is the equivalent chunked (WY) form for prefill: within a chunk of C tokens
 the delta-rule updates collapse into one triangular solve and a few matmuls, and only the chunk-to-chunk
-scan is sequential.
+scan is sequential. On the CPU `gated_delta_rule` runs every chunk token by token, compiled
+(`recurrent_gated_delta_rule_cpu`): faster than either torch form, and a token's result does not depend
+on where its prompt's chunks start.
 
 Batches are flat and ragged (varlen): sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1]. States live
 in a pool indexed by slot: each call reads state[slots[b]] (zeros where fresh[b]) and writes the
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from nanochat.kernels import cpu_decoder, cpu_qgemv
 
 L2NORM_EPS = 1e-6
 
@@ -70,7 +74,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     tail = ends.unsqueeze(1) - km1 + torch.arange(km1, device=x.device)    # last K-1 rows per sequence
     conv_state.index_copy_(0, slots, ext[tail.reshape(-1)].view(batch, km1, c).transpose(1, 2).to(conv_state.dtype))
     if activation == "silu":
-        out = F.silu(out)
+        out = cpu_decoder.activation("silu", out)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
     return out.to(x.dtype)
@@ -196,12 +200,39 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slots, fresh=Non
     return o
 
 
+def recurrent_gated_delta_rule_cpu(q, k, v, g, beta, cu_seqlens, state, slots, fresh=None, scale=None,
+                                   use_qk_l2norm: bool = True) -> torch.Tensor:
+    """recurrent_gated_delta_rule in one compiled call (csrc/decoder.cpp, nc_gdn_recurrent): each (sequence,
+    value head) runs its tokens in order on its own, so a token's output and state depend neither on the other
+    sequences of the call nor on where the chunks of its prompt start (the chunked form sums each chunk of 64
+    from where a prefill chunk started). As fast as the chunked form in torch for a prefill, and
+    far faster for ragged batches. CPU tensors, a contiguous float32 state pool."""
+    lib = cpu_qgemv.extension()
+    nv = v.shape[1]
+    q, k = (t.contiguous() for t in _prepare_qk(q, k, nv, scale, use_qk_l2norm))
+    v, beta = v.float().contiguous(), beta.float().contiguous()
+    decay = cpu_decoder.activation("exp", g.float().contiguous())
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    fresh = None if fresh is None else fresh.to(torch.uint8).contiguous()
+    out = torch.empty(v.shape, dtype=torch.float32)
+    rc = lib.nc_gdn_recurrent(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), v.shape[0],
+                              slots.shape[0], cu.data_ptr(), slots.data_ptr(), 0 if fresh is None else fresh.data_ptr(),
+                              nv, q.shape[-1], v.shape[-1], state.data_ptr(), out.data_ptr(), cpu_qgemv.num_threads())
+    if rc:
+        raise ValueError("gated delta rule: the rows of cu_seqlens do not cover the batch")
+    return out
+
+
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slots, fresh=None, scale=None,
                      use_qk_l2norm: bool = True, chunk_size: int = 64) -> torch.Tensor:
-    """Single-token sequences take the recurrent step, longer ones the chunked form (one call each)."""
+    """On the CPU every sequence in recurrent_gated_delta_rule_cpu; elsewhere single-token sequences take the
+    recurrent step, longer ones the chunked form (one call each)."""
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+    if state.is_cpu and state.dtype == torch.float32 and state.is_contiguous() and cpu_qgemv.available():
+        return recurrent_gated_delta_rule_cpu(q, k, v, g, beta, cu_seqlens, state, slots, fresh, **kw)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     single = lens == 1
-    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
     if bool(single.all()):
         return recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slots, fresh, **kw)
     if not bool(single.any()):

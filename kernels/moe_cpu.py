@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.cpp_build import LazyLibrary, build_library
 from nanochat.kernels.qweight import QuantWeight
 
@@ -233,6 +234,7 @@ class HostExperts:
         self.num_experts, self.hidden_size, self.intermediate_size = e, hidden, inter
         self.threads = threads or cpu_threads()
         self.name = name
+        self.batch_invariant = False   # the torch backend's matmuls on the q8 kernels (Config.batch_invariant)
         types = {gate.ggml_type, up.ggml_type, down.ggml_type}
         lib = None
         if backend != "torch" and types <= KERNEL_TYPES:
@@ -275,6 +277,12 @@ class HostExperts:
         out.copy_(self._torch_forward(x, ids, weights))
         return out
 
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T; batch_invariant: on the q8 kernels' dense tiles, each row of x summed in one order
+        whatever the other rows (torch's GEMM blocks by the rows: a token's result would depend on how many
+        share its expert)."""
+        return cpu_qgemv.matmul(x, cpu_qgemv.pack_dense(w)) if self.batch_invariant else x @ w.T
+
     def _torch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
@@ -291,7 +299,8 @@ class HostExperts:
             start += n
             rows = sel // k
             xs = x.index_select(0, rows)
-            h = F.silu(xs @ self.gate.dense_expert(e).T) * (xs @ self.up.dense_expert(e).T)
-            y = (h @ self.down.dense_expert(e).T) * weights.reshape(-1)[sel].unsqueeze(1)
+            gate, up = self._matmul(xs, self.gate.dense_expert(e)), self._matmul(xs, self.up.dense_expert(e))
+            h = activation("silu", gate, up)
+            y = self._matmul(h, self.down.dense_expert(e)) * weights.reshape(-1)[sel].unsqueeze(1)
             out.index_add_(0, rows, y)
         return out

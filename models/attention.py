@@ -1,7 +1,9 @@
 """Attention over the paged KV cache, with the backend chosen by device.
 
-CPU: torch (gather by block table + SDPA). CUDA: flash-attn when installed and the block size
-suits it, else the Triton paged-attention kernel.
+CPU: the fused step's attention kernel (kernels/cpu_decoder.paged_attention: a query's output depends
+only on it, its position and the cache, never on the batch around it), torch (gather by block table +
+SDPA) for caches it does not take or without the compiled kernels. CUDA: flash-attn when installed and
+the block size suits it, else the Triton paged-attention kernel.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.kernels import attention as torch_attn
+from nanochat.kernels import cpu_decoder
 
 
 @dataclass
@@ -51,6 +54,9 @@ class AttentionBackend:
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
         if self.kind == "torch":
             torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, may_skip=False)
+            if cpu_decoder.attention_usable(q, k_cache):
+                return cpu_decoder.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                                   meta.block_tables, scale).to(q.dtype)
             return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
                                               meta.context_lens, meta.block_tables, scale, meta.host_lists)
         from nanochat.kernels import triton_attention as tri

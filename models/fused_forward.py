@@ -86,6 +86,11 @@ class FusedForward:
     def usable(self) -> bool:
         return self.why_not is None
 
+    def recheck(self) -> None:
+        """Decide again after the model's linears changed (models.layers.use_batch_invariant_kernels)."""
+        self.why_not = self._check(self._model())
+        self._decoder = None
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         model = self._model()
         first = model.layers[0].self_attn

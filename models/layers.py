@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanochat.kernels import cpu_qgemv
+from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
 from nanochat.models.parallel import SINGLE, TensorParallel, column_units, split
@@ -124,6 +126,18 @@ class Linear(nn.Module):
             self.out_features = weight.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def to_batch_invariant(self) -> None:
+        """A dense W on the CPU moves to the q8 kernels' dense tiles (F32 / F16 / BF16 as W is; exact): their
+        sum for a row of x runs in one order whatever else the call holds, where torch's GEMM picks its
+        blocking by the number of rows (a row's result changed with the batch: 1, 2, 3 or 4+ rows, and with
+        its place among them)."""
+        if self.weight is None or not self.weight.is_cpu or self.weight.dim() != 2 or not cpu_qgemv.available():
+            return
+        from nanochat.kernels.quant_matmul import PreparedQuantWeight
+        packed = cpu_qgemv.pack_dense(self.weight.data)
+        self.quant = PreparedQuantWeight(packed.ggml_type, packed.shape, "q8", self.weight.dtype, packed.data)
+        self.weight = None
+
     def quant_parts(self) -> list | None:
         """The PreparedQuantWeights that make up W, in output order (None for a dense W)."""
         if self.segments is not None:
@@ -186,6 +200,20 @@ class Embedding(nn.Module):
         return dequantize_rows(self.quant, ids).to(self.dtype)
 
 
+def use_batch_invariant_kernels(model: nn.Module) -> None:
+    """Config.batch_invariant: dense-weight matmuls on the CPU, whose sums torch's GEMM orders by the batch,
+    move onto the q8 kernels' dense tiles, which sum each row in one order (prefill: 1.5-2x the time of
+    torch's GEMM). Everything else is invariant anyway (the q8 matmuls, attention, activations, the fused
+    step, the Gated DeltaNet recurrence). Each module with dense weights says how in its
+    `to_batch_invariant()`; a dense model whose every linear is then on the q8 kernels takes the fused step."""
+    for module in list(model.modules()):
+        if hasattr(module, "to_batch_invariant"):
+            module.to_batch_invariant()
+    fused = getattr(model, "fused", None)
+    if fused is not None:
+        fused.recheck()
+
+
 def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, Linear]:
     """The token embedding and the lm_head, quantized as the file has them. A tied head on the q8
     kernels serves the embedding too (one copy of a 151k x 896 table instead of two). Tensor parallel:
@@ -237,7 +265,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activation("silu", gate, up))
 
 
 def _is_gguf(source) -> bool:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
@@ -83,13 +84,27 @@ class Experts(nn.Module):
                              f"and {tuple(self.w2.shape)}")
         self.use_grouped_mm = False
 
+    def to_batch_invariant(self) -> None:
+        """Dense experts on the CPU: a Linear pair per expert on the q8 kernels' dense tiles (Linear's
+        to_batch_invariant), so a token's sums do not depend on which tokens share its expert."""
+        if self.w13 is None or not self.w13.is_cpu:
+            return
+        pairs = []
+        for e in range(self.num_experts):
+            pair = nn.ModuleList([Linear(self.w13[e]), Linear(self.w2[e])])
+            for linear in pair:
+                linear.to_batch_invariant()
+            pairs.append(pair)
+        self.quant = nn.ModuleList(pairs)
+        self.w13 = self.w2 = None
+
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             gate_up, down = self.quant[e]
             gate, up = gate_up(x).chunk(2, dim=-1)
-            return down(F.silu(gate) * up)
+            return down(activation("silu", gate, up))
         gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2[e])
+        return F.linear(activation("silu", gate, up), self.w2[e])
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -234,6 +249,9 @@ class HostOffloadedExperts(nn.Module):
         self.host = HostExperts(gate, up, down, name=prefix)
         self.num_experts = num_experts
 
+    def to_batch_invariant(self) -> None:
+        self.host.batch_invariant = True
+
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """Begin the call; returns a function that finishes it and gives the routed output [T, H]
         in x's dtype and device. On CUDA the inputs go to pinned host buffers behind the router
@@ -267,8 +285,11 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.tp = w.tp
-        # Router logits in the model dtype (as the reference), softmax in fp32.
+        # Router logits in the model dtype (as the reference), softmax in fp32. On the CPU the router and the
+        # shared expert's gate run on the q8 kernels' dense tiles (exact; cheap at their size): a token's
+        # experts and weights must not depend on the tokens beside it (see Linear.to_batch_invariant).
         self.gate = Linear(w.dense(f"{prefix}.gate.weight"))
+        self.gate.to_batch_invariant()
         self.offloaded = use_host_experts(w, cfg)
         self.first, count = split(cfg.num_experts, w.tp.size, w.tp.rank)
         if w.tp.on and count == 0:
@@ -283,11 +304,12 @@ class SparseMoeBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(w, f"{prefix}.shared_expert", reduce=False)
             self.shared_expert_gate = Linear(w.dense(f"{prefix}.shared_expert_gate.weight"))
+            self.shared_expert_gate.to_batch_invariant()
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_expert is None:
             return None
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return activation("sigmoid", self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanochat.kernels import gated_delta as gd
+from nanochat.kernels.cpu_decoder import activation
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
@@ -107,7 +108,7 @@ class GatedAttention(nn.Module):
         o = self.backend(q, k, v.reshape(n, self.num_kv_heads, hd), self.k_cache, self.v_cache, meta, self.scale)
         o = o.reshape(n, self.num_heads * hd)
         if gate is not None:
-            o = o * torch.sigmoid(gate.reshape(n, -1))
+            o = o * activation("sigmoid", gate.reshape(n, -1))
         return self.o_proj(o)
 
 
@@ -205,11 +206,11 @@ class GatedDeltaNet(nn.Module):
         q = mixed[:, :self.key_dim].view(n, self.nk, self.dk)
         k = mixed[:, self.key_dim:2 * self.key_dim].view(n, self.nk, self.dk)
         v = mixed[:, 2 * self.key_dim:].view(n, self.nv, self.dv)
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        beta = torch.sigmoid(b.float())
+        g = self.neg_a * activation("softplus", a.float() + self.dt_bias)
+        beta = activation("sigmoid", b.float())
         o = self._delta_rule(q, k, v, g.contiguous(), beta.contiguous(), step).to(x.dtype)
         # Gated RMSNorm per value head with a plain weight: rmsnorm(o) * w * silu(z).
-        o = F.rms_norm(o.float(), (self.dv,), eps=self.eps) * self.norm_weight * F.silu(z.float())
+        o = F.rms_norm(o.float(), (self.dv,), eps=self.eps) * self.norm_weight * activation("silu", z.float())
         return self.out_proj(o.to(x.dtype).reshape(n, self.value_dim))
 
 

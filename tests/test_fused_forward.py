@@ -163,8 +163,10 @@ MIXED = [(21, 21), (40, 17), (9, 1), (33, 1), (1, 1)]
 # amax / 32512, ~1e-4 after two layers (one level: amax / 254, too coarse to compare this way).
 # With an fp16 cache such input differences also flip the rounding of some K/V entries to the
 # neighbouring fp16 value (one fp16 ulp, up to 2^-10 of the entry; a few % of the entries the second
-# layer writes), which moves the outputs by ~1e-4 of their max, at most 7e-4 over 80 stacks tried.
-TOL = 3e-4
+# layer writes), which moves the outputs by ~1e-4 of their max, at most 7e-4 over 80 stacks tried. A
+# few flips together reach more: over 120 random stacks (MIXED, kv32) the median was 8.5e-5 and the
+# largest 3.7e-4 (4.4e-4 before attention ran in fixed key parts: the same spread).
+TOL = 5e-4
 TOL_F16 = 1e-3
 TOL_F16_ENTRY = 2 ** -10
 

@@ -19,6 +19,14 @@
 //
 // SIMD: the attention and elementwise kernels are written once over a vector of VL floats, AVX-512
 // (16 lanes) or AVX2 + FMA + F16C (8 lanes), with scalar loops in builds that have neither.
+//
+// Batch invariance: a row's result depends only on that row (its values, position and cached K/V),
+// never on the other rows of the step, their number, or where a prompt's chunks start: every
+// reduction runs in an order fixed by the row alone (the matmuls' per row, attention's over fixed key
+// parts, the same for a decode row and a prefill chunk), so a sequence's tokens are the same in any
+// batch and after a preemption. The module-by-module forward on the CPU uses three pieces of this
+// library for the same reason: attention alone (nc_dec_attention), elementwise activations
+// (nc_dec_activation) and the Gated DeltaNet recurrence (nc_gdn_recurrent).
 
 #include <algorithm>
 #include <cmath>
@@ -71,6 +79,7 @@ struct Model {
   float eps;
   bool kv_f16;
 
+  Model() = default;
   explicit Model(const int64_t* p)
       : layers(p[H_LAYERS]), hidden(p[H_HIDDEN]), heads(p[H_HEADS]), kv_heads(p[H_KV_HEADS]),
         head_dim(p[H_HEAD_DIM]), inter(p[H_INTER]), rot_dim(p[H_ROT_DIM]), block_size(p[H_BLOCK_SIZE]),
@@ -118,7 +127,10 @@ inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
 inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+// The 8 lanes a[l] + a[l + 8]: the first step of vsum (below).
+inline __m256 fold8(vf a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
 inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 // y * 2^n for integral n.
 inline vf vscale2(vf y, vf n) { return _mm512_scalef_ps(y, n); }
@@ -146,11 +158,7 @@ inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline float vsum(vf a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+inline __m256 fold8(vf a) { return a; }
 inline float vhmax(vf a) {
   const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -168,6 +176,31 @@ inline __m256i lanes(int64_t k) {
 inline vf vload_part(const float* p, int64_t k) { return _mm256_maskload_ps(p, lanes(k)); }
 inline void vstore_part(float* p, vf v, int64_t k) { _mm256_maskstore_ps(p, lanes(k), v); }
 inline vf vkeep(vf v, int64_t k) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes(k))); }
+#endif
+
+#if DEC_VL
+// Horizontal sums in one fixed order: (s0 + s2) + (s1 + s3) of s_l = a_l + a_{l+4}, a the 8 lanes of fold8.
+// vsum sums one vector, vsum8 eight at once with a transposing tree of the same additions, so an attention
+// score comes out the same whether its key is scored alone (decode) or beside others (prefill).
+inline float vsum(vf v) {
+  const __m256 a = fold8(v);
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));   // s0 + s2, s1 + s3
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// out[c] = vsum(v[c]) for c < 8.
+__attribute__((always_inline)) inline void vsum8(const vf v[8], float* out) {
+  __m256 s[4];
+  for (int c = 0; c < 4; ++c) {   // s of v[c] in the low half, of v[c + 4] in the high half
+    const __m256 x = fold8(v[c]), y = fold8(v[c + 4]);
+    s[c] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  // per half: s0 + s2, s1 + s3 of two vectors, interleaved (vectors c, c + 1 | c + 4, c + 5)
+  const __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps(s[0], s[1]), _mm256_unpackhi_ps(s[0], s[1]));
+  const __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(s[2], s[3]), _mm256_unpackhi_ps(s[2], s[3]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x44), _mm256_shuffle_ps(t01, t23, 0xee)));
+}
 #endif
 
 // One fp16 value <-> fp32, rounding to nearest even: F16C where compiled in, else the same in
@@ -275,6 +308,26 @@ inline void head_axpy(float* o, float w, const T* b, int64_t d) {
   }
 #endif
   for (int64_t e = 0; e < d; ++e) o[e] += w * widen(b[e]);
+}
+
+// s[c] = head_dot(q, k + c * d) for the 8 fp32 key rows from k: the same lanes and sums.
+template <int D>
+__attribute__((always_inline)) inline void head_dots8(const float* q, const float* k, int64_t d, float* s) {
+#if DEC_VL
+  if constexpr (D > 0 && D % VL == 0) {
+    vf acc[8];
+    const vf q0 = vload(q);
+    for (int c = 0; c < 8; ++c) acc[c] = vmul(q0, vload(k + c * D));
+#pragma GCC unroll 16
+    for (int e = 1; e < D / VL; ++e) {
+      const vf qe = vload(q + VL * e);
+      for (int c = 0; c < 8; ++c) acc[c] = vfmadd(qe, vload(k + c * D + VL * e), acc[c]);
+    }
+    vsum8(acc, s);
+    return;
+  }
+#endif
+  for (int c = 0; c < 8; ++c) s[c] = dot(q, k + c * d, d);
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * w (out may alias x).
@@ -389,32 +442,75 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
-// ------------------------------------------------------------------ attention
-// Work items for the pool, per sequence by its query rows in this step:
-// - one row (decode): its keys are cut into parts (several when there are fewer sequences than
-//   threads, "split-K" as in flash-decoding). A part keeps, per query head, the max m of its scores,
-//   the sum l of exp(score - m) and the unnormalized output o; a sequence's parts are merged with
-//   exp(m - M) weights. Keys are read a whole cached row (all KV heads) at a time, block by block.
-// - several rows (prefill chunk): first the sequence's keys are transposed per KV head into tiles of
-//   16 (one item per KV head), then blocks of up to ROW_BLOCK rows x one KV head compute the scores
-//   of all their query heads against those tiles (an outer-product form that vectorizes over keys),
-//   a causal softmax per row and the weighted sum of values.
-// The kernels over cached K/V are templates on the caches' element type T (float or fp16 bits).
-constexpr int64_t ROW_BLOCK = 16, KEY_TILE = 16;
+// One row of nc_dec_activation: every element through the same code (vexp, with the row's last < VL values
+// as a masked vector; std::exp in builds without SIMD; softplus in scalar code, log1p having no vector form
+// here).
+void activation_row(int op, const float* x, const float* u, int64_t n, float* out) {
+  if (op == 2) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[i] > 20.0f ? x[i] : std::log1p(std::exp(x[i]));
+      out[i] = u ? v * u[i] : v;
+    }
+    return;
+  }
+  int64_t i = 0;
+#if DEC_VL
+  const vf one = vset(1.0f);
+  auto f = [&](vf v) {
+    if (op == 3) return vexp(v);
+    const vf e = vexp(vsub(vset(0.f), v));
+    return op == 0 ? vdiv(v, vadd(one, e)) : vdiv(one, vadd(one, e));
+  };
+  for (; i + VL <= n; i += VL) vstore(out + i, u ? vmul(f(vload(x + i)), vload(u + i)) : f(vload(x + i)));
+  if (i < n) {
+    const vf v = f(vload_part(x + i, n - i));
+    vstore_part(out + i, u ? vmul(v, vload_part(u + i, n - i)) : v, n - i);
+  }
+#else
+  for (; i < n; ++i) {
+    float v = std::exp(op == 3 ? x[i] : -x[i]);
+    if (op != 3) v = op == 0 ? x[i] / (1.0f + v) : 1.0f / (1.0f + v);
+    out[i] = u ? v * u[i] : v;
+  }
+#endif
+}
 
-enum class Work { PART, TRANSPOSE, ROWS };
+// ------------------------------------------------------------------ attention
+// A query vector's output (one row, one head) depends only on that query, its position and the cached
+// K/V: never on the other rows of the step, on where its chunk starts, or on how the work is split over
+// threads, so a sequence's tokens are the same in any batch, with any chunk boundaries, after a
+// preemption. Decode rows and prefill chunks run different loops over the same arithmetic:
+// - the keys in fixed parts of PART positions ([0, PART), [PART, 2 PART), ...); per part the scores
+//   (head_dot: FMA in VL lanes over the head's dims, vsum's tree; head_dots8 gives the same sums), their
+//   max m, l = sum exp(score - m) (exp_shifted) and o = sum exp(score - m) v (one FMA chain per output
+//   dim, in key order);
+// - the parts merged in order: sum exp(m - M) o / sum exp(m - M) l, M their largest m (merge_part).
+// Work items for the pool:
+// - PART: whole parts of a one-row sequence (a decode row, or a chunk of one token), all its query heads;
+//   keys read a whole cached row (all KV heads) at a time, block by block. With fewer sequences than
+//   threads a long context is several items ("split-K" as in flash-decoding) that the threads share.
+// - WIDEN: the keys of a several-row sequence (a prefill chunk) for one KV head, as fp32 rows, once for
+//   all its row blocks.
+// - ROWS: up to ROW_BLOCK rows of a several-row sequence x one KV head: the scores of all their query
+//   heads, 8 keys at a time, then per part a causal softmax and the weighted values, each value row
+//   loaded once per pass for several query vectors.
+// The kernels over cached K/V are templates on the caches' element type T (float or fp16 bits).
+constexpr int64_t ROW_BLOCK = 16, PART = 128;
+
+enum class Work { PART, WIDEN, ROWS };
 
 struct Item {
   int64_t seq;
-  int64_t lo, hi;   // PART: keys [lo, hi); ROWS: batch rows [lo, hi)
-  int64_t index;    // PART: the part's index in ml / o; TRANSPOSE, ROWS: the KV head
+  int64_t lo, hi;   // PART: keys [lo, hi) (whole parts but the last); ROWS: batch rows [lo, hi)
+  int64_t index;    // PART: the first part's index in ml / o; WIDEN, ROWS: the KV head
   Work work;
 };
 
 struct AttnJob {
   const Model* m;
   const Batch* b;
-  const float* qkv;
+  const float* qkv;                 // row r's query heads at qkv + r * ldq
+  int64_t ldq;
   const void* k_cache;              // float or fp16 bits, as m->kv_f16 says
   const void* v_cache;
   float* out;                       // [n, heads * head_dim]
@@ -423,25 +519,23 @@ struct AttnJob {
   std::vector<int64_t> first_part;  // [seqs + 1]: parts of sequence t (one-row sequences only)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
   std::vector<float> o;             // [parts, heads, head_dim]
-  // Several-row sequences: their keys' cache slots and transposed keys [kv_heads][tiles][head_dim][16].
-  std::vector<int64_t> slots, slots_at, keys_t_at;
-  std::vector<float> keys_t;
+  // Several-row sequences: their keys' cache slots and fp32 keys [kv_heads][context][head_dim].
+  std::vector<int64_t> slots, slots_at, keys_at;
+  std::vector<float> keys;
 
-  int64_t tiles(int64_t t) const { return (b->context_lens[t] + KEY_TILE - 1) / KEY_TILE; }
-  const float* key_tile(int64_t t, int64_t g, int64_t tile) const {
-    return &keys_t[keys_t_at[t] + (g * tiles(t) + tile) * m->head_dim * KEY_TILE];
-  }
+  float* key_rows(int64_t t, int64_t g) { return &keys[keys_at[t] + g * b->context_lens[t] * m->head_dim]; }
 
-  void bind(const Model& model, const Batch& batch, const float* q, const void* kc, const void* vc, float* dst) {
+  void bind(const Model& model, const Batch& batch, const float* q, int64_t q_stride, float q_scale, const void* kc,
+            const void* vc, float* dst) {
     m = &model;
     b = &batch;
     qkv = q;
+    ldq = q_stride;
     k_cache = kc;
     v_cache = vc;
     out = dst;
-    scale = 1.0f / std::sqrt(static_cast<float>(model.head_dim));
+    scale = q_scale;
   }
-  int64_t width() const { return m->q_size() + 2 * m->kv_size(); }
   // Flat cache slot of key position p of sequence t.
   int64_t slot(int64_t t, int64_t p) const {
     const int64_t bs = m->block_size;
@@ -449,22 +543,39 @@ struct AttnJob {
   }
 };
 
-// A pool thread's buffers: scores, one cached row widened to fp32, a chunk of value rows widened.
+// A pool thread's buffers: scores, one cached row widened to fp32, a chunk of value rows widened, and
+// for a block of rows per query vector its parts' (m, l), merged sum of l, largest m, a part's output and
+// where the query is.
 struct Local {
-  std::vector<float> scores, row, vals;
+  std::vector<float> scores, row, vals, ml, l_sum, top, o;
+  std::vector<const float*> queries;
 };
 
-// Scores, exp and weighted values of keys [p0, p1) of one-row sequence t, for all query heads. Keys
-// and values are read a whole cache row (all KV heads) at a time, in order: passes per KV head, as
-// attend_rows makes them, stream a long context's cache slower. D: the head dimension as in
-// attend_rows.
+// One part of a query vector's merge: dst (+)= exp(m - top) o, l_sum += exp(m - top) l. dst and l_sum
+// start at 0; merge_end divides by l_sum.
+inline void merge_part(float* dst, float& l_sum, float top, float m, float l, const float* o, int64_t d) {
+  const float w = std::exp(m - top);
+  l_sum += w * l;
+  for (int64_t e = 0; e < d; ++e) dst[e] += w * o[e];
+}
+
+inline void merge_end(float* dst, float l_sum, int64_t d) {
+  const float inv = 1.0f / l_sum;
+  for (int64_t e = 0; e < d; ++e) dst[e] *= inv;
+}
+
+// Scores, exp and weighted values of the keys [p0, p1) of one part of one-row sequence t, for all query
+// heads, into part `index` of ml / o. Keys and values are read a whole cache row (all KV heads) at a time,
+// in order: passes per KV head, as attend_rows makes them, stream a long context's cache slower. D: the head
+// dimension as in attend_rows. Not inlined: inside the pool's loop with attend_rows its loops ran ~15%
+// slower (decode at 2,000 keys, AVX2).
 template <int D, class T>
-void attend_part(AttnJob& j, const Item& it, Local& local) {
+__attribute__((noinline)) void attend_part(AttnJob& j, int64_t t, int64_t p0, int64_t p1, int64_t index,
+                                           Local& local) {
   const Model& m = *j.m;
   const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim, bs = m.block_size;
-  const int64_t p0 = it.lo, p1 = it.hi, len = p1 - p0, kv = m.kv_size();
-  const int64_t t = it.seq;
-  const float* q = j.qkv + j.b->cu_q[t] * j.width();
+  const int64_t len = p1 - p0, kv = m.kv_size();
+  const float* q = j.qkv + j.b->cu_q[t] * j.ldq;
   const T* k_cache = static_cast<const T*>(j.k_cache);
   const T* v_cache = static_cast<const T*>(j.v_cache);
   std::vector<float>& scores = local.scores;
@@ -482,13 +593,13 @@ void attend_part(AttnJob& j, const Item& it, Local& local) {
       for (int64_t u = 0; u < group; ++u, ++h)
         scores[h * len + i] = head_dot<D>(q + h * d, krow + g * d, d, local.row.data()) * j.scale;
   });
-  float* ml = &j.ml[(it.index * heads) * 2];
+  float* ml = &j.ml[(index * heads) * 2];
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * len;
     ml[2 * h] = max_of(s, len);
     ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
   }
-  float* o = &j.o[it.index * heads * d];
+  float* o = &j.o[index * heads * d];
   std::fill(o, o + heads * d, 0.f);
   for_keys([&](int64_t i, int64_t slot) {
     const T* vrow = v_cache + slot * kv;
@@ -504,50 +615,17 @@ void merge_parts(AttnJob& j) {
   for (int64_t t = 0; t < j.b->seqs; ++t) {
     if (j.first_part[t + 1] == j.first_part[t]) continue;
     for (int64_t h = 0; h < H; ++h) {
-      float mx = -INFINITY, l = 0.f;
+      float top = -INFINITY, l_sum = 0.f;
       for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
-        mx = std::max(mx, j.ml[(part * H + h) * 2]);
+        top = std::max(top, j.ml[(part * H + h) * 2]);
       float* dst = j.out + j.b->cu_q[t] * m.q_size() + h * d;
       std::fill(dst, dst + d, 0.f);
-      for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part) {
-        const float w = std::exp(j.ml[(part * H + h) * 2] - mx);
-        l += w * j.ml[(part * H + h) * 2 + 1];
-        const float* o = &j.o[(part * H + h) * d];
-        for (int64_t e = 0; e < d; ++e) dst[e] += w * o[e];
-      }
-      const float inv = 1.0f / l;
-      for (int64_t e = 0; e < d; ++e) dst[e] *= inv;
+      for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
+        merge_part(dst, l_sum, top, j.ml[(part * H + h) * 2], j.ml[(part * H + h) * 2 + 1], &j.o[(part * H + h) * d],
+                   d);
+      merge_end(dst, l_sum, d);
     }
   }
-}
-
-// s[v][c] = scale * q[v] . K[c] for NV query vectors and the 16 keys of a tile transposed into
-// kt[e][c]. NV x 16 / VL independent accumulators: one would wait on its own FMA latency every step.
-template <int NV>
-inline void tile_scores(const float* const* q, const float* kt, int64_t d, float scale, float* const* s) {
-#if DEC_VL
-  constexpr int KV = KEY_TILE / VL;   // vectors per row of a tile
-  vf acc[NV][KV];
-  for (auto& row : acc)
-    for (auto& a : row) a = vset(0.f);
-  for (int64_t e = 0; e < d; ++e) {
-    vf k[KV];
-    for (int c = 0; c < KV; ++c) k[c] = vload(kt + e * KEY_TILE + c * VL);
-    for (int v = 0; v < NV; ++v) {
-      const vf qe = vset(q[v][e]);
-      for (int c = 0; c < KV; ++c) acc[v][c] = vfmadd(qe, k[c], acc[v][c]);
-    }
-  }
-  for (int v = 0; v < NV; ++v)
-    for (int c = 0; c < KV; ++c) vstore(s[v] + c * VL, vmul(acc[v][c], vset(scale)));
-#else
-  for (int v = 0; v < NV; ++v) {
-    float acc[KEY_TILE] = {};
-    for (int64_t e = 0; e < d; ++e)
-      for (int64_t c = 0; c < KEY_TILE; ++c) acc[c] += q[v][e] * kt[e * KEY_TILE + c];
-    for (int64_t c = 0; c < KEY_TILE; ++c) s[v][c] = acc[c] * scale;
-  }
-#endif
 }
 
 #if DEC_VL
@@ -562,13 +640,11 @@ constexpr int pass_cols() {
 }
 #endif
 
-// Query vectors per pass over a block's values (weighted_values' NV) and over a key tile
-// (tile_scores' NV): each value row or key tile loaded (and widened from fp16) once per pass serves
-// them all. AVX2: 6 x 2 vectors of accumulators, 12 independent FMA chains (its 2 FMA units x 4
-// cycles of latency need 8) in 15 of its 16 registers.
+// Query vectors per pass over a block's values (weighted_values' NV): each value row loaded once per
+// pass serves them all. AVX2: 6 x 2 vectors of accumulators, 12 independent FMA chains (its 2 FMA units
+// x 4 cycles of latency need 8) in 15 of its 16 registers.
 template <int D>
 constexpr int values_per_pass() { return DEC_VL == 8 ? 6 : D > 64 ? 2 : 4; }
-constexpr int QV = DEC_VL == 8 ? 6 : 8;
 
 // out[v][e] (+)= sum_p w[v][p] * vals[p][e] for NV query vectors over the same n keys, whose values
 // are fp32 rows of d in `vals`: each value row is loaded once per pass for all NV. accumulate: add to
@@ -605,21 +681,17 @@ void weighted_values(const float* const* w, int64_t n, const float* vals, int64_
   }
 }
 
-// Keys of several-row sequence t, KV head g, transposed into tiles: kt[e][c] = K[16 tile + c][g][e]
-// (positions past the last key repeat it; their scores are never used).
+// Keys of several-row sequence t, KV head g, as fp32 rows: key_rows(t, g)[p * d + e] = K[p][g][e].
 template <class T>
-void transpose_keys(AttnJob& j, int64_t t, int64_t g, Local& local) {
-  const int64_t d = j.m->head_dim, kv = j.m->kv_size(), keys = j.b->context_lens[t];
+void widen_keys(AttnJob& j, int64_t t, int64_t g, Local& local) {
+  const int64_t d = j.m->head_dim, kv = j.m->kv_size();
   const int64_t* slots = &j.slots[j.slots_at[t]];
   const T* k_cache = static_cast<const T*>(j.k_cache);
+  float* dst = j.key_rows(t, g);
   local.row.resize(d);
-  for (int64_t tile = 0; tile < j.tiles(t); ++tile) {
-    float* kt = const_cast<float*>(j.key_tile(t, g, tile));
-    for (int64_t c = 0; c < KEY_TILE; ++c) {
-      const float* krow = as_f32(k_cache + slots[std::min(tile * KEY_TILE + c, keys - 1)] * kv + g * d, d,
-                                 local.row.data());
-      for (int64_t e = 0; e < d; ++e) kt[e * KEY_TILE + c] = krow[e];
-    }
+  for (int64_t p = 0; p < j.b->context_lens[t]; ++p) {
+    const float* krow = as_f32(k_cache + slots[p] * kv + g * d, d, local.row.data());
+    std::memcpy(dst + p * d, krow, d * sizeof(float));
   }
 }
 
@@ -632,82 +704,112 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   const int64_t d = D ? D : m.head_dim, group = m.heads / m.kv_heads, g = it.index, kv = m.kv_size();
   const int64_t nq = (it.hi - it.lo) * group;             // query vectors: (row, head of the group)
   const int64_t keys = j.b->positions[it.hi - 1] + 1;     // the last row sees the most keys
-  const int64_t ld = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+  const int64_t parts = (keys + PART - 1) / PART;
   const int64_t* slots = &j.slots[j.slots_at[it.seq]];
+  const float* krows = j.key_rows(it.seq, g);
+  auto seen = [&](int64_t i) { return j.b->positions[it.lo + i / group] + 1; };
+  auto out_row = [&](int64_t i) { return j.out + (it.lo + i / group) * m.q_size() + (g * group + i % group) * d; };
   std::vector<float>& scores = local.scores;
-  scores.resize(nq * ld);
-  auto query = [&](int64_t i) { return j.qkv + (it.lo + i / group) * j.width() + (g * group + i % group) * d; };
-
-  for (int64_t tile = 0; tile * KEY_TILE < keys; ++tile) {
-    const float* kt = j.key_tile(it.seq, g, tile);
-    const float* q[QV];
-    float* s[QV];
-    int64_t i = 0;
-    for (; i < nq; ++i) {
-      q[i % QV] = query(i);
-      s[i % QV] = &scores[i * ld + tile * KEY_TILE];
-      if (i % QV == QV - 1) tile_scores<QV>(q, kt, d, j.scale, s);
+  scores.resize(nq * keys);
+  local.ml.resize(nq * parts * 2);
+  local.l_sum.assign(nq, 0.f);
+  local.top.assign(nq, -INFINITY);
+  std::vector<const float*>& query = local.queries;
+  query.resize(nq);
+  for (int64_t i = 0; i < nq; ++i) query[i] = j.qkv + (it.lo + i / group) * j.ldq + (g * group + i % group) * d;
+  // The scores per 64 keys (16 KB of fp32 keys for d = 64, in L1 beside the block's queries), 8 at a time.
+  const int64_t keys8 = keys / 8 * 8;
+  float* const sc = scores.data();
+  for (int64_t k0 = 0; k0 < keys8; k0 += 64) {
+    const int64_t k1 = std::min(keys8, k0 + 64);
+    for (int64_t i = 0; i < nq; ++i) {
+      const float* q = query[i];
+      float* s = sc + i * keys;
+      for (int64_t p = k0; p < k1; p += 8) head_dots8<D>(q, krows + p * d, d, s + p);
     }
-    for (int64_t r = i - i % QV; r < nq; ++r) tile_scores<1>(&q[r % QV], kt, d, j.scale, &s[r % QV]);
   }
-  // Causal softmax per query vector. A row's weights past its own last key are zero, so every query
-  // vector of the block (all its rows and heads) can share the passes over the values up to the
-  // block's last key: each value row is read once per pass for PV of them, not once per row. The
-  // zero terms add +-0 to a sum of positive weights, which leaves it as it was bit for bit.
   for (int64_t i = 0; i < nq; ++i) {
-    const int64_t seen = j.b->positions[it.lo + i / group] + 1;
-    float* s = &scores[i * ld];
-    const float inv = 1.0f / exp_shifted(s, seen, max_of(s, seen));
-    for (int64_t p = 0; p < seen; ++p) s[p] *= inv;
-    std::fill(s + seen, s + keys, 0.f);
+    float* s = &scores[i * keys];
+    for (int64_t p = keys8; p < keys; ++p) s[p] = head_dot<D>(query[i], krows + p * d, d, nullptr);
+    for (int64_t p = 0; p < keys; ++p) s[p] *= j.scale;
+    // Causal softmax per part. A row's weights past its own last key are zero, so every query vector
+    // of the block (all its rows and heads) can share the passes over the values up to the block's
+    // last key: the zero terms add +0 to sums of positive weights, which leaves them as they were.
+    const int64_t n = seen(i);
+    for (int64_t a = 0; a < n; a += PART) {
+      float* ml = &local.ml[(i * parts + a / PART) * 2];
+      ml[0] = max_of(s + a, std::min(PART, n - a));
+      ml[1] = exp_shifted(s + a, std::min(PART, n - a), ml[0]);
+      local.top[i] = std::max(local.top[i], ml[0]);
+    }
+    std::fill(s + n, s + keys, 0.f);
+    float* dst = out_row(i);
+    std::fill(dst, dst + d, 0.f);
   }
-  // The values in chunks of 16 KB, widened to fp32 once: a chunk stays in L1 for every pass of every
-  // query vector over it, instead of each pass reading the cache's rows (strided, from L2 or further)
-  // again.
+  // Per part, the values in chunks of up to 16 KB, widened to fp32 once: a chunk stays in L1 for every
+  // pass of every query vector over it, instead of each pass reading the cache's rows (strided, from L2
+  // or further) again.
   constexpr int PV = values_per_pass<D>();
-  const int64_t chunk = std::max<int64_t>(1, 4096 / d);
+  const int64_t chunk = std::min<int64_t>(PART, std::max<int64_t>(1, 4096 / d));
   const T* vbase = static_cast<const T*>(j.v_cache) + g * d;
   local.vals.resize(chunk * d);
-  for (int64_t p0 = 0; p0 < keys; p0 += chunk) {
-    const int64_t n = std::min(chunk, keys - p0);
-    for (int64_t p = 0; p < n; ++p) {
-      float* dst = &local.vals[p * d];
-      const float* row = as_f32(vbase + slots[p0 + p] * kv, d, dst);
-      if (row != dst) std::memcpy(dst, row, d * sizeof(float));
+  local.o.resize(nq * d);
+  for (int64_t a = 0; a < keys; a += PART) {
+    const int64_t end = std::min(keys, a + PART);
+    int64_t first = 0;   // query vectors before it (rows at earlier positions) see no key of this part
+    while (seen(first) <= a) first += group;
+    for (int64_t p0 = a; p0 < end; p0 += chunk) {
+      const int64_t n = std::min(chunk, end - p0);
+      for (int64_t p = 0; p < n; ++p) {
+        float* dst = &local.vals[p * d];
+        const float* row = as_f32(vbase + slots[p0 + p] * kv, d, dst);
+        if (row != dst) std::memcpy(dst, row, d * sizeof(float));
+      }
+      for (int64_t i0 = first; i0 < nq; i0 += PV) {
+        const int64_t nv = std::min<int64_t>(PV, nq - i0);
+        const float* w[PV];
+        float* out[PV];
+        for (int64_t u = 0; u < nv; ++u) {
+          w[u] = &scores[(i0 + u) * keys + p0];
+          out[u] = &local.o[(i0 + u) * d];
+        }
+        const float* vals = local.vals.data();
+        const bool acc = p0 > a;
+        switch (nv) {
+          case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, n, vals, d, acc, out); break;
+          case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, n, vals, d, acc, out); break;
+          case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, n, vals, d, acc, out); break;
+          case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, n, vals, d, acc, out); break;
+          case 2: weighted_values<D, 2>(w, n, vals, d, acc, out); break;
+          default: weighted_values<D, 1>(w, n, vals, d, acc, out);
+        }
+      }
     }
-    for (int64_t i0 = 0; i0 < nq; i0 += PV) {
-      const int64_t nv = std::min<int64_t>(PV, nq - i0);
-      const float* w[PV];
-      float* out[PV];
-      for (int64_t u = 0; u < nv; ++u) {
-        const int64_t i = i0 + u;
-        w[u] = &scores[i * ld + p0];
-        out[u] = j.out + (it.lo + i / group) * m.q_size() + (g * group + i % group) * d;
-      }
-      const float* vals = local.vals.data();
-      const bool acc = p0 > 0;
-      switch (nv) {
-        case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, n, vals, d, acc, out); break;
-        case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, n, vals, d, acc, out); break;
-        case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, n, vals, d, acc, out); break;
-        case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, n, vals, d, acc, out); break;
-        case 2: weighted_values<D, 2>(w, n, vals, d, acc, out); break;
-        default: weighted_values<D, 1>(w, n, vals, d, acc, out);
-      }
+    for (int64_t i = first; i < nq; ++i) {
+      const float* ml = &local.ml[(i * parts + a / PART) * 2];
+      merge_part(out_row(i), local.l_sum[i], local.top[i], ml[0], ml[1], &local.o[i * d], d);
     }
   }
+  for (int64_t i = 0; i < nq; ++i) merge_end(out_row(i), local.l_sum[i], d);
+}
+
+// The parts of a PART item, each on its own (the item's bounds follow the threads; a part's do not).
+template <int D, class T>
+void attend_parts(AttnJob& j, const Item& it, Local& local) {
+  for (int64_t p = it.lo; p < it.hi; p += PART)
+    attend_part<D, T>(j, it.seq, p, std::min(it.hi, p + PART), it.index + (p - it.lo) / PART, local);
 }
 
 template <class T>
 void run_item(AttnJob& j, const Item& it, Local& local) {
-  if (it.work == Work::TRANSPOSE)
-    transpose_keys<T>(j, it.seq, it.index, local);
+  if (it.work == Work::WIDEN)
+    widen_keys<T>(j, it.seq, it.index, local);
   else if (j.m->head_dim == 64)
-    it.work == Work::PART ? attend_part<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
+    it.work == Work::PART ? attend_parts<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
   else if (j.m->head_dim == 128)
-    it.work == Work::PART ? attend_part<128, T>(j, it, local) : attend_rows<128, T>(j, it, local);
+    it.work == Work::PART ? attend_parts<128, T>(j, it, local) : attend_rows<128, T>(j, it, local);
   else
-    it.work == Work::PART ? attend_part<0, T>(j, it, local) : attend_rows<0, T>(j, it, local);
+    it.work == Work::PART ? attend_parts<0, T>(j, it, local) : attend_rows<0, T>(j, it, local);
 }
 
 void run_items(AttnJob& job, int threads) {
@@ -738,34 +840,37 @@ void attention(AttnJob& job, int threads) {
   }
   // Small contexts: a second thread costs more than the work (~16 KB of K/V per 64 keys here).
   const int nt = keys * m.kv_size() < (32 << 10) ? 1 : threads;
-  int64_t part_keys = std::max<int64_t>(1, longest);
-  if (one_row < 2 * nt && b.n == one_row)  // too few sequences to keep every thread busy: split keys
-    part_keys = std::max<int64_t>(m.block_size, (longest + 2 * nt - 1) / (2 * nt));
+  // Parts per PART item: a one-row sequence's all, or with too few sequences to keep every thread busy
+  // (decode alone) a share of the longest's.
+  int64_t per_item = std::max<int64_t>(1, (longest + PART - 1) / PART);
+  if (one_row < 2 * nt && b.n == one_row) per_item = (per_item + 2 * nt - 1) / (2 * nt);
   job.items.clear();
   job.first_part.assign(b.seqs + 1, 0);
   job.slots.clear();
   job.slots_at.assign(b.seqs, -1);
-  job.keys_t_at.assign(b.seqs, -1);
-  int64_t keys_t_size = 0;
+  job.keys_at.assign(b.seqs, -1);
+  int64_t keys_size = 0;
   for (int64_t t = 0; t < b.seqs; ++t) {
     const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
     job.first_part[t + 1] = job.first_part[t];
     if (r1 - r0 == 1) {
-      for (int64_t p = 0; p < b.context_lens[t]; p += part_keys)
-        job.items.push_back({t, p, std::min<int64_t>(b.context_lens[t], p + part_keys), job.first_part[t + 1]++,
+      for (int64_t p = 0; p < b.context_lens[t]; p += per_item * PART) {
+        job.items.push_back({t, p, std::min<int64_t>(b.context_lens[t], p + per_item * PART), job.first_part[t + 1],
                              Work::PART});
+        job.first_part[t + 1] += (job.items.back().hi - p + PART - 1) / PART;
+      }
     } else {
       job.slots_at[t] = static_cast<int64_t>(job.slots.size());
       for (int64_t p = 0; p < b.context_lens[t]; ++p) job.slots.push_back(job.slot(t, p));
-      job.keys_t_at[t] = keys_t_size;
-      keys_t_size += m.kv_heads * job.tiles(t) * m.head_dim * KEY_TILE;
-      for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, 0, 0, g, Work::TRANSPOSE});
+      job.keys_at[t] = keys_size;
+      keys_size += m.kv_heads * b.context_lens[t] * m.head_dim;
+      for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, 0, 0, g, Work::WIDEN});
     }
   }
   job.ml.resize(job.first_part[b.seqs] * m.heads * 2);
   job.o.resize(job.first_part[b.seqs] * m.heads * m.head_dim);
-  job.keys_t.resize(keys_t_size);
-  run_items(job, nt);   // decode parts and key transposes
+  job.keys.resize(keys_size);
+  run_items(job, nt);   // decode parts and key widening
   job.items.clear();
   for (int64_t t = 0; t < b.seqs; ++t) {
     const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
@@ -821,7 +926,8 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
     prepare_qkv<uint16_t>(m, L, b, s.qkv.data());
   else
     prepare_qkv<float>(m, L, b, s.qkv.data());
-  s.attn_job.bind(m, b, s.qkv.data(), ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]), s.attn.data());
+  s.attn_job.bind(m, b, s.qkv.data(), qkv_w, 1.0f / std::sqrt(static_cast<float>(m.head_dim)),
+                  ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]), s.attn.data());
   attention(s.attn_job, mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
@@ -865,6 +971,115 @@ int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* posi
     if (rc) return rc;
   }
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * m.hidden, m.final_norm, m.hidden, m.eps, x + t * m.hidden);
+  return OK;
+}
+
+
+// Attention alone (the module-by-module forward): out [n, heads * head_dim] = softmax(q k^T * scale) v of each
+// row over its sequence's cached keys (this step's K/V already stored), rows as in Batch, the row positions
+// implied (a sequence's rows end at its context length). q: fp32 rows of heads * head_dim at stride ldq;
+// caches [num_blocks, block_size, kv_heads, head_dim], fp16 (kv_f16) or fp32.
+int nc_dec_attention(const float* q, int64_t ldq, int64_t n, int64_t seqs, const int32_t* cu_q,
+                     const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
+                     const void* k_cache, const void* v_cache, int kv_f16, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  if (seqs < 1 || cu_q[0] != 0 || cu_q[seqs] != n) return ERR_BATCH;
+  std::vector<int64_t> positions(n);
+  for (int64_t t = 0; t < seqs; ++t) {
+    if (cu_q[t + 1] <= cu_q[t] || context_lens[t] < cu_q[t + 1] - cu_q[t]) return ERR_BATCH;
+    for (int64_t r = cu_q[t]; r < cu_q[t + 1]; ++r) positions[r] = context_lens[t] - (cu_q[t + 1] - r);
+  }
+  Model m{};
+  m.heads = heads;
+  m.kv_heads = kv_heads;
+  m.head_dim = head_dim;
+  m.block_size = block_size;
+  m.kv_f16 = kv_f16 != 0;
+  const Batch b{n, positions.data(), nullptr, seqs, cu_q, block_tables, table_stride, context_lens};
+  AttnJob& job = g_scratch.attn_job;
+  job.bind(m, b, q, ldq, scale, k_cache, v_cache, out);
+  attention(job, threads);
+  return OK;
+}
+
+// Elementwise activations (the module-by-module forward): out[r][i] = f(x[r][i]), times u[r][i] when u is
+// given, over rows of `cols` values (strides ldx, ldu, ldo). f: 0 silu, 1 sigmoid, 2 softplus (log(1 + e^x),
+// x past 20 as is, as torch), 3 exp. Each element is a function of its own value only, the last elements of a row
+// running the same vector code (masked), so a row's results do not depend on the rows beside it (torch's
+// kernels finish a flat range in scalar code, which rounds differently).
+int nc_dec_activation(int op, const float* x, int64_t ldx, const float* u, int64_t ldu, int64_t rows, int64_t cols,
+                      float* out, int64_t ldo, int threads) {
+  if (op < 0 || op > 3) return ERR_BATCH;
+  struct Ctx {
+    int op;
+    const float *x, *u;
+    int64_t ldx, ldu, cols, ldo;
+    float* out;
+  } ctx{op, x, u, ldx, ldu, cols, ldo, out};
+  auto body = [](const void* c, int64_t r0, int64_t r1) {
+    const Ctx& a = *static_cast<const Ctx*>(c);
+    for (int64_t r = r0; r < r1; ++r) activation_row(a.op, a.x + r * a.ldx, a.u ? a.u + r * a.ldu : nullptr, a.cols,
+                                                     a.out + r * a.ldo);
+  };
+  nc_qg_parallel_for(rows, std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(cols, 1)), threads, body, &ctx);
+  return OK;
+}
+
+
+// The gated delta rule token by token (Gated DeltaNet layers on the CPU, every chunk in decode's form):
+// per sequence b and value head h, state S [dk, dv] at state + (slots[b] * nv + h) * dk * dv (fp32, updated in
+// place; zeros first where fresh[b]), for each of its rows t in order:
+//   S = decay_t S;  u = k_t^T S;  S += k_t (x) beta_t (v_t - u);  o_t = q_t^T S
+// with q, k [n, nv, dk] (normalized, scaled, one per value head), v and out [n, nv, dv], decay (exp of the
+// log decay) and beta [n, nv]. Each (sequence, head) is one work item over its own rows, summed in one order
+// over i (the S rows) and elementwise across the dv columns, so a token's output and state do not depend on
+// the other sequences of the call or on where its prompt's chunks start.
+int nc_gdn_recurrent(const float* q, const float* k, const float* v, const float* decay, const float* beta, int64_t n,
+                     int64_t seqs, const int32_t* cu, const int64_t* slots, const uint8_t* fresh, int64_t nv, int64_t dk,
+                     int64_t dv, float* state, float* out, int threads) {
+  if (seqs < 1 || cu[0] != 0 || cu[seqs] != n) return ERR_BATCH;
+  struct Ctx {
+    const float *q, *k, *v, *decay, *beta;
+    const int32_t* cu;
+    const int64_t* slots;
+    const uint8_t* fresh;
+    int64_t nv, dk, dv;
+    float *state, *out;
+  } ctx{q, k, v, decay, beta, cu, slots, fresh, nv, dk, dv, state, out};
+  auto body = [](const void* c, int64_t i0, int64_t i1) {
+    const Ctx& a = *static_cast<const Ctx*>(c);
+    thread_local std::vector<float> u;
+    u.resize(a.dv);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / a.nv, h = item % a.nv, dk = a.dk, dv = a.dv;
+      float* S = a.state + (a.slots[b] * a.nv + h) * dk * dv;
+      if (a.fresh && a.fresh[b]) std::fill(S, S + dk * dv, 0.f);
+      for (int64_t t = a.cu[b]; t < a.cu[b + 1]; ++t) {
+        const int64_t th = t * a.nv + h;
+        const float *qt = a.q + th * dk, *kt = a.k + th * dk, *vt = a.v + th * dv;
+        const float dec = a.decay[th], bt = a.beta[th];
+        float* o = a.out + th * dv;
+        std::fill(u.begin(), u.end(), 0.f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] *= dec;
+            u[j] += kt[i] * row[j];
+          }
+        }
+        for (int64_t j = 0; j < dv; ++j) u[j] = bt * (vt[j] - u[j]);   // the update's values
+        std::fill(o, o + dv, 0.f);
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] += kt[i] * u[j];
+            o[j] += qt[i] * row[j];
+          }
+        }
+      }
+    }
+  };
+  nc_qg_parallel_for(seqs * nv, 1, threads, body, &ctx);
   return OK;
 }
 
