@@ -125,7 +125,7 @@ ENV_DOMAINS = {   # README "Environment variables"; an empty value is an unset o
     "NANO_VLLM_KVCACHE_BLOCK_SIZE": power_of_two, "NANO_VLLM_CPU_THREADS": int_in(1, MAX_CPU_THREADS),
     "NANO_VLLM_KV_CACHE_DTYPE": one_of("auto", *DTYPES), "NANOCHAT_PACK_CACHE": flag_word,
     "NANOCHAT_CPU_ISA": one_of("auto", "avx2", "scalar"), "NANOCHAT_QUANT_BACKEND": one_of(*QUANT_BACKENDS),
-    "NANOCHAT_FUSED_FORWARD": flag_word, "NANOCHAT_ACT_LEVELS": int_in(1, 2),
+    "NANOCHAT_FUSED_FORWARD": flag_word, "NANOCHAT_ACT_LEVELS": int_in(1, 2), "NANOCHAT_BATCH_INVARIANT": flag_word,
     "NANO_VLLM_TENSOR_PARALLEL_SIZE": int_in(1, os.cpu_count() or 1),
 }
 DEBUG_OFF = ("", "0", "false", "no", "off")
