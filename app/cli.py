@@ -105,7 +105,8 @@ def build_parser(argv: list[str] | None = None) -> Parser:
 
 # External subcommands: (name, module, parser adder, one-line help for the listing).
 EXTERNAL = (("bench", "nanochat.app.bench_cli", "add_bench_parser", "benchmark the engine"),
-            ("convert-model", "nanochat.app.convert_cli", "add_convert_parser", "convert a model"))
+            ("convert-model", "nanochat.app.convert_cli", "add_convert_parser", "convert a model"),
+            ("pull", "nanochat.app.pull", "add_pull_parser", "download a GGUF from a Hugging Face repo (REPO[:QUANT])"))
 
 
 def _add_external(sub, name: str, module: str, adder: str, summary: str, argv: list[str]) -> None:

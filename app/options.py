@@ -150,10 +150,13 @@ def pick(args, name: str, default):
 
 
 def resolve_model(args, settings) -> str:
-    """--model, else the settings' default model, else the built-in one (ModelLoadError when none)."""
+    """--model, else the settings' default model, else the built-in one (ModelLoadError when none). A hub GGUF
+    (`REPO:QUANT`) is fetched first, with progress on stderr unless --quiet."""
+    from nanochat.app.pull import materialize
     from nanochat.models.catalog import resolve_default_model
 
-    return resolve_default_model(getattr(args, "model", None) or settings.default_model)
+    model = getattr(args, "model", None) or settings.default_model
+    return resolve_default_model(materialize(model, quiet=bool(getattr(args, "quiet", False))))
 
 
 def engine_config(args, settings, **extra) -> dict:

@@ -34,6 +34,11 @@ def open_source(model: str):
         return HFSource(path)
     if path.is_symlink():   # a loop or a dangling link, not a hub id
         raise missing_path(path)
+    from nanochat.models.hub_gguf import fetch, parse_ref
+    ref = parse_ref(model)
+    if ref is not None:   # REPO:QUANT, or a repo named ...-GGUF: one GGUF file of it
+        from nanochat.models.gguf_source import GGUFSource
+        return GGUFSource(str(fetch(ref)))
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return HFSource(resolve_hub_id(model))
     raise missing_path(model, "no such file or folder")

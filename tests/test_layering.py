@@ -17,6 +17,7 @@ APP_MAY_IMPORT = {
     "nanochat.engine.config",                # option names and checks, shared with the CLI
     "nanochat.models.catalog", "nanochat.models.errors",
     "nanochat.models.weight_map",            # convert-model writes a weight map; no engine involved
+    "nanochat.models.hub_gguf",              # pull fetches a model file before any engine starts
 }
 PUBLIC_ENGINE_NAMES = {"SamplingParams", "TokenEvent", "RequestStats", "EngineStats", "Reply", "RequestError",
                        "RequestResult"}

@@ -7,6 +7,7 @@ def main(args=None) -> int:
     """Run the TUI. `args` is the CLI's argparse namespace (every attribute optional)."""
     from nanochat.app.options import engine_config, sampling_options
     from nanochat.app.paths import get_paths
+    from nanochat.app.pull import materialize
     from nanochat.app.settings import Settings
     from nanochat.app.tui import paste
     from nanochat.app.tui.app import NanochatApp, yield_to_engine
@@ -21,9 +22,9 @@ def main(args=None) -> int:
         pass   # a read-only home: the app runs and says that nothing will be saved
     chats_lock = paths.lock_chats()   # raises HomeInUse (one line, exit 1) when another app has this home
     settings = getattr(args, "settings", None) or Settings.load(paths.settings_file)
-    explicit = getattr(args, "model", None)
+    explicit = materialize(getattr(args, "model", None) or settings.default_model)   # a hub GGUF: fetched first
     try:
-        model = resolve_default_model(explicit or settings.default_model)
+        model = resolve_default_model(explicit)
     except ModelLoadError:
         model = None   # the app opens the picker
     sampling = sampling_options(args, settings)
