@@ -15,6 +15,13 @@ one included: the session's next turn, whose prompt extends those tokens, takes 
 computes only its new tokens. Pinned blocks are evicted only under memory pressure, least recently
 used session first.
 
+Sliding-window models (every attention layer windowed: Mistral-style, Phi-3-mini) never read keys more
+than `window` positions behind the next query, so a sequence gives back its blocks wholly behind that
+point as it goes (`drop_outside_window`; its table keeps DROPPED in their place): a 32k-token chat holds
+about window / block_size blocks, not 32k / block_size. The dropped blocks keep their hashes (another
+prompt with the same start may still hit them), and a session pins its whole last turn, as hybrid models
+do, since the next turn cannot be matched from the start through blocks already given back.
+
 Hybrid models (Gated DeltaNet layers) carry a recurrent state per sequence, so a block-hash hit
 alone cannot resume a sequence: the state at the hit point is needed too. In hybrid mode
 (num_state_slots > 0) hash hits are off; instead a session pins its WHOLE last turn (every block,
@@ -25,7 +32,7 @@ extends the pinned tokens, resuming exactly where the last turn stopped.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanochat.engine.sequence import Sequence
 
@@ -71,19 +78,25 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+DROPPED = -1   # a block-table entry whose block went back (behind every window); never read
+
+
 @dataclass
 class SessionPin:
     blocks: list[int]
     tokens: tuple[int, ...] = ()    # hybrid mode: the computed tokens the blocks and state hold
     state_slot: int | None = None   # hybrid mode: the recurrent state at len(tokens)
     tail: tuple[int, tuple[int, ...]] | None = None   # the partly filled last block and its computed tokens
+    table: list[int] | None = None  # windowed mode: the whole block table, DROPPED entries included
+    hashes: list[int] = field(default_factory=list)   # windowed mode: the table's block hashes
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, window: int = 0):
         self.block_size = block_size
         self.hybrid = num_state_slots > 0
+        self.window = 0 if self.hybrid else window   # keys a query sees (0: all); see drop_outside_window
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -181,6 +194,8 @@ class BlockManager:
         assert not seq.block_table
         if self.hybrid:
             return self._allocate_hybrid(seq)
+        if self.window and self._resume_windowed(seq):
+            return True
         hits, partial, partial_n = self._cached_prefix(seq)
         tail, tail_n = self._session_tail(seq, hits)
         if tail is not None:
@@ -206,7 +221,37 @@ class BlockManager:
         seq.stats.num_cached_tokens = cached
         self.counters.hit_tokens += cached
         self.counters.queried_tokens += len(seq)
+        self.drop_outside_window(seq)
         return True
+
+    def _resume_windowed(self, seq: Sequence) -> bool:
+        """Windowed mode: take over the session's pinned last turn when seq's prompt goes on from it."""
+        pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
+        if pin is None or pin.table is None or len(pin.tokens) >= len(seq) \
+                or tuple(seq.token_ids[:len(pin.tokens)]) != pin.tokens:
+            return False
+        del self.sessions[seq.session_id]   # its references become seq's
+        seq.block_table = list(pin.table)
+        if not self.ensure_slots(seq, len(seq)):   # all or nothing: give the pin back untouched
+            self.sessions[seq.session_id] = pin
+            seq.block_table = []
+            return False
+        seq.block_hashes = list(pin.hashes)
+        seq.num_computed_tokens = seq.stats.num_cached_tokens = len(pin.tokens)
+        self.counters.hit_tokens += len(pin.tokens)
+        self.counters.queried_tokens += len(seq)
+        return True
+
+    def drop_outside_window(self, seq: Sequence) -> None:
+        """Give back seq's blocks that every later query is past: a query at position p reads keys after
+        p - window, and no query of seq comes before its first uncomputed token."""
+        if not self.window:
+            return
+        first_key = seq.num_computed_tokens - self.window + 1
+        for i in range(max(0, first_key) // self.block_size):
+            if seq.block_table[i] != DROPPED:
+                self._unref(seq.block_table[i])
+                seq.block_table[i] = DROPPED
 
     def _session_tail(self, seq: Sequence, hits: list[Block]) -> tuple[Block | None, int]:
         """The partly filled last block pinned by seq's session, when seq's prompt goes on from it."""
@@ -265,7 +310,8 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU queue evicts the ends of chains before their prefixes.
         for block_id in reversed(seq.block_table):
-            self._unref(block_id)
+            if block_id != DROPPED:
+                self._unref(block_id)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -302,6 +348,14 @@ class BlockManager:
             computed = seq.num_computed_tokens
             self._pin(session_id, list(seq.block_table), tuple(seq.token_ids[:computed]), seq.state_slot)
             seq.state_slot = None
+            return
+        if self.window:
+            # The whole table (blocks behind the window already given back) and the tokens it holds.
+            computed = min(seq.num_computed_tokens, len(seq))
+            table = list(seq.block_table)
+            self._pin(session_id, [b for b in table if b != DROPPED], tuple(seq.token_ids[:computed]))
+            pin = self.sessions[session_id]
+            pin.table, pin.hashes = table, list(seq.block_hashes)
             return
         full = len(seq.block_hashes)
         blocks, tail = seq.block_table[:full], None

@@ -22,6 +22,13 @@ from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
 
 
+def kv_window(model_config) -> int:
+    """How far back any query of the model reads keys, when every attention layer is windowed (0: some
+    layer reads them all, so nothing can be given back)."""
+    windows = getattr(model_config, "layer_windows", ())
+    return max(windows) if windows and all(w > 0 for w in windows) else 0
+
+
 @contextmanager
 def _collector_paused():
     """No cyclic garbage collection during a load: torch's import leaves ~170k tracked objects, every full
@@ -96,7 +103,8 @@ class LLMEngine:
             self.close()
             raise
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
-                                          self.config.enable_prefix_caching, self.runner.num_state_slots)
+                                          self.config.enable_prefix_caching, self.runner.num_state_slots,
+                                          window=kv_window(self.loaded.config))
         self.block_manager.copy_kv = self.runner.copy_kv
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
@@ -218,6 +226,7 @@ class LLMEngine:
         for c in chunks:
             c.seq.num_computed_tokens = c.end
             self.block_manager.commit_computed(c.seq)
+            self.block_manager.drop_outside_window(c.seq)
         for c, token in zip(sampled, token_ids):
             events.append(self._postprocess(self.requests[c.seq.request_id], token, now))
         return events

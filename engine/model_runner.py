@@ -141,7 +141,8 @@ class ModelRunner:
             if c.samples:
                 logit_rows.append(cu_q[-1] - 1)
         max_blocks = max(len(c.seq.block_table) for c in chunks)
-        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
+        # blocks given back behind a sliding window (DROPPED) are never read: any valid id stands in
+        tables = [[max(b, 0) for b in c.seq.block_table] + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
         step = StepInputs(input_ids, positions, slots, cu_q, context_lens, tables, logit_rows)
         if self.is_hybrid:
             step.state_slots = [c.seq.state_slot for c in chunks]
