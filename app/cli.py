@@ -70,7 +70,13 @@ def add_oneshot_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--no-chat-template", action="store_true",
                help="send the prompt as raw text, without the model's chat template")
     add_option(parser, suppress, "--json", action="store_true", help="print one JSON object per prompt on stdout")
+    add_thinking_option(parser, suppress)
     add_option(parser, suppress, "--quiet", "-q", action="store_true", help="no progress or stats on stderr")
+
+
+def add_thinking_option(parser, suppress: bool = False) -> None:
+    add_option(parser, suppress, "--show-thinking", action="store_true",
+               help="print a reasoning model's thinking (<think>...</think>) before its answer (default: the answer only)")
 
 
 def build_parser(argv: list[str] | None = None) -> Parser:
@@ -91,6 +97,7 @@ def build_parser(argv: list[str] | None = None) -> Parser:
     add_engine_options(repl, suppress=True)
     add_generation_options(repl, suppress=True)
     add_option(repl, True, "--quiet", "-q", action="store_true", help="no loading indicator")
+    add_thinking_option(repl, suppress=True)
 
     info = sub.add_parser("info", help="load a model and say what it runs on (types, kernels, fast path, KV cache)")
     add_engine_options(info, suppress=True)
@@ -171,7 +178,7 @@ def cmd_oneshot(args, settings, piped: str) -> int:
     opts = OneShotOptions(model=resolve_model(args, settings), prompts=prompts,
                           engine_config=engine_config(args, settings), sampling=sampling_options(args, settings),
                           system=system, chat_template=not args.no_chat_template, json=bool(args.json),
-                          quiet=bool(args.quiet))
+                          quiet=bool(args.quiet), show_thinking=bool(args.show_thinking))
     code = run_oneshot(opts)
     if code == EXIT_OK:
         _remember(args, settings)
@@ -184,7 +191,8 @@ def cmd_repl(args, settings) -> int:
 
     opts = ReplOptions(model=resolve_model(args, settings), engine_config=engine_config(args, settings),
                        sampling=sampling_options(args, settings), system=pick(args, "system", settings.system_prompt),
-                       history_file=str(get_paths().repl_history))
+                       history_file=str(get_paths().repl_history),
+                       show_thinking=bool(getattr(args, "show_thinking", False)))
     return run_repl(opts, quiet=bool(getattr(args, "quiet", False)), on_loaded=lambda: _remember(args, settings))
 
 

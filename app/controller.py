@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from nanochat.app.options import SAMPLING_RULES, effective_sampling
+from nanochat.app.options import SAMPLING_RULES, TEMPLATE_SWITCHES, effective_sampling, template_variables
+from nanochat.app.reasoning import ThinkingSplitter, Thought, describe_thought, join_reasoning, split_reasoning
 from nanochat.app.store import ChatStore, StoredConversation, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, RequestStats, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
@@ -61,7 +62,7 @@ CHAT_SETTINGS = tuple(SAMPLING_RULES)   # what /set may change
 @dataclass(eq=False)   # identity: two messages with the same text are still two messages
 class Message:
     role: str                       # "user" | "assistant"
-    content: str
+    content: str                    # a reply's answer (its thinking is `thought`)
     stats: RequestStats | None = None   # an assistant reply's numbers
     created: float = field(default_factory=time.time)
     note: str = ""                  # REPLAY_NOTE, INTERRUPTED_NOTE, STOPPED_NOTE
@@ -70,6 +71,14 @@ class Message:
     generated_tokens: int = 0       # tokens received so far while streaming
     parent: "Message | None" = field(default=None, repr=False)   # None: a first message
     children: list["Message"] = field(default_factory=list, repr=False)   # versions that follow it, oldest first
+    thought: Thought | None = None  # a reply's thinking (None: it had none)
+
+    @property
+    def spoken(self) -> str:
+        """The text as the model wrote it, thinking and all: what it sees again in the chat's history
+        (as a live session keeps the ids it generated; the template decides what earlier turns keep)."""
+        t = self.thought
+        return self.content if t is None else join_reasoning(t.text, self.content, t.closed, t.prompted)
 
 
 @dataclass(eq=False)
@@ -137,7 +146,7 @@ class Conversation:
         by_id: dict[int, Message] = {}
         for m in stored.messages:   # oldest first: a parent comes before its children
             message = Message(m.role, m.content, m.stats, m.created,
-                              join_notes(m.note, STOPPED_NOTE) if m.partial else m.note, m.id)
+                              join_notes(m.note, STOPPED_NOTE) if m.partial else m.note, m.id, thought=m.thought)
             by_id[m.id] = message
             conv.attach(message, by_id.get(m.parent_id))
         for m in by_id.values():
@@ -185,6 +194,8 @@ class Turn:
     interrupted: bool = False       # the engine died during it
     saved_at: float = 0.0           # monotonic time of the reply's last save while streaming
     finished: bool = False          # the controller has finished it (saved or dropped)
+    splitter: ThinkingSplitter = field(default_factory=ThinkingSplitter)   # the reply's thinking | answer
+    started: float = field(default_factory=time.monotonic)   # when it was sent (thinking time counts from it)
 
     @property
     def kept(self) -> bool:
@@ -222,7 +233,7 @@ def exchanges(messages: list[Message]) -> list[Message]:
 
 
 def as_history(messages) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [{"role": m.role, "content": m.spoken} for m in messages]
 
 
 def setting_value(name: str, raw: str):
@@ -253,6 +264,7 @@ def describe_settings(sampling: dict, own: dict | None = None) -> str:
             continue
         text = f"{value:g}" if isinstance(value, float) else str(value)
         parts.append(f"{name} {text}{'*' if name in own else ''}")
+    parts += [f"{name} {'on' if own[name] else 'off'}*" for name in TEMPLATE_SWITCHES if isinstance(own.get(name), bool)]
     return " · ".join(parts)
 
 
@@ -331,7 +343,11 @@ def export_markdown(conv: Conversation, model_label: str | None = None) -> str:
     if conv.system_prompt:
         lines += ["## System", "", conv.system_prompt, ""]
     for m in conv.messages:
-        lines += ["## You" if m.role == "user" else "## Assistant", "", m.content, ""]
+        lines += ["## You" if m.role == "user" else "## Assistant", ""]
+        if m.thought is not None and m.thought.text:   # collapsed where Markdown renders HTML, quoted elsewhere
+            quoted = [f"> {line}".rstrip() for line in m.thought.text.splitlines()]
+            lines += [f"<details><summary>{describe_thought(m.thought)}</summary>", "", *quoted, "", "</details>", ""]
+        lines += [m.content, ""]
         footer = format_stats(m.stats, m.note)
         if footer:
             lines += [f"<sub>{footer}</sub>", ""]
@@ -349,6 +365,8 @@ def tree_json(conv: Conversation, model_label: str | None = None) -> dict:
             out["stats"] = m.stats.to_dict()
         if m.note:
             out["note"] = m.note
+        if m.thought is not None:
+            out["reasoning"], out["thought"] = m.thought.text, m.thought.meta()
         return out
 
     return {"title": conv.title, "model": conv.model or model_label, "system_prompt": conv.system_prompt,
@@ -628,11 +646,15 @@ class ChatController:
         except (TypeError, ValueError) as e:
             raise ChatError(f"bad sampling settings: {one_line(e)}") from None
         session = self._session_for(conv, held)
+        variables = template_variables(conv.settings)
+        # whether the prompt opens the thinking block itself (the reply then starts inside it)
+        prompted = variables.get("enable_thinking") in self.client.model.thinking_opened
         turn = Turn(conv, user, Message("assistant", "", streaming=True), session=session, new_user=new_user,
-                    edit_of=edit_of, shown_before=conv.leaf)
+                    edit_of=edit_of, shown_before=conv.leaf, splitter=ThinkingSplitter(prompted))
         try:
             turn.stream = self.client.submit_turn(session, user.content, sampling,
-                                                  on_event=partial(self._on_event, turn))
+                                                  on_event=partial(self._on_event, turn),
+                                                  template_kwargs=variables or None)
         except EngineError as e:
             raise ChatError(one_line(e)) from None
         if turn.stream.replayed:   # a new session, a new model or a new engine process
@@ -723,9 +745,9 @@ class ChatController:
         self.store.set_settings(other.id, other.settings)
         parent = None
         for m in path:
-            copy = Message(m.role, m.content, m.stats, m.created, m.note)
+            copy = Message(m.role, m.content, m.stats, m.created, m.note, thought=m.thought)
             copy.id = self.store.add_message(other.id, m.role, m.content, m.stats, m.created, m.note,
-                                             parent_id=parent.id if parent is not None else None)
+                                             parent_id=parent.id if parent is not None else None, thought=m.thought)
             other.attach(copy, parent)
             parent = copy
         other.show(parent)
@@ -779,16 +801,20 @@ class ChatController:
             start -= 1
             budget -= sizes[start]
         session = self.client.open_session(conv.system_prompt, as_history(held[2 * start:]))
+        variables = template_variables(conv.settings)
         try:
             sampling = SamplingParams(**{**self.sampling_for(conv), "max_tokens": room, "ignore_eos": False})
-            reply = self.client.submit_turn(session, SUMMARY_REQUEST, sampling).result(timeout)
+            reply = self.client.submit_turn(session, SUMMARY_REQUEST, sampling,
+                                            template_kwargs=variables or None).result(timeout)
         except (EngineError, TimeoutError) as e:
             raise ChatError(f"no summary: {one_line(e)}") from None
         finally:
             self.client.close_session(session)
-        if reply.final is None or reply.final.finish_reason == "error" or not reply.text.strip():
+        prompted = variables.get("enable_thinking") in self.client.model.thinking_opened
+        summary = split_reasoning(reply.text, prompted).answer.strip()   # the answer, not the thinking
+        if reply.final is None or reply.final.finish_reason == "error" or not summary:
             raise ChatError(f"no summary: {reply.final.error if reply.final is not None else 'no reply'}")
-        return reply.text.strip()
+        return summary
 
     def continue_with_summary(self, conv: Conversation, summary: str) -> Conversation:
         """A new chat that starts from `summary` (in its system prompt), with the same settings."""
@@ -803,7 +829,8 @@ class ChatController:
         """SamplingParams keywords of a turn: the chat's own settings over the front end's (flags and
         settings.json) over what the model file recommends over CHAT_DEFAULTS."""
         recommended = self.client.model.sampling_defaults if self.client.model is not None else {}
-        return effective_sampling({**self.sampling, **conv.settings}, recommended)
+        own = {k: v for k, v in conv.settings.items() if k in SAMPLING_RULES}
+        return effective_sampling({**self.sampling, **own}, recommended)
 
     def set_setting(self, conv: Conversation, name: str, value) -> None:
         """Set (or with value None, drop) one of the chat's own sampling settings; ChatError when invalid."""
@@ -816,6 +843,15 @@ class ChatController:
             SamplingParams(**{**self.sampling_for(conv), **settings})
         except (TypeError, ValueError) as e:
             raise ChatError(one_line(e)) from None
+        conv.settings = settings
+        self.store.set_settings(conv.id, settings)
+
+    def set_thinking(self, conv: Conversation, on: bool | None) -> None:
+        """Turn the chat's thinking on or off (None: the template's default) from its next turn: the chat
+        template's enable_thinking. Whether the model's template reads it: `model.thinking_switch`."""
+        settings = {k: v for k, v in conv.settings.items() if k != "think"}
+        if on is not None:
+            settings["think"] = on
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
 
@@ -881,7 +917,8 @@ class ChatController:
             return
         for event in events:
             turn.fold.add(event)
-        turn.reply.content = turn.fold.text
+            self._split(turn, event)
+        turn.reply.content = turn.splitter.answer
         turn.reply.generated_tokens = len(turn.fold.token_ids)
         self.observer.reply_streamed(turn)
         if turn.fold.done:
@@ -890,15 +927,38 @@ class ChatController:
         elif turn.kept and time.monotonic() - turn.saved_at >= SAVE_INTERVAL:
             self._save_reply(turn, partial=True)
 
+    def _split(self, turn: Turn, event: TokenEvent) -> None:
+        """Fold an event into the reply's thinking and answer: a token counts as thinking when the
+        block is open after it or it closed the block."""
+        splitter, now = turn.splitter, time.monotonic()
+        was_closed = splitter.closed
+        splitter.feed(event.text)
+        if event.finished:
+            splitter.finish()
+        if splitter.reasoning is None:
+            return
+        reply = turn.reply
+        if reply.thought is None:
+            reply.thought = Thought("", prompted=splitter.prompted)
+        thought = reply.thought
+        thought.text = splitter.reasoning
+        if event.token_id is not None and (splitter.thinking or splitter.closed != was_closed):
+            thought.tokens += 1
+        if event.finished and not splitter.closed and event.stats is not None:
+            thought.seconds = event.stats.elapsed   # cut off while thinking: the whole request was thinking
+        elif splitter.thinking or splitter.closed != was_closed:
+            thought.seconds = now - turn.started    # (to the drain that saw it: within 1/STREAM_HZ)
+        thought.closed = splitter.closed
+
     def _save_reply(self, turn: Turn, partial: bool) -> None:
         """Insert the reply at its first save, then rewrite it; `partial` until it has ended."""
         conv, reply = turn.conversation, turn.reply
         turn.saved_at = time.monotonic()
         if reply.id is None:
             reply.id = self.store.add_message(conv.id, "assistant", reply.content, reply.stats, reply.created,
-                                              reply.note, partial, parent_id=turn.user.id)
+                                              reply.note, partial, parent_id=turn.user.id, thought=reply.thought)
         else:
-            self.store.update_message(reply.id, reply.content, reply.stats, reply.note, partial)
+            self.store.update_message(reply.id, reply.content, reply.stats, reply.note, partial, reply.thought)
 
     def _finish(self, turn: Turn) -> None:
         conv, user, reply = turn.conversation, turn.user, turn.reply
@@ -961,18 +1021,19 @@ class ChatController:
         """Whether a turn in flight has not had its first token yet."""
         return any(c.turn is not None and not c.turn.kept for c in self.conversations.values())
 
-    def load_model(self, model: str, progress=None) -> ModelInfo:
+    def load_model(self, model: str, progress=None, status=None) -> ModelInfo:
         """Load (or switch to) `model`. Blocking: run it in a worker thread. Replies in flight are
-        cancelled; on failure the previous model stays and the engine's error is raised."""
+        cancelled; on failure the previous model stays and the engine's error is raised. `progress` and
+        `status`: as EngineClient.load_model's."""
         with self._engine_job(EngineState.LOADING, model):
-            return self.client.load_model(model, progress=progress, **self.engine_config)
+            return self.client.load_model(model, progress=progress, status=status, **self.engine_config)
 
-    def restart_engine(self, progress=None) -> ModelInfo | None:
+    def restart_engine(self, progress=None, status=None) -> ModelInfo | None:
         """Start a new engine process with the last model (after the old one died). Blocking: run it
         in a worker thread. Sessions re-open (their history re-prefilled) on their next turn."""
         model = self.client.model.model if self.client.model is not None else ""
         with self._engine_job(EngineState.RESTARTING, model):
-            return self.client.restart(progress)
+            return self.client.restart(progress, status)
 
     @contextmanager
     def _engine_job(self, state: EngineState, model: str):

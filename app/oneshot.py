@@ -1,7 +1,9 @@
 """Headless one-shot generation: `nanochat --prompt "..."` and `nanochat run --prompt A --prompt B`.
 
 stdout carries only the reply (streamed as tokens arrive, then one newline), or JSON with --json;
-progress and stats go to stderr. On a terminal the reply passes the sanitizer (app/terminal_text.py); a
+progress and stats go to stderr. A reasoning model's thinking (<think>...</think>) is left out unless
+--show-thinking asks for it (then it comes first, between its tags, dim on a terminal); --json carries
+it apart ("reasoning"). On a terminal the reply passes the sanitizer (app/terminal_text.py); a
 pipe or a file gets its exact text. Several prompts run batched; their replies are printed in order,
 the earliest unfinished one streaming live while the others are buffered.
 """
@@ -19,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from nanochat.app.options import effective_sampling
-from nanochat.app.terminal_text import dim, for_terminal, is_terminal
+from nanochat.app.reasoning import CLOSE, OPEN, ThinkingSplitter, split_reasoning
+from nanochat.app.terminal_text import dim, for_terminal, is_terminal, sanitize
 
 LOAD_INDICATOR_DELAY = 0.4   # seconds before a loading spinner appears
 STDIN_WAIT = 1.0             # seconds to wait for a pipe on stdin to say something
@@ -35,6 +38,7 @@ class OneShotOptions:
     chat_template: bool = True
     json: bool = False
     quiet: bool = False
+    show_thinking: bool = False
 
 
 # ---------------------------------------------------------------------------------- shared helpers
@@ -68,10 +72,11 @@ def combine_prompt(piped: str, prompt: str | None) -> str:
 
 @contextlib.contextmanager
 def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDICATOR_DELAY):
-    """A rich progress bar on stderr, shown only if the block takes longer than `delay` and stderr is a
-    terminal (so logs and pipes stay clean). Yields `update(done, total)` for the bar (a spinner until
-    the first call)."""
-    state = {"started": False, "done": False, "task": None, "at": (0, 0)}
+    """A rich progress bar on stderr, shown only if the block takes longer than `delay` (or says it will
+    be slow) and stderr is a terminal (so logs and pipes stay clean). Yields (update(done, total), for the
+    bar (a spinner until the first call); status(text), slow one-time work the load does now (a kernel
+    compile), shown beside the label at once)."""
+    state = {"started": False, "done": False, "task": None, "at": (0, 0), "label": label}
 
     def update(done: int, total: int) -> None:
         state["at"] = (done, total)
@@ -79,9 +84,10 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
             progress.update(state["task"], completed=done, total=total)
 
     if not enabled or not sys.stderr.isatty():
-        yield update
+        yield update, lambda text: None
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -91,17 +97,24 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
 
     def start():
         with lock:
-            if not state["done"]:
+            if not state["done"] and not state["started"]:
                 progress.start()
                 done, total = state["at"]
-                state["task"] = progress.add_task(label, total=total or None, completed=done)
+                state["task"] = progress.add_task(state["label"], total=total or None, completed=done)
                 state["started"] = True
+
+    def status(text: str) -> None:
+        state["label"] = escape(sanitize(f"{label} · {text}"))   # text from the engine process: not markup
+        start()
+        with lock:
+            if state["task"] is not None:
+                progress.update(state["task"], description=state["label"])
 
     timer = threading.Timer(delay, start)
     timer.daemon = True
     timer.start()
     try:
-        yield update
+        yield update, status
     finally:
         timer.cancel()
         with lock:
@@ -135,6 +148,52 @@ def model_label(model: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- one-shot
+class ReplyPrinter:
+    """Writes a streamed reply as it comes: its answer, and with `show_thinking` its thinking first,
+    between <think> and </think>, dim on a terminal (an empty block is left out). On a terminal the text
+    passes the sanitizer. `prompted`: the prompt opened the thinking block (see app/reasoning.py)."""
+
+    def __init__(self, out, prompted: bool = False, show_thinking: bool = False, before: str = ""):
+        self.out, self.terminal = out, is_terminal(out)
+        self.splitter = ThinkingSplitter(prompted)
+        self.show_thinking = show_thinking
+        self.before = before            # written before the reply's first text (a blank line between replies)
+        self.printed = False
+        self._reasoning = self._answer = 0   # characters of each part written so far
+        self._closed = False                 # the closing tag is written
+
+    def add(self, text: str) -> None:
+        self.splitter.feed(text)
+        self._write()
+
+    def finish(self) -> None:
+        self.splitter.finish()
+        self._write()
+
+    def _write(self) -> None:
+        s = self.splitter
+        if self.show_thinking and s.reasoning and not self._closed:
+            if not self._reasoning:
+                self._start()
+                self.out.write(dim(f"{OPEN}\n", self.terminal))
+            if len(s.reasoning) > self._reasoning:
+                self.out.write(dim(s.reasoning[self._reasoning:], self.terminal))
+                self._reasoning = len(s.reasoning)
+            if s.closed:
+                self.out.write(dim(f"\n{CLOSE}", self.terminal) + "\n\n")
+                self._closed = True
+        if len(s.answer) > self._answer:
+            self._start()
+            self.out.write(for_terminal(s.answer[self._answer:], self.terminal))
+            self._answer = len(s.answer)
+        self.out.flush()
+
+    def _start(self) -> None:
+        if not self.printed:
+            self.out.write(for_terminal(self.before, self.terminal))
+            self.printed = True
+
+
 def load_client(model: str, engine_config: dict, quiet: bool):
     """An EngineClient with `model` loaded (a progress bar on stderr); (client, load seconds)."""
     from nanochat.engine.serve.client import EngineClient
@@ -142,8 +201,8 @@ def load_client(model: str, engine_config: dict, quiet: bool):
     t0 = time.perf_counter()
     client = EngineClient()
     try:
-        with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet) as progress:
-            client.load_model(model, progress=progress, **engine_config)
+        with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet) as (progress, status):
+            client.load_model(model, progress=progress, status=status, **engine_config)
     except BaseException:
         client.shutdown()
         raise
@@ -158,6 +217,8 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
     SamplingParams(**effective_sampling(opts.sampling))   # invalid values raise ValueError before loading
     client, load_s = load_client(opts.model, opts.engine_config, opts.quiet)
     sp = SamplingParams(**effective_sampling(opts.sampling, client.model.sampling_defaults))
+    # a template that opens the thinking block itself: the replies start inside it (raw prompts never do)
+    prompted = opts.chat_template and None in client.model.thinking_opened
     streams = []
     try:
         for text in opts.prompts:
@@ -165,7 +226,7 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
                 streams.append(client.submit_turn(client.open_session(opts.system), text, sp))
             else:
                 streams.append(client.submit(text, sp))
-        _print_in_order(streams, None if opts.json else out)
+        _print_in_order(streams, None if opts.json else out, prompted, opts.show_thinking)
         for stream in streams:
             stream.done.wait()
     except KeyboardInterrupt:
@@ -175,36 +236,32 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
         raise
     finally:
         client.shutdown()
-    return _report(opts, [s.reply for s in streams], load_s, out, err)
+    return _report(opts, [s.reply for s in streams], load_s, out, err, prompted)
 
 
-def _print_in_order(streams: list, out) -> None:
+def _print_in_order(streams: list, out, prompted: bool = False, show_thinking: bool = False) -> None:
     """Print the replies in prompt order as they arrive: the earliest unfinished one streams live,
     the later ones (generated in the same batch) come out of their buffers when their turn comes."""
     if out is None:
         return
-    terminal = is_terminal(out)
     for n, stream in enumerate(streams):
-        printed = False
+        # a blank line between the replies of several prompts
+        printer = ReplyPrinter(out, prompted, show_thinking, before="\n" if n > 0 else "")
         for event in stream:
-            if event.text:
-                if not printed and n > 0:
-                    out.write("\n")     # a blank line between the replies of several prompts
-                out.write(for_terminal(event.text, terminal))
-                out.flush()
-                printed = True
-        if printed or stream.reply.final.finish_reason != "error":
+            printer.add(event.text)
+        printer.finish()
+        if printer.printed or stream.reply.final.finish_reason != "error":
             out.write("\n")
             out.flush()
 
 
-def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int:
+def _report(opts: OneShotOptions, replies: list, load_s: float, out, err, prompted: bool = False) -> int:
     errors = [r.final.error or "generation failed" for r in replies if r.final.finish_reason == "error"]
     if opts.json:
         # JSON escapes C0 controls; on a terminal ensure_ascii escapes C1 and bidi too (the same text)
         ascii_only = is_terminal(out)
         for reply in replies:
-            out.write(json.dumps(_as_json(reply, opts.model), ensure_ascii=ascii_only) + "\n")
+            out.write(json.dumps(_as_json(reply, opts.model, prompted), ensure_ascii=ascii_only) + "\n")
         out.flush()
     terminal = is_terminal(err)
     if not opts.quiet:
@@ -223,11 +280,15 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err) -> int
     return 0
 
 
-def _as_json(reply, model: str) -> dict:
+def _as_json(reply, model: str, prompted: bool = False) -> dict:
+    """One reply: "text" is its answer, "reasoning" its thinking (null: none; the tags and the whitespace
+    around them dropped), "token_ids" all it generated."""
     final = reply.final
     st = final.stats
+    split = split_reasoning(reply.text, prompted)
     return {
-        "text": reply.text,
+        "text": split.answer,
+        "reasoning": split.reasoning,
         "token_ids": reply.token_ids,
         "prompt_tokens": st.prompt_tokens if st else 0,
         "cached_tokens": st.cached_tokens if st else 0,

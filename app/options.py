@@ -187,6 +187,27 @@ SAMPLING_RULES = {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "s
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512}
 
 
+# Chat settings that are variables of the chat template, not sampling: /think on|off sets
+# enable_thinking, which reasoning models' templates (Qwen3, SmolLM3) read.
+TEMPLATE_SWITCHES = {"think": "enable_thinking"}
+
+
+def on_off(raw: str) -> bool:
+    """A switch typed as text: on/off (yes/no, true/false, 1/0); ValueError with one line otherwise."""
+    value = {"on": True, "yes": True, "true": True, "1": True,
+             "off": False, "no": False, "false": False, "0": False}.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(f"expected on or off, got {shown(raw)}")
+    return value
+
+
+def template_variables(settings: dict) -> dict:
+    """The chat template variables a chat's settings set (switches stored as anything but a bool are
+    ignored: a damaged settings value)."""
+    return {variable: settings[name] for name, variable in TEMPLATE_SWITCHES.items()
+            if isinstance(settings.get(name), bool)}
+
+
 def sampling_options(args, settings) -> dict:
     """The SamplingParams keyword arguments the user states: each flag over its settings value (--seed and
     --ignore-eos have none); what neither states is left out, for `effective_sampling` to fill."""

@@ -8,6 +8,10 @@ prompt_toolkit gives line editing and a persistent history on a terminal; withou
 piped) lines are read with input(), replies go to stdout and stats lines to stderr. What goes to a
 terminal passes the sanitizer (app/terminal_text.py); a pipe or a file gets the exact text.
 
+A reasoning model's thinking (<think>...</think>) is not printed unless --show-thinking asks for it
+(then first, dim on a terminal, as one-shots do); /thinking prints the last reply's, and /think on|off
+switches it (the chat template's enable_thinking).
+
 Keys: Ctrl-C during a reply cancels it (the partial reply is kept), Ctrl-C at the prompt clears
 the line, Ctrl-D exits.
 """
@@ -18,8 +22,8 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from nanochat.app.oneshot import format_stats, length_note, model_label
-from nanochat.app.options import effective_sampling
+from nanochat.app.oneshot import ReplyPrinter, format_stats, length_note, model_label
+from nanochat.app.options import effective_sampling, on_off
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal
 
 PROMPT = "> "
@@ -28,6 +32,8 @@ COMMANDS = {
     "/history": "show the conversation with per-turn stats",
     "/clear": "start over (keeps the system prompt, frees the conversation's KV cache)",
     "/system [TEXT]": "show the system prompt, or set it (starts over)",
+    "/think on|off|-": "reasoning models: think before answering, or not (- : the model's default)",
+    "/thinking": "show the last reply's thinking",
     "/exit": "leave (also /quit or Ctrl-D)",
 }
 
@@ -39,6 +45,7 @@ class ReplOptions:
     sampling: dict = field(default_factory=dict)     # SamplingParams keyword arguments
     system: str | None = None
     history_file: str | None = None                  # prompt_toolkit FileHistory path
+    show_thinking: bool = False                      # print a reply's thinking before its answer
 
 
 class _Terminal:
@@ -49,9 +56,6 @@ class _Terminal:
         self.interactive = interactive
         self.tty = is_terminal(sys.stdout)
         self.err_tty = is_terminal(sys.stderr)
-
-    def reply(self, text: str) -> None:
-        print(for_terminal(text, self.tty), end="", flush=True)
 
     def newline(self) -> None:
         print(flush=True)
@@ -117,6 +121,7 @@ class _Turn:
     role: str
     content: str
     stats: object = None      # RequestStats of a reply
+    reasoning: str | None = None   # a reply's thinking (None: none)
 
 
 class Repl:
@@ -130,6 +135,7 @@ class Repl:
         self.system_prompt = opts.system
         self.session = client.open_session(opts.system)
         self.turns: list[_Turn] = []
+        self.think: bool | None = None    # enable_thinking for the template (None: not given)
 
     # ------------------------------------------------------------------ loop
     def run(self, read_line) -> int:
@@ -160,16 +166,19 @@ class Repl:
         try:
             if not self.client.alive:
                 self.term.note("restarting the engine…")
-            stream = self.client.submit_turn(self.session, text, self.sp)
+            variables = None if self.think is None else {"enable_thinking": self.think}
+            stream = self.client.submit_turn(self.session, text, self.sp, template_kwargs=variables)
         except KeyboardInterrupt:     # Ctrl-C before the request was submitted
             return
-        cancelled = self._stream(stream)
+        printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened, self.opts.show_thinking)
+        cancelled = self._stream(stream, printer)
         reply = stream.result()
         final = reply.final
         if reply.token_ids:
-            self.turns += [_Turn("user", text), _Turn("assistant", reply.text, reply.stats)]
+            split = printer.splitter
+            self.turns += [_Turn("user", text), _Turn("assistant", split.answer, reply.stats, split.reasoning)]
         if final.finish_reason == "error":
-            if reply.token_ids:
+            if printer.printed:
                 self.term.newline()
             hint = " (type /clear to start over)" if self.turns and self.client.alive else ""
             self.term.error(f"{final.error or 'generation failed'}{hint}")
@@ -179,14 +188,14 @@ class Repl:
         extra = "cancelled" if cancelled else (length_note(st) if final.finish_reason == "length" else "")
         self.term.note(format_stats(st, extra))
 
-    def _stream(self, stream) -> bool:
+    def _stream(self, stream, printer: ReplyPrinter) -> bool:
         """Print deltas as they come; Ctrl-C cancels the request and waits for its final event."""
         cancelled = False
         while True:
             try:
                 for event in stream:
-                    if event.text:
-                        self.term.reply(event.text)
+                    printer.add(event.text)
+                printer.finish()
                 return cancelled
             except KeyboardInterrupt:
                 if not cancelled:
@@ -208,6 +217,11 @@ class Repl:
             self.term.note("conversation cleared")
         elif name == "/system":
             self.system(arg.strip())
+        elif name == "/think":
+            self.set_think(arg.strip())
+        elif name == "/thinking":
+            reasoning = next((m.reasoning for m in reversed(self.turns) if m.role == "assistant"), None)
+            self.term.note(reasoning or "(the last reply has no thinking)")
         else:
             self.term.info(f"unknown command {name}; type /help for the list of commands")
         return None
@@ -237,6 +251,21 @@ class Repl:
                     parts.append(st.finish_reason)
                 lines.append("    (" + " · ".join(parts) + ")")
         return "\n".join(lines)
+
+    def set_think(self, arg: str) -> None:
+        if not arg:
+            self.term.info(f"thinking: {({True: 'on', False: 'off'}).get(self.think, 'the model default')}")
+            return
+        try:
+            self.think = None if arg == "-" else on_off(arg)
+        except ValueError as e:
+            self.term.info(f"/think: {e}")
+            return
+        if not self.client.model.thinking_switch:
+            self.term.note("this model's chat template has no thinking switch (enable_thinking): nothing changes")
+        else:
+            self.term.note(f"thinking {({True: 'on', False: 'off'}).get(self.think, 'as the model does by default')}"
+                           " from the next reply")
 
     def clear(self) -> None:
         self.client.close_session(self.session)

@@ -7,6 +7,10 @@ WAL mode with synchronous=NORMAL: a commit is an append, not an fsync of the dat
 streaming costs well under a millisecond. The schema is versioned with PRAGMA user_version; `migrate`
 brings any older file up to SCHEMA_VERSION step by step.
 
+A reply's thinking (schema v5: <think>...</think> of reasoning models) is kept apart from its answer:
+`content` is the answer, `reasoning` the thinking's text and `thought` its numbers (JSON, app/reasoning.py's
+Thought); replies saved before v5 are split when the file is migrated.
+
 Messages form a tree (schema v4): each has a parent (None for a conversation's first messages), so a
 regenerated reply or an edited message is a sibling of the one it replaces, and nothing is ever
 overwritten. A conversation records the last message of the path it shows (`leaf_id`) and its own
@@ -38,6 +42,7 @@ from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanochat.app.reasoning import Thought, split_reasoning
 from nanochat.app.terminal_text import sanitize
 from nanochat.engine.output import RequestStats
 
@@ -54,6 +59,7 @@ class StoredMessage:
     note: str = ""               # e.g. "history re-prefilled", "interrupted: engine stopped"
     partial: bool = False        # saved while streaming and never finished (the app was killed mid-reply)
     parent_id: int | None = None # the message it answers or follows (None: a first message)
+    thought: Thought | None = None   # a reply's thinking (None: it had none)
 
 
 @dataclass
@@ -117,7 +123,25 @@ def _v4(conn: sqlite3.Connection) -> None:
     """)
 
 
-MIGRATIONS = [_v1, _v2, _v3, _v4]          # MIGRATIONS[k] upgrades user_version k -> k + 1
+def _v5(conn: sqlite3.Connection) -> None:
+    # A reply's thinking apart from its answer. Replies saved before kept it in their text: split them,
+    # as the model wrote them (a reply holding </think> but no <think> had the block opened by its prompt).
+    conn.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
+    conn.execute("ALTER TABLE messages ADD COLUMN thought TEXT")
+    rows = conn.execute("SELECT id, content FROM messages WHERE role = 'assistant' AND content LIKE ?",
+                        ("%</think>%",)).fetchall() + \
+        conn.execute("SELECT id, content FROM messages WHERE role = 'assistant' AND content LIKE ? "
+                     "AND content NOT LIKE ?", ("%<think>%", "%</think>%")).fetchall()
+    for mid, content in rows:
+        prompted = "<think>" not in content
+        split = split_reasoning(content, prompted)
+        if split.reasoning is not None:
+            thought = Thought(split.reasoning, closed=split.closed, prompted=prompted)
+            conn.execute("UPDATE messages SET content = ?, reasoning = ?, thought = ? WHERE id = ?",
+                         (split.answer, thought.text, json.dumps(thought.meta()), mid))
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4, _v5]          # MIGRATIONS[k] upgrades user_version k -> k + 1
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -505,9 +529,9 @@ class ChatStore:
     # ------------------------------------------------------------------ messages
     def add_message(self, conversation_id: int, role: str, content: str, stats: RequestStats | None = None,
                     created: float | None = None, note: str = "", partial: bool = False,
-                    parent_id: int | None | object = AFTER_LEAF) -> int:
+                    parent_id: int | None | object = AFTER_LEAF, thought: Thought | None = None) -> int:
         """A new message under `parent_id` (None: a first message; by default after the end of the path
-        shown); it becomes the end of the path shown."""
+        shown); it becomes the end of the path shown. `content` is a reply's answer, `thought` its thinking."""
         now = created if created is not None else time.time()
         # the end of the path shown is read when the write runs: after the writes still pending
         parent, parent_arg = (("(SELECT leaf_id FROM conversations WHERE id = ?)", conversation_id)
@@ -516,17 +540,19 @@ class ChatStore:
             mid = self._new_id("messages")
             self._submit([
                 ("INSERT INTO messages (id, conversation_id, role, content, stats, created, note, partial, "
-                 f"parent_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {parent})",
-                 (mid, conversation_id, role, content, _stats_json(stats), now, note, partial, parent_arg)),
+                 f"reasoning, thought, parent_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {parent})",
+                 (mid, conversation_id, role, content, _stats_json(stats), now, note, partial,
+                  *_thought_columns(thought), parent_arg)),
                 ("UPDATE conversations SET updated = ?, leaf_id = ? WHERE id = ?", (now, mid, conversation_id)),
             ], message=mid, text=content, role=role)
         return mid
 
     def update_message(self, message_id: int, content: str, stats: RequestStats | None = None, note: str = "",
-                       partial: bool = False) -> None:
+                       partial: bool = False, thought: Thought | None = None) -> None:
         """Rewrite a message saved earlier (a streaming reply: its text so far, then its end)."""
-        self._submit([("UPDATE messages SET content = ?, stats = ?, note = ?, partial = ? WHERE id = ?",
-                       (content, _stats_json(stats), note, partial, message_id))],
+        self._submit([("UPDATE messages SET content = ?, stats = ?, note = ?, partial = ?, reasoning = ?, "
+                       "thought = ? WHERE id = ?",
+                       (content, _stats_json(stats), note, partial, *_thought_columns(thought), message_id))],
                      key=("update", message_id), message=message_id, text=content)
 
     def delete_message(self, message_id: int) -> None:
@@ -536,11 +562,12 @@ class ChatStore:
     def messages(self, conversation_id: int) -> list[StoredMessage]:
         """The messages saved (not those a storage fault holds back), oldest first."""
         with self._lock:
-            rows = self._conn.execute("SELECT id, role, content, stats, created, note, partial, parent_id "
-                                      "FROM messages WHERE conversation_id = ? ORDER BY id",
+            rows = self._conn.execute("SELECT id, role, content, stats, created, note, partial, parent_id, "
+                                      "reasoning, thought FROM messages WHERE conversation_id = ? ORDER BY id",
                                       (conversation_id,)).fetchall()
-        return [StoredMessage(i, role, content, _read_stats(stats), created, note or "", bool(partial), parent)
-                for i, role, content, stats, created, note, partial, parent in rows]
+        return [StoredMessage(i, role, content, _read_stats(stats), created, note or "", bool(partial), parent,
+                              _read_thought(reasoning, thought))
+                for i, role, content, stats, created, note, partial, parent, reasoning, thought in rows]
 
     def clear_messages(self, conversation_id: int) -> None:
         self._submit([("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,)),
@@ -589,6 +616,21 @@ def _conversation(row: tuple) -> StoredConversation:
 
 def _stats_json(stats: RequestStats | None) -> str | None:
     return json.dumps(stats.to_dict()) if stats is not None else None
+
+
+def _thought_columns(thought: Thought | None) -> tuple[str | None, str | None]:
+    return (thought.text, json.dumps(thought.meta())) if thought is not None else (None, None)
+
+
+def _read_thought(text: str | None, raw: str | None) -> Thought | None:
+    """A reply's thinking as stored; damaged numbers read as unknown, the text stays."""
+    if text is None:
+        return None
+    try:
+        meta = json.loads(raw or "{}")
+        return Thought.from_meta(text, meta if isinstance(meta, dict) else None)
+    except (ValueError, TypeError):
+        return Thought(text)
 
 
 def _read_stats(raw: str | None) -> RequestStats | None:

@@ -1,5 +1,6 @@
 """The sampling settings a model file recommends: GGUF `general.sampling.*` keys, or a Hugging Face
-folder's generation_config.json.
+folder's generation_config.json; and for the models nanochat ships, their model card's (card_defaults),
+which the engine puts under the file's own.
 
 It lives in the engine, not in models/, because SamplingParams is the judge of what is valid and
 models/ may not import the engine (tests/test_layering.py).
@@ -27,6 +28,15 @@ def sampling_defaults(source) -> dict:
     stated = _hf_stated(source.generation_config()) if hasattr(source, "generation_config") \
         else _gguf_stated(source)
     checked = {name: _checked(name, value) for name, value in stated.items()}
+    return {name: value for name, value in checked.items() if value is not None}
+
+
+def card_defaults(source) -> dict:
+    """The model card's recommended sampling of a model nanochat ships (models/catalog.py), checked as a
+    file's are; {} for other models."""
+    from nanochat.models.catalog import card_sampling
+
+    checked = {name: _checked(name, value) for name, value in card_sampling(source.path).items()}
     return {name: value for name, value in checked.items() if value is not None}
 
 

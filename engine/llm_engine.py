@@ -13,7 +13,7 @@ import torch
 
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
-from nanochat.engine.generation_defaults import sampling_defaults
+from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
 from nanochat.engine.output import ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent
 from nanochat.engine.sampler import Sampler, TokenHistory
@@ -91,7 +91,10 @@ class LLMEngine:
         self.dtype = self.config.resolved_dtype(self.device)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
-        self.sampling_defaults = sampling_defaults(self.loaded.source)   # what the model file recommends
+        # What the model file recommends, over its model card's for a model nanochat ships (key by key).
+        stated = sampling_defaults(self.loaded.source)
+        self.card_sampling = {k: v for k, v in card_defaults(self.loaded.source).items() if k not in stated}
+        self.sampling_defaults = {**self.card_sampling, **stated}
         self.workers = None
         if self.config.tensor_parallel_size > 1:
             from nanochat.engine.tensor_parallel import Workers, worker_device
@@ -331,7 +334,7 @@ class LLMEngine:
         if self.workers is not None:
             report.extra["tensor parallel"] = (f"{self.config.tensor_parallel_size} ranks; the weights and KV cache "
                                                "above are rank 0's shard")
-        report.sampling_defaults = self.sampling_defaults
+        report.sampling_defaults, report.card_sampling = self.sampling_defaults, self.card_sampling
         return report
 
     def stats(self) -> EngineStats:

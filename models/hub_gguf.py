@@ -89,7 +89,7 @@ def fetch(ref: HubRef, progress: Progress | None = None) -> Path:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-    endpoint, cache = _endpoint(), _cache_dir()
+    endpoint, cache = _endpoint(), hub_cache_dir()
     try:
         info = HfApi(endpoint=endpoint).model_info(ref.repo)
     except RepositoryNotFoundError:
@@ -240,7 +240,8 @@ def _endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
 
-def _cache_dir() -> Path:
+def hub_cache_dir() -> Path:
+    """The hub cache, HF_HUB_CACHE read now (huggingface_hub's modules bind it when they are imported)."""
     from huggingface_hub import constants
     return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
 

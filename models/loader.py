@@ -103,9 +103,12 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
     cfg = source.config
     cache = None
     if pack_cache and device.type == "cpu" and not dequantize and str(source.path).lower().endswith(".gguf"):
-        from nanochat.models.pack_cache import PackCache, usable
+        from nanochat.kernels.notices import announce
+        from nanochat.models.pack_cache import REPACKING, PackCache, usable
         if usable():
             cache = PackCache(source.path)
+            if cache.missing:
+                announce(REPACKING)
     loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE)
     model = _build(cfg, source, loader, block_size, max_positions)
     if cache is not None:

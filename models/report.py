@@ -25,7 +25,8 @@ class ModelReport:
     why_not: str | None = None
     isa: str | None = None                # the CPU kernels' code path ("avx512-vnni", "avx2", "scalar")
     extra: dict[str, str] = field(default_factory=dict)   # engine-level lines (KV cache, load time)
-    sampling_defaults: dict = field(default_factory=dict)  # SamplingParams keywords the model file recommends
+    sampling_defaults: dict = field(default_factory=dict)  # SamplingParams keywords the model recommends
+    card_sampling: dict = field(default_factory=dict)      # those of them from its model card, not its file
 
     def lines(self) -> list[tuple[str, str]]:
         path = "fused whole-stack CPU kernel" if self.fused else f"module by module ({self.why_not})"
@@ -38,8 +39,11 @@ class ModelReport:
         rows += [(f"  {name}", desc) for name, desc in self.projections.items()]
         rows += [("lm_head", self.head), ("embedding", self.embedding)]
         rows += list(self.extra.items())
-        stated = " · ".join(f"{name} {value:g}" for name, value in self.sampling_defaults.items())
-        rows.append(("sampling defaults", stated or "none stated in the model file"))
+        stated = " · ".join(f"{name} {value:g}" for name, value in self.sampling_defaults.items()
+                            if name not in self.card_sampling)
+        card = " · ".join(f"{name} {value:g}" for name, value in self.card_sampling.items())
+        value = stated or "none stated in the model file"
+        rows.append(("sampling defaults", f"{value}; its model card's: {card}" if card else value))
         return rows
 
 

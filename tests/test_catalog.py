@@ -114,8 +114,6 @@ def _fake_hub_cache(root, tiny_folder):
 
 
 def test_discover_models(tmp_path, tiny_models, monkeypatch):
-    import huggingface_hub.constants
-
     models = tmp_path / "models"
     models.mkdir()
     write_meta_gguf(models / "a.gguf", name="model a")
@@ -125,7 +123,7 @@ def test_discover_models(tmp_path, tiny_models, monkeypatch):
     write_meta_gguf(models / "nested" / "b.gguf", arch="llama", name="model b")
     (models / "README.md").write_text("hi")
     hub = _fake_hub_cache(tmp_path / "hub", tiny_models["qwen3"])
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
 
     recent = [str(tiny_models["qwen2"]), str(models / "a.gguf"), "/no/such/model.gguf"]
     entries = discover_models([models, tmp_path / "absent"], recent=recent)

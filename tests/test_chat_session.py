@@ -150,3 +150,24 @@ def test_a_session_from_its_transcript_continues_like_the_original(tiny_models):
     assert rebuilt.prepare_turn("second") == session.prepare_turn("second") == fork.prepare_turn("second")
     session.abandon_turn()
     assert session.token_ids == fork.token_ids[:len(session.token_ids)] and not session.in_turn
+
+
+def test_template_variables_reach_each_turns_prompt_and_earlier_turns_keep_their_ids(tiny_models):
+    from test_chat_template import QWEN3_TEMPLATE
+
+    from nanochat.models.chat_template import ChatTemplate
+
+    engine = make_engine(tiny_models)
+    tok = engine.tokenizer
+    template = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
+    session = ChatSession(tok, template)
+    off = {"enable_thinking": False}
+    ids1 = session.prepare_turn("question one", off)
+    assert tok.decode(ids1).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")   # thinking off
+    session.complete_turn("answer one", tok.encode("answer one", add_special_tokens=False))
+    history = list(session.token_ids)
+    ids2 = session.prepare_turn("question two", {"enable_thinking": True})
+    assert ids2[:len(history)] == history and tok.decode(ids2).endswith("<|im_start|>assistant\n")
+    # a session rebuilt from its transcript renders its turns with the variables given
+    rebuilt = ChatSession.from_history(tok, template, None, session.transcript_messages, template_kwargs=off)
+    assert rebuilt.token_ids == history

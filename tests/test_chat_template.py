@@ -261,6 +261,24 @@ def test_for_tokenizer_uses_embedded_template(smol):
     assert ids.count(tok.token_to_id("<|im_start|>")) == 3  # system, user, assistant
 
 
+# A template that opens the thinking block in its generation prompt (Qwen3-Thinking-2507, DeepSeek-R1
+# distills): the model writes only the thinking's body and </think>.
+THINKING_PROMPT_TEMPLATE = CHATML_TEMPLATE.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+
+
+def test_thinking_modes_say_whether_the_template_switches_thinking_and_opens_the_block():
+    # Qwen3 reads enable_thinking; with it off its prompt holds a closed, empty block (opens none)
+    assert ChatTemplate(QWEN3_TEMPLATE).thinking_modes() == (True, frozenset())
+    assert ChatTemplate(THINKING_PROMPT_TEMPLATE).thinking_modes() == (False, frozenset({None, True, False}))
+    assert ChatTemplate(CHATML_TEMPLATE).thinking_modes() == (False, frozenset())
+    # a template whose switch only opens the block when on; one that fails when it is given
+    opens_on = CHATML_TEMPLATE.replace("'<|im_start|>assistant\n'",
+                                       "'<|im_start|>assistant\n' + ('<think>\n' if enable_thinking else '')")
+    assert ChatTemplate(opens_on).thinking_modes() == (True, frozenset({True}))
+    picky = "{% if enable_thinking is defined %}{{ raise_exception('no') }}{% endif %}" + THINKING_PROMPT_TEMPLATE
+    assert ChatTemplate(picky).thinking_modes() == (False, frozenset({None}))
+
+
 # ---- limits (issue #14): a template is input from whoever made the model file ----
 
 import resource  # noqa: E402

@@ -18,7 +18,7 @@ from nanochat.app import cli
 from nanochat.app.settings import Settings
 
 SMOLLM = smollm_gguf_path()
-JSON_KEYS = {"text", "token_ids", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "decode_tok_s",
+JSON_KEYS = {"text", "reasoning", "token_ids", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "decode_tok_s",
              "finish_reason", "model"}
 
 
@@ -77,6 +77,31 @@ def test_json_schema_and_token_count(home, tiny):
     assert out["ttft_s"] > 0 and out["decode_tok_s"] > 0
     assert out["model"] == tiny
     assert "7 tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_models, tmp_path_factory):
+    """The tiny Qwen3 model under a template whose prompt opens the thinking block (as Qwen3-Thinking's
+    does): everything it writes, never closing the block, is thinking."""
+    import shutil
+
+    from test_chat_template import THINKING_PROMPT_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("thinking") / "qwen3"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_PROMPT_TEMPLATE}))
+    return str(folder)
+
+
+def test_a_reasoning_models_thinking_is_left_out_unless_asked_for(home, thinking_model):
+    base = ["--model", thinking_model, "--prompt", "hello there", "--max-tokens", "6", "--ignore-eos",
+            "--temperature", "0"]
+    data = json.loads(run_cli([*base, "--json"], home).stdout)
+    assert data["reasoning"] and data["text"] == "" and len(data["token_ids"]) == 6
+    assert run_cli(base, home).stdout == "\n"                        # the answer only: none yet
+    shown = run_cli([*base, "--show-thinking"], home).stdout       # a pipe: exact, between its tags
+    assert shown == f"<think>\n{data['reasoning']}\n"
 
 
 def test_stdout_holds_only_the_reply(home, tiny):

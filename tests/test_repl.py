@@ -230,3 +230,31 @@ def test_a_ctrl_c_that_escapes_a_turn_keeps_the_repl_going():
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C escaped the REPL's loop")
     assert rc == 0 and turns == ["first", "second"]
+
+
+from test_cli import thinking_model  # noqa: E402,F401  (the fixture)
+
+
+def test_the_thinking_is_shown_only_when_asked_for(env, thinking_model):
+    child = spawn(env, thinking_model, "--max-tokens", "4", "--ignore-eos", "--show-thinking")
+    try:
+        child.sendline("hello there")
+        child.expect(r"<think>\r?\n")        # --show-thinking: the thinking first, marked
+        child.expect(STATS)
+        child.expect(PROMPT)
+        child.sendline("/think off")
+        child.expect("no thinking switch")   # this template has none
+        child.expect(PROMPT)
+        child.sendline("/thinking")          # the last reply's thinking, again
+        child.expect(r"\S")
+        assert "has no thinking" not in child.before
+        child.expect(PROMPT)
+    finally:
+        child.close(force=True)
+    plain = spawn(env, thinking_model, "--max-tokens", "4", "--ignore-eos")
+    try:
+        plain.sendline("hello there")
+        plain.expect(STATS)
+        assert "<think>" not in plain.before     # the answer only (none: it never closed its thinking)
+    finally:
+        plain.close(force=True)

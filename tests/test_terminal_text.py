@@ -28,7 +28,7 @@ import pytest
 from textual import events
 from textual._xterm_parser import XTermParser
 
-from nanochat.app.oneshot import OneShotOptions, _print_in_order, _report
+from nanochat.app.oneshot import OneShotOptions, ReplyPrinter, _print_in_order, _report
 from nanochat.app.paths import get_paths
 from nanochat.app.repl import _Terminal
 from nanochat.app.store import ChatStore
@@ -162,7 +162,7 @@ class Stream:
         return iter([NS(text=c) for c in CHUNKS])
 
 class Client:
-    model = NS(sampling_defaults={{}})
+    model = NS(sampling_defaults={{}}, thinking_opened=frozenset())
     def open_session(self, system): return None
     def submit_turn(self, session, text, sp): return Stream()
     def shutdown(self): pass
@@ -186,17 +186,31 @@ def test_a_one_shot_on_a_pty_writes_no_escape_sequence_of_the_model():
 # ---------------------------------------------------------------------------------- REPL
 def test_repl_writes_through_the_sanitizer_on_a_terminal(capsys):
     term = _Terminal(interactive=False)
-    term.reply(HOSTILE)
     term.info(HOSTILE)
-    assert capsys.readouterr().out == HOSTILE + HOSTILE + "\n"      # a pipe: exact
+    assert capsys.readouterr().out == HOSTILE + "\n"      # a pipe: exact
     term.tty = term.err_tty = True
-    term.reply(HOSTILE)
     term.info(HOSTILE)
     term.note(HOSTILE)
     term.error(HOSTILE)
     captured = capsys.readouterr()
-    assert captured.out == SHOWN_HOSTILE + SHOWN_HOSTILE + "\n"
+    assert captured.out == SHOWN_HOSTILE + "\n"
     assert captured.err == f"{SHOWN_HOSTILE}\nnanochat: error: {SHOWN_HOSTILE}\n"
+
+
+def test_a_reply_and_its_thinking_are_sanitized_on_a_terminal_and_exact_in_a_pipe():
+    """The REPL's and the one-shots' printer, thinking shown (dim on a terminal)."""
+    tty, pipe = Tty(), io.StringIO()
+    for out in (tty, pipe):
+        printer = ReplyPrinter(out, show_thinking=True)
+        for chunk in ["<thi", "nk>\n", *CHUNKS, "\n</th", "ink>\n\n", *CHUNKS]:
+            printer.add(chunk)
+        printer.finish()
+    assert pipe.getvalue() == f"<think>\n{''.join(CHUNKS)}\n</think>\n\n{''.join(CHUNKS)}"
+    shown = "Here: ␛]2;PWNED␇ ␛[41mRED<U+009B>31m <U+202E>!"
+    thinking, answer = tty.getvalue().split("</think>")
+    assert thinking.startswith("\x1b[2m<think>\n") and answer.startswith("\x1b[0m\n\n")   # the thinking dim
+    plain = tty.getvalue().replace("\x1b[2m", "").replace("\x1b[0m", "")
+    assert plain == f"<think>\n{shown}\n</think>\n\n{shown}" and "\x1b" not in plain
 
 
 def test_repl_history_shows_a_pasted_escape_sequence_visibly(tmp_path, tiny_models):

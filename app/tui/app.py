@@ -15,7 +15,9 @@ second the engine lost 5-13% in later replies on AVX-512 (benchmarks/tui_vs_head
 take new engine stats at most every STATS_EVERY s, and Python's garbage collector waits for the
 replies to end. The UI thread itself runs at a low priority (yield_to_engine), so that it draws in
 the gaps the engine leaves.
-Model loads and engine restarts are blocking client calls, run in worker threads.
+Model loads and engine restarts are blocking client calls, run in worker threads. What a load does
+that makes it slow (compiling the kernels for this machine, repacking a new file's weights) comes from
+the client's reader thread as a LoadNote, and shows beside "loading" until the load ends.
 
 Data flows down (the controller and settings into screens, `engine_status` into the gauges); news
 flows up as messages (the controller's through TuiObserver, LoadModel from the picker and /model).
@@ -36,6 +38,7 @@ from pathlib import Path
 from rich.text import Text
 from textual import on, work
 from textual.app import App
+from textual.message import Message
 from textual.reactive import var
 from textual.timer import Timer
 
@@ -87,20 +90,31 @@ def next_tick(spent: float, awaiting_first_token: bool) -> float:
     return min(MAX_TICK, max(1 / STREAM_HZ, spent / UI_SHARE))
 
 
-def engine_labels(controller: ChatController) -> tuple[str, str, bool]:
-    """(model, detail, busy) for the gauges, from what the engine is doing."""
+def engine_labels(controller: ChatController, note: str | None = None) -> tuple[str, str, bool]:
+    """(model, detail, busy) for the gauges, from what the engine is doing; `note`: the slow work of the
+    load or restart running (a kernel compile)."""
     state, info = controller.engine_state, controller.model
     name = model_display_name(info.model if info is not None else None)
     if state is EngineState.LOADING:
-        return name, f"loading {model_display_name(controller.job_model)}…", True
+        loading = f"loading {model_display_name(controller.job_model)}"
+        return name, f"{loading}: {note}" if note else f"{loading}…", True
     if state is EngineState.RESTARTING:
-        return name, "restarting the engine…", True
+        return name, f"restarting the engine: {note}" if note else "restarting the engine…", True
     if state is EngineState.STOPPED:
         return name, "engine stopped", False
     if info is None:
         return name, "", False
     device = info.device if info.tensor_parallel_size == 1 else f"{info.device} × {info.tensor_parallel_size} ranks"
     return name, " · ".join(x for x in (info.arch, device, info.dtype) if x), False
+
+
+class LoadNote(Message):
+    """What the load (or restart) in progress is doing that takes long; posted from the client's reader
+    thread."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
 
 class NanochatApp(App):
@@ -135,6 +149,10 @@ class NanochatApp(App):
         self._stats: EngineStats | None = None      # engine stats the gauges have not shown yet
         self._stats_at = 0.0                        # when the gauges last took stats
         self._gc_deferred_at: float | None = None   # when streaming turned the garbage collector off
+        # A load asked for and not ended: true from start-up, before the load's worker has begun (the
+        # controller says LOADING only from then on), so that a message sent at once waits for it.
+        self.load_pending = False
+        self.load_note: str | None = None           # LoadNote's text, while its load runs
         register_themes(self)
         self.theme = self.settings.theme if self.settings.theme in self.available_themes else DEFAULT_THEME
 
@@ -160,6 +178,7 @@ class NanochatApp(App):
         for warning in self.settings.warnings:
             self.notify(warning, severity="warning")
         if self.controller.model is None and self.startup_model:
+            self.load_pending = True
             self.startup_load(self.startup_model)
         elif self.controller.model is None:
             self.notify("No model loaded: pick one (Ctrl+L or /model)", severity="warning")
@@ -178,8 +197,19 @@ class NanochatApp(App):
 
     # ------------------------------------------------------------------ engine status
     def refresh_engine_status(self) -> None:
-        model, detail, busy = engine_labels(self.controller)
+        model, detail, busy = engine_labels(self.controller, self.load_note)
         self.engine_status = replace(self.engine_status, model=model, detail=detail, busy=busy)
+
+    def post_load_note(self, text: str) -> None:
+        """A load's `status` callback (any thread)."""
+        self.post_message(LoadNote(text))
+
+    @on(LoadNote)
+    def _load_note(self, message: LoadNote) -> None:
+        if self.load_pending or self.controller.engine_state in (EngineState.LOADING, EngineState.RESTARTING):
+            self.load_note = message.text   # (a note that comes after its load ended is dropped)
+            self.refresh_engine_status()
+            self.chat_screen.show_load_note(message.text)
 
     async def stream_tick(self) -> None:
         """Drain the controller and draw what it brought (reply text, gauges) as one batch; then wait
@@ -233,6 +263,8 @@ class NanochatApp(App):
 
     @on(EngineChanged)
     def _engine_changed(self) -> None:
+        if self.controller.engine_state not in (EngineState.LOADING, EngineState.RESTARTING):
+            self.load_note = None   # the job it was about has ended
         self.refresh_engine_status()
 
     @on(EngineStopped)
@@ -269,19 +301,24 @@ class NanochatApp(App):
         return entries
 
     async def load_model(self, model: str) -> str | None:
-        """Load `model` in a worker thread; None on success, else why not (the previous model stays)."""
+        """Load `model` in a worker thread; None on success, else why not (the previous model stays).
+        Then the message that waited for it goes out, or back to the input."""
+        self.load_pending = True
+        error = None
         try:
-            await asyncio.to_thread(self.controller.load_model, model)
+            await asyncio.to_thread(self.controller.load_model, model, status=self.post_load_note)
         except Exception as e:   # a bad file, a bad id, out of memory, a load already running: one line
             error = one_line(e)
             self.notify(f"could not load {model}: {error}", severity="error", timeout=10)
-            return error
         finally:
+            self.load_pending, self.load_note = False, None
             self.refresh_engine_status()
-        self.settings.remember_model(model)
-        self._save_settings()
-        self.notify(f"Loaded {model_display_name(model)}")
-        return None
+        if error is None:
+            self.settings.remember_model(model)
+            self._save_settings()
+            self.notify(f"Loaded {model_display_name(model)}")
+        await self.chat_screen.engine_ready(None if error is None else "the model did not load")
+        return error
 
     @on(LoadModel)
     def _load_requested(self, message: LoadModel) -> None:

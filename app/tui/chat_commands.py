@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nanochat.app.controller import ChatController, ChatError, describe_settings, model_display_name, setting_value
+from nanochat.app.options import on_off
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.messages import LoadModel
 from nanochat.app.tui.screens import (BenchScreen, ConfirmScreen, HelpScreen, HistoryScreen, ModelPicker, TextPrompt,
@@ -43,7 +44,7 @@ class ChatCommands:
         self.last_export: Path | None = None
         self.handlers: dict[str, Callable[[str], Awaitable[None]]] = {
             "help": self.help, "new": self.new, "rename": self.rename, "delete": self.delete, "retry": self.retry,
-            "edit": self.edit, "fork": self.fork, "set": self.set, "clear": self.clear,
+            "edit": self.edit, "fork": self.fork, "set": self.set, "think": self.think, "clear": self.clear,
             "history": self.history, "system": self.system, "model": self.model, "bench": self.bench,
             "export": self.export, "copy": self.copy, "theme": self.theme, "exit": self.exit}
 
@@ -134,6 +135,27 @@ class ChatCommands:
             return
         self.screen.refresh_chat_status()
         self.notify(f"{name} = {raw}" if value is not None else f"{name}: back to the default")
+
+    async def think(self, arg: str) -> None:
+        conv = self.screen.current
+        model = self.controller.model
+        if not arg:
+            state = {True: "on", False: "off"}.get(conv.settings.get("think"), "the model's default")
+            self.notify(f"Thinking in this chat: {state} (/think on, off, or - for the default)")
+            return
+        try:
+            on = None if arg == "-" else on_off(arg)
+        except ValueError as e:
+            self.notify(f"/think: {e}", severity="error")
+            return
+        self.controller.set_thinking(conv, on)
+        self.screen.refresh_chat_status()
+        said = {True: "Thinking on", False: "Thinking off", None: "Thinking: the model's default"}[on]
+        if model is not None and not model.thinking_switch:
+            self.notify(f"{said} for this chat, but {model_display_name(model.model)}'s chat template has no thinking "
+                        "switch (enable_thinking): nothing changes with this model", severity="warning", timeout=8)
+        else:
+            self.notify(f"{said} for this chat, from its next reply")
 
     async def history(self, arg: str) -> None:
         await self.screen.app.push_screen(HistoryScreen(self.screen.current))

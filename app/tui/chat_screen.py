@@ -5,6 +5,12 @@ through ChatCommands; streamed text arrives from the app's stream tick (show_rep
 controller's other news as messages (TurnFinished) that update the views. What the engine does (load,
 restart, stats) is the app's; this screen only restarts a stopped engine when a message is sent,
 since that is part of sending.
+
+A message sent while a model loads (or the engine restarts) waits for it: shown at once at the end of
+its chat, marked as waiting, and sent once when the engine is ready (engine_ready); if the load fails
+it goes back to the input, with why. One message waits at a time, as one reply runs per chat: a second
+one stays in the input with a hint (it was written before any answer to the first). Esc takes the
+waiting message back; retries, edits and slash commands do what they do without a model.
 """
 
 from __future__ import annotations
@@ -35,12 +41,21 @@ from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHi
 from nanochat.engine.serve.protocol import one_line
 from nanochat.themes import THEME_NAMES
 
+WAITING = "waiting for the model to load"
+# Engine jobs a message sent meanwhile waits for.
+JOBS = (EngineState.LOADING, EngineState.RESTARTING)
+
 # Why a message cannot be sent now, by engine state (the others can send).
 NOT_READY = {
     EngineState.NO_MODEL: ("No model is loaded: press Ctrl+L or type /model", "error"),
     EngineState.LOADING: ("A model is loading; send again when it is ready", "warning"),
     EngineState.RESTARTING: ("The engine is restarting; send again when it is ready", "warning"),
 }
+
+
+def waiting_note(load_note: str | None) -> str:
+    """The footer of a message waiting for the load: what the load is doing, when it takes long."""
+    return f"{WAITING}: {load_note}" if load_note else f"{WAITING}…"
 
 
 ROOM_SETTLES = 0.2   # seconds: a reply's last text is laid out (a growing paragraph takes two layouts)
@@ -69,6 +84,9 @@ class ChatScreen(GaugedScreen):
         self.current_id: int = next(iter(controller.conversations))
         self._restart_pending = False
         self.editing: Message | None = None    # a message of yours being edited in the input
+        # The message sent during a load, and its chat: sent by engine_ready; its view is `_waiting_view`.
+        self.waiting: tuple[Conversation, Message] | None = None
+        self._waiting_view: MessageView | None = None
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -142,6 +160,8 @@ class ChatScreen(GaugedScreen):
             self.refresh_item(conv)
 
     async def delete_conversation(self, conv: Conversation) -> None:
+        if self.waiting is not None and self.waiting[0] is conv:
+            self.waiting = None   # deleted with its chat, as the user asked
         self.controller.delete(conv)
         view = self.chat_view(conv)
         if view is not None:
@@ -155,6 +175,7 @@ class ChatScreen(GaugedScreen):
         view = self.chat_view(conv)
         if view is not None:
             await view.clear_messages()
+        await self._show_waiting(conv)   # it goes out into the cleared chat
         self.refresh_item(conv)
 
     # ------------------------------------------------------------------ sending
@@ -176,9 +197,76 @@ class ChatScreen(GaugedScreen):
 
     async def send_message(self, text: str, conv: Conversation | None = None) -> bool:
         """Start a turn in `conv` (default: the current one); False when it could not start. When the
-        engine has stopped, it is restarted first (in a worker) and the message sent after that."""
+        engine has stopped, it is restarted first (in a worker) and the message sent after that; while a
+        model loads, it waits for the load (see the module's docstring)."""
         conv = conv or self.current
+        if self.engine_coming():
+            return await self._wait(conv, text)
         return await self._begin(conv, partial(self.controller.send, conv, text), text)
+
+    # ------------------------------------------------------------------ a message waiting for the engine
+    def engine_coming(self) -> bool:
+        """A load or a restart runs, or has been asked for: the engine will take messages after it."""
+        return self.controller.engine_state in JOBS or self.app.load_pending or self._restart_pending
+
+    async def _wait(self, conv: Conversation, text: str) -> bool:
+        if self.waiting is not None:
+            self.notify("A message is already waiting for the model; send this one after its reply",
+                        severity="warning")
+            self.give_back(conv, text)
+            return False
+        self.waiting = (conv, Message("user", text, note=waiting_note(self.app.load_note)))
+        await self._show_waiting(conv)
+        return True
+
+    async def _show_waiting(self, conv: Conversation) -> None:
+        """Show the waiting message at the end of its chat (again, after the chat's views were redone)."""
+        view = self.chat_view(conv)
+        if self.waiting is None or self.waiting[0] is not conv or view is None:
+            return
+        if self._waiting_view is None or not self._waiting_view.is_attached:
+            self._waiting_view = MessageView(self.waiting[1])
+            self._waiting_view.add_class("waiting")
+            await view.mount(self._waiting_view)
+            view.query_one(".placeholder").display = False
+            view.anchor()
+
+    async def _take_waiting(self) -> tuple[Conversation, Message]:
+        """The waiting message (there is one), no longer waiting: its view goes."""
+        waiting, self.waiting = self.waiting, None
+        view, self._waiting_view = self._waiting_view, None
+        if view is not None and view.is_attached:
+            await view.remove()
+        chat = self.chat_view(waiting[0])
+        if chat is not None:
+            chat.refresh_placeholder()
+        return waiting
+
+    def show_load_note(self, note: str) -> None:
+        """What makes the load slow, on the waiting message too (it is where the user looks)."""
+        if self.waiting is not None:
+            self.waiting[1].note = waiting_note(note)
+            if self._waiting_view is not None and self._waiting_view.is_attached:
+                self._waiting_view.refresh_footer()
+
+    async def engine_ready(self, failed: str | None = None) -> None:
+        """A load or a restart ended (`failed`: it did not, in a few words; its error was told already):
+        the waiting message goes out, once, or back to the input. Nothing yet while another load or
+        restart still runs."""
+        if self.waiting is None or self.engine_coming():
+            return
+        conv, message = await self._take_waiting()
+        if failed is None and self.controller.engine_state is not EngineState.READY:
+            failed = "no model is loaded"
+        if failed is not None:
+            if conv.id != self.current_id:   # back to the input of its own chat
+                await self.show_conversation(conv.id)
+            self.give_back(conv, message.content)
+            self.notify(f"Your message was not sent ({failed}); it is back in the input", severity="error",
+                        timeout=10)
+            return
+        self.controller.drain()   # the replies a model switch cancelled end first: their chat is free
+        await self._begin(conv, partial(self.controller.send, conv, message.content), message.content)
 
     async def retry(self, conv: Conversation) -> None:
         """Regenerate the last reply: a new version of it, beside the old one (‹2/2›)."""
@@ -225,18 +313,21 @@ class ChatScreen(GaugedScreen):
         view = self.chat_view(conv)
         if view is not None:   # events wait in the controller's inbox until these views exist
             await view.show_path()
+            await self._show_waiting(conv)   # show_path takes away views of messages not in the chat
 
     @work(group="engine")
     async def restart_then_begin(self, conv: Conversation, start: Callable[[], Turn], text: str, verb: str) -> None:
         try:
-            await asyncio.to_thread(self.controller.restart_engine)
+            await asyncio.to_thread(self.controller.restart_engine, status=self.app.post_load_note)
         except Exception as e:   # the engine cannot start again: say why, and keep what was typed
             self.notify(f"could not restart the engine: {one_line(e)}", severity="error", timeout=10)
             self.give_back(conv, text)
-            return
-        finally:
             self._restart_pending = False
+            await self.engine_ready("the engine did not restart")
+            return
+        self._restart_pending = False
         await self._begin(conv, start, text, verb)
+        await self.engine_ready()
 
     # ------------------------------------------------------------------ branches
     def start_edit(self, message: Message) -> None:
@@ -367,15 +458,14 @@ class ChatScreen(GaugedScreen):
             if turn.finish_reason == "error" and not turn.interrupted:
                 self.notify(f"reply stopped by an error: {turn.error}", severity="error", timeout=8)
         else:
-            await self._forget_turn(view, turn)
+            await self._forget_turn(turn)
         self.refresh_item(conv)
         if conv.id == self.current_id:
             self.refresh_chat_status()
 
-    async def _forget_turn(self, view: ChatView | None, turn: Turn) -> None:
+    async def _forget_turn(self, turn: Turn) -> None:
         """A turn that ended before its first token: its messages go, and the text goes back to the input."""
-        if view is not None:
-            await view.show_path()
+        await self.show_path(turn.conversation)
         if turn.interrupted:
             pass            # the engine died: the app says so, in one line
         elif turn.context_exceeded:
@@ -466,7 +556,17 @@ class ChatScreen(GaugedScreen):
             self.stop_edit()
             self.query_one(ChatInput).set_text("")
             return
+        if self.waiting is not None and self.waiting[0] is self.current:
+            self.call_later(self._unwait)
+            return
         self.controller.cancel(self.current)
+
+    async def _unwait(self) -> None:
+        if self.waiting is None:   # it went out meanwhile
+            return
+        conv, message = await self._take_waiting()
+        self.give_back(conv, message.content)
+        self.notify("Not sent: your message is back in the input")
 
     async def action_version(self, step: int) -> None:
         conv = self.current

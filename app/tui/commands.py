@@ -29,6 +29,8 @@ SLASH_COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("fork", "/fork", "copy this conversation's branch shown into a new conversation"),
     SlashCommand("set", "/set [NAME VALUE|NAME -]", "show or set this chat's sampling (temperature, top_p, top_k, "
                  "seed, max_tokens, repetition_penalty, presence_penalty, frequency_penalty); - drops one"),
+    SlashCommand("think", "/think [on|off|-]", "show or switch this chat's thinking (reasoning models: the chat "
+                 "template's enable_thinking); - goes back to the model's default"),
     SlashCommand("clear", "/clear", "forget this conversation's messages (keeps the system prompt, frees its KV)"),
     SlashCommand("history", "/history", "the branch shown, message by message, with token/cache stats"),
     SlashCommand("system", "/system [TEXT|-]", "show, set, or (with -) remove the system prompt"),
@@ -83,6 +85,7 @@ def completions(theme_names: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     out += [("/copy code", "copy the last code block of the last reply")]
     out += [("/export json", "every branch of this conversation as JSON")]
     out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS]
+    out += [("/think on", "this chat's replies think first"), ("/think off", "this chat's replies answer at once")]
     return out
 
 
@@ -118,6 +121,7 @@ def help_markdown(theme_names: tuple[str, ...] = ()) -> str:
 | `Ctrl+P` | command palette |
 | `c` / `k` on a focused message | copy the message / its code block |
 | `Left` / `Right` on a focused message | its previous / next version |
+| `t` / `Enter` on a focused reply, or a click on its "Thinking" line | show or hide its thinking |
 | `e` / `f` on a focused message | edit it (yours) and send it as a new version / fork the chat there |
 | `Ctrl+Q` | quit |
 
@@ -134,6 +138,8 @@ PALETTE_ACTIONS: tuple[tuple[str, str, str], ...] = (
     ("Edit my last message", "send it again, changed, as a new version", "/edit"),
     ("Fork conversation", "copy the branch shown into a new conversation", "/fork"),
     ("Chat settings", "this chat's sampling settings", "/set"),
+    ("Thinking on", "this chat's replies think first (reasoning models)", "/think on"),
+    ("Thinking off", "this chat's replies answer without thinking (reasoning models)", "/think off"),
     ("Export every branch", "save the conversation tree as JSON in the exports folder (/export json PATH: "
      "elsewhere)", "/export json"),
     ("Clear conversation", "forget messages, keep the system prompt", "/clear"),

@@ -23,6 +23,7 @@ from textual.widgets import (DataTable, Footer, Input, Label, LoadingIndicator, 
 from textual.widgets.option_list import Option
 
 from nanochat.app.controller import Conversation
+from nanochat.app.reasoning import describe_thought
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.messages import LoadModel
 from nanochat.app.tui.widgets import EngineStatus, GaugePanel
@@ -351,8 +352,9 @@ class HistoryScreen(ModalScreen[None]):
             text = text if len(text) <= 48 else text[:47] + "…"
             k, n = self.conversation.version(m)
             role = f"{m.role} ‹{k}/{n}›" if n > 1 else m.role
+            thought = describe_thought(m.thought) if m.thought is not None and m.thought.text else ""
             table.add_row(*cells(str(i), role, text, *self._stats_cells(m.stats),
-                                 m.note or ("generating" if m.streaming else "")))
+                                 " · ".join(x for x in (thought, m.note or ("generating" if m.streaming else "")) if x)))
         table.focus()
 
     @staticmethod

@@ -29,6 +29,7 @@ from textual.widgets.option_list import Option
 from textual.widgets.text_area import Edit, EditResult
 
 from nanochat.app.controller import Conversation, Message, format_stats
+from nanochat.app.reasoning import Thought, describe_thought
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.messages import MessageAction
 from nanochat.engine.output import EngineStats
@@ -82,11 +83,64 @@ class MessageBody(Markdown):
     virtual_size = Reactive(Size(0, 0), layout=False)
 
 
+class ThinkingBlock(Vertical):
+    """A reply's thinking, collapsed to a line: "▸ Thinking… 42 tokens · 3.1 s" and its latest line while
+    the model thinks, "▸ Thought for 3.2 s · 120 tokens" once it is done; expanded (a click on it, or
+    Enter or t on its message) it shows the text. The lines that change while it streams are Readouts,
+    so they repaint without a layout; the text is drawn only while expanded."""
+
+    expanded: var[bool] = var(False, init=False)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.thought: Thought | None = None   # set through show()
+        self.live = False                     # the model is thinking now
+        self._drawn: str | None = None        # the text the expanded view shows
+
+    def compose(self) -> ComposeResult:
+        yield Readout(classes="thinking-title")
+        yield Readout(classes="thinking-tail")
+        yield Static("", classes="thinking-text", markup=False)
+
+    def on_mount(self) -> None:
+        self._draw()
+
+    def show(self, thought: Thought, live: bool) -> None:
+        self.thought, self.live = thought, live
+        if self.is_mounted:
+            self._draw()
+
+    def watch_expanded(self) -> None:
+        self._draw()
+
+    def on_click(self, event: events.Click) -> None:
+        if event.widget is not self.query_one(".thinking-text"):   # (not while selecting its text)
+            event.stop()
+            self.expanded = not self.expanded
+
+    def _draw(self) -> None:
+        thought = self.thought
+        if thought is None:
+            return
+        self.query_one(".thinking-title", Readout).text = \
+            f"{'▾' if self.expanded else '▸'} {describe_thought(thought, self.live)}"
+        tail = self.query_one(".thinking-tail", Readout)
+        tail.display = self.live and not self.expanded and bool(thought.text)
+        if tail.display:
+            tail.text = thought.text.rstrip().rsplit("\n", 1)[-1][-300:]
+        text = self.query_one(".thinking-text", Static)
+        text.display = self.expanded
+        if self.expanded and self._drawn != thought.text:
+            self._drawn = thought.text
+            text.update(sanitize(thought.text))
+
+
 class MessageView(Vertical, can_focus=True):
-    """One message: a role label (with ‹k/n› when it has other versions), its Markdown body (streamed
-    while the reply arrives), a stats footer."""
+    """One message: a role label (with ‹k/n› when it has other versions), a reply's thinking (collapsed;
+    see ThinkingBlock), its Markdown body (streamed while the reply arrives), a stats footer."""
 
     BINDINGS = [
+        Binding("t,enter", "toggle_thinking", "Thinking"),
         Binding("c", "copy_message", "Copy message"),
         Binding("k", "copy_code", "Copy code"),
         Binding("left", "act('prev')", "Previous version"),
@@ -108,6 +162,8 @@ class MessageView(Vertical, can_focus=True):
     def compose(self) -> ComposeResult:
         self._shown = len(self.message.content)
         yield Label(self._role_text(), classes="role", markup=False)
+        if self.message.role == "assistant":
+            yield ThinkingBlock()
         body = MessageBody(sanitize(self.message.content), classes="body", parser_factory=chat_markdown)
         body.styles.min_height = self.room or None
         yield body
@@ -149,12 +205,36 @@ class MessageView(Vertical, can_focus=True):
     async def sync(self) -> None:
         """Show what the message gained since the last call. The message text is the source of truth,
         so text that arrived before this view was mounted is never lost or doubled."""
+        self._show_thinking()
         new = self.message.content[self._shown:]
         self._shown = len(self.message.content)    # before the await: a second call adds only what is newer
         if new:   # the app calls this once per stream tick, so each call brings many tokens
             await self.body.append(sanitize(new))   # character by character: safe at any split
             self._mark_edges()
         self.refresh_footer()
+
+    def _show_thinking(self) -> None:
+        thought = self.message.thought
+        blocks = self.query_children(ThinkingBlock)
+        if not blocks:
+            return
+        block = blocks.first()
+        # shown while the model thinks, and after when it wrote something (an empty block says nothing)
+        block.display = thought is not None and (bool(thought.text) or self.message.streaming)
+        if block.display:
+            block.show(thought, live=self.message.streaming and not thought.closed)
+
+    @property
+    def thinking(self) -> ThinkingBlock | None:
+        """The block of the thinking shown (None: the message shows none)."""
+        blocks = self.query_children(ThinkingBlock)
+        return blocks.first() if blocks and blocks.first().display else None
+
+    def check_action(self, action: str, parameters: tuple) -> bool:
+        return action != "toggle_thinking" or self.thinking is not None   # the key goes on where there is none
+
+    def action_toggle_thinking(self) -> None:
+        self.thinking.expanded = not self.thinking.expanded
 
     def on_markdown_table_of_contents_updated(self) -> None:
         self._mark_edges()   # the body's first blocks are mounted: posted at the end of Markdown.update

@@ -1,7 +1,7 @@
 """EngineClient: the one way front ends reach the engine, which runs in its own process.
 
     client = EngineClient()
-    info = client.load_model("model.gguf", progress=lambda done, total: ...)
+    info = client.load_model("model.gguf", progress=lambda done, total: ..., status=lambda text: ...)
     chat = client.open_session(system_prompt="Be brief.")
     for event in client.submit_turn(chat, "Hello!", SamplingParams(max_tokens=64)):
         print(event.text, end="")
@@ -65,6 +65,7 @@ class Session:
     epoch: int = -1                        # the engine incarnation that holds it (-1: none)
     request_id: str | None = None          # the turn in flight
     pending_user: str | None = None
+    template_kwargs: dict | None = None    # template variables of its latest turn (a re-open renders with them)
 
     @property
     def turns(self) -> int:
@@ -124,9 +125,10 @@ class RequestStream:
 
 
 class _Pending:
-    def __init__(self, progress: Callable | None):
+    def __init__(self, progress: Callable | None, status: Callable[[str], None] | None = None):
         self.future: Future = Future()
         self.progress = progress
+        self.status = status
 
 
 class _Starter:
@@ -279,15 +281,17 @@ class EngineClient:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
 
-    def restart(self, progress: Callable[[int, int], None] | None = None) -> ModelInfo | None:
-        """Start a new engine process and load the model the last one had (after it died)."""
+    def restart(self, progress: Callable[[int, int], None] | None = None,
+                status: Callable[[str], None] | None = None) -> ModelInfo | None:
+        """Start a new engine process and load the model the last one had (after it died); `progress`
+        and `status` as for load_model."""
         with self._lock:
             self.start()
             model = self.model
         if model is None:
             return None
         try:
-            return self.load_model(model.model, progress=progress, **self._config)
+            return self.load_model(model.model, progress=progress, status=status, **self._config)
         except BaseException:
             self.shutdown()   # no engine process without its model: the next request tries again
             raise
@@ -310,10 +314,11 @@ class EngineClient:
             self._gone.wait(10)   # the reader thread is finding out why
             raise EngineDied(self.died or f"the engine process is gone ({e.strerror or e})") from None
 
-    def _call(self, op: str, progress: Callable | None = None, timeout: float | None = None, **args):
+    def _call(self, op: str, progress: Callable | None = None, timeout: float | None = None,
+              status: Callable[[str], None] | None = None, **args):
         """Send a call and wait for its answer (re-raising the engine's error as a typed one)."""
         call_id = next(self._calls)
-        pending = _Pending(progress)
+        pending = _Pending(progress, status)
         self._pending[call_id] = pending
         try:
             self._send(Call(op, call_id, args))
@@ -327,6 +332,7 @@ class EngineClient:
 
     def _read(self, conn) -> None:
         handlers = {"done": self._on_done, "failed": self._on_failed, "progress": self._on_progress,
+                    "status": self._on_status,
                     "events": self._on_events, "session": self._on_session, "stats": self._on_stats}
         while True:
             try:
@@ -350,6 +356,11 @@ class EngineClient:
         pending = self._pending.get(call_id)
         if pending is not None and pending.progress is not None:
             pending.progress(*payload)
+
+    def _on_status(self, call_id: int, text: str) -> None:
+        pending = self._pending.get(call_id)
+        if pending is not None and pending.status is not None:
+            pending.status(text)
 
     def _on_events(self, events: list[TokenEvent]) -> None:
         for event in events:
@@ -451,11 +462,14 @@ class EngineClient:
             self._death_listeners.remove(fn)
 
     # ------------------------------------------------------------------ operations
-    def load_model(self, model: str, progress: Callable[[int, int], None] | None = None, **config) -> ModelInfo:
+    def load_model(self, model: str, progress: Callable[[int, int], None] | None = None,
+                   status: Callable[[str], None] | None = None, **config) -> ModelInfo:
         """Load (or switch to) `model`; requests in flight are cancelled. On failure the previous model
-        stays loaded and the typed error (ModelLoadError, ValueError, ...) is raised."""
+        stays loaded and the typed error (ModelLoadError, ValueError, ...) is raised. `progress(done,
+        total)` follows the weights; `status(text)` hears slow one-time work, in one line each (compiling
+        the kernels for this machine, repacking a new file's weights). Both run on the reader thread."""
         self.start()
-        info = self._call("load", progress=progress, model=model, config=dict(config))
+        info = self._call("load", progress=progress, status=status, model=model, config=dict(config))
         with self._lock:
             self.model, self._config = info, dict(config)
             self.epoch += 1                    # every session is re-opened for the new model
@@ -499,7 +513,8 @@ class EngineClient:
             cut = session.turn_starts[turns] if turns < len(session.turn_starts) else len(session.token_ids)
             ids, starts = session.token_ids[:cut], session.turn_starts[:turns]
         other = Session(f"s{next(self._ids)}", session.system_prompt,
-                        session.history[:2 * turns] + [dict(m) for m in more or []], ids, starts, session.model)
+                        session.history[:2 * turns] + [dict(m) for m in more or []], ids, starts, session.model,
+                        template_kwargs=session.template_kwargs)
         self._sessions[other.id] = other
         with self._lock:
             if ids is not None and session.epoch == self.epoch and self._conn is not None:
@@ -532,7 +547,8 @@ class EngineClient:
         if not same_model:   # the history is rendered again: earlier ids are no longer known
             session.token_ids = session.turn_starts = None
         self._post("open_session", session_id=session.id, system_prompt=session.system_prompt,
-                   history=session.history, token_ids=session.token_ids, turn_starts=session.turn_starts)
+                   history=session.history, token_ids=session.token_ids, turn_starts=session.turn_starts,
+                   template_kwargs=session.template_kwargs)
         session.epoch, session.model = self.epoch, self.model.model
 
     def close_session(self, session: Session) -> None:
@@ -548,13 +564,16 @@ class EngineClient:
         session.epoch = -1
 
     def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None,
-                    on_event: Callable[[TokenEvent], None] | None = None) -> RequestStream:
+                    on_event: Callable[[TokenEvent], None] | None = None,
+                    template_kwargs: dict | None = None) -> RequestStream:
         """Send the next user message of `session`; the stream yields the reply's events. A request
-        the engine refuses (too long for the context, ...) ends its stream with an error event."""
+        the engine refuses (too long for the context, ...) ends its stream with an error event.
+        `template_kwargs`: variables for the chat template's render of this turn (enable_thinking)."""
         if session.busy:
             raise EngineError("the previous reply in this conversation is still being generated")
         self._ensure_engine()
         with self._lock:
+            session.template_kwargs = template_kwargs
             replayed = False
             if session.epoch != self.epoch:
                 replayed = bool(session.history)
@@ -565,7 +584,7 @@ class EngineClient:
             self._streams[request_id] = stream
             try:
                 self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
-                           session_id=session.id, user=user)
+                           session_id=session.id, user=user, template_kwargs=template_kwargs)
             except EngineDied:
                 self._streams.pop(request_id, None)
                 session.request_id = session.pending_user = None
@@ -614,8 +633,8 @@ class AsyncEngineClient:
     def __init__(self, client: EngineClient | None = None, **kwargs):
         self.client = client or EngineClient(**kwargs)
 
-    async def load_model(self, model: str, progress=None, **config) -> ModelInfo:
-        return await asyncio.to_thread(self.client.load_model, model, progress, **config)
+    async def load_model(self, model: str, progress=None, status=None, **config) -> ModelInfo:
+        return await asyncio.to_thread(self.client.load_model, model, progress, status, **config)
 
     async def describe(self) -> list[tuple[str, str]]:
         return await asyncio.to_thread(self.client.describe)

@@ -160,25 +160,32 @@ class EngineCore:
     # ------------------------------------------------------------------ operations
     def op_load(self, call: Call, model: str, config: dict) -> ModelInfo:
         from nanochat.engine.llm_engine import LLMEngine
+        from nanochat.kernels import notices
 
         def progress(done: int, total: int) -> None:
             self.send(("progress", call.call_id, (done, total)))
+
+        def status(text: str) -> None:
+            self.send(("status", call.call_id, text))
 
         if self.engine is not None and (self.engine.workers is not None or config.get("tensor_parallel_size", 1) > 1):
             # one tensor-parallel group per process: the old engine goes first (a failed load leaves none)
             self._publish(self._abort_all())
             self.engine.close()
             self.engine = None
-        engine = LLMEngine(model, load_progress=progress, **config)   # raises: the old engine stays
+        with notices.listening(status):   # a kernel compile, a first repack: the front end says why it is slow
+            engine = LLMEngine(model, load_progress=progress, **config)   # raises: the old engine stays
         self._publish(self._abort_all())
         self.engine, self.model = engine, model
         self.sessions.clear()                     # sessions belong to a tokenizer and a KV cache
         self.session_errors.clear()
         self._maybe_send_stats(force=True)
+        thinking_switch, thinking_opened = engine.loaded.chat_template.thinking_modes()
         return ModelInfo(model=model, arch=engine.model_config.arch, device=str(engine.device),
                          dtype=str(engine.dtype).removeprefix("torch."), max_model_len=engine.config.max_model_len,
                          load_seconds=engine.load_seconds, sampling_defaults=engine.sampling_defaults,
-                         tensor_parallel_size=engine.config.tensor_parallel_size)
+                         tensor_parallel_size=engine.config.tensor_parallel_size,
+                         thinking_switch=thinking_switch, thinking_opened=thinking_opened)
 
     def _engine(self):
         if self.engine is None:
@@ -187,7 +194,7 @@ class EngineCore:
 
     def op_open_session(self, call: Call, session_id: str, system_prompt: str | None = None,
                         history: list[dict] | None = None, token_ids: list[int] | None = None,
-                        turn_starts: list[int] | None = None) -> int:
+                        turn_starts: list[int] | None = None, template_kwargs: dict | None = None) -> int:
         """A session from a transcript: canonical ids for its first len(turn_starts) turns (kept as they
         were), the rest rendered turn by turn. Returns its length in ids."""
         from nanochat.engine.serve.session import ChatSession
@@ -196,7 +203,7 @@ class EngineCore:
         self.session_errors.pop(session_id, None)
         try:
             session = ChatSession.from_history(engine.tokenizer, engine.loaded.chat_template, system_prompt,
-                                               history or [], session_id, token_ids, turn_starts)
+                                               history or [], session_id, token_ids, turn_starts, template_kwargs)
         except BaseException as e:   # e.g. the chat template fails on this history: the turn says why
             if not _answerable(e):
                 raise
@@ -216,11 +223,12 @@ class EngineCore:
             self.engine.release_session(session_id)
 
     def op_submit(self, call: Call, request_id: str, sampling, prompt=None, session_id: str | None = None,
-                  user: str | None = None) -> None:
-        """A raw prompt (text or ids), or a chat turn (`user` in session `session_id`). A refused
-        request ends at once with an error event (submits are posted: nobody waits for an answer)."""
+                  user: str | None = None, template_kwargs: dict | None = None) -> None:
+        """A raw prompt (text or ids), or a chat turn (`user` in session `session_id`, its prompt rendered
+        with the template variables `template_kwargs`). A refused request ends at once with an error event
+        (submits are posted: nobody waits for an answer)."""
         try:
-            self._add(request_id, sampling, prompt, session_id, user)
+            self._add(request_id, sampling, prompt, session_id, user, template_kwargs)
         except BaseException as e:
             if not _answerable(e):
                 raise
@@ -229,7 +237,7 @@ class EngineCore:
                 if isinstance(e, ContextExceeded) else None
             self.send(("events", [TokenEvent(request_id, None, "", True, "error", stats, error=one_line(e))]))
 
-    def _add(self, request_id, sampling, prompt, session_id, user) -> None:
+    def _add(self, request_id, sampling, prompt, session_id, user, template_kwargs) -> None:
         engine = self._engine()
         if user is None:
             engine.add_request(prompt, sampling, request_id=request_id)
@@ -237,7 +245,7 @@ class EngineCore:
         session = self.sessions.get(session_id)
         if session is None:
             raise ValueError(self.session_errors.get(session_id, f"unknown chat session {session_id!r}"))
-        ids = session.prepare_turn(user)
+        ids = session.prepare_turn(user, template_kwargs)
         try:
             engine.add_request(ids, sampling, request_id=request_id, session_id=session_id)
         except BaseException:

@@ -2,7 +2,8 @@
 
 Client -> core: `Call(op, call_id, args)`; the core answers each call once, with
     ("done", call_id, value)  or  ("failed", call_id, error_kind, one_line_message)
-and may send ("progress", call_id, payload) before that (model loading, a bench).
+and may send ("progress", call_id, payload) before that (model loading, a bench), and
+("status", call_id, text): slow one-time work a load does now (compiling the kernels, a first repack).
 Core -> client, unprompted:
     ("events", [TokenEvent, ...])      the deltas of all requests, every EVENTS_INTERVAL seconds while
                                        they stream, and at once when one ends
@@ -40,8 +41,12 @@ class ModelInfo:
     dtype: str
     max_model_len: int
     load_seconds: float
-    sampling_defaults: dict = field(default_factory=dict)   # SamplingParams keywords the model file recommends
+    sampling_defaults: dict = field(default_factory=dict)   # SamplingParams keywords the model recommends (its file, its card)
     tensor_parallel_size: int = 1
+    thinking_switch: bool = False   # the chat template reads enable_thinking (its prompt differs with it on and off)
+    # The enable_thinking values (None: not given) whose generation prompt opens a <think> block itself:
+    # the model then writes only the thinking's body and </think>.
+    thinking_opened: frozenset = frozenset()
 
 
 class EngineError(RuntimeError):

@@ -37,18 +37,19 @@ class ChatSession:
     @classmethod
     def from_history(cls, tokenizer, template, system_prompt: str | None, history: list[dict],
                      session_id: str | None = None, token_ids: list[int] | None = None,
-                     turn_starts: list[int] | None = None) -> "ChatSession":
+                     turn_starts: list[int] | None = None, template_kwargs: dict | None = None) -> "ChatSession":
         """A session seeded with a transcript of finished turns, prefilled on its next turn.
 
         `token_ids` and `turn_starts`, when given, are canonical ids of the first len(turn_starts)
         turns, kept as they are; the remaining turns are rendered one by one, exactly as live turns
-        are (the reply's text encoded where a live turn has its generated ids)."""
+        are (the reply's text encoded where a live turn has its generated ids), with the template
+        variables `template_kwargs` (enable_thinking)."""
         session = cls(tokenizer, template, system_prompt, session_id)
         if token_ids is not None:
             session.token_ids, session.turn_starts = list(token_ids), list(turn_starts or [])
         pairs = [history[i:i + 2] for i in range(0, len(history) - 1, 2)]
         for user, reply in pairs[len(session.turn_starts):]:
-            session.prepare_turn(user["content"])
+            session.prepare_turn(user["content"], template_kwargs)
             session.complete_turn(reply["content"], session._encode(reply["content"]))
         session.transcript_messages = [{"role": m["role"], "content": m["content"]} for m in history]
         return session
@@ -76,13 +77,15 @@ class ChatSession:
         # The template already writes any BOS it wants, as transformers' apply_chat_template does.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _render_first(self, user: str) -> str:
-        return self.template.render(self._head() + [{"role": "user", "content": user}], add_generation_prompt=True)
+    def _render_first(self, user: str, variables: dict) -> str:
+        return self.template.render(self._head() + [{"role": "user", "content": user}], add_generation_prompt=True,
+                                    **variables)
 
-    def _render_next(self, user: str) -> str:
+    def _render_next(self, user: str, variables: dict) -> str:
         """Text that follows an earlier assistant turn's end-of-turn token, up to the new generation prompt."""
         past = self._head() + [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}]
-        full = self.template.render(past + [{"role": "user", "content": user}], add_generation_prompt=True)
+        full = self.template.render(past + [{"role": "user", "content": user}], add_generation_prompt=True,
+                                    **variables)
         at = full.rindex(_MARK) + len(_MARK)
         eot_text = self.tokenizer.id_to_token(self._eot) if self._eot is not None else None
         if eot_text and full.startswith(eot_text, at):
@@ -94,11 +97,14 @@ class ChatSession:
     def in_turn(self) -> bool:
         return self._pending_user is not None
 
-    def prepare_turn(self, user: str) -> list[int]:
-        """Append the new user message; return the full prompt ids (history + new message)."""
+    def prepare_turn(self, user: str, template_kwargs: dict | None = None) -> list[int]:
+        """Append the new user message; return the full prompt ids (history + new message).
+        `template_kwargs`: variables for the template's render of this turn (enable_thinking=False);
+        the turns before it keep their ids."""
         if self._pending_user is not None:
             raise RuntimeError("the previous turn is still in progress")
-        text = self._render_next(user) if self.token_ids else self._render_first(user)
+        variables = dict(template_kwargs or {})
+        text = self._render_next(user, variables) if self.token_ids else self._render_first(user, variables)
         self._history_len = len(self.token_ids)
         self.token_ids = self.token_ids + self._encode(text)
         self._pending_user = user
