@@ -3,7 +3,8 @@
 Runtime code uses only the `tokenizers` library (never transformers). A GGUF carries no
 tokenizer.json: it stores the vocabulary, merges, token types and special ids under llama.cpp's
 key names, and names the pre-tokenizer (`tokenizer.ggml.pre`) whose split regexes live in
-llama.cpp's source. We rebuild the same byte-level BPE from those pieces.
+llama.cpp's source. We rebuild the same byte-level BPE from those pieces; SentencePiece ('llama')
+vocabularies are built in tokenizer_spm.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from nanochat.models.gguf_file import GGUFFile, read_metadata, to_python
+from nanochat.models.tokenizer_spm import build_spm
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ TOKEN_TYPE_USER_DEFINED = 4
 
 
 class UnsupportedTokenizerError(ValueError):
-    """The file describes a tokenizer model we cannot build (e.g. sentencepiece 'llama')."""
+    """The file describes a tokenizer model we cannot build (e.g. T5's unigram 't5')."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def _metadata_from(source) -> Mapping[str, Any]:
     if fields is None:
         raise TypeError("expected a GGUF path, a GGUFFile, a gguf.GGUFReader or a metadata dict, "
                         f"got {type(source).__name__}")
-    keep = ("tokenizer.", "general.architecture")
+    keep = ("tokenizer.", "general.architecture", "general.name")  # the name: llama.cpp's Phi-3 rule
     return {k: f.contents() for k, f in fields.items() if k.startswith(keep)}
 
 
@@ -162,18 +164,22 @@ def _metadata_from(source) -> Mapping[str, Any]:
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special-token facts the engine needs.
 
-    BOS is added here (not by a tokenizers post-processor), so `add_bos` is the single switch.
-    Special tokens written in the text (e.g. `<|im_start|>`) always encode to their own id.
+    BOS and EOS are added here (not by a tokenizers post-processor), so `add_bos` / `add_eos` are the
+    single switches. Special tokens written in the text (e.g. `<|im_start|>`) always encode to their
+    own id. `decoder(ids, skip_special_tokens)` replaces the backend's decoder when given.
     """
 
     def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 add_bos: bool = False, chat_template: str | None = None, name: str = ""):
+                 add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None,
+                 name: str = "", decoder: Callable[[list[int], bool], str] | None = None):
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.add_bos = bool(add_bos) and bos_token_id is not None
+        self.add_eos = bool(add_eos) and eos_token_id is not None
+        self._decoder = decoder
         self.chat_template = chat_template
         self.name = name
         self.bos_token = self.id_to_token(bos_token_id) if bos_token_id is not None else None
@@ -191,9 +197,13 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos:
+            ids.append(self.eos_token_id)
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if self._decoder is not None:
+            return self._decoder(ids, skip_special_tokens)
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -209,6 +219,8 @@ class Tokenizer:
     def tokenizer_config(self) -> dict:
         """The tokenizer_config.json fields from_file reads back."""
         cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos}
+        if self.add_eos:
+            cfg["add_eos_token"] = True
         if self.pad_token_id is not None:
             cfg["pad_token"] = self.id_to_token(self.pad_token_id)
         if self.chat_template:
@@ -250,7 +262,8 @@ class Tokenizer:
             probe = backend.encode("a", add_special_tokens=True).ids
             add_bos = bos_id is not None and len(probe) > 1 and probe[0] == bos_id
         return cls(backend, bos_token_id=bos_id, eos_token_id=tid("eos_token"), pad_token_id=tid("pad_token"),
-                   add_bos=bool(add_bos), chat_template=_pick_chat_template(cfg.get("chat_template")), name=name)
+                   add_bos=bool(add_bos), add_eos=bool(cfg.get("add_eos_token")),
+                   chat_template=_pick_chat_template(cfg.get("chat_template")), name=name)
 
     @classmethod
     def from_gguf(cls, source, name: str = "") -> "Tokenizer":
@@ -262,10 +275,15 @@ class Tokenizer:
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise UnsupportedTokenizerError(f"{name}: no tokenizer in GGUF metadata (tokenizer.ggml.model missing)")
+        if model == "llama":
+            spm = build_spm(meta, name)
+            return cls(spm.backend, bos_token_id=spm.bos_token_id, eos_token_id=spm.eos_token_id,
+                       pad_token_id=spm.pad_token_id, add_bos=spm.add_bos, add_eos=spm.add_eos,
+                       chat_template=meta.get("tokenizer.chat_template"), name=name, decoder=spm.decode)
         if model != "gpt2":
             raise UnsupportedTokenizerError(
-                f"{name}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
-                f"put a tokenizer.json beside the file or set {TOKENIZER_PATH_ENV}")
+                f"{name}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2' and "
+                f"SentencePiece 'llama'); put a tokenizer.json beside the file or set {TOKENIZER_PATH_ENV}")
         tokens = list(meta.get("tokenizer.ggml.tokens") or [])
         merges = meta.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
@@ -425,9 +443,10 @@ class IncrementalDetokenizer:
 
     Decodes a short window (the last finalised tokens plus the pending ones) and emits only text
     that is final: while the window's text ends in U+FFFD a multi-byte character is still
-    incomplete, so it is held back. The deltas concatenate to decode(all generated ids) (for
-    byte-level BPE), less an incomplete character at the very end; call flush() at the end to get
-    anything still held.
+    incomplete, so it is held back. The deltas concatenate to decode(all generated ids), less an
+    incomplete character at the very end; call flush() at the end to get anything still held. With
+    `prompt_ids` they are the text the reply adds after the prompt's: for SentencePiece vocabularies
+    that keeps the reply's leading space, which decode() drops at the start of a text.
     """
 
     _CONTEXT = 4  # prompt tokens kept as left context

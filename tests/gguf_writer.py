@@ -143,6 +143,81 @@ def byte_tokenizer_metadata(vocab_size: int, bos: int | None, eos: int | None) -
     return meta
 
 
+def train_sentencepiece(lines: list[str], vocab_size: int, user_defined: tuple[str, ...] = (), **options):
+    """A SentencePiece BPE model trained in memory (a SentencePieceProcessor), Llama-style: byte fallback,
+    no normalization, spaces kept as they are (runs of them can be pieces), every digit its own piece.
+    `options` override the trainer's."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, **{
+            "model_type": "bpe", "vocab_size": vocab_size, "byte_fallback": True, "character_coverage": 1.0,
+            "normalization_rule_name": "identity", "remove_extra_whitespaces": False, "split_digits": True,
+            "allow_whitespace_only_pieces": True, "user_defined_symbols": list(user_defined), "minloglevel": 2,
+            **options})
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def sentencepiece_tokenizer_metadata(sp, user_defined: tuple[str, ...] = (), **flags: bool) -> dict[str, MetaValue]:
+    """A SentencePiece model's vocabulary as llama.cpp's converter writes it (_create_vocab_sentencepiece):
+    pieces, scores, and types unknown / control / unused / byte, else normal. `user_defined` pieces (those
+    the converter finds in tokenizer_config.json's added_tokens_decoder) become USER_DEFINED, with "▁" as
+    spaces and score -1000. `flags`: add_space_prefix, add_bos_token, add_eos_token ... (tokenizer.ggml.*)."""
+    TT = gguf.TokenType
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        piece, kind = sp.id_to_piece(i), TT.NORMAL
+        if sp.is_unknown(i):
+            kind = TT.UNKNOWN
+        elif sp.is_control(i):
+            kind = TT.CONTROL
+        elif sp.is_unused(i):
+            kind = TT.UNUSED
+        elif sp.is_byte(i):
+            kind = TT.BYTE
+        score = sp.get_score(i)
+        if piece in user_defined:
+            piece, kind, score = piece.replace("\u2581", " "), TT.USER_DEFINED, -1000.0
+        tokens.append(piece)
+        scores.append(score)
+        types.append(int(kind))
+    meta = {
+        "tokenizer.ggml.model": MetaValue("llama", VT.STRING),
+        "tokenizer.ggml.pre": MetaValue("default", VT.STRING),
+        "tokenizer.ggml.tokens": MetaValue(tokens, VT.ARRAY, VT.STRING),
+        "tokenizer.ggml.scores": MetaValue(scores, VT.ARRAY, VT.FLOAT32),
+        "tokenizer.ggml.token_type": MetaValue(types, VT.ARRAY, VT.INT32),
+    }
+    for key, tid in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unknown", sp.unk_id()), ("padding", sp.pad_id())):
+        if tid >= 0:
+            meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(tid, VT.UINT32)
+    for key, value in flags.items():
+        meta[f"tokenizer.ggml.{key}"] = MetaValue(bool(value), VT.BOOL)
+    return meta
+
+
+def write_vocab_gguf(path: str | os.PathLike, tokenizer: Mapping[str, Any], arch: str = "llama",
+                     name: str = "tiny-vocab") -> Path:
+    """A GGUF with a vocabulary, the hyperparameters llama.cpp reads before it (vocab_only loads need
+    them) and one tiny tensor: enough for llama.cpp's and nanochat's tokenizers, not for a model."""
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    w.add_name(name)
+    for add, value in ((w.add_context_length, 64), (w.add_embedding_length, 8), (w.add_block_count, 1),
+                       (w.add_feed_forward_length, 16), (w.add_head_count, 1), (w.add_head_count_kv, 1)):
+        add(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    _add_meta(w, tokenizer)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 def llama3_rope_factors(head_dim: int, theta: float, scaling: Mapping[str, Any]) -> np.ndarray:
     """The per-frequency divisors llama.cpp stores as rope_freqs.weight for llama3 rope."""
     factor = scaling["factor"]
