@@ -33,9 +33,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:n_blocks]].flatten(0, 1)[:length]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, h, d] at the LAST Lq positions of k/v [Lk, kvh, d]; returns [Lq, h, d]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q [Lq, h, d] at the LAST Lq positions of k/v [Lk, kvh, d]; returns [Lq, h, d]. window: 0 = all earlier
+    keys, else W (the query at position p sees keys p - W + 1 .. p)."""
     lq, lk = q.shape[0], k.shape[0]
+    if window and lk - lq - window + 1 > 0:   # keys before the first query's window: never seen
+        drop = lk - lq - window + 1
+        k, v, lk = k[drop:], v[drop:], lk - drop
     if k.dtype != q.dtype:  # a 16-bit cache under fp32 compute: attention runs in the compute dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
     # 4-D [1, heads, L, d]: on CPU, SDPA takes its fused (flash) kernel only for 4-D inputs; 3-D ones
@@ -44,7 +48,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     gqa = q.shape[1] != k.shape[1]
     if lq == 1:
         return _decode_attention(q, k, v, scale)
-    if lq == lk:
+    if window and lk > window:   # the last rows' windows start after key 0: both bounds masked
+        rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+        cols = torch.arange(lk, device=q.device).unsqueeze(0)
+        mask = (cols <= rows) & (cols > rows - window)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    elif lq == lk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # Query i sits at absolute position lk - lq + i and sees keys 0..that position.
@@ -68,8 +77,8 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float,
-                    host_lists: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
-    """Causal attention of ragged query rows over each sequence's paged KV.
+                    host_lists: tuple[list[int], list[int]] | None = None, window: int = 0) -> torch.Tensor:
+    """Causal attention of ragged query rows over each sequence's paged KV (window as causal_attention).
 
     host_lists: (cu_seqlens_q, context_lens) as Python lists, when the caller already has them, so
     every layer of a step does not read the same small tensors back again."""
@@ -79,5 +88,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lo, hi = starts[b], starts[b + 1]
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
-        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale).to(out.dtype)
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale, window).to(out.dtype)
     return out

@@ -56,7 +56,9 @@ class DecoderLayer:
     (heads + 2 kv_heads) * head_dim (one fused q|k|v weight, or q, k, v, or any other split in 2-3);
     gate_up: gate|up fused or (gate, up); each segment of its own ggml type. KV caches
     [num_blocks, block_size, kv_heads, head_dim], float16 or float32 (every layer the same);
-    norms and the qkv bias (all segments') fp32."""
+    norms and the qkv bias (all segments') fp32. rope: False leaves the layer without RoPE (SmolLM3's
+    NoPE layers); cos / sin: the layer's own RoPE table (else the decoder's). window: 0 = full attention,
+    else W (a query at position p sees keys p - W + 1 .. p)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -69,6 +71,10 @@ class DecoderLayer:
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    rope: bool = True
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    window: int = 0
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -82,7 +88,8 @@ def _fp32(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
 
 
 class FusedDecoder:
-    """The plan for one model; `forward` runs one engine step."""
+    """The plan for one model; `forward` runs one engine step. cos / sin [max_pos, rotary_dim / 2]: the RoPE
+    table of the layers that do not bring their own."""
 
     def __init__(self, dims: DecoderDims, layers: list[DecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
                  final_norm: torch.Tensor, lib=None):
@@ -95,14 +102,15 @@ class FusedDecoder:
                 or dims.head_dim > 256:
             raise ValueError("fused decoder: unsupported head layout")
         self.lib, self.dims = lib, dims
-        self._keep = [_fp32(cos, "cos"), _fp32(sin, "sin"), _fp32(final_norm, "final norm")]
+        self._keep = [_fp32(final_norm, "final norm")]
+        self._cos_sin = cos, sin
         self.kv_dtype = layers[0].k_cache.dtype
         if self.kv_dtype not in _KV_DTYPES:
             raise ValueError(f"fused decoder: KV cache dtype {self.kv_dtype} is not float16 or float32")
         eps_bits = struct.unpack("<q", struct.pack("<d", dims.eps))[0]
         plan = [dims.layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate,
-                dims.rotary_dim, dims.block_size, cos.shape[0], cos.data_ptr(), sin.data_ptr(),
-                final_norm.data_ptr(), eps_bits, int(self.kv_dtype == torch.float16)]
+                dims.rotary_dim, dims.block_size, cos.shape[0], final_norm.data_ptr(), eps_bits,
+                int(self.kv_dtype == torch.float16)]
         if len(plan) != lib.nc_dec_header_fields():
             raise RuntimeError("fused decoder: plan header does not match the library")
         for i, layer in enumerate(layers):
@@ -134,8 +142,18 @@ class FusedDecoder:
         gate_up = self._segments(i, "gate_up", layer.gate_up, _GATE_UP_SEGMENTS, 2 * d.intermediate, d.hidden)
         o = self._weight(i, "o", layer.o, d.hidden, d.heads * d.head_dim)
         down = self._weight(i, "down", layer.down, d.hidden, d.intermediate)
+        cos, sin = (layer.cos, layer.sin) if layer.cos is not None else self._cos_sin
+        table = (self._cos_sin[0].shape[0], d.rotary_dim // 2)
+        for name, t in (("cos", cos), ("sin", sin)):
+            if layer.rope and (_fp32(t, f"layer {i} {name}") is None or tuple(t.shape) != table):
+                raise ValueError(f"fused decoder: layer {i} {name} must be a [{table[0]}, {table[1]}] table")
+            self._keep.append(t)
+        if isinstance(layer.window, bool) or not isinstance(layer.window, int) or layer.window < 0:
+            raise ValueError(f"fused decoder: layer {i} window must be 0 (full attention) or a positive integer")
+        rope = (_ptr(cos), _ptr(sin)) if layer.rope else (0, 0)
         return [_ptr(layer.input_norm), _ptr(layer.post_norm), *qkv, _ptr(layer.qkv_bias), _ptr(layer.q_norm),
-                _ptr(layer.k_norm), *o, *gate_up, *down, _ptr(layer.k_cache), _ptr(layer.v_cache)]
+                _ptr(layer.k_norm), *o, *gate_up, *down, _ptr(layer.k_cache), _ptr(layer.v_cache), *rope,
+                layer.window]
 
     def _weight(self, i: int, name: str, w: cpu_qgemv.PackedWeight, rows: int, cols: int) -> list[int]:
         """(type, tiles) of a packed [rows, cols] weight, kept alive by the plan."""
@@ -217,11 +235,13 @@ def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    window: int = 0) -> torch.Tensor:
     """The fused step's attention on its own (the module path on the CPU): q [n, heads, head_dim] of the
     rows of each sequence (cu_seqlens_q, the last at context_lens - 1), whose K/V are in the paged caches
     [num_blocks, block_size, kv_heads, head_dim] already; returns float32 [n, heads, head_dim]. The same
-    arithmetic as the fused step (a query's output depends only on it, its position and the cache)."""
+    arithmetic as the fused step (a query's output depends only on it, its position and the cache). window: 0 =
+    full attention, else W (a query at position p sees keys p - W + 1 .. p)."""
     lib = cpu_qgemv.extension()
     n, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -239,7 +259,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = lib.nc_dec_attention(q2.data_ptr(), q2.stride(0), n, lens.shape[0], cu.data_ptr(), tables.data_ptr(),
                               tables.stride(0), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                               int(k_cache.dtype == torch.float16), heads, kv_heads, head_dim, k_cache.shape[1], scale,
-                              out.data_ptr(), cpu_qgemv.num_threads())
+                              window, out.data_ptr(), cpu_qgemv.num_threads())
     if rc:
         raise RuntimeError(f"paged attention: {_ERRORS.get(rc, f'error {rc}')}")
     return out

@@ -111,7 +111,7 @@ if triton is not None:
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         cu_ptr, ctx_ptr, bt_ptr,
-        scale_log2, num_seqs, num_heads,
+        scale_log2, num_seqs, num_heads, window,
         s_qn, s_qh, s_qd,
         s_kb, s_kt, s_kh, s_kd,
         s_vb, s_vt, s_vh, s_vd,
@@ -151,12 +151,16 @@ if triton is not None:
 
         # Keys this tile can see at all: up to the position of its last valid row.
         kv_end = ctx - q_len + tl.minimum(q_start + BLOCK_Q, q_len)
+        # and from the first key of its first row's window (window 0: full attention).
+        kv_first = 0
+        if window > 0:
+            kv_first = tl.maximum(ctx - q_len + q_start - window + 1, 0)
         if NUM_SPLITS == 1:
-            kv_lo = 0
+            kv_lo = kv_first
             kv_hi = kv_end
         else:
-            per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-            kv_lo = split * per_split
+            per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, BLOCK_N), NUM_SPLITS) * BLOCK_N
+            kv_lo = kv_first + split * per_split
             kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
         # Masked scores are -inf but the running max starts at a finite floor, so a row (or split)
@@ -178,7 +182,8 @@ if triton is not None:
                         mask=kv_mask, other=0.0)
 
             s = _mm(q, k_t.to(q.dtype), IEEE, UPCAST) * scale_log2
-            visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+            in_window = (n[None, :] > pos[:, None] - window) | (window == 0)
+            visible = (n[None, :] <= pos[:, None]) & n_ok[None, :] & in_window
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
@@ -328,7 +333,7 @@ def _pick_tiles(head_p2: int, dtype: torch.dtype, decode: bool) -> _Tiles:
     return _Tiles(64, 64, 4 if head_p2 <= 64 else 8, 2)
 
 
-def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
+def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window: int = 0, *,
                           block_m: int | None = None, block_n: int | None = None,
                           num_splits: int | None = None) -> torch.Tensor:
     """paged_attention_triton with the tiling knobs exposed (tests use them to cover every path)."""
@@ -379,7 +384,7 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         cu_seqlens_q, context_lens, block_tables,
-        float(scale) * _LOG2E, n_seqs, n_heads,
+        float(scale) * _LOG2E, n_seqs, n_heads, int(window),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=group_p2,
@@ -398,6 +403,9 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of ragged query rows over each sequence's paged KV (decode and prefill alike)."""
-    return _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+                           block_tables: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal attention of ragged query rows over each sequence's paged KV (decode and prefill alike); window:
+    0 = full, else W (the query at position p sees keys p - W + 1 .. p)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be 0 (full attention) or a positive integer; got {window!r}")
+    return _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window)

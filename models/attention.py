@@ -51,32 +51,37 @@ class AttentionBackend:
         if device.type == "cuda":
             self.kind = "flash" if flash_attn_available() and block_size % 256 == 0 else "triton"
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int = 0) -> torch.Tensor:
+        """window: 0 = full causal attention, else W (a query at position p sees keys p - W + 1 .. p)."""
         if self.kind == "torch":
             torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, may_skip=False)
             if cpu_decoder.attention_usable(q, k_cache):
                 return cpu_decoder.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                                   meta.block_tables, scale).to(q.dtype)
+                                                   meta.block_tables, scale, window).to(q.dtype)
             return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                              meta.context_lens, meta.block_tables, scale, meta.host_lists)
+                                              meta.context_lens, meta.block_tables, scale, meta.host_lists, window)
         from nanochat.kernels import triton_attention as tri
         tri.store_kvcache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         if self.kind == "flash":
-            return _flash_paged(q, k_cache, v_cache, meta, scale)
+            return _flash_paged(q, k_cache, v_cache, meta, scale, window)
         return tri.paged_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                          meta.context_lens, meta.block_tables, scale)
+                                          meta.context_lens, meta.block_tables, scale, window)
 
 
-def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+    # flash-attn's window is (left, right) keys around the query's own position: W - 1 to the left.
+    window_size = (window - 1, 0) if window else (-1, -1)
     batch = meta.context_lens.shape[0]
     if meta.max_q_len == 1 and q.shape[0] == batch:   # pure decode
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                      block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                      block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                                      window_size=window_size)
         return out.squeeze(1)
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     cu_k[1:] = torch.cumsum(meta.context_lens, 0)
     return flash_attn_varlen_func(q, k_cache, v_cache, max_seqlen_q=meta.max_q_len, cu_seqlens_q=meta.cu_seqlens_q,
                                   max_seqlen_k=meta.max_context_len, cu_seqlens_k=cu_k,
-                                  softmax_scale=scale, causal=True, block_table=meta.block_tables)
+                                  softmax_scale=scale, causal=True, block_table=meta.block_tables,
+                                  window_size=window_size)

@@ -11,8 +11,34 @@ from dataclasses import dataclass, field
 
 from nanochat.models.errors import ModelLoadError
 
-# Dense families share one implementation (models/dense.py) and differ only by flags.
-DENSE_ARCHS = {"llama", "qwen2", "qwen3"}
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a dense family apart from Llama, in one place: the HF and GGUF sources and the model read it.
+    Dense families share one implementation (models/dense.py); anything not here is Llama's."""
+
+    arch: str                             # ModelConfig.arch: the config.json model_type
+    attention_bias: bool = False          # bias on q/k/v (Qwen2)
+    qk_norm: bool = False                 # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # config.json's sliding_window applies to: "all" layers (Mistral, Phi-3), the layers config.json's
+    # layer_types call "sliding_attention" (SmolLM3, Qwen2: transformers' use_sliding_window), or "none".
+    sliding_window: str = "layer_types"
+    no_rope_layers: bool = False          # config.json lists per layer whether it uses RoPE (SmolLM3)
+    # Checkpoint tensors holding several of Llama's, in row order (module names inside a layer).
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+FAMILIES = {f.arch: f for f in (
+    Family("llama", sliding_window="none"),
+    Family("mistral", sliding_window="all"),
+    Family("qwen2", attention_bias=True),
+    Family("qwen3", qk_norm=True),
+    Family("smollm3", no_rope_layers=True),
+    Family("phi3", sliding_window="all", fused=PHI3_FUSED),
+)}
+DENSE_ARCHS = set(FAMILIES)
 MOE_ARCHS = {"qwen3_moe"}
 # Hybrid Gated DeltaNet + gated attention families (models/qwen3_next.py).
 HYBRID_ARCHS = {"qwen3_next", "qwen3_5_moe", "qwen3_5"}
@@ -27,7 +53,7 @@ def layer_types_from_interval(num_layers: int, interval: int) -> tuple[str, ...]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "llama" | "qwen2" | "qwen3" (HF model_type)
+    arch: str                      # the HF model_type: a FAMILIES key, or an MoE / hybrid arch
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -64,7 +90,19 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0         # RoPE on the first head_dim * factor dims
     attn_output_gate: bool = False             # q_proj holds [query | gate] per head
     norm_zero_centred: bool = False            # HF hybrid checkpoints: RMSNorm scales by (1 + w)
+    # Per layer (filled to one entry per layer when not given): the attention window, 0 = full attention,
+    # else W (a query at position p sees keys p - W + 1 .. p, as transformers' sliding-window mask); and
+    # whether the layer applies RoPE (SmolLM3's NoPE layers do not).
+    layer_windows: tuple[int, ...] = ()
+    layer_rope: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        n = self.num_hidden_layers if isinstance(self.num_hidden_layers, int) else 0
+        if not self.layer_windows and 0 < n <= MAX_LAYERS:
+            object.__setattr__(self, "layer_windows", (0,) * n)
+        if not self.layer_rope and 0 < n <= MAX_LAYERS:
+            object.__setattr__(self, "layer_rope", (True,) * n)
 
     @property
     def rotary_dim(self) -> int:
@@ -113,6 +151,10 @@ class ModelConfig:
         if hybrid and not layer_types:
             layer_types = layer_types_from_interval(num_layers, cfg.get("full_attention_interval", 4))
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        family = FAMILIES.get(arch)
+        per_layer = _dense_layers(cfg, family, num_layers) if family else {}
+        if family and rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in LONGROPE:
+            rope_scaling = _longrope(cfg, rope_scaling)
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -127,8 +169,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe") or hybrid,
+            attention_bias=(family is not None and family.attention_bias) or bool(cfg.get("attention_bias", False)),
+            qk_norm=(family is not None and family.qk_norm) or arch == "qwen3_moe" or hybrid,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -142,6 +184,7 @@ class ModelConfig:
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             layer_types=layer_types,
+            **per_layer,
             linear_num_key_heads=cfg.get("linear_num_key_heads") or 0,
             linear_num_value_heads=cfg.get("linear_num_value_heads") or 0,
             linear_key_head_dim=cfg.get("linear_key_head_dim") or 0,
@@ -153,6 +196,58 @@ class ModelConfig:
         )
 
 
+LONGROPE = ("longrope", "su")   # "su": Phi-3's first name for LongRoPE
+
+
+def fused_rows(cfg: "ModelConfig", modules: tuple[str, ...]) -> list[int]:
+    """The rows of each module (a Family.fused part, e.g. self_attn.k_proj) in a fused checkpoint tensor."""
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "mlp.gate_proj": inter,
+            "mlp.up_proj": inter}
+    return [rows[m] for m in modules]
+
+
+def _dense_layers(cfg: dict, family: Family, num_layers: int) -> dict:
+    """layer_windows and layer_rope of a dense family from config.json, as transformers reads them."""
+    rope = (True,) * num_layers
+    if family.no_rope_layers:
+        flags = cfg.get("no_rope_layers")
+        if flags is None:   # transformers' default: every no_rope_layer_interval-th layer without RoPE
+            interval = cfg.get("no_rope_layer_interval") or 4
+            flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if not isinstance(flags, list) or len(flags) != num_layers:
+            raise ValueError(f"no_rope_layers must list one 0/1 flag per layer ({num_layers})")
+        rope = tuple(bool(f) for f in flags)
+    window = cfg.get("sliding_window")
+    if family.sliding_window == "none" or window is None or cfg.get("use_sliding_window") is False:
+        return {"layer_windows": (0,) * num_layers, "layer_rope": rope}
+    if family.sliding_window == "all":
+        return {"layer_windows": (window,) * num_layers, "layer_rope": rope}
+    types = cfg.get("layer_types")
+    if types is None and family.no_rope_layers and cfg.get("use_sliding_window"):
+        types = ["full_attention" if r else "sliding_attention" for r in rope]   # SmolLM3's default
+    if types is None:
+        return {"layer_windows": (0,) * num_layers, "layer_rope": rope}
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(f"layer_types must list one type per layer ({num_layers})")
+    return {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types), "layer_rope": rope}
+
+
+def _longrope(cfg: dict, scaling: dict) -> dict:
+    """LongRoPE (Phi-3) as transformers' _compute_longrope_parameters reads it: short and long factors per
+    frequency, the pretraining context (from the scaling dict or config.json), and the factor on cos and sin."""
+    orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or orig < 2:
+        raise ValueError(f"LongRoPE needs original_max_position_embeddings (an integer above 1), not {orig!r}")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = scaling.get("factor") or cfg.get("max_position_embeddings", 4096) / orig
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return {"rope_type": "longrope", "short_factor": list(scaling.get("short_factor") or []),
+            "long_factor": list(scaling.get("long_factor") or []), "original_max_position_embeddings": orig,
+            "attention_factor": float(attention)}
+
+
 # ---------------------------------------------------------------------------------- range checks
 
 # Bounds before anything loops over layers or experts (real models: about 100 layers, 512 experts).
@@ -160,7 +255,7 @@ MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
 
 # RoPE scaling types models/layers.py implements.
-ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors", "longrope")
 MAX_CONTEXT = 2**30
 
 
@@ -231,6 +326,13 @@ def check_config(cfg: ModelConfig, where: str, keys: Mapping[str, str] | None = 
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             c.fail("linear_num_value_heads", f"it must be a multiple of {c.key('linear_num_key_heads')} "
                                              f"({cfg.linear_num_key_heads})")
+    if len(cfg.layer_windows) != cfg.num_hidden_layers or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in cfg.layer_windows):
+        c.fail("layer_windows", f"it must give one window (0 or a positive integer) per layer "
+                                f"({cfg.num_hidden_layers})", shown=repr(cfg.layer_windows)[:60])
+    if len(cfg.layer_rope) != cfg.num_hidden_layers:
+        c.fail("layer_rope", f"it must give one RoPE flag per layer ({cfg.num_hidden_layers})",
+               shown=f"{len(cfg.layer_rope)} entries long")
     if cfg.layer_types and len(cfg.layer_types) != cfg.num_hidden_layers:
         c.fail("layer_types", f"it must list one type per layer ({cfg.num_hidden_layers})",
                shown=f"{len(cfg.layer_types)} entries long")
@@ -246,6 +348,18 @@ def _check_rope_scaling(c: _Checker) -> None:
     factor = scaling.get("factor")
     if kind in ("linear", "llama3") and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
         c.fail("rope_scaling", "its factor must be a finite positive number", value=factor)
+    if kind == "longrope":
+        half = c.cfg.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key) or []
+            if len(factors) != half:
+                c.fail("rope_scaling", f"its {key} needs {half} factors (half the rotary dims)",
+                       shown=f"{len(factors)} factors long")
+            if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors):
+                c.fail("rope_scaling", f"its {key} must hold finite positive numbers", shown="a list with a bad factor")
+        attention = scaling.get("attention_factor")
+        if isinstance(attention, bool) or not isinstance(attention, (int, float)) or not 0 < attention < math.inf:
+            c.fail("rope_scaling", "its attention_factor must be a finite positive number", value=attention)
     if kind == "freq_factors":
         factors = scaling.get("freq_factors") or []
         if len(factors) != c.cfg.rotary_dim // 2:
@@ -313,6 +427,7 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, Shapes]:
         "v_proj.bias": (((kv,),), kv_why),
         "q_norm.weight": (((hd,),), f"head_dim {hd}"),
         "k_norm.weight": (((hd,),), f"head_dim {hd}"),
+        "qkv_proj.weight": (((q + 2 * kv, h),), f"{q_why} plus 2 x {kv_why}, by hidden_size {h}"),
     }
 
 
@@ -343,7 +458,8 @@ def _mlp_shapes(cfg: ModelConfig, layer: int, rest: str) -> Shapes | None:
         i = cfg.intermediate_size
         return {"gate_proj.weight": (((i, h),), f"intermediate_size {i} by hidden_size {h}"),
                 "up_proj.weight": (((i, h),), f"intermediate_size {i} by hidden_size {h}"),
-                "down_proj.weight": (((h, i),), f"hidden_size {h} by intermediate_size {i}")}.get(rest)
+                "down_proj.weight": (((h, i),), f"hidden_size {h} by intermediate_size {i}"),
+                "gate_up_proj.weight": (((2 * i, h),), f"2 x intermediate_size {i} by hidden_size {h}")}.get(rest)
     e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     m = _EXPERT_RE.fullmatch(rest)
     if m is not None:

@@ -1,7 +1,9 @@
-"""Llama / Qwen2 / Qwen3 decoder-only models: one implementation, flags for the differences.
+"""Dense decoder-only models (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3): one implementation, flags for
+the differences (models/config.py FAMILIES).
 
-Qwen2 = Llama + bias on q/k/v; Qwen3 = Llama + per-head RMSNorm on q and k before RoPE.
-q/k/v and gate/up are fused into one matmul each (fewer kernel launches per layer).
+Qwen2 = Llama + bias on q/k/v; Qwen3 = Llama + per-head RMSNorm on q and k before RoPE; per layer, an
+attention window (Mistral, Phi-3) and RoPE on or off (SmolLM3's NoPE layers). q/k/v and gate/up are fused
+into one matmul each (fewer kernel launches per layer).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class DenseAttention(nn.Module):
     """Tensor parallel: this rank's KV heads with their query heads (models/parallel.head_shard)."""
 
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, backend: AttentionBackend,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding | None, window: int = 0):
         super().__init__()
         hd = self.head_dim = cfg.head_dim
         o_name = f"{prefix}.o_proj.weight"
@@ -44,7 +46,7 @@ class DenseAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(w.dense(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
             self.k_norm = RMSNorm(w.dense(f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
-        self.backend, self.rotary = backend, rotary
+        self.backend, self.rotary, self.window = backend, rotary, window   # rotary None: no RoPE (NoPE layer)
         self.k_cache = self.v_cache = None   # assigned by the model runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
@@ -52,7 +54,12 @@ class DenseAttention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self.rotary is None:
+            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_size].view(n, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is None:
             # q and k are adjacent in the fused output: rotate both heads' sets in one pass.
             qk = self.rotary.rotate(positions, qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads,
                                                                    self.head_dim))
@@ -61,7 +68,7 @@ class DenseAttention(nn.Module):
             q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:qk_size].view(n, self.num_kv_heads, self.head_dim)
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -70,7 +77,8 @@ class DenseDecoderLayer(nn.Module):
         super().__init__()
         p = f"model.layers.{i}"
         self.input_layernorm = RMSNorm(w.dense(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
-        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary)
+        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary if cfg.layer_rope[i] else None,
+                                        cfg.layer_windows[i])
         self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp = GatedMLP(w, f"{p}.mlp")
 
@@ -84,7 +92,7 @@ class DenseForCausalLM(nn.Module):
         super().__init__()
         self.config, self.tp = cfg, w.tp
         self.backend = AttentionBackend(w.device, block_size)
-        self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
+        self.rotary = RotaryEmbedding(cfg, cfg.rotary_dim, max_positions, w.device)
         self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
         self.layers = nn.ModuleList(DenseDecoderLayer(cfg, w, i, self.backend, self.rotary)
                                     for i in range(cfg.num_hidden_layers))

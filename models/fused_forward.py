@@ -120,5 +120,7 @@ class FusedForward:
                 down=_packed(m.down_proj)[0], k_cache=a.k_cache, v_cache=a.v_cache,
                 qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.data.float().contiguous(),
                 q_norm=None if a.q_norm is None else a.q_norm.weight.data,
-                k_norm=None if a.k_norm is None else a.k_norm.weight.data))
+                k_norm=None if a.k_norm is None else a.k_norm.weight.data, rope=a.rotary is not None,
+                cos=None if a.rotary in (None, model.rotary) else a.rotary.cos,
+                sin=None if a.rotary in (None, model.rotary) else a.rotary.sin, window=a.window))
         return FusedDecoder(dims, layers, model.rotary.cos, model.rotary.sin, model.norm.weight.data)

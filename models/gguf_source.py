@@ -48,7 +48,7 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import (MAX_EXPERTS, ModelConfig, check_config, expected_shapes,
+from nanochat.models.config import (MAX_EXPERTS, PHI3_FUSED, ModelConfig, check_config, expected_shapes, fused_rows,
                                     layer_types_from_interval, required_tensors)
 from nanochat.models.gguf_file import GGUFError, GGUFFile, to_python
 
@@ -127,10 +127,17 @@ class ArchSpec:
     moe: bool = False                    # routed experts (ffn_*_exps) and routers
     hybrid: bool = False                 # Gated DeltaNet + gated attention layers
     tiled_v_heads: bool = False          # qwen35*: value heads stored in tiled order
+    # Block tensors holding several HF ones in row order (Phi-3's attn_qkv, and ffn_up = gate|up).
+    split_tensors: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    partial_rope: bool = False           # rope.dimension_count may be below the head size (NeoX RoPE)
+    no_rope_every: int = 0               # every n-th layer has no RoPE (llama.cpp's fixed SmolLM3 rule)
 
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", permute_qk=True),
+    "smollm3": ArchSpec("smollm3", permute_qk=True, no_rope_every=4),
+    "phi3": ArchSpec("phi3", split_tensors={"attn_qkv": PHI3_FUSED["self_attn.qkv_proj"],
+                                            "ffn_up": PHI3_FUSED["mlp.gate_up_proj"]}, partial_rope=True),
     "qwen2": ArchSpec("qwen2"),
     "qwen3": ArchSpec("qwen3"),
     "qwen3moe": ArchSpec("qwen3_moe", block_tensors=MOE_BLOCK_TENSORS, moe=True),
@@ -146,9 +153,9 @@ class _Ref:
     """Where an HF-named tensor comes from: a GGUF tensor and how to turn it into the HF tensor."""
 
     gguf: str
-    kind: str = "plain"   # plain | a_log | ba_b | ba_a | expert
+    kind: str = "plain"   # plain | a_log | ba_b | ba_a | expert | rows
     expert: int = 0       # kind "expert": which expert
-    part: int = 0         # kind "expert": row block of a fused gate|up tensor (0 gate, 1 up)
+    part: int = 0         # kind "expert": row block of a fused gate|up tensor (0 gate, 1 up); "rows": which part
     parts: int = 1
 
 
@@ -274,6 +281,10 @@ class GGUFSource:
         if ref.kind == "expert":           # [E, parts x rows, cols] holds every expert's rows
             e = self.config.num_experts
             return tuple((e, ref.parts * s[0], *s[1:]) for s in shapes if s), f"num_experts {e}, {why}"
+        if ref.kind == "rows":             # the fused tensor: every part's rows
+            modules = self.spec.split_tensors[_BLOCK_RE.match(ref.gguf).group(2)]
+            rows = sum(fused_rows(self.config, modules))
+            return tuple((rows, *s[1:]) for s in shapes), f"{' + '.join(modules)} rows, {why}"
         return shapes, why
 
     def _gguf_name_for(self, hf_name: str) -> str:
@@ -324,6 +335,10 @@ class GGUFSource:
                                          f"(expected 1 to {MAX_EXPERTS}; the file is corrupt)")
                 return [(f"{prefix}.mlp.experts.{e}.{p}_proj.weight", _Ref(gguf_name, "expert", e, i, len(projs)))
                         for e in range(n_experts) for i, p in enumerate(projs)]
+            if base in spec.split_tensors and kind == "weight":
+                modules = spec.split_tensors[base]
+                return [(f"{prefix}.{module}.weight", _Ref(gguf_name, "rows", part=i, parts=len(modules)))
+                        for i, module in enumerate(modules)]
             module = spec.block_tensors.get(base)
             if module is None or kind is None:
                 return []
@@ -375,6 +390,12 @@ class GGUFSource:
             return torch.log(-w.float())
         if ref.kind in ("ba_b", "ba_a"):
             return self._split_ba(w, ref.kind == "ba_a")
+        if ref.kind == "rows":
+            rows = fused_rows(self.config, self.spec.split_tensors[_BLOCK_RE.match(ref.gguf).group(2)])
+            start = sum(rows[:ref.part])
+            if isinstance(w, QuantWeight):
+                return QuantWeight(w.ggml_type, (rows[ref.part], w.shape[1]), w.data[start:start + rows[ref.part]])
+            return w[start:start + rows[ref.part]]
         if name.endswith("shared_expert_gate.weight") and isinstance(w, torch.Tensor) and w.dim() == 1:
             w = w.unsqueeze(0)   # llama.cpp may store the [1, H] gate as a vector
         return w
@@ -563,7 +584,7 @@ class GGUFSource:
                                  f"{self.arch}.attention.key_length (the file is corrupt)")
         head_dim = key_length if key_length is not None else hidden // heads
         rope_dim = self._int("rope.dimension_count")
-        if rope_dim is not None and rope_dim != head_dim and not self.spec.hybrid:
+        if rope_dim is not None and rope_dim != head_dim and not (self.spec.hybrid or self.spec.partial_rope):
             raise ModelLoadError(f"{self.path}: {self.arch}.rope.dimension_count {rope_dim} differs from the head "
                                  f"size {head_dim}; partial RoPE is not supported for {self.arch}")
         value_length = self._int("attention.value_length", head_dim)
@@ -613,7 +634,21 @@ class GGUFSource:
             },
             **self._moe_config(),
             **self._hybrid_config(head_dim),
+            **self._dense_layers(head_dim, rope_dim),
         )
+
+    def _dense_layers(self, head_dim: int, rope_dim: int | None) -> dict[str, Any]:
+        """Per-layer attention windows and RoPE flags, and partial RoPE, of the dense archs."""
+        if self.spec.moe or self.spec.hybrid:
+            return {}
+        n = self._num_layers()
+        window = self._int("attention.sliding_window", 0, minimum=0) or 0
+        every = self.spec.no_rope_every
+        out: dict[str, Any] = {"layer_windows": (window,) * n,
+                               "layer_rope": tuple(not every or (i + 1) % every != 0 for i in range(n))}
+        if self.spec.partial_rope and rope_dim is not None:
+            out["partial_rotary_factor"] = rope_dim / head_dim
+        return out
 
     def _check_token_lists(self, tokens, vocab: int | None) -> None:
         """The token list, its per-token arrays and {arch}.vocab_size agree on the vocabulary size."""
@@ -692,6 +727,18 @@ class GGUFSource:
         )
 
     def _rope_scaling(self) -> dict | None:
+        if "rope_factors_long.weight" in self._tensors:   # LongRoPE (phi3), as llama.cpp's converter stores it
+            factors = {}
+            for key in ("short", "long"):
+                t = self.get_gguf(f"rope_factors_{key}.weight") if f"rope_factors_{key}.weight" in self._tensors \
+                    else None
+                if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                    raise ModelLoadError(f"{self.path}: LongRoPE needs 1-D float tensors rope_factors_long.weight "
+                                         "and rope_factors_short.weight")
+                factors[f"{key}_factor"] = t.float().tolist()
+            orig = self._int("rope.scaling.original_context_length", required=True, minimum=2)
+            return {"rope_type": "longrope", **factors, "original_max_position_embeddings": orig,
+                    "attention_factor": self._float("rope.scaling.attn_factor", 1.0)}
         if "rope_freqs.weight" in self._tensors:
             freqs = self.get_gguf("rope_freqs.weight")
             if not isinstance(freqs, torch.Tensor) or freqs.dim() != 1:

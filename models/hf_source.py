@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from nanochat.models.config import (DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig,
-                                    check_config, expected_shapes, required_tensors)
+from nanochat.models.config import (DENSE_ARCHS, FAMILIES, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig,
+                                    check_config, expected_shapes, fused_rows, required_tensors)
 from nanochat.models.errors import ModelLoadError
 
 SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES)
@@ -69,6 +70,7 @@ class HFSource:
         check_config(self.config, str(cfg_path))
         self.root = root
         self._where = self._index_tensors(root)
+        self._parts = self._split_fused()
         self._handles: dict[Path, object] = {}
         self._check_tensors(cfg_path)
 
@@ -84,7 +86,8 @@ class HFSource:
         """Every tensor the model reads is present, a float type, and of the shape config.json implies
         (read from the safetensors headers: no tensor data is touched)."""
         cfg = self.config
-        missing = next((n for n in required_tensors(cfg, self._where) if n not in self._where), None)
+        have = self._where.keys() | self._parts.keys()
+        missing = next((n for n in required_tensors(cfg, have) if n not in have), None)
         if missing is not None:
             raise ModelLoadError(f"{self.root}: tensor {missing} is missing; a {cfg.arch} model with "
                                  f"{cfg.num_hidden_layers} layers needs it (incomplete checkpoint?)")
@@ -135,10 +138,28 @@ class HFSource:
                 where[ours] = (f, name)
         return where
 
+    def _split_fused(self) -> dict[str, tuple[str, int, int]]:
+        """A family's fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) served as the Llama tensors
+        they hold: name -> (fused tensor, first row, rows)."""
+        family = FAMILIES.get(self.config.arch)
+        parts = {}
+        for name in self._where if family and family.fused else ():
+            m = re.fullmatch(r"(model\.layers\.\d+)\.(.+)\.weight", name)
+            modules = family.fused.get(m.group(2)) if m else None
+            start = 0
+            for module, rows in zip(modules or (), fused_rows(self.config, modules or ())):
+                parts[f"{m.group(1)}.{module}.weight"] = (name, start, rows)
+                start += rows
+        return parts
+
     def tensor_names(self) -> list[str]:
-        return list(self._where)
+        return [*self._where, *self._parts]
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._parts:
+            fused, start, rows = self._parts[name]
+            f, stored = self._where[fused]
+            return self._handle(f).get_slice(stored)[start:start + rows]
         if name not in self._where:
             raise ModelLoadError(f"{self.root}: tensor {name!r} not found in the checkpoint")
         f, stored = self._where[name]

@@ -53,6 +53,28 @@ def rope_inv_freq(config: ModelConfig, rotary_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
+def rope_tables(config: ModelConfig, rotary_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, rotary_dim / 2] (float32). LongRoPE (Phi-3): the short factors below the
+    pretraining context (original_max_position_embeddings), the long ones from there on, both tables times the
+    attention factor. transformers picks one set per forward by its last position, so this is its forward for
+    every prompt that does not cross that length and for every decode step on a cache; its generate() also
+    recomputes the whole cache with the long factors once a sequence passes it, which a paged cache shared
+    by prefixes cannot do in place (a token's rotation here depends on its position alone)."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    scaling = config.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
+        freqs = torch.outer(positions, rope_inv_freq(config, rotary_dim))
+        return freqs.cos(), freqs.sin()
+    # As transformers computes them, in float32.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * config.rope_theta ** exponents)
+                   for k in ("short_factor", "long_factor"))
+    past = (positions >= scaling["original_max_position_embeddings"]).unsqueeze(1)
+    freqs = positions.unsqueeze(1) * torch.where(past, long, short)
+    attention = scaling["attention_factor"]
+    return freqs.cos() * attention, freqs.sin() * attention
+
+
 class RotaryEmbedding(nn.Module):
     """NeoX-style (rotate-half) RoPE over the first `rotary_dim` dims, from a cos/sin table.
 
@@ -61,10 +83,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, rotary_dim: int, max_positions: int, device):
         super().__init__()
-        inv_freq = rope_inv_freq(config, rotary_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos().to(device), persistent=False)   # [max_pos, rotary_dim/2]
-        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+        cos, sin = rope_tables(config, rotary_dim, max_positions)
+        self.register_buffer("cos", cos.to(device), persistent=False)   # [max_pos, rotary_dim/2]
+        self.register_buffer("sin", sin.to(device), persistent=False)
         self.rotary_dim = rotary_dim
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

@@ -24,6 +24,7 @@ class ModelReport:
     fused: bool                           # the whole-stack CPU kernel runs every step
     why_not: str | None = None
     isa: str | None = None                # the CPU kernels' code path ("avx512-vnni", "avx2", "scalar")
+    attention: str | None = None          # per-layer attention options, when a family has any (attention_layout)
     extra: dict[str, str] = field(default_factory=dict)   # engine-level lines (KV cache, load time)
     sampling_defaults: dict = field(default_factory=dict)  # SamplingParams keywords the model recommends
     card_sampling: dict = field(default_factory=dict)      # those of them from its model card, not its file
@@ -34,6 +35,8 @@ class ModelReport:
                           f"vocab {self.vocab:,})"),
                 ("parameters", f"{self.parameters / 1e6:,.1f} M, {self.weight_bytes / 2**20:,.1f} MiB in memory"),
                 ("forward", path)]
+        if self.attention:
+            rows.append(("attention", self.attention))
         if self.isa:
             rows.append(("CPU kernels", self.isa))
         rows += [(f"  {name}", desc) for name, desc in self.projections.items()]
@@ -63,6 +66,22 @@ def _describe_linear(lin) -> tuple[str, int, int]:
     backends = sorted({p.backend for p in parts})
     params = sum(p.out_features * p.in_features for p in parts)
     return f"{types} {'/'.join(backends)}", params, sum(p.nbytes() for p in parts)
+
+
+def attention_layout(cfg) -> str | None:
+    """Sliding windows, NoPE layers, partial and LongRoPE in one line (None for plain full attention)."""
+    n = cfg.num_hidden_layers
+    parts = []
+    for window in sorted({w for w in cfg.layer_windows if w}):
+        count = sum(w == window for w in cfg.layer_windows)
+        parts.append(f"sliding window {window:,} on {count} of {n} layers")
+    if not all(cfg.layer_rope):
+        parts.append(f"no RoPE on {sum(not r for r in cfg.layer_rope)} of {n} layers")
+    if cfg.rotary_dim != cfg.head_dim:
+        parts.append(f"RoPE on {cfg.rotary_dim} of {cfg.head_dim} head dims")
+    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
+        parts.append(f"LongRoPE (long factors from position {cfg.rope_scaling['original_max_position_embeddings']:,})")
+    return "; ".join(parts) or None
 
 
 def describe(model) -> ModelReport:
@@ -104,4 +123,5 @@ def describe(model) -> ModelReport:
         parameters=params + hp + ep, weight_bytes=nbytes + hb + eb,
         projections=projections, head=head, embedding=embedding,
         fused=fused is not None and fused.usable(),
-        why_not="no fused kernel for this family" if fused is None else fused.why_not, isa=isa)
+        why_not="no fused kernel for this family" if fused is None else fused.why_not, isa=isa,
+        attention=attention_layout(cfg))

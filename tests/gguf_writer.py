@@ -57,7 +57,11 @@ _BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # Phi-3's fused projections, stored fused by llama.cpp (ffn_up holds gate|up)
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
+PERMUTED_ARCHS = ("llama", "smollm3")   # llama.cpp's converter permutes their q/k rows (LlamaModel)
 
 
 # MoE / hybrid archs: HF module (after "model.layers.N.") -> GGUF base name.
@@ -311,7 +315,9 @@ def write_gguf_from_hf(
     skip_tensors: tuple[str, ...] = (),
     expert_qtype: T | None = None,
 ) -> Path:
-    """Write `source` as a GGUF file for `arch` ("llama" permutes q/k rows like llama.cpp).
+    """Write `source` as a GGUF file for `arch` ("llama" and "smollm3" permute q/k rows like llama.cpp;
+    "phi3" gets its LongRoPE factor tensors and partial rotary dims as llama.cpp's Phi3MiniModel writes them;
+    a sliding_window in the config becomes {arch}.attention.sliding_window).
 
     qtype_for_linears: type of 2-D weights; embed_qtype / output_qtype override it for
     token_embd / output, tensor_qtypes per GGUF name. quantizer: packs 2-D tensors that have no
@@ -345,14 +351,19 @@ def write_gguf_from_hf(
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     w.add_rope_freq_base(theta)
     w.add_file_type(_file_type(qtype_for_linears))
-    if arch == "llama":
+    if arch in PERMUTED_ARCHS:
         w.add_vocab_size(vocab)
         w.add_rope_dimension_count(head_dim)
+    if cfg.get("sliding_window") and arch in ("llama", "phi3"):
+        w.add_sliding_window(int(cfg["sliding_window"]))
     moe_like = arch in MOE_ARCHS or arch in HYBRID_ARCHS
     if moe_like:
         _add_moe_metadata(w, cfg, arch, head_dim)
 
     extra_tensors: dict[str, np.ndarray] = {}
+    if arch == "phi3":
+        _add_phi3_rope(w, cfg, head_dim, extra_tensors)
+        scaling = None   # LongRoPE: written above
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
@@ -396,7 +407,7 @@ def write_gguf_from_hf(
         if gname == "output.weight" and tied:
             continue
         x = tensor.detach().to(torch.float32).numpy()
-        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+        if arch in PERMUTED_ARCHS and gname.split(".")[-2] in ("attn_q", "attn_k"):
             x = permute_qk(x, heads if ".attn_q." in gname else kv_heads)
         _add_tensor(w, gname, x, overrides.get(gname), qtype_for_linears, quantizer)
     for gname, x in extra_tensors.items():
@@ -409,6 +420,20 @@ def write_gguf_from_hf(
     w.write_tensors_to_file()
     w.close()
     return Path(out_path)
+
+
+def _add_phi3_rope(w: gguf.GGUFWriter, cfg: dict, head_dim: int, extra: dict[str, np.ndarray]) -> None:
+    """Phi-3's RoPE keys and LongRoPE tensors, as llama.cpp's Phi3MiniModel writes them."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(partial * head_dim))
+    orig = params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(int(orig))
+    if params.get("long_factor"):
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        extra["rope_factors_long.weight"] = np.asarray(params["long_factor"], dtype=np.float32)
+        extra["rope_factors_short.weight"] = np.asarray(params["short_factor"], dtype=np.float32)
 
 
 def _add_tensor(w: gguf.GGUFWriter, gname: str, x: np.ndarray, override: T | None,

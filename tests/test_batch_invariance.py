@@ -31,12 +31,15 @@ pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kerne
 # ---------------------------------------------------------------- kernels
 
 
-def _stack(head_dim: int, heads: int, lib=None):
-    """A random two-layer fused stack (fp16 KV cache of 64 blocks of 16) with a RoPE table for 400 positions."""
+def _stack(head_dim: int, heads: int, lib=None, windows=(0, 0), rope=(True, True)):
+    """A random two-layer fused stack (fp16 KV cache of 64 blocks of 16) with a RoPE table for 400 positions;
+    per layer its attention window and whether it applies RoPE."""
     from tests.test_fused_forward import _random_stack
     rng = np.random.default_rng(head_dim)
     dims, layers, _, _, final_norm = _random_stack(rng, head_dim == 128, True, head_dim, head_dim, [int(T.Q8_0)],
                                                    heads=heads, kv_dtype=torch.float16, num_blocks=64, block_size=16)
+    for layer, window, on in zip(layers, windows, rope):
+        layer.window, layer.rope = window, on
     freqs = torch.outer(torch.arange(400, dtype=torch.float32), 1.0 / 100.0 ** (torch.arange(head_dim // 2) / 8))
     from nanochat.kernels.cpu_decoder import FusedDecoder
     return FusedDecoder(dims, layers, freqs.cos(), freqs.sin(), final_norm, lib=lib), dims, layers
@@ -89,6 +92,23 @@ def test_fused_step_rows_do_not_depend_on_the_batch(head_dim, heads, build):
     for name in ("token by token", "mixed"):
         differ = [key for key, row in runs[name].items() if not torch.equal(row, runs["alone"][key])]
         assert not differ, f"{name}: {len(differ)} rows differ from the sequence run alone, first {differ[0]}"
+
+
+@pytest.mark.parametrize("head_dim,heads", [(64, 6), (32, 4)], ids=["hd64", "hd32"])
+def test_fused_step_windows_do_not_depend_on_the_batch(head_dim, heads):
+    """Sliding windows (one ending inside a key part, one reaching across a part boundary) and a layer without
+    RoPE: a row's output is still the same alone, token by token and in mixed steps."""
+    dec, dims, layers = _stack(head_dim, heads, windows=(50, 130), rope=(True, False))
+    blocks = np.random.default_rng(1).permutation(64).tolist()
+    tables = [blocks[:13], blocks[13:23], blocks[23:24]]
+    x = [torch.randn(n, dims.hidden, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(LENGTHS)]
+    runs = {name: _run_schedule(dec, dims, layers, tables, x, sched) for name, sched in SCHEDULES.items()}
+    for name in ("token by token", "mixed"):
+        differ = [key for key, row in runs[name].items() if not torch.equal(row, runs["alone"][key])]
+        assert not differ, f"{name}: {len(differ)} rows differ from the sequence run alone, first {differ[0]}"
+    full, _, full_layers = _stack(head_dim, heads)   # the same weights, full attention and RoPE everywhere
+    assert not torch.equal(_run_schedule(full, dims, full_layers, tables, x, SCHEDULES["alone"])[(0, 199)],
+                           runs["alone"][(0, 199)])
 
 
 def test_module_attention_and_activations_do_not_depend_on_the_batch():

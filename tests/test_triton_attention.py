@@ -35,8 +35,9 @@ def ref_store(key, value, k_cache, v_cache, slot_mapping):
             v_cache[slot // bs, slot % bs] = value[i].to(v_cache.dtype)
 
 
-def ref_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
-    """Token-by-token gather, explicit causal mask with offset, float64 softmax."""
+def ref_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window=0):
+    """Token-by-token gather, explicit causal mask with offset (and the sliding window: keys p - window + 1 .. p),
+    float64 softmax."""
     bs = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
@@ -49,7 +50,8 @@ def ref_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
         qb = q[lo:hi].double()
         s = torch.einsum("qhd,khd->hqk", qb, k) * scale
         pos = torch.arange(hi - lo).unsqueeze(1) + (ctx - (hi - lo))
-        s = s.masked_fill(torch.arange(ctx).unsqueeze(0) > pos, float("-inf"))
+        keys = torch.arange(ctx).unsqueeze(0)
+        s = s.masked_fill((keys > pos) | ((keys <= pos - window) if window else False), float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
     return out
 
@@ -198,6 +200,24 @@ def test_chunked_prefill_equals_full_prefill():
 
 
 # ----------------------------------------------------------------------------- errors / import guard
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sliding_window(window, num_splits):
+    """The window cuts keys in decode, prefill from scratch and chunks after cached context (the torch fallback
+    and the CPU kernel too), also with the KV range split."""
+    from nanochat.kernels import cpu_decoder, cpu_qgemv
+
+    args = make_batch([1, 19, 7, 1], [60, 19, 40, 9], seed=window)
+    out = ta._paged_attention_impl(*args, 0.2, window, block_m=16, block_n=16, num_splits=num_splits)
+    expected = ref_attention(*args, 0.2, window)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert (expected - ref_attention(*args, 0.2)).abs().max() > 1e-2   # the window changed something
+    if paged_attention is not None:
+        torch.testing.assert_close(paged_attention(*args, 0.2, window=window), expected, atol=ATOL, rtol=0)
+    if cpu_qgemv.available():
+        torch.testing.assert_close(cpu_decoder.paged_attention(*args, 0.2, window), expected, atol=ATOL, rtol=0)
 
 
 def test_bad_inputs_raise_value_error():

@@ -1,4 +1,4 @@
-// One step of a dense Llama / Qwen2 / Qwen3 decoder stack on the CPU, all layers in one call: any
+// One step of a dense decoder stack (Llama, Qwen2/3, SmolLM3, Phi-3 ...) on the CPU, all layers in one call: any
 // ragged batch of decode rows and prefill chunks.
 //
 // Why: at one token per sequence the matmuls read ~80 MB of quantized weights in ~5 ms, while the
@@ -56,15 +56,18 @@ namespace {
 // qkv and gate_up projections are row segments (type, tiles, rows), each with its own type (GGUF
 // quantizers give q, k, v and gate, up different ones), in output order (q | k | v, gate | up, or
 // one fused segment); unused segments at the end have rows = 0. L_QKV_BIAS (0 = none) spans all qkv
-// segments. H_KV_F16: the caches are fp16 (else fp32).
+// segments. H_KV_F16: the caches are fp16 (else fp32). Per layer, so families can mix layer kinds: its RoPE
+// table (L_COS, L_SIN: [max_pos, rot_dim / 2], 0 = no RoPE on that layer) and its attention window (L_WINDOW:
+// 0 = full, else W: a query at position p sees the keys at positions p - W + 1 .. p).
 constexpr int SEG_FIELDS = 3, QKV_SEGS = 3, GU_SEGS = 2;
 enum Header : int {
   H_LAYERS, H_HIDDEN, H_HEADS, H_KV_HEADS, H_HEAD_DIM, H_INTER, H_ROT_DIM, H_BLOCK_SIZE, H_MAX_POS,
-  H_COS, H_SIN, H_FINAL_NORM, H_EPS_BITS, H_KV_F16, H_FIELDS
+  H_FINAL_NORM, H_EPS_BITS, H_KV_F16, H_FIELDS
 };
 enum Layer : int {
   L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS = L_QKV + QKV_SEGS * SEG_FIELDS, L_Q_NORM, L_K_NORM, L_O_TYPE,
-  L_O_W, L_GU, L_DOWN_TYPE = L_GU + GU_SEGS * SEG_FIELDS, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_FIELDS
+  L_O_W, L_GU, L_DOWN_TYPE = L_GU + GU_SEGS * SEG_FIELDS, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_COS, L_SIN, L_WINDOW,
+  L_FIELDS
 };
 enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5 };
 
@@ -75,7 +78,7 @@ T* ptr(int64_t v) {
 
 struct Model {
   int64_t layers, hidden, heads, kv_heads, head_dim, inter, rot_dim, block_size, max_pos;
-  const float *cos, *sin, *final_norm;
+  const float* final_norm;
   float eps;
   bool kv_f16;
 
@@ -83,8 +86,7 @@ struct Model {
   explicit Model(const int64_t* p)
       : layers(p[H_LAYERS]), hidden(p[H_HIDDEN]), heads(p[H_HEADS]), kv_heads(p[H_KV_HEADS]),
         head_dim(p[H_HEAD_DIM]), inter(p[H_INTER]), rot_dim(p[H_ROT_DIM]), block_size(p[H_BLOCK_SIZE]),
-        max_pos(p[H_MAX_POS]), cos(ptr<const float>(p[H_COS])), sin(ptr<const float>(p[H_SIN])),
-        final_norm(ptr<const float>(p[H_FINAL_NORM])), kv_f16(p[H_KV_F16] != 0) {
+        max_pos(p[H_MAX_POS]), final_norm(ptr<const float>(p[H_FINAL_NORM])), kv_f16(p[H_KV_F16] != 0) {
     double e;
     std::memcpy(&e, &p[H_EPS_BITS], sizeof e);
     eps = static_cast<float>(e);
@@ -356,15 +358,15 @@ void prepare_qkv(const Model& m, const int64_t* L, const Batch& b, float* qkv) {
   const float* k_norm = ptr<const float>(L[L_K_NORM]);
   T* k_cache = ptr<T>(L[L_K_CACHE]);
   T* v_cache = ptr<T>(L[L_V_CACHE]);
+  const float* cos = ptr<const float>(L[L_COS]);
+  const float* sin = ptr<const float>(L[L_SIN]);
   for (int64_t t = 0; t < b.n; ++t) {
     float* row = qkv + t * width;
-    const float* c = m.cos + b.positions[t] * (m.rot_dim / 2);
-    const float* s = m.sin + b.positions[t] * (m.rot_dim / 2);
     for (int64_t h = 0; h < m.heads + m.kv_heads; ++h) {  // q heads then k heads: adjacent in the row
       float* head = row + h * m.head_dim;
       const float* nw = h < m.heads ? q_norm : k_norm;
       if (nw) rms_norm(head, nw, m.head_dim, m.eps, head);
-      rope(head, c, s, m.rot_dim);
+      if (cos) rope(head, cos + b.positions[t] * (m.rot_dim / 2), sin + b.positions[t] * (m.rot_dim / 2), m.rot_dim);
     }
     const int64_t slot = b.slots[t];
     store_row(k_cache + slot * m.kv_size(), row + m.q_size(), m.kv_size());
@@ -495,6 +497,10 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
 //   heads, 8 keys at a time, then per part a causal softmax and the weighted values, each value row
 //   loaded once per pass for several query vectors.
 // The kernels over cached K/V are templates on the caches' element type T (float or fp16 bits).
+// A sliding window (first_key) keeps the same fixed parts: the part holding a row's first key is summed from
+// that key, the parts before it are skipped (never read), so a windowed row costs O(window), and decode and
+// prefill still sum the same keys in the same order. In a block of prefill rows, the keys before a row's
+// window get weight 0, as those past its last key do.
 constexpr int64_t ROW_BLOCK = 16, PART = 128;
 
 enum class Work { PART, WIDEN, ROWS };
@@ -515,6 +521,7 @@ struct AttnJob {
   const void* v_cache;
   float* out;                       // [n, heads * head_dim]
   float scale;
+  int64_t window;                   // 0: full attention, else the window W (keys p - W + 1 .. p)
   std::vector<Item> items;
   std::vector<int64_t> first_part;  // [seqs + 1]: parts of sequence t (one-row sequences only)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
@@ -526,7 +533,7 @@ struct AttnJob {
   float* key_rows(int64_t t, int64_t g) { return &keys[keys_at[t] + g * b->context_lens[t] * m->head_dim]; }
 
   void bind(const Model& model, const Batch& batch, const float* q, int64_t q_stride, float q_scale, const void* kc,
-            const void* vc, float* dst) {
+            const void* vc, float* dst, int64_t win) {
     m = &model;
     b = &batch;
     qkv = q;
@@ -535,7 +542,10 @@ struct AttnJob {
     v_cache = vc;
     out = dst;
     scale = q_scale;
+    window = win;
   }
+  // The first key position a query at position p sees.
+  int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
   // Flat cache slot of key position p of sequence t.
   int64_t slot(int64_t t, int64_t p) const {
     const int64_t bs = m->block_size;
@@ -689,7 +699,7 @@ void widen_keys(AttnJob& j, int64_t t, int64_t g, Local& local) {
   const T* k_cache = static_cast<const T*>(j.k_cache);
   float* dst = j.key_rows(t, g);
   local.row.resize(d);
-  for (int64_t p = 0; p < j.b->context_lens[t]; ++p) {
+  for (int64_t p = j.first_key(j.b->positions[j.b->cu_q[t]]) / 8 * 8; p < j.b->context_lens[t]; ++p) {
     const float* krow = as_f32(k_cache + slots[p] * kv + g * d, d, local.row.data());
     std::memcpy(dst + p * d, krow, d * sizeof(float));
   }
@@ -708,7 +718,10 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   const int64_t* slots = &j.slots[j.slots_at[it.seq]];
   const float* krows = j.key_rows(it.seq, g);
   auto seen = [&](int64_t i) { return j.b->positions[it.lo + i / group] + 1; };
+  auto from = [&](int64_t i) { return j.first_key(j.b->positions[it.lo + i / group]); };
   auto out_row = [&](int64_t i) { return j.out + (it.lo + i / group) * m.q_size() + (g * group + i % group) * d; };
+  // The first row's window start bounds every row's (8-aligned: scored 8 keys at a time, widened from there).
+  const int64_t k_first = from(0) / 8 * 8;
   std::vector<float>& scores = local.scores;
   scores.resize(nq * keys);
   local.ml.resize(nq * parts * 2);
@@ -720,7 +733,7 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   // The scores per 64 keys (16 KB of fp32 keys for d = 64, in L1 beside the block's queries), 8 at a time.
   const int64_t keys8 = keys / 8 * 8;
   float* const sc = scores.data();
-  for (int64_t k0 = 0; k0 < keys8; k0 += 64) {
+  for (int64_t k0 = k_first; k0 < keys8; k0 += 64) {
     const int64_t k1 = std::min(keys8, k0 + 64);
     for (int64_t i = 0; i < nq; ++i) {
       const float* q = query[i];
@@ -731,17 +744,19 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   for (int64_t i = 0; i < nq; ++i) {
     float* s = &scores[i * keys];
     for (int64_t p = keys8; p < keys; ++p) s[p] = head_dot<D>(query[i], krows + p * d, d, nullptr);
-    for (int64_t p = 0; p < keys; ++p) s[p] *= j.scale;
-    // Causal softmax per part. A row's weights past its own last key are zero, so every query vector
-    // of the block (all its rows and heads) can share the passes over the values up to the block's
-    // last key: the zero terms add +0 to sums of positive weights, which leaves them as they were.
-    const int64_t n = seen(i);
-    for (int64_t a = 0; a < n; a += PART) {
+    for (int64_t p = k_first; p < keys; ++p) s[p] *= j.scale;
+    // Causal softmax per part. A row's weights outside its window (past its own last key, before its first)
+    // are zero, so every query vector of the block (all its rows and heads) can share the passes over the
+    // values: the zero terms add +0 to sums of positive weights, which leaves them as they were.
+    const int64_t n = seen(i), f = from(i);
+    for (int64_t a = f / PART * PART; a < n; a += PART) {
+      const int64_t lo = std::max(a, f), hi = std::min(a + PART, n);
       float* ml = &local.ml[(i * parts + a / PART) * 2];
-      ml[0] = max_of(s + a, std::min(PART, n - a));
-      ml[1] = exp_shifted(s + a, std::min(PART, n - a), ml[0]);
+      ml[0] = max_of(s + lo, hi - lo);
+      ml[1] = exp_shifted(s + lo, hi - lo, ml[0]);
       local.top[i] = std::max(local.top[i], ml[0]);
     }
+    std::fill(s + k_first, s + f, 0.f);
     std::fill(s + n, s + keys, 0.f);
     float* dst = out_row(i);
     std::fill(dst, dst + d, 0.f);
@@ -754,19 +769,22 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   const T* vbase = static_cast<const T*>(j.v_cache) + g * d;
   local.vals.resize(chunk * d);
   local.o.resize(nq * d);
-  for (int64_t a = 0; a < keys; a += PART) {
+  for (int64_t a = from(0) / PART * PART; a < keys; a += PART) {
     const int64_t end = std::min(keys, a + PART);
     int64_t first = 0;   // query vectors before it (rows at earlier positions) see no key of this part
     while (seen(first) <= a) first += group;
-    for (int64_t p0 = a; p0 < end; p0 += chunk) {
+    int64_t last = first;   // and from `last` on (rows at later positions) their windows start after it
+    while (last < nq && from(last) < end) last += group;
+    const int64_t start = std::max(a, from(first));   // the keys before it have weight 0 for all of them
+    for (int64_t p0 = start; p0 < end; p0 += chunk) {
       const int64_t n = std::min(chunk, end - p0);
       for (int64_t p = 0; p < n; ++p) {
         float* dst = &local.vals[p * d];
         const float* row = as_f32(vbase + slots[p0 + p] * kv, d, dst);
         if (row != dst) std::memcpy(dst, row, d * sizeof(float));
       }
-      for (int64_t i0 = first; i0 < nq; i0 += PV) {
-        const int64_t nv = std::min<int64_t>(PV, nq - i0);
+      for (int64_t i0 = first; i0 < last; i0 += PV) {
+        const int64_t nv = std::min<int64_t>(PV, last - i0);
         const float* w[PV];
         float* out[PV];
         for (int64_t u = 0; u < nv; ++u) {
@@ -774,7 +792,7 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
           out[u] = &local.o[(i0 + u) * d];
         }
         const float* vals = local.vals.data();
-        const bool acc = p0 > a;
+        const bool acc = p0 > start;
         switch (nv) {
           case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, n, vals, d, acc, out); break;
           case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, n, vals, d, acc, out); break;
@@ -785,7 +803,7 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
         }
       }
     }
-    for (int64_t i = first; i < nq; ++i) {
+    for (int64_t i = first; i < last; ++i) {
       const float* ml = &local.ml[(i * parts + a / PART) * 2];
       merge_part(out_row(i), local.l_sum[i], local.top[i], ml[0], ml[1], &local.o[i * d], d);
     }
@@ -796,8 +814,9 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
 // The parts of a PART item, each on its own (the item's bounds follow the threads; a part's do not).
 template <int D, class T>
 void attend_parts(AttnJob& j, const Item& it, Local& local) {
+  const int64_t from = j.first_key(j.b->context_lens[it.seq] - 1);
   for (int64_t p = it.lo; p < it.hi; p += PART)
-    attend_part<D, T>(j, it.seq, p, std::min(it.hi, p + PART), it.index + (p - it.lo) / PART, local);
+    attend_part<D, T>(j, it.seq, std::max(p, from), std::min(it.hi, p + PART), it.index + (p - it.lo) / PART, local);
 }
 
 template <class T>
@@ -832,9 +851,10 @@ void attention(AttnJob& job, int threads) {
   const Batch& b = *job.b;
   int64_t keys = 0, longest = 0, one_row = 0;
   for (int64_t t = 0; t < b.seqs; ++t) {
-    keys += b.context_lens[t] * (b.cu_q[t + 1] - b.cu_q[t]);
+    const int64_t from = job.first_key(b.context_lens[t] - 1);
+    keys += (b.context_lens[t] - from) * (b.cu_q[t + 1] - b.cu_q[t]);
     if (b.cu_q[t + 1] - b.cu_q[t] == 1) {
-      longest = std::max<int64_t>(longest, b.context_lens[t]);
+      longest = std::max<int64_t>(longest, b.context_lens[t] - from / PART * PART);   // from its first part
       ++one_row;
     }
   }
@@ -854,7 +874,8 @@ void attention(AttnJob& job, int threads) {
     const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
     job.first_part[t + 1] = job.first_part[t];
     if (r1 - r0 == 1) {
-      for (int64_t p = 0; p < b.context_lens[t]; p += per_item * PART) {
+      const int64_t first = job.first_key(b.context_lens[t] - 1) / PART * PART;   // the window's first part
+      for (int64_t p = first; p < b.context_lens[t]; p += per_item * PART) {
         job.items.push_back({t, p, std::min<int64_t>(b.context_lens[t], p + per_item * PART), job.first_part[t + 1],
                              Work::PART});
         job.first_part[t + 1] += (job.items.back().hi - p + PART - 1) / PART;
@@ -927,7 +948,7 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   else
     prepare_qkv<float>(m, L, b, s.qkv.data());
   s.attn_job.bind(m, b, s.qkv.data(), qkv_w, 1.0f / std::sqrt(static_cast<float>(m.head_dim)),
-                  ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]), s.attn.data());
+                  ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]), s.attn.data(), L[L_WINDOW]);
   attention(s.attn_job, mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
@@ -978,12 +999,12 @@ int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* posi
 // Attention alone (the module-by-module forward): out [n, heads * head_dim] = softmax(q k^T * scale) v of each
 // row over its sequence's cached keys (this step's K/V already stored), rows as in Batch, the row positions
 // implied (a sequence's rows end at its context length). q: fp32 rows of heads * head_dim at stride ldq;
-// caches [num_blocks, block_size, kv_heads, head_dim], fp16 (kv_f16) or fp32.
+// caches [num_blocks, block_size, kv_heads, head_dim], fp16 (kv_f16) or fp32; window as L_WINDOW.
 int nc_dec_attention(const float* q, int64_t ldq, int64_t n, int64_t seqs, const int32_t* cu_q,
                      const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
                      const void* k_cache, const void* v_cache, int kv_f16, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
-  if (seqs < 1 || cu_q[0] != 0 || cu_q[seqs] != n) return ERR_BATCH;
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window, float* out, int threads) {
+  if (seqs < 1 || cu_q[0] != 0 || cu_q[seqs] != n || window < 0) return ERR_BATCH;
   std::vector<int64_t> positions(n);
   for (int64_t t = 0; t < seqs; ++t) {
     if (cu_q[t + 1] <= cu_q[t] || context_lens[t] < cu_q[t + 1] - cu_q[t]) return ERR_BATCH;
@@ -997,7 +1018,7 @@ int nc_dec_attention(const float* q, int64_t ldq, int64_t n, int64_t seqs, const
   m.kv_f16 = kv_f16 != 0;
   const Batch b{n, positions.data(), nullptr, seqs, cu_q, block_tables, table_stride, context_lens};
   AttnJob& job = g_scratch.attn_job;
-  job.bind(m, b, q, ldq, scale, k_cache, v_cache, out);
+  job.bind(m, b, q, ldq, scale, k_cache, v_cache, out, window);
   attention(job, threads);
   return OK;
 }
