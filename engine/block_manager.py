@@ -186,15 +186,17 @@ class BlockManager:
                 best, best_n = self.blocks[block_id], n
         return hits, best, best_n
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Admit seq: reuse cached prefix blocks and allocate the rest of its current tokens.
+    def allocate(self, seq: Sequence, budget: int | None = None) -> bool:
+        """Admit seq: reuse cached prefix blocks and allocate the rest of its current tokens (windowed mode
+        with a token `budget`: only up to what its first chunk computes; the scheduler grows it chunk by
+        chunk while the blocks behind the window go back, so a long prompt never holds all of its blocks).
 
         Returns False (and changes nothing) when the blocks cannot be had.
         """
         assert not seq.block_table
         if self.hybrid:
             return self._allocate_hybrid(seq)
-        if self.window and self._resume_windowed(seq):
+        if self.window and self._resume_windowed(seq, budget):
             return True
         hits, partial, partial_n = self._cached_prefix(seq)
         tail, tail_n = self._session_tail(seq, hits)
@@ -203,7 +205,10 @@ class BlockManager:
         kept = hits + [b for b in (tail, partial) if b is not None]
         for block in kept:   # protect them from eviction below
             self._ref(block)
-        needed = self.num_blocks_for(len(seq)) - len(hits) - (tail is not None)
+        upto = len(seq)
+        if self.window and budget is not None:
+            upto = min(upto, len(hits) * self.block_size + tail_n + (partial_n if partial is not None else 0) + budget)
+        needed = max(0, self.num_blocks_for(upto) - len(hits) - (tail is not None))
         if not self.can_get(needed):
             for block in reversed(kept):
                 self._unref(block.block_id)
@@ -224,7 +229,7 @@ class BlockManager:
         self.drop_outside_window(seq)
         return True
 
-    def _resume_windowed(self, seq: Sequence) -> bool:
+    def _resume_windowed(self, seq: Sequence, budget: int | None) -> bool:
         """Windowed mode: take over the session's pinned last turn when seq's prompt goes on from it."""
         pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
         if pin is None or pin.table is None or len(pin.tokens) >= len(seq) \
@@ -232,7 +237,8 @@ class BlockManager:
             return False
         del self.sessions[seq.session_id]   # its references become seq's
         seq.block_table = list(pin.table)
-        if not self.ensure_slots(seq, len(seq)):   # all or nothing: give the pin back untouched
+        upto = len(seq) if budget is None else min(len(seq), len(pin.tokens) + budget)
+        if not self.ensure_slots(seq, upto):   # all or nothing: give the pin back untouched
             self.sessions[seq.session_id] = pin
             seq.block_table = []
             return False

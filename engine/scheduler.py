@@ -74,7 +74,7 @@ class Scheduler:
         # 2. admit waiting sequences
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.allocate(seq):
+            if not self.block_manager.allocate(seq, budget):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

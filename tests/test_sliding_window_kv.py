@@ -88,15 +88,17 @@ def test_random_chat_traffic_with_a_window_keeps_every_block_accounted_for():
             base = base[:rng.randrange(len(base))]
         seq = Sequence(base + [rng.randrange(7) for _ in range(rng.randrange(1, 9))], SP, session_id=sid)
         pinned = bm.sessions.get(sid)
-        if not bm.allocate(seq):
+        budget = rng.randrange(1, 6)   # tokens per step: blocks are taken as the chunks need them
+        if not bm.allocate(seq, budget):
             continue
         resumed += pinned is not None and sid not in bm.sessions
         while seq.num_computed_tokens < len(seq) or rng.random() < 0.7:
             if seq.num_computed_tokens == len(seq):
-                if not bm.ensure_slots(seq, len(seq) + 1):
-                    break
                 seq.append_token(rng.randrange(7))
-            step = min(len(seq) - seq.num_computed_tokens, rng.randrange(1, 6))
+            step = min(len(seq) - seq.num_computed_tokens, budget)
+            if not bm.ensure_slots(seq, seq.num_computed_tokens + step):
+                break
+            assert len(seq.block_table) <= bm.num_blocks_for(seq.num_computed_tokens + budget)   # no more ahead
             seq.num_computed_tokens += step
             bm.commit_computed(seq)
             bm.drop_outside_window(seq)
@@ -113,3 +115,55 @@ def test_random_chat_traffic_with_a_window_keeps_every_block_accounted_for():
     bm.check_invariants()
     assert bm.num_free_blocks == 30 and all(b.ref_count == 0 for b in bm.blocks)
     assert resumed > 50
+
+
+def test_a_32k_token_chat_on_a_windowed_model_stays_within_its_bound_and_answers_alike(tmp_path, monkeypatch):
+    """A tiny Mistral-style model (every layer windowed, W = 12): a chat whose first message is 32k tokens,
+    then three more turns, through the engine with chunked prefill. The blocks in use never pass the
+    window's bound, every later turn prefills only its new message, and every reply equals the same chat
+    run with nothing given back (the whole history's KV kept)."""
+    import nanochat.engine.llm_engine as llm_engine
+    from nanochat.engine import LLMEngine
+    from tests.conftest import TINY
+    from tests.test_families import WINDOW, make_family_model
+
+    monkeypatch.setitem(TINY, "max_position_embeddings", 33_000)
+    folder = make_family_model("mistral", tmp_path / "mistral")
+    rng = random.Random(0)
+    turns = [[rng.randrange(5, 300) for _ in range(32_000)]] + [[rng.randrange(5, 300) for _ in range(40)]
+                                                                 for _ in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chunk, bs = 512, 16
+
+    def chat(engine):
+        history, replies, peak, fresh = [], [], 0, []
+        for k, user in enumerate(turns):
+            ids = history + user
+            rid = engine.add_request(ids, greedy, session_id="chat")
+            out, final = [], None
+            while final is None:
+                for ev in engine.step():
+                    out += [ev.token_id] if ev.token_id is not None else []
+                    final = ev if ev.finished else None
+                bm = engine.block_manager
+                peak = max(peak, len(bm.blocks) - bm.num_free_blocks)   # the session's pin included
+            fresh.append(final.stats.prompt_tokens - final.stats.cached_tokens)
+            replies.append(out)
+            history = ids + out
+        return replies, peak, fresh
+
+    kw = dict(dtype="float32", max_model_len=32_800, kvcache_block_size=bs, max_num_batched_tokens=chunk)
+    windowed = LLMEngine(str(folder), **kw)
+    assert windowed.block_manager.window == WINDOW
+    replies, peak, fresh = chat(windowed)
+    bound = (WINDOW - 1 + chunk + bs - 1) // bs + 1     # the window behind the chunk, and the chunk's blocks
+    assert peak <= bound, f"{peak} blocks in use, bound {bound}"
+    assert fresh[0] == len(turns[0]) and all(n <= len(turns[k]) + 1 for k, n in enumerate(fresh[1:], 1))
+
+    monkeypatch.setattr(llm_engine, "kv_window", lambda cfg: 0)   # the same chat keeping every block
+    full = LLMEngine(str(folder), **kw)
+    assert full.block_manager.window == 0
+    full_replies, full_peak, _ = chat(full)
+    assert full_replies == replies
+    assert full_peak > 2000 > 10 * peak            # 32k tokens of KV against a window's worth
+
