@@ -84,7 +84,11 @@ def test_fused_step_rows_do_not_depend_on_the_batch(head_dim, heads, build):
     sequences' rows with other chunk boundaries: head_dim 64 and 128 run the vector kernels, 32 the
     generic ones."""
     lib = cpu_qgemv.build_variant("scalar", []) if build == "scalar" else None
-    dec, dims, layers = _stack(head_dim, heads, lib)
+    _assert_schedules_agree(*_stack(head_dim, heads, lib))
+
+
+def _assert_schedules_agree(dec, dims, layers) -> tuple[list, list, dict]:
+    """Every row of SCHEDULES' runs equals the run of its sequence alone; (tables, inputs, the alone run)."""
     blocks = np.random.default_rng(1).permutation(64).tolist()
     tables = [blocks[:13], blocks[13:23], blocks[23:24]]
     x = [torch.randn(n, dims.hidden, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(LENGTHS)]
@@ -92,6 +96,7 @@ def test_fused_step_rows_do_not_depend_on_the_batch(head_dim, heads, build):
     for name in ("token by token", "mixed"):
         differ = [key for key, row in runs[name].items() if not torch.equal(row, runs["alone"][key])]
         assert not differ, f"{name}: {len(differ)} rows differ from the sequence run alone, first {differ[0]}"
+    return tables, x, runs["alone"]
 
 
 @pytest.mark.parametrize("head_dim,heads", [(64, 6), (32, 4)], ids=["hd64", "hd32"])
@@ -99,16 +104,10 @@ def test_fused_step_windows_do_not_depend_on_the_batch(head_dim, heads):
     """Sliding windows (one ending inside a key part, one reaching across a part boundary) and a layer without
     RoPE: a row's output is still the same alone, token by token and in mixed steps."""
     dec, dims, layers = _stack(head_dim, heads, windows=(50, 130), rope=(True, False))
-    blocks = np.random.default_rng(1).permutation(64).tolist()
-    tables = [blocks[:13], blocks[13:23], blocks[23:24]]
-    x = [torch.randn(n, dims.hidden, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(LENGTHS)]
-    runs = {name: _run_schedule(dec, dims, layers, tables, x, sched) for name, sched in SCHEDULES.items()}
-    for name in ("token by token", "mixed"):
-        differ = [key for key, row in runs[name].items() if not torch.equal(row, runs["alone"][key])]
-        assert not differ, f"{name}: {len(differ)} rows differ from the sequence run alone, first {differ[0]}"
+    tables, x, alone = _assert_schedules_agree(dec, dims, layers)
     full, _, full_layers = _stack(head_dim, heads)   # the same weights, full attention and RoPE everywhere
     assert not torch.equal(_run_schedule(full, dims, full_layers, tables, x, SCHEDULES["alone"])[(0, 199)],
-                           runs["alone"][(0, 199)])
+                           alone[(0, 199)])
 
 
 def test_module_attention_and_activations_do_not_depend_on_the_batch():
