@@ -5,6 +5,7 @@
     nanochat run --prompt A [--prompt B ...]   the same, several prompts batched
     nanochat repl                     line-based chat
     nanochat bench / convert-model    (app/bench_cli.py, app/convert_cli.py)
+    nanochat serve                    OpenAI-compatible HTTP server (app/serve.py)
 
 Exit codes: 0 ok, 1 runtime error, 2 usage error, 130 interrupted. Errors are one line on stderr,
 never a traceback (NANOCHAT_DEBUG=1 shows one). The value checks, the engine flags and how flags and
@@ -113,7 +114,8 @@ def build_parser(argv: list[str] | None = None) -> Parser:
 # External subcommands: (name, module, parser adder, one-line help for the listing).
 EXTERNAL = (("bench", "nanochat.app.bench_cli", "add_bench_parser", "benchmark the engine"),
             ("convert-model", "nanochat.app.convert_cli", "add_convert_parser", "convert a model"),
-            ("pull", "nanochat.app.pull", "add_pull_parser", "download a GGUF from a Hugging Face repo (REPO[:QUANT])"))
+            ("pull", "nanochat.app.pull", "add_pull_parser", "download a GGUF from a Hugging Face repo (REPO[:QUANT])"),
+            ("serve", "nanochat.app.serve", "add_serve_parser", "serve the model over an OpenAI-compatible HTTP API"))
 
 
 def _add_external(sub, name: str, module: str, adder: str, summary: str, argv: list[str]) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
-from nanochat.engine.serve.protocol import Call, EngineDied, EngineError, ModelInfo, remote_error
+from nanochat.engine.serve.protocol import Call, EngineDied, EngineError, EngineRestarting, ModelInfo, remote_error
 
 STDERR_TAIL = 40   # lines of the engine process's stderr kept for the message when it dies
 
@@ -77,7 +77,7 @@ class Session:
 
 
 class RequestStream:
-    """The events of one request: iterate (blocking), `async for`, or wait with `result()`."""
+    """The events of one request: iterate (blocking), or wait with `result()` (asyncio code: AsyncEngineClient)."""
 
     def __init__(self, client: "EngineClient", request_id: str, on_event: Callable[[TokenEvent], None] | None,
                  session: Session | None = None, replayed: bool = False):
@@ -86,6 +86,7 @@ class RequestStream:
         self.replayed = replayed            # a chat turn whose history is prefilled again (new model or process)
         self.reply = Reply()
         self.done = threading.Event()
+        self.lost = False                   # it ended because the engine process died under it
         self._client = client
         self._on_event = on_event
         self._queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
@@ -106,13 +107,6 @@ class RequestStream:
     def __iter__(self):
         while True:
             event = self._queue.get()
-            yield event
-            if event.finished:
-                return
-
-    async def __aiter__(self):
-        while True:
-            event = await asyncio.to_thread(self._queue.get)
             yield event
             if event.finished:
                 return
@@ -181,6 +175,7 @@ class EngineClient:
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self._death_listeners: list[Callable[[str], None]] = []
         self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self._restart_lock = threading.Lock()   # one restart at a time; the callers behind it find it done
         self._closing = False
         self._gone = threading.Event()      # set once the connection's end has been dealt with
         self.died: str | None = None        # why the last engine process ended, until the next start
@@ -296,11 +291,16 @@ class EngineClient:
             self.shutdown()   # no engine process without its model: the next request tries again
             raise
 
-    def _ensure_engine(self) -> None:
-        if self._conn is None:
-            if self.model is None:
-                raise EngineError("no model is loaded")
-            self.restart()
+    def ensure_running(self) -> None:
+        """Start a new engine process with the model the last one had, unless one runs. Callers from
+        several threads at once get one restart: the later ones wait for it and find the engine up."""
+        if self._conn is not None:
+            return
+        with self._restart_lock:
+            if self._conn is None:
+                if self.model is None:
+                    raise EngineError("no model is loaded")
+                self.restart()
 
     # ------------------------------------------------------------------ transport
     def _send(self, call: Call) -> None:
@@ -416,6 +416,7 @@ class EngineClient:
                 pending.future.set_exception(error)
         for request_id, stream in list(self._streams.items()):
             del self._streams[request_id]
+            stream.lost = True
             stream._deliver(TokenEvent(request_id, None, "", True, "error", error=reason))
         if not closing:
             for fn in list(self._death_listeners):
@@ -478,13 +479,13 @@ class EngineClient:
     def stats(self, fresh: bool = False) -> EngineStats:
         """The latest engine stats, as the engine pushed them; `fresh` asks for them now (a round trip)."""
         if fresh:
-            self._ensure_engine()
+            self.ensure_running()
             self._stats = self._call("stats")
         return self._stats
 
     def describe(self) -> list[tuple[str, str]]:
         """What the model runs on, as (label, value) rows (weight types, kernels, fast path, KV cache)."""
-        self._ensure_engine()
+        self.ensure_running()
         return self._call("describe")
 
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
@@ -571,7 +572,7 @@ class EngineClient:
         `template_kwargs`: variables for the chat template's render of this turn (enable_thinking)."""
         if session.busy:
             raise EngineError("the previous reply in this conversation is still being generated")
-        self._ensure_engine()
+        self.ensure_running()
         with self._lock:
             session.template_kwargs = template_kwargs
             replayed = False
@@ -594,7 +595,7 @@ class EngineClient:
     def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                on_event: Callable[[TokenEvent], None] | None = None) -> RequestStream:
         """A raw request: text (encoded without a chat template) or token ids."""
-        self._ensure_engine()
+        self.ensure_running()
         with self._lock:
             request_id = f"r{next(self._ids)}"
             stream = RequestStream(self, request_id, on_event)
@@ -617,7 +618,7 @@ class EngineClient:
     def bench(self, spec=None, progress: Callable | None = None, multi_turn: dict | None = None):
         """Run a bench workload (engine/serve/bench.py) on the loaded model; `progress(p, stats)` gets
         BenchProgress and EngineStats as it runs. cancel_bench() stops it (BenchCancelled is raised)."""
-        self._ensure_engine()
+        self.ensure_running()
         return self._call("bench", progress=progress, spec=spec, multi_turn=multi_turn)
 
     def cancel_bench(self) -> None:
@@ -627,11 +628,98 @@ class EngineClient:
             pass
 
 
+class AsyncRequestStream:
+    """A request's events on an asyncio loop. The client's reader thread hands each event to the loop
+    (call_soon_threadsafe) as it arrives, so no thread waits per token or per request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.stream: RequestStream | None = None   # set once submitted
+
+    def _on_event(self, event: TokenEvent) -> None:   # the reader thread
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+    @property
+    def reply(self) -> Reply:
+        return self.stream.reply
+
+    @property
+    def lost(self) -> bool:
+        return self.stream.lost
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+    async def next_events(self) -> list[TokenEvent]:
+        """The events that arrived since the last call (waiting for at least one); the last is final
+        once the request ends. The engine sends steps in batches (EVENTS_INTERVAL): a front end can
+        forward each batch as one write."""
+        events = [await self._events.get()]
+        while not events[-1].finished and not self._events.empty():
+            events.append(self._events.get_nowait())
+        return events
+
+    async def __aiter__(self):
+        while True:
+            for event in await self.next_events():
+                yield event
+                if event.finished:
+                    return
+
+    async def result(self) -> Reply:
+        """Wait for the end; the folded reply."""
+        async for _ in self:
+            pass
+        return self.reply
+
+
 class AsyncEngineClient:
-    """The client for asyncio code: the same operations, awaited; streams support `async for`."""
+    """The client for asyncio code (the OpenAI-compatible server): one EngineClient shared by every
+    request, so concurrent requests batch in one engine. Calls that may wait (a load, a submit that
+    finds the engine gone) run on a worker thread; streams arrive through AsyncRequestStream.
+
+    When the engine process dies, every open stream ends with an error event (its `lost` set) and a new
+    process starts loading the model at once, in the background; a submit meanwhile raises
+    EngineRestarting rather than waiting for the load."""
 
     def __init__(self, client: EngineClient | None = None, **kwargs):
         self.client = client or EngineClient(**kwargs)
+        self.restarting = False
+        self.restart_error: str | None = None    # why the last background restart failed
+        self.client.add_death_listener(self._on_death)
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return self.client.model
+
+    def _on_death(self, reason: str) -> None:   # the reader thread: never block it
+        self._restart_in_background()
+
+    def _restart_in_background(self) -> None:
+        if self.restarting:
+            return
+        self.restarting = True
+        threading.Thread(target=self._restart, name="nanochat-engine-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        try:
+            self.client.ensure_running()
+            self.restart_error = None
+        except BaseException as e:   # kept for the 503s until the next try (each submit starts one)
+            self.restart_error = " ".join(str(e).split()) or type(e).__name__
+        finally:
+            self.restarting = False
+
+    def _check_running(self) -> None:
+        if self.restarting or not self.client.alive:
+            self._restart_in_background()
+            why = f" (the last try failed: {self.restart_error})" if self.restart_error else ""
+            raise EngineRestarting(f"the engine is restarting after it stopped{why}; try again shortly")
 
     async def load_model(self, model: str, progress=None, status=None, **config) -> ModelInfo:
         return await asyncio.to_thread(self.client.load_model, model, progress, status, **config)
@@ -642,32 +730,34 @@ class AsyncEngineClient:
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
         return self.client.open_session(system_prompt, history)
 
-    def fork_session(self, session: Session) -> Session:
-        return self.client.fork_session(session)
-
     def branch_session(self, session: Session, turns: int, more: list[dict] | None = None) -> Session:
         return self.client.branch_session(session, turns, more)
-
-    def rewind_session(self, session: Session, turns: int = 1) -> Session:
-        return self.client.rewind_session(session, turns)
-
-    def focus_session(self, session: Session) -> None:
-        self.client.focus_session(session)
 
     def close_session(self, session: Session) -> None:
         self.client.close_session(session)
 
-    async def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None) -> RequestStream:
-        return await asyncio.to_thread(self.client.submit_turn, session, user, sampling)
+    async def _submit(self, send: Callable) -> AsyncRequestStream:
+        self._check_running()
+        stream = AsyncRequestStream(asyncio.get_running_loop())
+        stream.stream = await asyncio.to_thread(send, stream._on_event)
+        return stream
 
-    async def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> RequestStream:
-        return await asyncio.to_thread(self.client.submit, prompt, sampling)
+    async def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None,
+                          template_kwargs: dict | None = None) -> AsyncRequestStream:
+        """The next user message of `session` (see EngineClient.submit_turn)."""
+        return await self._submit(lambda on_event: self.client.submit_turn(session, user, sampling, on_event,
+                                                                           template_kwargs))
 
-    def cancel(self, request_id: str) -> None:
-        self.client.cancel(request_id)
+    async def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> AsyncRequestStream:
+        """A raw request: text (no chat template) or token ids."""
+        return await self._submit(lambda on_event: self.client.submit(prompt, sampling, on_event))
 
     def stats(self) -> EngineStats:
         return self.client.stats()
 
+    async def fresh_stats(self) -> EngineStats:
+        return await asyncio.to_thread(self.client.stats, True)
+
     async def shutdown(self) -> None:
+        self.client.remove_death_listener(self._on_death)
         await asyncio.to_thread(self.client.shutdown)

@@ -57,6 +57,10 @@ class EngineDied(EngineError):
     """The engine process ended unexpectedly (killed, crashed, out of memory)."""
 
 
+class EngineRestarting(EngineError):
+    """A new engine process is loading the model after the last one died: ask again shortly."""
+
+
 def error_kind(exc: BaseException) -> str:
     """The name a client maps back to an exception class (see `raise_remote`)."""
     return type(exc).__name__
