@@ -4,8 +4,11 @@
     POST /v1/completions        raw text (no chat template)
     GET  /v1/models             the one model served
     GET  /health                200 when a request would be served now, 503 while the engine restarts
+    GET  /metrics               Prometheus text (app/metrics.py)
 
 Every request shares the one engine through the one client, so concurrent requests batch together.
+A request with `n` choices runs n sequences of its prompt (choice i with seed + i when a seed is given):
+the first prefills it, the rest then find it in the prefix cache, and all decode in one batch.
 
 Clients re-send the whole transcript every turn. Each conversation is a chat session of the client
 (engine/serve/session.py), kept here between requests under its transcript: the next request whose
@@ -17,7 +20,7 @@ that turn, sharing the cached prefix. Sessions are kept in LRU order, at most `m
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
 SamplingParams itself. Errors are OpenAI's error object: 400 a bad request or a prompt over the context,
-401 a bad key, 404 an unknown model or path, 413 a body over the limit, 429 too many requests in
+401 a bad key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in
 flight, 503 while the engine restarts after a crash.
 """
 
@@ -31,7 +34,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,15 +42,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanochat.app.options import SAMPLING_RULES, accepts
+from nanochat.app.metrics import Metrics
+from nanochat.app.options import LOGPROBS, SAMPLING_RULES, Rule, accepts
+from nanochat.app.tool_calls import ToolCallParser
+from nanochat.app.tool_calls import split as split_tool_calls
+from nanochat.engine.output import TokenEvent, TokenLogprobs
 from nanochat.engine.sampling_params import SamplingParams
-from nanochat.engine.serve.client import AsyncEngineClient, AsyncRequestStream
+from nanochat.engine.serve.client import AsyncEngineClient, AsyncRequestStream, Session
 from nanochat.engine.serve.protocol import EngineError, EngineRestarting
 
 MAX_BODY_BYTES = 4 * 2 ** 20   # a request body past this is refused (413) before it is parsed
 MAX_MESSAGES = 1024            # messages in one chat request
 MAX_SESSIONS = 256             # conversations kept between requests
-MAX_QUEUE = 256                # requests in flight, running or waiting for the engine; past it 429
+MAX_QUEUE = 256                # sequences in flight, running or waiting for the engine; past it 429
+MAX_N = 16                     # choices of one request (each a sequence of the batch)
 SYSTEM_ROLES = ("system", "developer")   # OpenAI's newer name for the system message
 
 
@@ -80,6 +88,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()      # other names a request may use for it (the path it was loaded from)
     api_key: str | None = None
     max_queue: int = MAX_QUEUE
+    max_n: int = MAX_N
     max_body_bytes: int = MAX_BODY_BYTES
     max_messages: int = MAX_MESSAGES
     max_sessions: int = MAX_SESSIONS
@@ -98,6 +107,31 @@ class Generation:
     history: list[dict] = field(default_factory=list)   # finished turns: user, assistant, ...
     user: str | None = None                             # the new user message (chat)
     prompt: str | list[int] | None = None               # the raw prompt (completions)
+    n: int = 1                                          # choices: sequences of the same prompt
+    tools: list[dict] | None = None                     # for the chat template; calls are parsed from replies
+
+    @property
+    def template_kwargs(self) -> dict | None:
+        return {"tools": self.tools} if self.tools else None
+
+    def sampling_for(self, index: int) -> SamplingParams:
+        """Choice i's sampling: a stated seed plus i, so each choice is reproducible and they differ."""
+        if self.sampling.seed is None or index == 0:
+            return self.sampling
+        return replace(self.sampling, seed=(self.sampling.seed + index) % 2 ** 64)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One of a request's n sequences."""
+
+    index: int
+    session: Session | None = None          # its chat session (chat)
+    astream: AsyncRequestStream | None = None
+    final: TokenEvent | None = None
+    seen: float | None = None               # when its latest token events arrived (/metrics)
+    text_offset: int = 0                    # chars of its streamed tokens' texts (completions' logprobs)
+    tool_calls: ToolCallParser | None = None   # a streamed reply's calls (a request with tools)
 
 
 def _type_error(name: str, wanted: str, value) -> ApiError:
@@ -144,15 +178,72 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
 
 
 def _unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tools are not supported by this server", param="tools")
+    if body.get("functions") or body.get("function_call"):
+        raise ApiError(400, "functions and function_call are not supported: use tools", param="functions")
     if body.get("echo"):
         raise ApiError(400, "echo is not supported by this server", param="echo")
+
+
+def parse_tools(body: dict, template_takes_tools: bool) -> list[dict] | None:
+    """The tools the chat template is given (None: none). tool_choice "auto" (the default with tools)
+    lets the model call them; "none" leaves them out of the prompt. Forcing a call ("required", a named
+    function) would need constrained decoding, which the engine does not have."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise ApiError(400, f"tool_choice {json.dumps(choice)[:60]} is not supported: only \"auto\" or \"none\"",
+                       param="tool_choice")
+    if not tools or choice == "none":
+        return None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) and t.get("type") == "function"
+                                            and isinstance(t.get("function"), dict)
+                                            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise _type_error("tools", 'a list of {"type": "function", "function": {"name": ...}}', tools)
+    if not template_takes_tools:
+        raise ApiError(400, "this model's chat template does not render tools: it cannot call them", param="tools")
+    return tools
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a request wants with its tokens' log-probabilities (None: none).
+    Chat says `logprobs: true` and `top_logprobs: k`; completions `logprobs: k`."""
+    if chat:
+        top = body.get("top_logprobs")
+        if not _flag(body, "logprobs"):
+            if top is not None:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        name, value = "top_logprobs", 0 if top is None else top
+    else:
+        name, value = "logprobs", body.get("logprobs")
+        if value is None:
+            return None
+    if not accepts(LOGPROBS, value):
+        raise _type_error(name, LOGPROBS.text, value)
+    return value
+
+
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)   # JSON has no -Infinity; vLLM's floor
+
+
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+
+def chat_logprobs(items: list[TokenLogprobs]) -> dict:
+    """OpenAI's chat shape: per token its text, log-probability, UTF-8 bytes and the top alternatives."""
+    return {"content": [{**_token(t.token, t.logprob), "top_logprobs": [_token(text, lp) for text, lp, _ in t.top]}
+                        for t in items]}
+
+
+def completion_logprobs(items: list[TokenLogprobs], offset: int) -> dict:
+    """The completions shape; `offset`: where the first token's text starts in the reply."""
+    offsets = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in items], "token_logprobs": [_logprob(t.logprob) for t in items],
+            "top_logprobs": [{text: _logprob(lp) for text, lp, _ in t.top} for t in items], "text_offset": offsets}
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -195,6 +286,9 @@ def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], str]:
         if not isinstance(message, dict):
             raise _type_error(f"messages[{at}]", "an object with role and content", message)
         role = message.get("role")
+        if role == "tool" or message.get("tool_calls"):
+            raise ApiError(400, f"messages[{at}]: a tool's result and the calls before it cannot be sent back yet",
+                           param=f"messages[{at}]")
         if role not in (*SYSTEM_ROLES, "user", "assistant"):
             raise ApiError(400, f"messages[{at}].role must be system, user or assistant, got {json.dumps(role)[:40]}",
                            param=f"messages[{at}].role")
@@ -235,25 +329,31 @@ class Conversations:
         self._idle: OrderedDict[str, object] = OrderedDict()
 
     @staticmethod
-    def _key(system: str | None, history: list[dict]) -> str:
-        text = json.dumps([system or None, [[m["role"], m["content"]] for m in history]], ensure_ascii=False)
+    def _key(system: str | None, history: list[dict], tools: list[dict] | None) -> str:
+        # the tools are part of the prompt (the template renders them at its head)
+        text = json.dumps([system or None, [[m["role"], m["content"]] for m in history], tools or None],
+                          ensure_ascii=False)
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
-    def take(self, system: str | None, history: list[dict]):
-        """A session holding exactly `history`, not in use by another request."""
-        session = self._idle.pop(self._key(system, history), None)
+    @staticmethod
+    def _tools(session) -> list[dict] | None:
+        return (session.template_kwargs or {}).get("tools")
+
+    def take(self, system: str | None, history: list[dict], tools: list[dict] | None = None):
+        """A session holding exactly `history` (rendered with `tools`), not in use by another request."""
+        session = self._idle.pop(self._key(system, history, tools), None)
         if session is not None:
             return session
         turns = len(history) // 2
         for other in reversed(self._idle.values()):
             if other.system_prompt == (system or None) and other.turns > turns \
-                    and other.history[:len(history)] == history:
+                    and other.history[:len(history)] == history and self._tools(other) == tools:
                 return self.client.branch_session(other, turns)
         return self.client.open_session(system, history)
 
     def keep(self, session) -> None:
         """A session whose turn ended well, kept for the transcript's next turn."""
-        key = self._key(session.system_prompt, session.history)
+        key = self._key(session.system_prompt, session.history, self._tools(session))
         old = self._idle.pop(key, None)
         if old is not None:   # two clients with the same transcript: keep one
             self.client.close_session(old)
@@ -275,7 +375,8 @@ class Api:
     def __init__(self, client: AsyncEngineClient, config: ServerConfig):
         self.client, self.config = client, config
         self.conversations = Conversations(client, config.max_sessions)
-        self.in_flight = 0
+        self.in_flight = 0                    # sequences (a request with n choices counts n)
+        self.metrics = Metrics()
         self.created = int(time.time())
         self._key = config.api_key.encode("utf-8") if config.api_key else None
 
@@ -317,31 +418,37 @@ class Api:
             raise ApiError(404, f"the model {json.dumps(name)[:120]} does not exist; this server serves "
                                 f"{json.dumps(self.config.model_id)}", param="model", code="model_not_found")
 
-    def _admit(self) -> None:
-        if self.in_flight >= self.config.max_queue:
-            raise ApiError(429, f"the server is busy: {self.in_flight} requests in flight, the most it takes "
-                                "(--max-queue); try again shortly", code="queue_full")
+    def _admit(self, n: int) -> None:
+        if self.in_flight + n > self.config.max_queue:
+            raise ApiError(429, f"the server is busy: {self.in_flight} sequences in flight (n each request), the most "
+                                "it takes is --max-queue; try again shortly", code="queue_full")
 
-    def _log(self, request: Request, status: int, stats=None, started: float | None = None) -> None:
+    def _log(self, request: Request, status: int, choices: list[Choice] | None = None,
+             started: float | None = None) -> None:
+        """One line per request; `choices` once they all ended well."""
         if self.config.log is None:
             return
         peer = request.client.host if request.client else "-"
         line = f"{peer} {request.method} {request.url.path} {status}"
-        if stats is not None:
-            line += f" · {stats.prompt_tokens} prompt ({stats.cached_tokens} cached) · {stats.completion_tokens} out"
-            if stats.ttft is not None:
-                line += f" · TTFT {stats.ttft:.2f}s"
+        if choices is not None:
+            usage, ttft = self._usage(choices), choices[0].final.stats.ttft
+            line += (f" · {usage['prompt_tokens']} prompt ({usage['prompt_tokens_details']['cached_tokens']} cached)"
+                     f" · {usage['completion_tokens']} out")
+            if ttft is not None:
+                line += f" · TTFT {ttft:.2f}s"
         if started is not None:
             line += f" · {time.monotonic() - started:.2f}s"
         self.config.log(line)
 
     @staticmethod
-    async def _watch_disconnect(request: Request, astream: AsyncRequestStream) -> None:
+    async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
         """Cancel the request when its client goes away, so its blocks are freed at once."""
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                astream.cancel()
+                for c in choices:
+                    if c.astream is not None:
+                        c.astream.cancel()
                 return
 
     @staticmethod
@@ -358,14 +465,19 @@ class Api:
         return ApiError(500, final.error or "generation failed", code="generation_failed")
 
     @staticmethod
-    def _usage(stats) -> dict:
-        return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-                "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+    def _usage(choices: list[Choice]) -> dict:
+        """The prompt once (choice 0's: the others found it cached), every choice's completion tokens."""
+        prompt = choices[0].final.stats
+        completion = sum(c.final.stats.completion_tokens for c in choices)
+        return {"prompt_tokens": prompt.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": prompt.cached_tokens}}
 
     @staticmethod
-    def _finish_reason(final) -> str:
-        return "length" if final.finish_reason == "length" else "stop"
+    def _finish_reason(final, tool_calls: list | None = None) -> str:
+        if final.finish_reason == "length":
+            return "length"
+        return "tool_calls" if tool_calls else "stop"
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
@@ -382,139 +494,233 @@ class Api:
             self._check_model(body)
             _unsupported(body)
             gen = self._parse(body, chat)
-            self._admit()
+            self._admit(gen.n)
         except ApiError as e:
             self._log(request, e.status)
             return e.response()
-        self.in_flight += 1
+        self.in_flight += gen.n
+        choices = [Choice(i) for i in range(gen.n)]
         handed_over = False
-        session = None
+        watcher = None
         try:
-            try:
-                if chat:
-                    session = self.conversations.take(gen.system, gen.history)
-                    astream = await self.client.submit_turn(session, gen.user, gen.sampling)
-                else:
-                    astream = await self.client.submit(gen.prompt, gen.sampling)
-            except EngineRestarting as e:
-                raise ApiError(503, str(e), code="engine_restarting") from None
-            except (EngineError, ValueError) as e:
-                raise ApiError(400 if isinstance(e, ValueError) else 503, " ".join(str(e).split())) from None
-            watcher = asyncio.create_task(self._watch_disconnect(request, astream))
-            try:
-                first = await astream.next_events()
-            except BaseException:
-                watcher.cancel()
-                astream.cancel()
-                raise
-            final = first[-1] if first[-1].finished else None
+            if chat:
+                first = self.conversations.take(gen.system, gen.history, gen.tools)
+                choices[0].session = first
+                for c in choices[1:]:   # forks share the conversation's cached prefix
+                    c.session = self.client.branch_session(first, first.turns)
+            # The engine caches a block once its KV is computed, so choice 0 prefills the prompt alone; the
+            # others follow as soon as it has (its first token) and find it all in the prefix cache.
+            await self._submit(gen, choices[:1])
+            watcher = asyncio.create_task(self._watch_disconnect(request, choices))
+            events = await self._fetch(choices[0], started)
+            final, astream = choices[0].final, choices[0].astream
             if final is not None and final.finish_reason in ("error", "abort") and not astream.reply.token_ids:
-                watcher.cancel()
                 raise self._refusal(final, astream)
+            if gen.n > 1:
+                await self._submit(gen, choices[1:])
+                if watcher.done():   # the client went away meanwhile
+                    for c in choices[1:]:
+                        c.astream.cancel()
+            arrivals = self._arrivals(choices, events, started)
             ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if gen.stream:
-                events = self._sse(ident, chat, gen, astream, first, watcher, session, request, started)
+                stream = self._sse(ident, chat, gen, choices, arrivals, watcher, request, started)
                 handed_over = True
-                return StreamingResponse(events, media_type="text/event-stream",
+                return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            try:
-                while final is None:
-                    final = (await astream.next_events())[-1]
-                    final = final if final.finished else None
-            finally:
-                watcher.cancel()
-            if final.finish_reason in ("error", "abort"):
-                raise self._refusal(final, astream) if not astream.reply.token_ids else \
-                    ApiError(500 if not astream.lost else 503, final.error or "generation failed")
-            self._end(session, final)
-            session = None
-            self._log(request, 200, final.stats, started)
-            return JSONResponse(self._whole(ident, chat, astream.reply, final))
+            async for _ in arrivals:
+                pass
+            failed = next((c for c in choices if c.final.finish_reason not in ("stop", "length")), None)
+            if failed is not None:
+                raise self._refusal(failed.final, failed.astream) if not failed.astream.reply.token_ids else \
+                    ApiError(500 if not failed.astream.lost else 503, failed.final.error or "generation failed")
+            self._log(request, 200, choices, started)
+            return JSONResponse(self._whole(ident, chat, gen, choices, self._usage(choices)))
         except ApiError as e:
             self._log(request, e.status, started=started)
             return e.response()
         finally:
             if not handed_over:
-                self.in_flight -= 1
-                if session is not None:
-                    self.conversations.drop(session)
+                self._settle(choices, watcher)
 
-    def _end(self, session, final) -> None:
-        """Keep the conversation for its next turn when this one ended well; else release it."""
-        if session is None:
-            return
-        if final is not None and final.finish_reason in ("stop", "length"):
-            self.conversations.keep(session)
-        else:
-            self.conversations.drop(session)
+    async def _submit(self, gen: Generation, choices: list[Choice]) -> None:
+        samplings = [gen.sampling_for(c.index) for c in choices]
+        try:
+            if gen.prompt is None:
+                streams = await self.client.submit_turns([c.session for c in choices], gen.user, samplings,
+                                                         gen.template_kwargs)
+            else:
+                streams = await self.client.submit_many(gen.prompt, samplings)
+        except EngineRestarting as e:
+            raise ApiError(503, str(e), code="engine_restarting") from None
+        except (EngineError, ValueError) as e:
+            raise ApiError(400 if isinstance(e, ValueError) else 503, " ".join(str(e).split())) from None
+        for c, astream in zip(choices, streams):
+            c.astream = astream
+
+    async def _fetch(self, c: Choice, started: float) -> list[TokenEvent]:
+        """A choice's next events, timed for /metrics as they arrive."""
+        events = await c.astream.next_events()
+        now = time.monotonic()
+        tokens = sum(e.token_id is not None for e in events)
+        if tokens:
+            if c.seen is None:
+                self.metrics.ttft.observe(now - started)
+                tokens -= 1   # a batch's later tokens came during the same wait: no gap of their own is known
+            else:
+                self.metrics.itl.observe((now - c.seen) / tokens, tokens)
+            if tokens or c.seen is None:
+                c.seen = now
+        if events[-1].finished:
+            c.final = events[-1]
+            self.metrics.finished(c.final.finish_reason, c.final.stats)
+        return events
+
+    async def _arrivals(self, choices: list[Choice], events: list[TokenEvent], started: float):
+        """(choice, its new events) as they arrive from every choice, until each has ended; `events`:
+        choice 0's, already fetched."""
+        tasks: dict[Choice, asyncio.Task] = {}
+        ready = [(choices[0], events)]
+        try:
+            while True:
+                for c, got in ready:
+                    yield c, got
+                live = [c for c in choices if c.astream is not None and c.final is None]
+                if not live:
+                    return
+                if len(live) == 1 and not tasks:   # the usual case (n = 1): no task per batch
+                    ready = [(live[0], await self._fetch(live[0], started))]
+                    continue
+                for c in live:
+                    if c not in tasks:
+                        tasks[c] = asyncio.ensure_future(self._fetch(c, started))
+                done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+                ready = [(c, tasks.pop(c).result()) for c in list(tasks) if tasks[c] in done]
+        finally:
+            for task in tasks.values():
+                task.cancel()
+
+    def _settle(self, choices: list[Choice], watcher) -> None:
+        """The request is over: keep each conversation whose turn ended well for its next turn, release
+        the rest, and stop whatever still generates (its client went away)."""
+        if watcher is not None:
+            watcher.cancel()
+        for c in choices:
+            ok = c.final is not None and c.final.finish_reason in ("stop", "length")
+            if c.astream is not None and c.final is None:
+                c.astream.cancel()
+            if c.session is not None:
+                (self.conversations.keep if ok else self.conversations.drop)(c.session)
+        self.in_flight -= len(choices)
 
     def _parse(self, body: dict, chat: bool) -> Generation:
         model = self.client.model
         sampling = sampling_from(body, model.sampling_defaults if model else {},
                                  model.max_model_len if model else 1)
         stream = _flag(body, "stream")
-        gen = Generation(sampling, stream, _stream_options(body, stream))
+        asked = logprobs_asked(body, chat)
+        if asked is not None:
+            sampling = replace(sampling, logprobs=asked)
+        gen = Generation(sampling, stream, _stream_options(body, stream), n=self._n(body))
         if chat:
             gen.system, gen.history, gen.user = parse_messages(body.get("messages"), self.config.max_messages)
+            gen.tools = parse_tools(body, bool(model and model.tools))
         else:
             gen.prompt = parse_prompt(body.get("prompt"))
         return gen
 
-    def _whole(self, ident: str, chat: bool, reply, final) -> dict:
-        choice = {"index": 0, "finish_reason": self._finish_reason(final), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-        else:
-            choice["text"] = reply.text
-        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.config.model_id, "choices": [choice], "usage": self._usage(final.stats)}
+    def _n(self, body: dict) -> int:
+        n, most = body.get("n"), min(self.config.max_n, self.config.max_queue)
+        if n is None:
+            return 1
+        if not accepts(Rule(int, lambda v: 1 <= v <= most, f"an integer from 1 to {most}"), n):
+            raise _type_error("n", f"an integer from 1 to {most}", n)
+        return n
 
-    async def _sse(self, ident, chat, gen, astream, events, watcher, session, request, started):
-        """The stream's server-sent events; whatever ends it (the reply's end, the client going away,
-        the engine dying) ends the request in the engine and settles its session."""
+    def _whole(self, ident: str, chat: bool, gen: Generation, choices: list[Choice], usage: dict) -> dict:
+        out = []
+        for c in choices:
+            logprobs = c.astream.reply.logprobs
+            choice = {"index": c.index, "finish_reason": self._finish_reason(c.final),
+                      "logprobs": None if gen.sampling.logprobs is None else
+                      chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, 0)}
+            if chat:
+                choice["message"] = message = {"role": "assistant", "content": c.astream.reply.text}
+                if gen.tools:
+                    content, calls = split_tool_calls(message["content"])
+                    if calls:
+                        message["content"] = content.strip() or None
+                        message["tool_calls"] = calls
+                        choice["finish_reason"] = self._finish_reason(c.final, calls)
+            else:
+                choice["text"] = c.astream.reply.text
+            out.append(choice)
+        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.config.model_id, "choices": out, "usage": usage}
+
+    async def _sse(self, ident, chat, gen, choices, arrivals, watcher, request, started):
+        """The stream's server-sent events, each choice's chunks carrying its index; whatever ends it (the
+        replies' end, the client going away, the engine dying) ends its requests in the engine and
+        settles their sessions."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> bytes:
+        def chunk(index: int, text: str | None, finish: str | None = None, first: bool = False,
+                  logprobs: dict | None = None, calls: list[dict] | None = None) -> bytes:
             if chat:
                 delta = {} if text is None else {"content": text}
                 if first:
                     delta["role"] = "assistant"
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if calls:
+                    delta["tool_calls"] = calls
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return _sse({"id": ident, "object": kind, "created": created, "model": self.config.model_id,
                          "choices": [choice]})
 
-        final = None
+        failed = None
         try:
             if chat:
-                yield chunk("", first=True)
-            while True:
+                for c in choices:
+                    yield chunk(c.index, "", first=True)
+                    c.tool_calls = ToolCallParser() if gen.tools else None
+            async for c, events in arrivals:
                 text = "".join(e.text for e in events)
-                if text:
-                    yield chunk(text)
-                if events[-1].finished:
-                    final = events[-1]
-                    break
-                events = await astream.next_events()
-            if final.finish_reason in ("stop", "length"):
-                yield chunk(None, self._finish_reason(final))
+                calls = None
+                if c.tool_calls is not None:
+                    text, found = c.tool_calls.feed(text)
+                    if c.final is not None:
+                        text += c.tool_calls.finish()
+                    start = len(c.tool_calls.calls) - len(found)   # a call's index among the choice's calls
+                    calls = [{"index": start + k, **call} for k, call in enumerate(found)]
+                items = [e.logprobs for e in events if e.logprobs is not None]
+                logprobs = None
+                if items:
+                    logprobs = chat_logprobs(items) if chat else completion_logprobs(items, c.text_offset)
+                    c.text_offset += sum(len(t.token) for t in items)
+                if text or items or calls:
+                    yield chunk(c.index, text, logprobs=logprobs, calls=calls)
+                if c.final is not None:
+                    if c.final.finish_reason not in ("stop", "length"):
+                        failed = c
+                        break
+                    yield chunk(c.index, None, self._finish_reason(c.final, c.tool_calls and c.tool_calls.calls))
+            if failed is None:
                 if gen.include_usage:
                     yield _sse({"id": ident, "object": kind, "created": created, "model": self.config.model_id,
-                                "choices": [], "usage": self._usage(final.stats)})
+                                "choices": [], "usage": self._usage(choices)})
             else:   # the engine died or failed mid-reply: the SDKs raise on an error event
-                error = ApiError(503 if astream.lost else 500, final.error or "generation failed",
-                                 code="engine_restarting" if astream.lost else "generation_failed")
+                lost = failed.astream.lost
+                error = ApiError(503 if lost else 500, failed.final.error or "generation failed",
+                                 code="engine_restarting" if lost else "generation_failed")
                 yield _sse(error.body())
             yield b"data: [DONE]\n\n"
         finally:
-            watcher.cancel()
-            if final is None:   # the client went away: stop generating for it
-                astream.cancel()
-            self._end(session, final)
-            self.in_flight -= 1
-            self._log(request, 200, final.stats if final is not None else None, started)
+            await arrivals.aclose()
+            self._settle(choices, watcher)
+            ended = all(c.final is not None and c.final.finish_reason in ("stop", "length") for c in choices)
+            self._log(request, 200, choices if ended else None, started)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -525,6 +731,14 @@ class Api:
         entry = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "nanochat",
                  "max_model_len": model.max_model_len if model else None}
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def metrics_text(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as e:
+            return e.response()
+        text = self.metrics.render(self.client.stats(), self.in_flight, self.client.restarts)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(self, request: Request) -> Response:
         if self.client.restarting or not self.client.client.alive:
@@ -546,7 +760,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),
-              Route("/health", api.health, methods=["GET"])]
+              Route("/health", api.health, methods=["GET"]),
+              Route("/metrics", api.metrics_text, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.api = api
     return app

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 from nanochat.app.errors import UsageError
 from nanochat.engine.config import (DEVICES, DTYPES, MAX_CPU_THREADS, MAX_KV_CACHE_GIB, Config, shown,
                                     valid_device)
-from nanochat.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
+from nanochat.engine.sampling_params import MAX_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
 
@@ -46,6 +46,7 @@ REPETITION_PENALTY = Rule(float, lambda v: 0 < v < math.inf, "a number > 0 (1 is
 PENALTY = Rule(float, lambda v: -2 <= v <= 2, "from -2 to 2 (0 is off)")   # presence, frequency (OpenAI's range)
 KV_CACHE_GIB = Rule(float, lambda v: 0 < v <= MAX_KV_CACHE_GIB, f"> 0 and at most {MAX_KV_CACHE_GIB} (1 PiB)")
 SEED = Rule(int, lambda v: 0 <= v < 2 ** 64, "an integer from 0 to 2**64 - 1")
+LOGPROBS = Rule(int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")   # alternatives per token
 THREADS = Rule(int, lambda v: 1 <= v <= MAX_CPU_THREADS, f"from 1 to {MAX_CPU_THREADS}")
 # The bench builds every prompt in memory before the first step, so sizes past these hang it after the
 # model loaded (--num-seqs 10**100): 2**20 tokens is past every supported model's context.

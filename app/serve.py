@@ -38,8 +38,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                                          "/v1/completions, /v1/models, /health). Concurrent requests share the "
-                                          "engine's batching; a conversation's earlier turns come from the KV cache.")
+                                          "/v1/completions, /v1/models, /health, /metrics). Concurrent requests "
+                                          "share the engine's batching; a conversation's earlier turns come from the "
+                                          "KV cache.")
     add_engine_options(p, suppress=True)
     add_option(p, True, "--quiet", "-q", action="store_true", help="no loading progress or per-request log lines")
     g = p.add_argument_group("server")
@@ -49,7 +50,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--api-key", metavar="KEY", default=None,
                    help="require `Authorization: Bearer KEY` on every request but /health")
     g.add_argument("--max-queue", type=positive_int, default=MAX_QUEUE, metavar="N",
-                   help=f"most requests in flight, running or waiting; past it a request gets 429 (default {MAX_QUEUE})")
+                   help=f"most sequences in flight, running or waiting (a request with n choices counts n); past "
+                        f"it a request gets 429 (default {MAX_QUEUE})")
     p.set_defaults(func=run_serve_cli)
     return p
 

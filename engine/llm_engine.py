@@ -15,8 +15,9 @@ from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
-from nanochat.engine.output import ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent
-from nanochat.engine.sampler import Sampler, TokenHistory
+from nanochat.engine.output import (ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent,
+                                   TokenLogprobs)
+from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
@@ -215,14 +216,21 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.run(chunks)
         sampled = [c for c in chunks if c.samples]
-        token_ids = []
+        token_ids, logprobs = [], {}
         if sampled:
             reqs = [self.requests[c.seq.request_id] for c in sampled]
             # Penalties read the ids from the sequence (prompt + generated so far), so a preempted or
             # resumed request is penalized the same; rows without penalties pass None.
             histories = [None if r.history is None else (r.history.sync(r.seq.token_ids), r.seq.num_prompt_tokens)
                          for r in reqs]
+            # Log-probabilities are the model's own (vLLM's default, "raw_logprobs"): from the logits before
+            # penalties (which change them in place), temperature, top-k and top-p.
+            asking = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+            raw = logits[asking] if asking else None
             token_ids = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs], histories)
+            if asking:
+                found = token_logprobs(raw, [token_ids[i] for i in asking], [reqs[i].params.logprobs for i in asking])
+                logprobs = dict(zip(asking, found))
         now = time.perf_counter()
         self._record_throughput(chunks, now - t0, now)
         events = []
@@ -230,9 +238,14 @@ class LLMEngine:
             c.seq.num_computed_tokens = c.end
             self.block_manager.commit_computed(c.seq)
             self.block_manager.drop_outside_window(c.seq)
-        for c, token in zip(sampled, token_ids):
-            events.append(self._postprocess(self.requests[c.seq.request_id], token, now))
+        for i, (c, token) in enumerate(zip(sampled, token_ids)):
+            events.append(self._postprocess(self.requests[c.seq.request_id], token, now, logprobs.get(i)))
         return events
+
+    def _token_logprobs(self, token: int, found: tuple[float, list[int], list[float]]) -> TokenLogprobs:
+        logprob, ids, values = found
+        text = self.tokenizer.decode
+        return TokenLogprobs(text([token]), logprob, [(text([i]), v, i) for i, v in zip(ids, values)])
 
     def _fail_unschedulable(self) -> list[TokenEvent]:
         """Nothing could run: the head request cannot fit even in an empty cache."""
@@ -246,7 +259,8 @@ class LLMEngine:
                            error=f"out of KV-cache memory: the sequence needs {need} tokens of cache, "
                                  f"more than the whole cache holds; raise the KV-cache budget")]
 
-    def _postprocess(self, req: _Request, token: int, now: float) -> TokenEvent:
+    def _postprocess(self, req: _Request, token: int, now: float, logprobs=None) -> TokenEvent:
+        """`logprobs`: token_logprobs' answer for this row, when the request asks."""
         seq, sp = req.seq, req.params
         seq.append_token(token)
         if seq.stats.first_token_time is None:
@@ -278,7 +292,8 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         delta = self._take_delta(req, final=reason is not None)
         stats = self._request_stats(req, reason) if reason is not None else None
-        return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats)
+        return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats,
+                          logprobs=None if logprobs is None else self._token_logprobs(token, logprobs))
 
     @staticmethod
     def _find_stop_string(req: _Request) -> int | None:

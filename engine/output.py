@@ -53,6 +53,15 @@ class RequestStats:
 
 
 @dataclass
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely tokens' (SamplingParams.logprobs asks)."""
+
+    token: str                                 # the token's own text (decoded alone)
+    logprob: float
+    top: list[tuple[str, float, int]] = field(default_factory=list)   # (text, log-probability, id), best first
+
+
+@dataclass
 class TokenEvent:
     """One step's news for one request: a new token (with its finalised text delta) or the end."""
 
@@ -63,6 +72,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stats: RequestStats | None = None # set on the final event
     error: str = ""                   # why, when finish_reason is "error"
+    logprobs: TokenLogprobs | None = None   # the token's, when its request asks
 
 
 @dataclass
@@ -72,12 +82,15 @@ class Reply:
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     final: TokenEvent | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, event: TokenEvent) -> "Reply":
         if event.text:
             self.parts.append(event.text)
         if event.token_id is not None:
             self.token_ids.append(event.token_id)
+        if event.logprobs is not None:
+            self.logprobs.append(event.logprobs)
         if event.finished:
             self.final = event
         return self

@@ -128,6 +128,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[Sampling
             flat.index_copy_(0, key, val)
 
 
+@torch.inference_mode()
+def token_logprobs(logits: torch.Tensor, tokens: list[int],
+                   ks: list[int]) -> list[tuple[float, list[int], list[float]]]:
+    """Per row of `logits` [B, V]: log_softmax's value at `tokens[i]`, and the ids and values of its
+    ks[i] largest entries (most likely first)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    k = max(ks)
+    values, ids = torch.topk(logp, k) if k else (logp[:, :0], logp[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [(chosen[i], ids[i][:ks[i]], values[i][:ks[i]]) for i in range(len(tokens))]
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],

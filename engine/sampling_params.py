@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # Below this the logits / temperature overflow (1e-300 made the sampler's softmax NaN); vLLM's floor
 # too. Such a temperature is greedy in all but name, and 0 says so.
 MIN_TEMPERATURE = 0.01
+MAX_LOGPROBS = 20   # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 
 def _finite(x) -> bool:
@@ -29,6 +30,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # > 0; HF/CTRL, over prompt + generated tokens
     presence_penalty: float = 0.0     # [-2, 2]; OpenAI/vLLM, over generated tokens
     frequency_penalty: float = 0.0    # [-2, 2]; OpenAI/vLLM, over generated tokens
+    # None: none; k: each token's log-probability and the k most likely tokens' (engine/sampler.py token_logprobs)
+    logprobs: int | None = None
 
     def __post_init__(self):
         # Accept lists for convenience, keep the object hashable and immutable.
@@ -58,6 +61,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number from -2 to 2 (0 is off), got {value!r}")
             object.__setattr__(self, name, float(value))
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

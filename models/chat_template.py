@@ -665,6 +665,16 @@ class ChatTemplate:
         return switch, frozenset(v for v, p in prompts.items() if p.rfind(THINK_OPEN) > p.rfind(THINK_CLOSE))
 
 
+    def takes_tools(self) -> bool:
+        """Whether the template renders a `tools` list into the prompt (Qwen2.5's and Qwen3's do)."""
+        probe = [{"type": "function", "function": {"name": _PROBE, "description": "", "parameters": {}}}]
+        try:
+            prompt = self.render([{"role": "user", "content": "hi"}], add_generation_prompt=True, tools=probe)
+        except ChatTemplateError:
+            return False
+        return _PROBE in prompt
+
+
 def end_of_turn_token(template, tokenizer=None) -> str | None:
     """The token that closes an assistant turn under this template, for the engine's stop set.
 

@@ -99,19 +99,6 @@ def wait_idle(server, baseline: int | None = None, within: float = 10.0):
         time.sleep(0.05)
 
 
-def open_stream(server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """A streaming request whose first token event has arrived."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
-                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    response = conn.getresponse()
-    assert response.status == 200
-    for _ in range(2):   # the role chunk, then the first text
-        assert response.readline().startswith(b"data: ")
-        response.readline()
-    return conn, response
-
-
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 200,
         "temperature": 0, "ignore_eos": True}
 
@@ -230,6 +217,243 @@ def test_each_turn_prefills_only_its_new_message(server):
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - BLOCK
 
 
+def test_n_choices_share_the_prompt_and_batch(server):
+    sdk = server.sdk()
+    before = wait_idle(server)
+    messages = [{"role": "user", "content": "several answers to one question, please, a few of them " * 3}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11, n=3,
+              extra_body={"ignore_eos": True})
+    whole = sdk.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) == 3 and all(c.finish_reason == "length" for c in whole.choices)
+    prompt = whole.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 24 and whole.usage.total_tokens == prompt + 24
+    # choices 1 and 2 found choice 0's prompt in the prefix cache
+    after = wait_idle(server)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 2 * (prompt - BLOCK)
+    # choice i samples with seed + i: choice 1 of seed 11 is choice 0 of seed 12
+    one = sdk.chat.completions.create(**{**kw, "n": 1, "seed": 12})
+    assert one.choices[0].message.content == texts[1]
+
+    chunks = list(sdk.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = ["", "", ""]
+    finished = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert streamed == texts and finished == {0: "length", 1: "length", 2: "length"}   # seeded: the same
+    assert chunks[-1].usage.completion_tokens == 24
+
+    done = sdk.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1] and done.choices[0].text == done.choices[1].text   # greedy
+    assert done.usage.completion_tokens == 10
+    assert server.app.state.api.in_flight == 0
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"nanochat_{name}") and not line.startswith("#"))
+
+
+def test_metrics(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/metrics")
+    assert conn.getresponse().status == 401   # behind the key
+    conn.close()
+
+    def scrape() -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
+        text = response.read().decode()
+        conn.close()
+        return text
+
+    before = scrape()
+    reply = server.sdk().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
+                                                 max_tokens=7, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+    usage = list(reply)[-1].usage
+    stats = wait_idle(server)
+    after = scrape()
+    assert metric(after, "prompt_tokens_total") - metric(before, "prompt_tokens_total") == usage.prompt_tokens
+    assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") == 7
+    assert metric(after, "time_to_first_token_seconds_count") - metric(before, "time_to_first_token_seconds_count") == 1
+    assert metric(after, "inter_token_latency_seconds_count") - metric(before, "inter_token_latency_seconds_count") <= 6
+    assert 'nanochat_time_to_first_token_seconds_bucket{le="+Inf"}' in after
+    assert 'nanochat_requests_finished_total{finished_reason="length"}' in after
+    assert metric(after, "kv_cache_blocks_total") == stats.kv_blocks_total > 0
+    assert metric(after, "num_requests_running") == 0 and metric(after, "requests_in_flight") == 0
+    assert 0 <= metric(after, "prefix_cache_hit_rate") <= 1
+    assert "# TYPE nanochat_engine_restarts_total counter" in after
+
+
+PROMPT_IDS = [5, 17, 42, 8, 99, 23, 61]
+
+
+def hf_log_softmax(hf, prompt: list[int], generated: list[int]):
+    """log_softmax of the transformers model's logits at each generated position."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + generated])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(generated)]
+
+
+def test_logprobs_are_the_models_log_softmax_before_any_penalty(server, hf_models):
+    import torch
+
+    for extra in ({}, {"repetition_penalty": 1.5, "presence_penalty": 1.0}):
+        sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=4, **extra)
+        reply = server.aclient.client.submit(PROMPT_IDS, sp).result(60)
+        expected = hf_log_softmax(hf_models("llama"), PROMPT_IDS, reply.token_ids)
+        assert len(reply.logprobs) == 5
+        for row, token, got in zip(expected, reply.token_ids, reply.logprobs):
+            top = torch.topk(row, 4)
+            # within the engine's fp32 agreement with transformers (its logits: 1e-4; the log-sum-exp adds some)
+            assert abs(got.logprob - float(row[token])) < 5e-4
+            assert [i for _, _, i in got.top] == top.indices.tolist()
+            assert [v for _, v, _ in got.top] == pytest.approx(top.values.tolist(), abs=5e-4)
+            if not extra:   # greedy over the model's own distribution
+                assert token == got.top[0][2]
+
+
+def test_logprobs_through_the_sdk(server, hf_models):
+    sdk = server.sdk()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, logprobs=True,
+              top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = sdk.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8")) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob) and entry.logprob <= 0
+    chunks = list(sdk.chat.completions.create(**kw, stream=True))
+    streamed = [e for c in chunks for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = sdk.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+    done = sdk.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == done.choices[0].text
+    parts = list(sdk.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4, temperature=0, logprobs=3,
+                                        stream=True, extra_body={"ignore_eos": True}))
+    assert [x for p in parts if p.choices[0].logprobs for x in p.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    assert [x for p in parts if p.choices[0].logprobs for x in p.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+# ---------------------------------------------------------------------------------- tools
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tools_reach_the_qwen3_template(tiny_models):
+    from test_chat_template import QWEN3_TEMPLATE   # the real Qwen3 chat template text
+
+    from nanochat.engine.serve.session import ChatSession
+    from nanochat.models.chat_template import CHATML_TEMPLATE, ChatTemplate
+    from nanochat.models.loader import load
+
+    tok = load(str(tiny_models["llama"])).tokenizer
+    template = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
+    assert template.takes_tools() and not ChatTemplate(CHATML_TEMPLATE).takes_tools()
+    session = ChatSession(tok, template, system_prompt="Be brief.")
+    first = tok.decode(session.prepare_turn("the weather in Paris?", {"tools": TOOLS}))
+    assert first == template.render([{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "the weather in Paris?"}],
+                                    add_generation_prompt=True, tools=TOOLS)
+    assert "<tools>" in first and json.dumps(TOOLS[0]) in first
+
+
+class Scripted:
+    """A request stream that plays canned model output (the tiny models write no tool calls)."""
+
+    def __init__(self, pieces: list[str]):
+        from nanochat.engine.output import Reply, RequestStats, TokenEvent
+
+        self.reply, self.lost, self.request_id = Reply(), False, "scripted"
+        self.batches = [[TokenEvent("scripted", i, piece)] for i, piece in enumerate(pieces)]
+        self.batches.append([TokenEvent("scripted", None, "", True, "stop",
+                                        RequestStats(prompt_tokens=9, completion_tokens=len(pieces)))])
+
+    async def next_events(self):
+        events = self.batches.pop(0)
+        for e in events:
+            self.reply.add(e)
+        return events
+
+    def cancel(self):
+        pass
+
+
+CALLING = ["Let me check.", "\n<tool", '_call>\n{"name": "get_', 'weather", "arguments": {"city": "Paris"}}\n</tool',
+           "_call>"]
+
+
+def test_tool_calls_are_parsed_from_the_reply(server, monkeypatch):
+    import dataclasses
+
+    sdk = server.sdk()
+    hi = [{"role": "user", "content": "the weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError) as plain:   # the tiny model's ChatML template has no tools section
+        sdk.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS)
+    assert "does not render tools" in plain.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as forced:
+        sdk.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS, tool_choice="required")
+    assert "tool_choice" in forced.value.body["message"]
+
+    given = []
+
+    async def submit_turns(sessions, user, samplings, template_kwargs=None):
+        given.append(template_kwargs)
+        return [Scripted(CALLING) for _ in sessions]
+
+    monkeypatch.setattr(server.aclient.client, "model", dataclasses.replace(server.aclient.model, tools=True))
+    monkeypatch.setattr(server.aclient, "submit_turns", submit_turns)
+    whole = sdk.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS)
+    assert given[-1] == {"tools": TOOLS}
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert content == "Let me check.\n" and len(calls) == 1 and calls[0].index == 0
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # tool_choice "none": no tools in the prompt, and the reply is text
+    whole = sdk.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS, tool_choice="none")
+    assert given[-1] is None and whole.choices[0].message.content == "".join(CALLING)
+    assert whole.choices[0].finish_reason == "stop" and not whole.choices[0].message.tool_calls
+
+
+def test_the_tool_call_parser_holds_back_only_what_may_be_a_tag():
+    from nanochat.app.tool_calls import ToolCallParser, split
+
+    text = "".join(CALLING) + " done <tool_call>not json</tool_call> <tool"
+    content, calls = split(text)
+    assert content == "Let me check.\n done <tool_call>not json</tool_call> <tool" and len(calls) == 1
+    parser = ToolCallParser()
+    shown, found = zip(*(parser.feed(ch) for ch in text))
+    assert "".join(shown) + parser.finish() == content and sum(len(f) for f in found) == 1
+    assert parser.feed("a <")[0] == "a " and parser.feed("b")[0] == "<b"
+
+
 # ---------------------------------------------------------------------------------- errors
 def test_sdk_error_statuses(server):
     sdk = server.sdk()
@@ -269,7 +493,12 @@ def test_sdk_error_statuses(server):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), "max_tokens must be a positive"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}), "stream must be true or false"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": [""]}), "stop must be"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}), "n must be 1"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 4}), "n must be an integer from 1 to 3"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}),
+     "top_logprobs must be an integer from 0 to 20"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), "top_logprobs needs logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]}),
+     "cannot be sent back yet"),
 ])
 def test_malformed_requests_are_400(server, payload, words):
     status, body = raw(server, "POST", "/v1/chat/completions", payload)
@@ -288,19 +517,45 @@ def test_an_oversized_body_is_413_and_the_key_guards_all_but_health(server):
 
 # ---------------------------------------------------------------------------------- many clients
 def test_a_client_that_disconnects_frees_its_blocks_and_a_full_queue_is_429(server):
+    """The queue is held full by stopping the engine (SIGSTOP) as soon as the server has admitted the last
+    request, so no reply can end first however slow the machine; the clients then go away mid-reply."""
     baseline = wait_idle(server).kv_blocks_used
-    streams = [open_stream(server, LONG) for _ in range(LIMITS["max_queue"])]
-    busy = server.aclient.client.stats(fresh=True)
-    assert busy.kv_blocks_used > baseline and busy.running == LIMITS["max_queue"]
-    with pytest.raises(openai.RateLimitError) as full:
-        server.sdk().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert full.value.body["code"] == "queue_full"
-    for conn, response in streams:   # the clients go away mid-reply
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
+    client, api = server.aclient.client, server.app.state.api
+    conns = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=60) for _ in range(LIMITS["max_queue"])]
+
+    def send(conn):
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**LONG, "stream": True}),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        try:
+            conn.getresponse().readline()
+        except OSError:   # closed below, mid-reply
+            pass
+
+    threads = [threading.Thread(target=send, args=(conn,), daemon=True) for conn in conns]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while api.in_flight < LIMITS["max_queue"]:
+        assert time.monotonic() < deadline, "the server did not admit the requests"
+        time.sleep(0.001)
+    os.kill(client.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.RateLimitError) as full:
+            server.sdk().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert full.value.body["code"] == "queue_full"
+        for conn in conns:   # the clients go away mid-reply
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+    finally:
+        os.kill(client.pid, signal.SIGCONT)
     stats = wait_idle(server, baseline, within=5)
     assert stats.kv_blocks_used <= baseline
-    assert server.app.state.api.in_flight == 0
+    deadline = time.monotonic() + 5
+    while api.in_flight:
+        assert time.monotonic() < deadline, "the server still counts the requests"
+        time.sleep(0.01)
+    for t in threads:
+        t.join(5)
 
 
 def test_an_engine_crash_ends_the_stream_with_an_error_and_the_next_request_succeeds(server):
@@ -325,6 +580,7 @@ def test_an_engine_crash_ends_the_stream_with_an_error_and_the_next_request_succ
         time.sleep(0.1)
     again = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert again.usage.completion_tokens >= 1 and client.pid != old
+    assert server.aclient.restarts == 1
 
 
 # ---------------------------------------------------------------------------------- the command

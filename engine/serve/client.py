@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
@@ -690,6 +691,7 @@ class AsyncEngineClient:
     def __init__(self, client: EngineClient | None = None, **kwargs):
         self.client = client or EngineClient(**kwargs)
         self.restarting = False
+        self.restarts = 0                        # engine processes that died under it (each is restarted)
         self.restart_error: str | None = None    # why the last background restart failed
         self.client.add_death_listener(self._on_death)
 
@@ -698,6 +700,7 @@ class AsyncEngineClient:
         return self.client.model
 
     def _on_death(self, reason: str) -> None:   # the reader thread: never block it
+        self.restarts += 1
         self._restart_in_background()
 
     def _restart_in_background(self) -> None:
@@ -736,21 +739,39 @@ class AsyncEngineClient:
     def close_session(self, session: Session) -> None:
         self.client.close_session(session)
 
-    async def _submit(self, send: Callable) -> AsyncRequestStream:
+    async def _submit(self, sends: list[Callable]) -> list[AsyncRequestStream]:
+        """Submit requests back to back, from one worker thread, so the engine takes them in one step."""
         self._check_running()
-        stream = AsyncRequestStream(asyncio.get_running_loop())
-        stream.stream = await asyncio.to_thread(send, stream._on_event)
-        return stream
+        loop = asyncio.get_running_loop()
+        streams = [AsyncRequestStream(loop) for _ in sends]
+
+        def submit_all() -> None:
+            for stream, send in zip(streams, sends):
+                stream.stream = send(stream._on_event)
+
+        await asyncio.to_thread(submit_all)
+        return streams
 
     async def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None,
                           template_kwargs: dict | None = None) -> AsyncRequestStream:
         """The next user message of `session` (see EngineClient.submit_turn)."""
-        return await self._submit(lambda on_event: self.client.submit_turn(session, user, sampling, on_event,
-                                                                           template_kwargs))
+        return (await self.submit_turns([session], user, [sampling], template_kwargs))[0]
+
+    async def submit_turns(self, sessions: list[Session], user: str, samplings: list[SamplingParams | None],
+                           template_kwargs: dict | None = None) -> list[AsyncRequestStream]:
+        """The same next user message in each of `sessions` (forks of one conversation), one sampling each."""
+        return await self._submit([partial(self.client.submit_turn, session, user, sampling,
+                                           template_kwargs=template_kwargs)
+                                   for session, sampling in zip(sessions, samplings)])
 
     async def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> AsyncRequestStream:
         """A raw request: text (no chat template) or token ids."""
-        return await self._submit(lambda on_event: self.client.submit(prompt, sampling, on_event))
+        return (await self.submit_many(prompt, [sampling]))[0]
+
+    async def submit_many(self, prompt: str | list[int],
+                          samplings: list[SamplingParams | None]) -> list[AsyncRequestStream]:
+        """The same raw prompt once per sampling."""
+        return await self._submit([partial(self.client.submit, prompt, sampling) for sampling in samplings])
 
     def stats(self) -> EngineStats:
         return self.client.stats()

@@ -185,7 +185,8 @@ class EngineCore:
                          dtype=str(engine.dtype).removeprefix("torch."), max_model_len=engine.config.max_model_len,
                          load_seconds=engine.load_seconds, sampling_defaults=engine.sampling_defaults,
                          tensor_parallel_size=engine.config.tensor_parallel_size,
-                         thinking_switch=thinking_switch, thinking_opened=thinking_opened)
+                         thinking_switch=thinking_switch, thinking_opened=thinking_opened,
+                         tools=engine.loaded.chat_template.takes_tools())
 
     def _engine(self):
         if self.engine is None:

@@ -47,6 +47,7 @@ class ModelInfo:
     # The enable_thinking values (None: not given) whose generation prompt opens a <think> block itself:
     # the model then writes only the thinking's body and </think>.
     thinking_opened: frozenset = frozenset()
+    tools: bool = False             # the chat template renders a `tools` list (function calling)
 
 
 class EngineError(RuntimeError):
