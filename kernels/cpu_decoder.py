@@ -3,8 +3,9 @@
 Decode on the CPU is one row per sequence: the int8 matmuls take ~5 ms per SmolLM2 token, and the ~25
 small torch ops around them per layer took as long again. `FusedDecoder.forward` runs every layer
 (RMSNorm, fused qkv matmul + bias, q/k head norms, RoPE, paged KV store, causal softmax attention,
-o_proj, residuals, SwiGLU MLP) and the final norm inside the library of cpu_qgemv, on its thread
-pool, for any ragged batch: decode rows and prefill chunks (rows after cached keys included).
+o_proj, residuals (with Gemma 3's output norms), SwiGLU or GeGLU MLP) and the final norm inside the library
+of cpu_qgemv, on its thread pool, for any ragged batch: decode rows and prefill chunks (rows after cached keys
+included).
 
 The model describes itself once as plain tensors (`DecoderDims`, `DecoderLayer`); the plan keeps
 references to them (the C side holds raw pointers), so a plan is valid as long as those tensors are
@@ -35,6 +36,7 @@ _ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE ta
 # Row segments per layer in the plan (csrc/decoder.cpp: QKV_SEGS, GU_SEGS).
 _QKV_SEGMENTS, _GATE_UP_SEGMENTS = 3, 2
 _KV_DTYPES = (torch.float16, torch.float32)
+_MLP_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # csrc/decoder.cpp ACT_*
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class DecoderDims:
     rotary_dim: int
     block_size: int
     eps: float
+    activation: str = "silu"        # the gated MLP's: "silu" or "gelu_tanh"
+    attention_scale: float = 0.0    # 0: head_dim ** -0.5
 
 
 @dataclass
@@ -58,7 +62,8 @@ class DecoderLayer:
     [num_blocks, block_size, kv_heads, head_dim], float16 or float32 (every layer the same);
     norms and the qkv bias (all segments') fp32. rope: False leaves the layer without RoPE (SmolLM3's
     NoPE layers); cos / sin: the layer's own RoPE table (else the decoder's). window: 0 = full attention,
-    else W (a query at position p sees keys p - W + 1 .. p)."""
+    else W (a query at position p sees keys p - W + 1 .. p). attn_out_norm / mlp_out_norm: RMSNorm weights
+    (fp32) on the attention and MLP outputs before their residual adds (Gemma 3), or None."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -75,6 +80,13 @@ class DecoderLayer:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     window: int = 0
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+
+def _bits(v: float) -> int:
+    """A double's bits as an int64 plan field."""
+    return struct.unpack("<q", struct.pack("<d", v))[0]
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -107,10 +119,13 @@ class FusedDecoder:
         self.kv_dtype = layers[0].k_cache.dtype
         if self.kv_dtype not in _KV_DTYPES:
             raise ValueError(f"fused decoder: KV cache dtype {self.kv_dtype} is not float16 or float32")
-        eps_bits = struct.unpack("<q", struct.pack("<d", dims.eps))[0]
+        if dims.activation not in _MLP_ACTIVATIONS:
+            raise ValueError(f"fused decoder: activation {dims.activation!r} is not one of "
+                             f"{', '.join(_MLP_ACTIVATIONS)}")
+        scale = dims.attention_scale or dims.head_dim ** -0.5
         plan = [dims.layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate,
-                dims.rotary_dim, dims.block_size, cos.shape[0], final_norm.data_ptr(), eps_bits,
-                int(self.kv_dtype == torch.float16)]
+                dims.rotary_dim, dims.block_size, cos.shape[0], final_norm.data_ptr(), _bits(dims.eps),
+                int(self.kv_dtype == torch.float16), _MLP_ACTIVATIONS[dims.activation], _bits(scale)]
         if len(plan) != lib.nc_dec_header_fields():
             raise RuntimeError("fused decoder: plan header does not match the library")
         for i, layer in enumerate(layers):
@@ -124,8 +139,11 @@ class FusedDecoder:
 
     def _layer_fields(self, i: int, layer: DecoderLayer) -> list[int]:
         d = self.dims
-        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm"):
+        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
             self._keep.append(_fp32(getattr(layer, name), f"layer {i} {name}"))
+        for name in ("attn_out_norm", "mlp_out_norm"):
+            if getattr(layer, name) is not None and getattr(layer, name).shape != (d.hidden,):
+                raise ValueError(f"fused decoder: layer {i} {name} must have {d.hidden} values")
         cache_shape = (d.block_size, d.kv_heads, d.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
@@ -153,7 +171,7 @@ class FusedDecoder:
         rope = (_ptr(cos), _ptr(sin)) if layer.rope else (0, 0)
         return [_ptr(layer.input_norm), _ptr(layer.post_norm), *qkv, _ptr(layer.qkv_bias), _ptr(layer.q_norm),
                 _ptr(layer.k_norm), *o, *gate_up, *down, _ptr(layer.k_cache), _ptr(layer.v_cache), *rope,
-                layer.window]
+                layer.window, _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm)]
 
     def _weight(self, i: int, name: str, w: cpu_qgemv.PackedWeight, rows: int, cols: int) -> list[int]:
         """(type, tiles) of a packed [rows, cols] weight, kept alive by the plan."""
@@ -207,14 +225,16 @@ class FusedDecoder:
         return x
 
 
-_ACTIVATIONS = {"silu": (0, F.silu), "sigmoid": (1, torch.sigmoid), "softplus": (2, F.softplus), "exp": (3, torch.exp)}
+_ACTIVATIONS = {"silu": (0, F.silu), "sigmoid": (1, torch.sigmoid), "softplus": (2, F.softplus), "exp": (3, torch.exp),
+                "gelu_tanh": (4, lambda x: F.gelu(x, approximate="tanh")), "tanh": (5, torch.tanh)}
 
 
 def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
-    """silu, sigmoid, softplus or exp of x (times `mul`, of x's shape). On the CPU in float32 through the fused
-    step's library, where each element's result is a function of its value only: torch's kernels compute
-    the last elements of each range they split a tensor into in scalar code, which rounds differently, so
-    a row's values would depend on how many rows share the call. Elsewhere torch's own."""
+    """silu, sigmoid, softplus, exp, gelu_tanh (GELU, tanh approximation) or tanh of x (times `mul`, of x's
+    shape). On the CPU in float32 through the fused step's library, where each element's result is a function
+    of its value only: torch's kernels compute the last elements of each range they split a tensor into in
+    scalar code, which rounds differently, so a row's values would depend on how many rows share the call.
+    Elsewhere torch's own."""
     op, ref = _ACTIVATIONS[name]
     lib = cpu_qgemv.extension() if x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 else None
     if lib is None or x.shape[-1] == 0 or x.stride(-1) != 1 or (mul is not None and (

@@ -8,6 +8,7 @@ import math
 import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanochat.models.errors import ModelLoadError
 
@@ -26,6 +27,20 @@ class Family:
     no_rope_layers: bool = False          # config.json lists per layer whether it uses RoPE (SmolLM3)
     # Checkpoint tensors holding several of Llama's, in row order (module names inside a layer).
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Gemma 3: HF RMSNorm weights scale by (1 + w); norms on the attention and MLP outputs as well (four a
+    # layer); the embeddings times sqrt(hidden_size); the windowed layers' own RoPE base, unscaled; the
+    # attention scale query_pre_attn_scalar ** -0.5; final_logit_softcapping.
+    norm_zero_centred: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    local_rope: bool = False
+    query_pre_attn_scalar: bool = False
+    logit_softcapping: bool = False
+    activations: tuple[str, ...] = ("silu",)   # config.json hidden_act / hidden_activation values accepted
+    # config.json values transformers assumes where the file has none (Gemma 3's text_config lists few), and
+    # the RoPE base (which may come from rope_parameters instead).
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    rope_theta: float = 10000.0
 
 
 PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -37,13 +52,25 @@ FAMILIES = {f.arch: f for f in (
     Family("qwen3", qk_norm=True),
     Family("smollm3", no_rope_layers=True),
     Family("phi3", sliding_window="all", fused=PHI3_FUSED),
+    # Gemma3TextConfig's defaults; sliding_window_pattern: transformers' rule when layer_types is absent.
+    Family("gemma3_text", qk_norm=True, norm_zero_centred=True, sandwich_norms=True, embed_scale=True,
+           local_rope=True, query_pre_attn_scalar=True, logit_softcapping=True,
+           activations=("gelu_pytorch_tanh", "gelu_tanh"),
+           defaults={"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+                     "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True,
+                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6},
+           rope_theta=1_000_000.0),
 )}
 DENSE_ARCHS = set(FAMILIES)
 MOE_ARCHS = {"qwen3_moe"}
 # Hybrid Gated DeltaNet + gated attention families (models/qwen3_next.py).
 HYBRID_ARCHS = {"qwen3_next", "qwen3_5_moe", "qwen3_5"}
-# Text-only model_type names of multimodal wrappers -> our arch name.
-TEXT_ARCH_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5"}
+# Text-only model_type names of multimodal wrappers -> our arch name (Gemma 3's wrapper: its text model).
+TEXT_ARCH_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text"}
+# The gated MLP's activation (ModelConfig.hidden_act) for each config.json name of it.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def layer_types_from_interval(num_layers: int, interval: int) -> tuple[str, ...]:
@@ -95,6 +122,16 @@ class ModelConfig:
     # whether the layer applies RoPE (SmolLM3's NoPE layers do not).
     layer_windows: tuple[int, ...] = ()
     layer_rope: tuple[bool, ...] = ()
+    # Dense-family options (Family): the gated MLP's activation ("silu" | "gelu_tanh"); RMSNorms on the
+    # attention and MLP outputs before their residual adds; the factor on the embeddings; the attention
+    # scale (0: head_dim ** -0.5); the RoPE base of the windowed layers, unscaled (0: the global RoPE);
+    # tanh soft-capping of the logits at +-final_logit_softcapping (0: none).
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attention_scale: float = 0.0
+    local_rope_theta: float = 0.0
+    final_logit_softcapping: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -130,15 +167,22 @@ class ModelConfig:
             cfg = merged
         arch = cfg.get("model_type", "")
         arch = TEXT_ARCH_ALIASES.get(arch, arch)
+        family = FAMILIES.get(arch)
+        if family is not None:
+            cfg = {**family.defaults, **cfg}
         heads = cfg["num_attention_heads"]
         if not cfg.get("head_dim") and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"num_attention_heads is {heads!r}; it must be a positive integer")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        # transformers 5 writes RoPE settings under `rope_parameters`; older configs use top-level keys.
+        # transformers 5 writes RoPE settings under `rope_parameters`; older configs use top-level keys. Gemma 3
+        # keeps one dict per layer type there: the global layers' and the windowed layers'.
         rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        per_type = rope_params if isinstance(rope_params.get("full_attention"), dict) else None
+        if per_type is not None:
+            rope_params = per_type["full_attention"]
+        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or (family or Family("")).rope_theta
         rope_scaling = cfg.get("rope_scaling") or rope_params or None
         if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in (None, "default", "mrope"):
             rope_scaling = None   # plain RoPE (mRoPE is plain RoPE for text: all position ids are equal)
@@ -151,8 +195,8 @@ class ModelConfig:
         if hybrid and not layer_types:
             layer_types = layer_types_from_interval(num_layers, cfg.get("full_attention_interval", 4))
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        family = FAMILIES.get(arch)
-        per_layer = _dense_layers(cfg, family, num_layers) if family else {}
+        per_layer = {**_dense_layers(cfg, family, num_layers), **_family_options(cfg, family, per_type)} \
+            if family else {}
         if family and rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in LONGROPE:
             rope_scaling = _longrope(cfg, rope_scaling)
         return cls(
@@ -192,7 +236,7 @@ class ModelConfig:
             linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim") or 4,
             partial_rotary_factor=float(partial),
             attn_output_gate=hybrid,
-            norm_zero_centred=hybrid,
+            norm_zero_centred=hybrid or (family is not None and family.norm_zero_centred),
         )
 
 
@@ -226,11 +270,50 @@ def _dense_layers(cfg: dict, family: Family, num_layers: int) -> dict:
     types = cfg.get("layer_types")
     if types is None and family.no_rope_layers and cfg.get("use_sliding_window"):
         types = ["full_attention" if r else "sliding_attention" for r in rope]   # SmolLM3's default
+    pattern = cfg.get("sliding_window_pattern")
+    if types is None and pattern is not None:   # Gemma 3's default: every pattern-th layer global
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern is {pattern!r}; it must be a positive integer")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if types is None:
         return {"layer_windows": (0,) * num_layers, "layer_rope": rope}
     if not isinstance(types, list) or len(types) != num_layers:
         raise ValueError(f"layer_types must list one type per layer ({num_layers})")
     return {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types), "layer_rope": rope}
+
+
+def _family_options(cfg: dict, family: Family, per_type: dict | None) -> dict:
+    """A dense family's activation, extra norms, embedding and attention scales, windowed layers' RoPE and
+    logit soft-capping from config.json, as transformers reads them; one-line ValueErrors for what is not
+    supported."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.activations[0]
+    if act not in family.activations:
+        raise ValueError(f"hidden activation {act!r} is not supported for {family.arch} "
+                         f"(supported: {', '.join(family.activations)})")
+    out: dict[str, Any] = {"hidden_act": ACTIVATIONS[act], "sandwich_norms": family.sandwich_norms}
+    if family.embed_scale:
+        out["embed_scale"] = cfg["hidden_size"] ** 0.5
+    if family.query_pre_attn_scalar:
+        scalar = cfg.get("query_pre_attn_scalar")
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not 0 < scalar < math.inf:
+            raise ValueError(f"query_pre_attn_scalar is {scalar!r}; it must be a positive number")
+        out["attention_scale"] = scalar ** -0.5
+    if family.local_rope:
+        local = (per_type or {}).get("sliding_attention") or {}
+        if (local.get("rope_type") or local.get("type") or "default") != "default":
+            raise ValueError("RoPE scaling on the sliding-window layers (rope_parameters['sliding_attention']) "
+                             "is not supported")
+        out["local_rope_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping (Gemma 2's soft-capped attention scores) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an embedding model, not a causal LM) is not supported")
+    if family.logit_softcapping and cfg.get("final_logit_softcapping") is not None:
+        cap = cfg["final_logit_softcapping"]
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise ValueError(f"final_logit_softcapping is {cap!r}; it must be a positive number or null")
+        out["final_logit_softcapping"] = float(cap)
+    return out
 
 
 def _longrope(cfg: dict, scaling: dict) -> dict:
@@ -303,6 +386,13 @@ def check_config(cfg: ModelConfig, where: str, keys: Mapping[str, str] | None = 
         c.fail("max_position_embeddings", f"at most {MAX_CONTEXT:,} positions are supported")
     c.number("rms_norm_eps", 0.0, 1.0, "it must be a small positive number such as 1e-6")
     c.number("rope_theta", 1.0, math.inf, "it must be a finite number above 1 (typically 10000 or more)")
+    if cfg.local_rope_theta:
+        c.number("local_rope_theta", 1.0, math.inf, "it must be a finite number above 1 (typically 10000)")
+    if cfg.final_logit_softcapping:
+        c.number("final_logit_softcapping", 0.0, math.inf, "it must be a finite positive number")
+    c.number("embed_scale", 0.0, math.inf, "it must be a finite positive number")
+    if cfg.attention_scale:
+        c.number("attention_scale", 0.0, math.inf, "it must be a finite positive number")
     if not 0.0 < cfg.partial_rotary_factor <= 1.0 or cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
         full = cfg.partial_rotary_factor == 1.0
         c.fail("head_dim" if full else "partial_rotary_factor",
@@ -399,7 +489,8 @@ def expected_shapes(cfg: ModelConfig, name: str) -> Shapes | None:
     if m is None or int(m.group(1)) >= cfg.num_hidden_layers:
         return None
     i, rest = int(m.group(1)), m.group(2)
-    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                "post_feedforward_layernorm.weight"):
         return ((h,),), f"hidden_size {h}"
     if rest.startswith("self_attn."):
         return _attention_shapes(cfg).get(rest[len("self_attn."):])
@@ -485,6 +576,8 @@ def required_tensors(cfg: ModelConfig, names: Collection[str]) -> Iterator[str]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
         yield from (f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight")
+        if cfg.sandwich_norms:
+            yield from (f"{p}.pre_feedforward_layernorm.weight", f"{p}.post_feedforward_layernorm.weight")
         if cfg.layer_type(i) == "linear_attention":
             a = f"{p}.linear_attn"
             grouped = f"{a}.in_proj_qkvz.weight" in names

@@ -1,9 +1,11 @@
-"""Dense decoder-only models (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3): one implementation, flags for
-the differences (models/config.py FAMILIES).
+"""Dense decoder-only models (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3): one implementation, options
+for the differences (models/config.py FAMILIES, read into ModelConfig).
 
 Qwen2 = Llama + bias on q/k/v; Qwen3 = Llama + per-head RMSNorm on q and k before RoPE; per layer, an
-attention window (Mistral, Phi-3) and RoPE on or off (SmolLM3's NoPE layers). q/k/v and gate/up are fused
-into one matmul each (fewer kernel launches per layer).
+attention window (Mistral, Phi-3, Gemma 3's local layers) with its own RoPE table where the family has one
+(Gemma 3) and RoPE on or off (SmolLM3's NoPE layers). Gemma 3 adds RMSNorms on the attention and MLP outputs
+before their residual adds, GeGLU, scaled embeddings, its own attention scale and soft-capped logits. q/k/v and
+gate/up are fused into one matmul each (fewer kernel launches per layer).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataclasses import replace
+
+from nanochat.kernels.cpu_decoder import activation
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.fused_forward import FusedForward
 from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, \
-    head_logits
+    head_logits, norm_weight
 from nanochat.models.parallel import head_shard
 
 
@@ -30,7 +35,7 @@ class DenseAttention(nn.Module):
         shard = head_shard(w.tp, cfg.num_attention_heads, cfg.num_key_value_heads, hd, w.align([o_name]), prefix)
         self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attention_scale or self.head_dim ** -0.5
         names = [f"{prefix}.{p}_proj.weight" for p in "qkv"]
         rows = cols = None
         if w.tp.on:
@@ -44,8 +49,8 @@ class DenseAttention(nn.Module):
         self.o_proj = Linear(w.linear_weight([o_name], cols=cols), reduce=w.tp if w.tp.on else None)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(w.dense(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(w.dense(f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.backend, self.rotary, self.window = backend, rotary, window   # rotary None: no RoPE (NoPE layer)
         self.k_cache = self.v_cache = None   # assigned by the model runner
 
@@ -73,18 +78,44 @@ class DenseAttention(nn.Module):
 
 
 class DenseDecoderLayer(nn.Module):
+    """x += attn_out_norm(attn(input_layernorm(x))); x += mlp_out_norm(mlp(mlp_norm(x))), the output norms only
+    with cfg.sandwich_norms. The modules keep the checkpoint's names (the weight maps read them): the pre-MLP
+    norm is Llama's post_attention_layernorm, Gemma 3's pre_feedforward_layernorm (its post_attention_layernorm
+    is the attention output's)."""
+
     def __init__(self, cfg: ModelConfig, w: WeightLoader, i: int, backend, rotary):
         super().__init__()
         p = f"model.layers.{i}"
-        self.input_layernorm = RMSNorm(w.dense(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
-        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary if cfg.layer_rope[i] else None,
-                                        cfg.layer_windows[i])
-        self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        self.mlp = GatedMLP(w, f"{p}.mlp")
+
+        def norm(name):
+            return RMSNorm(norm_weight(cfg, w, f"{p}.{name}.weight"), cfg.rms_norm_eps)
+
+        self.sandwich = cfg.sandwich_norms
+        self.input_layernorm = norm("input_layernorm")
+        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary, cfg.layer_windows[i])
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+            self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+        self.mlp = GatedMLP(w, f"{p}.mlp", act=cfg.hidden_act)
+
+    @property
+    def attn_out_norm(self) -> RMSNorm | None:
+        return self.post_attention_layernorm if self.sandwich else None
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    @property
+    def mlp_out_norm(self) -> RMSNorm | None:
+        return self.post_feedforward_layernorm if self.sandwich else None
 
     def forward(self, positions, x, meta):
-        h = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(positions, self.input_layernorm(x), meta)
+        h = x + (self.post_attention_layernorm(a) if self.sandwich else a)
+        m = self.mlp(self.mlp_norm(h))
+        return h + (self.post_feedforward_layernorm(m) if self.sandwich else m)
 
 
 class DenseForCausalLM(nn.Module):
@@ -93,17 +124,29 @@ class DenseForCausalLM(nn.Module):
         self.config, self.tp = cfg, w.tp
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.rotary_dim, max_positions, w.device)
+        # The windowed layers' own RoPE (Gemma 3: another base, unscaled).
+        self.local_rotary = None if not cfg.local_rope_theta else RotaryEmbedding(
+            replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), cfg.rotary_dim, max_positions, w.device)
         self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
-        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, w, i, self.backend, self.rotary)
+        self.embed_scale = cfg.embed_scale
+        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, w, i, self.backend, self.layer_rotary(cfg, i))
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(norm_weight(cfg, w, "model.norm.weight"), cfg.rms_norm_eps)
+        self.softcap = cfg.final_logit_softcapping
         self.fused = FusedForward(self)
+
+    def layer_rotary(self, cfg: ModelConfig, i: int) -> RotaryEmbedding | None:
+        if not cfg.layer_rope[i]:
+            return None
+        return self.local_rotary if self.local_rotary is not None and cfg.layer_windows[i] else self.rotary
 
     def attention_layers(self) -> list[DenseAttention]:
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:   # as transformers: the factor rounded to the activations' dtype
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if self.fused.usable():
             return self.fused.run(x, positions, meta)
         for layer in self.layers:
@@ -111,4 +154,9 @@ class DenseForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return head_logits(self.lm_head, hidden)
+        logits = head_logits(self.lm_head, hidden)
+        if not self.softcap or logits is None:
+            return logits
+        # cap * tanh(logits / cap), each value on its own (the library's tanh: a row's logits never depend on
+        # the rows beside it)
+        return activation("tanh", logits / self.softcap) * self.softcap

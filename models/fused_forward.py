@@ -110,17 +110,19 @@ class FusedForward:
                            kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
                            intermediate=_packed(model.layers[0].mlp.down_proj)[0].in_features,
                            rotary_dim=model.rotary.rotary_dim, block_size=attn0.k_cache.shape[1],
-                           eps=model.norm.eps)
+                           eps=model.norm.eps, activation=model.layers[0].mlp.act, attention_scale=attn0.scale)
         layers = []
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             layers.append(DecoderLayer(
-                input_norm=layer.input_layernorm.weight.data, post_norm=layer.post_attention_layernorm.weight.data,
+                input_norm=layer.input_layernorm.weight.data, post_norm=layer.mlp_norm.weight.data,
                 qkv=_packed(a.qkv_proj), o=_packed(a.o_proj)[0], gate_up=_packed(m.gate_up_proj),
                 down=_packed(m.down_proj)[0], k_cache=a.k_cache, v_cache=a.v_cache,
                 qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.data.float().contiguous(),
                 q_norm=None if a.q_norm is None else a.q_norm.weight.data,
                 k_norm=None if a.k_norm is None else a.k_norm.weight.data, rope=a.rotary is not None,
                 cos=None if a.rotary in (None, model.rotary) else a.rotary.cos,
-                sin=None if a.rotary in (None, model.rotary) else a.rotary.sin, window=a.window))
+                sin=None if a.rotary in (None, model.rotary) else a.rotary.sin, window=a.window,
+                attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight.data,
+                mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight.data))
         return FusedDecoder(dims, layers, model.rotary.cos, model.rotary.sin, model.norm.weight.data)

@@ -39,7 +39,7 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import gguf
 import numpy as np
@@ -48,8 +48,8 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import (MAX_EXPERTS, PHI3_FUSED, ModelConfig, check_config, expected_shapes, fused_rows,
-                                    layer_types_from_interval, required_tensors)
+from nanochat.models.config import (ACTIVATIONS, FAMILIES, MAX_EXPERTS, PHI3_FUSED, ModelConfig, check_config,
+                                    expected_shapes, fused_rows, layer_types_from_interval, required_tensors)
 from nanochat.models.gguf_file import GGUFError, GGUFFile, to_python
 
 T = gguf.GGMLQuantizationType
@@ -103,6 +103,14 @@ HYBRID_BLOCK_TENSORS = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# Gemma 3: four norms a layer; ffn_norm is its pre_feedforward_layernorm, post_attention_norm the attention
+# output's (HF post_attention_layernorm).
+GEMMA3_BLOCK_TENSORS = {
+    **DENSE_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # GGUF block tensors whose HF name is not module + ".weight"/".bias" (hybrid archs).
 HYBRID_SPECIAL = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 # Routed experts: GGUF base name -> the projections it holds.
@@ -131,6 +139,19 @@ class ArchSpec:
     split_tensors: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     partial_rope: bool = False           # rope.dimension_count may be below the head size (NeoX RoPE)
     no_rope_every: int = 0               # every n-th layer has no RoPE (llama.cpp's fixed SmolLM3 rule)
+    # llama.cpp's layer pattern when the file has no attention.sliding_window_pattern: every n-th layer global,
+    # the others windowed (0: every layer windowed); and those windowed layers' own RoPE (rope.freq_base_swa,
+    # unscaled).
+    swa_pattern: int = 0
+    local_rope: bool = False
+    # llama.cpp's attention scale for the arch from (layers, hidden, heads, head_dim); None: head_dim ** -0.5.
+    attention_scale: Callable[[int, int, int, int], float] | None = None
+
+
+def gemma3_attention_scale(layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """llama.cpp's rule (after gemma_pytorch): Gemma 3 27B (62 layers) scales by (hidden / heads) ** -0.5, the
+    others by head_dim ** -0.5, as their query_pre_attn_scalar says in config.json."""
+    return (hidden / heads if layers == 62 else head_dim) ** -0.5
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -140,6 +161,8 @@ ARCHS: dict[str, ArchSpec] = {
                                             "ffn_up": PHI3_FUSED["mlp.gate_up_proj"]}, partial_rope=True),
     "qwen2": ArchSpec("qwen2"),
     "qwen3": ArchSpec("qwen3"),
+    "gemma3": ArchSpec("gemma3_text", block_tensors=GEMMA3_BLOCK_TENSORS, swa_pattern=6, local_rope=True,
+                       attention_scale=gemma3_attention_scale),
     "qwen3moe": ArchSpec("qwen3_moe", block_tensors=MOE_BLOCK_TENSORS, moe=True),
     "qwen3next": ArchSpec("qwen3_next", block_tensors=HYBRID_BLOCK_TENSORS, moe=True, hybrid=True),
     "qwen35moe": ArchSpec("qwen3_5_moe", block_tensors=HYBRID_BLOCK_TENSORS, moe=True, hybrid=True,
@@ -568,7 +591,9 @@ class GGUFSource:
                 "shared_expert_intermediate_size": f"{a}.expert_shared_feed_forward_length",
                 "linear_num_key_heads": f"{a}.ssm.group_count", "linear_num_value_heads": f"{a}.ssm.time_step_rank",
                 "linear_key_head_dim": f"{a}.ssm.state_size", "linear_value_head_dim": f"{a}.ssm.inner_size",
-                "linear_conv_kernel_dim": f"{a}.ssm.conv_kernel", "layer_types": f"{a}.full_attention_interval"}
+                "linear_conv_kernel_dim": f"{a}.ssm.conv_kernel", "layer_types": f"{a}.full_attention_interval",
+                "local_rope_theta": f"{a}.rope.freq_base_swa",
+                "final_logit_softcapping": f"{a}.final_logit_softcapping"}
         if "rope_freqs.weight" in self._tensors:
             keys["rope_scaling"] = "tensor rope_freqs.weight"
         return keys
@@ -638,17 +663,46 @@ class GGUFSource:
         )
 
     def _dense_layers(self, head_dim: int, rope_dim: int | None) -> dict[str, Any]:
-        """Per-layer attention windows and RoPE flags, and partial RoPE, of the dense archs."""
+        """Per-layer attention windows and RoPE flags, partial RoPE, and the family's options (as llama.cpp
+        reads them) of the dense archs."""
         if self.spec.moe or self.spec.hybrid:
             return {}
         n = self._num_layers()
         window = self._int("attention.sliding_window", 0, minimum=0) or 0
         every = self.spec.no_rope_every
-        out: dict[str, Any] = {"layer_windows": (window,) * n,
+        windowed = self._swa_layers(n) if window else (False,) * n
+        out: dict[str, Any] = {"layer_windows": tuple(window if w else 0 for w in windowed),
                                "layer_rope": tuple(not every or (i + 1) % every != 0 for i in range(n))}
         if self.spec.partial_rope and rope_dim is not None:
             out["partial_rotary_factor"] = rope_dim / head_dim
+        family = FAMILIES[self.spec.model_type]
+        hidden, heads = self._int("embedding_length"), self._int("attention.head_count")
+        out.update(hidden_act=ACTIVATIONS[family.activations[0]], sandwich_norms=family.sandwich_norms,
+                   embed_scale=hidden ** 0.5 if family.embed_scale else 1.0)
+        if self.spec.attention_scale is not None:
+            out["attention_scale"] = self.spec.attention_scale(n, hidden, heads, head_dim)
+        if self.spec.local_rope and any(windowed):
+            out["local_rope_theta"] = self._float("rope.freq_base_swa", 10000.0)
+        if family.logit_softcapping:
+            out["final_logit_softcapping"] = self._float("final_logit_softcapping", 0.0)
         return out
+
+    def _swa_layers(self, n: int) -> tuple[bool, ...]:
+        """Which layers the sliding window applies to, as llama.cpp's load_swa_pattern: a per-layer array of
+        attention.sliding_window_pattern, or its n (every n-th layer global), else the arch's default."""
+        if not self.spec.swa_pattern:
+            return (True,) * n
+        key = f"{self.arch}.attention.sliding_window_pattern"
+        pattern = self.metadata(key, self.spec.swa_pattern)
+        if isinstance(pattern, list):
+            if len(pattern) != n or not all(isinstance(v, bool) for v in pattern):
+                raise ModelLoadError(f"{self.path}: metadata {key} must list one boolean per layer ({n}) "
+                                     "(the file is corrupt)")
+            return tuple(pattern)
+        pattern = self._number(key, pattern, integer=True)
+        if pattern < 0:
+            raise ModelLoadError(f"{self.path}: metadata {key} is {pattern}, expected at least 0 (the file is corrupt)")
+        return tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n))
 
     def _check_token_lists(self, tokens, vocab: int | None) -> None:
         """The token list, its per-token arrays and {arch}.vocab_size agree on the vocabulary size."""

@@ -19,10 +19,13 @@ from nanochat.models.errors import ModelLoadError
 
 SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES)
 
-# Multimodal checkpoints (Qwen3.5/3.6) keep the text model under `model.language_model.`; we expose it
-# under the plain text names (`model.`) and hide the vision tower and the multi-token-prediction head.
-_PREFIX_MAP = (("model.language_model.", "model."),)
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+# Multimodal checkpoints keep the text model under `model.language_model.` (Qwen3.5/3.6, Gemma 3 from
+# transformers 4.52 on) or `language_model.model.` (Gemma 3 before); we expose it under the plain text names
+# (`model.`) and hide the vision towers, projectors and the multi-token-prediction head.
+_PREFIX_MAP = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.", "vision_tower.", "model.vision_tower.",
+                     "multi_modal_projector.", "model.multi_modal_projector.")
 # safetensors dtypes the model code reads as weights (anything else would be reinterpreted as floats).
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 

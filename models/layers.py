@@ -20,6 +20,13 @@ Ranges = list[tuple[int, int]]   # (start, count) slices of a weight's rows, con
 SMALL_COPY_BYTES = 1 << 20       # dense tensors up to this size are copied out of a memory-mapped file
 
 
+def norm_weight(cfg: ModelConfig, w: "WeightLoader", name: str) -> torch.Tensor:
+    """An RMSNorm scale: 1 + w for zero-centred checkpoints (HF hybrids, Gemma 3), added in fp32 as transformers
+    does, so the kernels see a plain weight."""
+    weight = w.dense(name, torch.float32)
+    return (weight + 1.0 if cfg.norm_zero_centred else weight).to(w.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -269,12 +276,13 @@ def head_logits(lm_head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate x) * up x) with gate/up fused into one matmul. Tensor parallel: each rank holds a
-    slice of the intermediate columns; reduce=False leaves the partial sum to the caller (a MoE block
-    sums it with its routed experts' in one all-reduce)."""
+    """down(act(gate x) * up x) with gate/up fused into one matmul; act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU,
+    Gemma). Tensor parallel: each rank holds a slice of the intermediate columns; reduce=False leaves the
+    partial sum to the caller (a MoE block sums it with its routed experts' in one all-reduce)."""
 
-    def __init__(self, w: WeightLoader, prefix: str, reduce: bool = True):
+    def __init__(self, w: WeightLoader, prefix: str, reduce: bool = True, act: str = "silu"):
         super().__init__()
+        self.act = act
         names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
         down = f"{prefix}.down_proj.weight"
         rows = cols = None
@@ -286,7 +294,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(activation("silu", gate, up))
+        return self.down_proj(activation(self.act, gate, up))
 
 
 def _is_gguf(source) -> bool:

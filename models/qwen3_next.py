@@ -34,15 +34,10 @@ from nanochat.kernels import gated_delta as gd
 from nanochat.kernels.cpu_decoder import activation
 from nanochat.models.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
+from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits, \
+    norm_weight
 from nanochat.models.parallel import head_shard, split
 from nanochat.models.qwen3_moe import load_mlp
-
-
-def norm_weight(cfg: ModelConfig, w: WeightLoader, name: str) -> torch.Tensor:
-    """An RMSNorm scale: 1 + w for zero-centred (HF hybrid) checkpoints, added in fp32."""
-    weight = w.dense(name, torch.float32)
-    return (weight + 1.0 if cfg.norm_zero_centred else weight).to(w.dtype)
 
 
 def triton_available() -> bool:

@@ -75,6 +75,8 @@ def attention_layout(cfg) -> str | None:
     for window in sorted({w for w in cfg.layer_windows if w}):
         count = sum(w == window for w in cfg.layer_windows)
         parts.append(f"sliding window {window:,} on {count} of {n} layers")
+    if cfg.local_rope_theta and any(cfg.layer_windows):
+        parts.append(f"RoPE base {cfg.local_rope_theta:,g} on the windowed layers, {cfg.rope_theta:,g} on the others")
     if not all(cfg.layer_rope):
         parts.append(f"no RoPE on {sum(not r for r in cfg.layer_rope)} of {n} layers")
     if cfg.rotary_dim != cfg.head_dim:

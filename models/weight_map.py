@@ -160,7 +160,7 @@ def source_inventory(source) -> tuple[dict, dict[str, dict]]:
 
 # ---------------------------------------------------------------------------------- layout rules
 def dense_layout(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
-    """(target, op, sources) for llama / qwen2 / qwen3, exactly as models/dense.py loads them."""
+    """(target, op, sources) for the dense families, exactly as models/dense.py loads them."""
     rules = [("model.embed_tokens.weight", "copy", ["model.embed_tokens.weight"])]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -174,6 +174,9 @@ def dense_layout(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
             rules.append((f"{a}.q_norm.weight", "copy", [f"{a}.q_norm.weight"]))
             rules.append((f"{a}.k_norm.weight", "copy", [f"{a}.k_norm.weight"]))
         rules.append((f"{p}.post_attention_layernorm.weight", "copy", [f"{p}.post_attention_layernorm.weight"]))
+        if cfg.sandwich_norms:   # Gemma 3 GGUF files
+            rules += [(f"{p}.{n}.weight", "copy", [f"{p}.{n}.weight"])
+                      for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
         rules.append((f"{m}.gate_up_proj.weight", "concat", [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"]))
         rules.append((f"{m}.down_proj.weight", "copy", [f"{m}.down_proj.weight"]))
     rules.append(("model.norm.weight", "copy", ["model.norm.weight"]))
@@ -183,6 +186,8 @@ def dense_layout(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
 
 
 def layout_for(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
+    if cfg.arch in DENSE_ARCHS and cfg.norm_zero_centred:   # the loader adds 1 to those norms; a plan only copies
+        raise ModelLoadError(f"no weight map for {cfg.arch!r} yet (its checkpoint stores RMSNorm scales as 1 + w)")
     if cfg.arch in DENSE_ARCHS:
         return dense_layout(cfg, names)
     raise ModelLoadError(f"no weight map for architecture {cfg.arch!r} yet "

@@ -62,6 +62,9 @@ _BLOCK = {
     "mlp.gate_up_proj": "ffn_up",
 }
 PERMUTED_ARCHS = ("llama", "smollm3")   # llama.cpp's converter permutes their q/k rows (LlamaModel)
+# Gemma 3 (Gemma3Model): four norms a layer, its post_attention_layernorm on the attention output.
+_GEMMA3_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 # MoE / hybrid archs: HF module (after "model.layers.N.") -> GGUF base name.
@@ -99,14 +102,15 @@ class MetaValue:
     sub_type: gguf.GGUFValueType | None = None
 
 
-def gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp's name for an HF tensor name, or None when it has no GGUF counterpart."""
     module, _, kind = hf_name.rpartition(".")
     if module in _GLOBAL:
         return f"{_GLOBAL[module]}.{kind}"
+    block = _GEMMA3_BLOCK if arch == "gemma3" else _BLOCK
     parts = module.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _BLOCK:
-        return f"blk.{parts[2]}.{_BLOCK[parts[3]]}.{kind}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in block:
+        return f"blk.{parts[2]}.{block[parts[3]]}.{kind}"
     return None
 
 
@@ -261,8 +265,10 @@ def _load_source(source: Any) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(theta, scaling dict) from either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters)."""
+    """(theta, scaling dict) from either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters; Gemma 3's
+    per layer type: the global layers')."""
     params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
     theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
@@ -317,7 +323,8 @@ def write_gguf_from_hf(
 ) -> Path:
     """Write `source` as a GGUF file for `arch` ("llama" and "smollm3" permute q/k rows like llama.cpp;
     "phi3" gets its LongRoPE factor tensors and partial rotary dims as llama.cpp's Phi3MiniModel writes them;
-    a sliding_window in the config becomes {arch}.attention.sliding_window).
+    "gemma3" its norm names, 1 + w in every norm and its window / local RoPE / soft-capping keys as Gemma3Model
+    writes them; a sliding_window in the config becomes {arch}.attention.sliding_window).
 
     qtype_for_linears: type of 2-D weights; embed_qtype / output_qtype override it for
     token_embd / output, tensor_qtypes per GGUF name. quantizer: packs 2-D tensors that have no
@@ -356,6 +363,8 @@ def write_gguf_from_hf(
         w.add_rope_dimension_count(head_dim)
     if cfg.get("sliding_window") and arch in ("llama", "phi3"):
         w.add_sliding_window(int(cfg["sliding_window"]))
+    if arch == "gemma3":
+        _add_gemma3_metadata(w, cfg)
     moe_like = arch in MOE_ARCHS or arch in HYBRID_ARCHS
     if moe_like:
         _add_moe_metadata(w, cfg, arch, head_dim)
@@ -401,12 +410,14 @@ def write_gguf_from_hf(
         state = {}
 
     for hf_name, tensor in state.items():
-        gname = gguf_name(hf_name)
+        gname = gguf_name(hf_name, arch)
         if gname is None or gname in skip_tensors or gname in raw:
             continue
         if gname == "output.weight" and tied:
             continue
         x = tensor.detach().to(torch.float32).numpy()
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            x = x + 1.0   # the converter stores Gemma3RMSNorm's 1 + w
         if arch in PERMUTED_ARCHS and gname.split(".")[-2] in ("attn_q", "attn_k"):
             x = permute_qk(x, heads if ".attn_q." in gname else kv_heads)
         _add_tensor(w, gname, x, overrides.get(gname), qtype_for_linears, quantizer)
@@ -420,6 +431,19 @@ def write_gguf_from_hf(
     w.write_tensors_to_file()
     w.close()
     return Path(out_path)
+
+
+def _add_gemma3_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """What Gemma3Model.set_gguf_parameters adds (no layer pattern: llama.cpp assumes every 6th layer global)."""
+    assert cfg.get("attn_logit_softcapping") is None
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    if cfg.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(int(cfg["sliding_window"]))
+    local = ((cfg.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta") \
+        or cfg.get("rope_local_base_freq")
+    if local is not None:
+        w.add_rope_freq_base_swa(float(local))
 
 
 def _add_phi3_rope(w: gguf.GGUFWriter, cfg: dict, head_dim: int, extra: dict[str, np.ndarray]) -> None:

@@ -31,15 +31,23 @@ pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kerne
 # ---------------------------------------------------------------- kernels
 
 
-def _stack(head_dim: int, heads: int, lib=None, windows=(0, 0), rope=(True, True)):
+def _stack(head_dim: int, heads: int, lib=None, windows=(0, 0), rope=(True, True), gemma: bool = False):
     """A random two-layer fused stack (fp16 KV cache of 64 blocks of 16) with a RoPE table for 400 positions;
-    per layer its attention window and whether it applies RoPE."""
+    per layer its attention window and whether it applies RoPE; gemma: Gemma 3's options (norms on the
+    attention and MLP outputs, GELU-tanh, another attention scale)."""
+    from dataclasses import replace
+
     from tests.test_fused_forward import _random_stack
     rng = np.random.default_rng(head_dim)
     dims, layers, _, _, final_norm = _random_stack(rng, head_dim == 128, True, head_dim, head_dim, [int(T.Q8_0)],
                                                    heads=heads, kv_dtype=torch.float16, num_blocks=64, block_size=16)
     for layer, window, on in zip(layers, windows, rope):
         layer.window, layer.rope = window, on
+        if gemma:
+            layer.attn_out_norm, layer.mlp_out_norm = (torch.from_numpy(rng.uniform(0.5, 1.5, dims.hidden))
+                                                       .float() for _ in range(2))
+    if gemma:
+        dims = replace(dims, activation="gelu_tanh", attention_scale=0.3)
     freqs = torch.outer(torch.arange(400, dtype=torch.float32), 1.0 / 100.0 ** (torch.arange(head_dim // 2) / 8))
     from nanochat.kernels.cpu_decoder import FusedDecoder
     return FusedDecoder(dims, layers, freqs.cos(), freqs.sin(), final_norm, lib=lib), dims, layers
@@ -110,6 +118,16 @@ def test_fused_step_windows_do_not_depend_on_the_batch(head_dim, heads):
                            alone[(0, 199)])
 
 
+def test_fused_step_gemma_options_do_not_depend_on_the_batch():
+    """Gemma 3's options (output norms, GELU-tanh, its attention scale) beside windowed and global layers: a row's
+    output is still the same alone, token by token and in mixed steps; and the options change it."""
+    dec, dims, layers = _stack(64, 6, windows=(50, 0), gemma=True)
+    tables, x, alone = _assert_schedules_agree(dec, dims, layers)
+    plain, _, plain_layers = _stack(64, 6, windows=(50, 0))
+    assert not torch.equal(_run_schedule(plain, dims, plain_layers, tables, x, SCHEDULES["alone"])[(0, 199)],
+                           alone[(0, 199)])
+
+
 def test_module_attention_and_activations_do_not_depend_on_the_batch():
     """The module path's attention (the fused step's kernel) and activations: a row's values are the same
     alone and among others (torch's own silu / sigmoid / softplus on 40-wide rows are not)."""
@@ -133,7 +151,7 @@ def test_module_attention_and_activations_do_not_depend_on_the_batch():
                              tables.flip(0), 0.125)
     assert torch.equal(beside[1:], whole[200:250])
     x = 4 * torch.randn(301, 40, generator=g)
-    for name in ("silu", "sigmoid", "softplus", "exp"):
+    for name in ("silu", "sigmoid", "softplus", "exp", "gelu_tanh", "tanh"):
         alone = activation(name, x[:1])
         for rows in (2, 3, 300):
             assert torch.equal(activation(name, x[:rows])[:1], alone), name
@@ -221,6 +239,8 @@ CASES = {
     "qwen3_moe-hf": ("qwen3_moe", {"batch_invariant": True}),
     "qwen3_5_moe-gguf": ("qwen35moe-q8_0", {}),
     "qwen3_5-hf": ("qwen3_5", {"batch_invariant": True}),
+    "gemma3-hf-fused": ("gemma3_capped", {"batch_invariant": True}),
+    "gemma3-hf-module": ("gemma3_capped", {"batch_invariant": True, "fused_forward": False}),
 }
 
 
@@ -250,6 +270,9 @@ def tiny(tmp_path_factory):
                 write_gguf_from_hf(folder, path, arch, T.Q4_1 if arch == "qwen2" else T.Q8_0)
                 shutil.copy(folder / "tokenizer.json", path.parent / "tokenizer.json")
                 made[name] = str(path)
+        elif name == "gemma3_capped":   # windowed and global layers, soft-capped logits (tests/test_gemma3.py)
+            from test_gemma3 import make_gemma3
+            made[name] = str(make_gemma3(root / name, name, seed=7))
         elif name in ("qwen3_moe", "qwen3_5"):
             from test_moe_models import VOCAB, _build
             _build(name, root / name, build_tokenizer(VOCAB))

@@ -66,7 +66,7 @@ def make_family_model(family: str, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def tokenizer_metadata(folder: Path) -> dict:
+def tokenizer_metadata(folder: Path, eos: str = "<|im_end|>") -> dict:
     """The folder's byte-level BPE tokenizer as llama.cpp's gpt2 tokenizer keys (as its converter writes them)."""
     import gguf
 
@@ -81,7 +81,7 @@ def tokenizer_metadata(folder: Path) -> dict:
             "tokenizer.ggml.tokens": MetaValue(tokens, VT.ARRAY, VT.STRING),
             "tokenizer.ggml.token_type": MetaValue(types, VT.ARRAY, VT.INT32),
             "tokenizer.ggml.merges": MetaValue(merges, VT.ARRAY, VT.STRING),
-            "tokenizer.ggml.eos_token_id": MetaValue(vocab["<|im_end|>"], VT.UINT32)}
+            "tokenizer.ggml.eos_token_id": MetaValue(vocab[eos], VT.UINT32)}
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
-// One step of a dense decoder stack (Llama, Qwen2/3, SmolLM3, Phi-3 ...) on the CPU, all layers in one call: any
-// ragged batch of decode rows and prefill chunks.
+// One step of a dense decoder stack (Llama, Qwen2/3, SmolLM3, Phi-3, Gemma 3 ...) on the CPU, all layers in one
+// call: any ragged batch of decode rows and prefill chunks.
 //
 // Why: at one token per sequence the matmuls read ~80 MB of quantized weights in ~5 ms, while the
 // same step as ~25 torch ops per layer spent as long again in dispatch and small-op overhead
 // (rms_norm, RoPE, KV gather, softmax, casts); in prefill the same ops cost ~25% of the step. Each
 // layer is
 //   x += o_proj(attn(rope(norm_qk(qkv_proj(rms(x))))));  x += down(silu(gate) * up(rms(x)))
+// (Gemma 3: GELU-tanh for silu, and an RMSNorm on each of the two terms before it is added)
 // with the matmuls on the int8-activation kernels of qgemv.cpp (nc_qg_matmul, same library, same
 // thread pool) and everything else in loops over the step's rows. Arithmetic is fp32 in the order
 // of the torch path except where noted (FMA in the attention kernels, a polynomial exp), so
@@ -58,17 +59,20 @@ namespace {
 // one fused segment); unused segments at the end have rows = 0. L_QKV_BIAS (0 = none) spans all qkv
 // segments. H_KV_F16: the caches are fp16 (else fp32). Per layer, so families can mix layer kinds: its RoPE
 // table (L_COS, L_SIN: [max_pos, rot_dim / 2], 0 = no RoPE on that layer) and its attention window (L_WINDOW:
-// 0 = full, else W: a query at position p sees the keys at positions p - W + 1 .. p).
+// 0 = full, else W: a query at position p sees the keys at positions p - W + 1 .. p), and RMSNorms on the attention
+// and MLP outputs before their residual adds (L_ATTN_OUT_NORM, L_MLP_OUT_NORM: 0 = none; Gemma 3). H_ACT: the gated
+// MLP's activation (ACT_SILU, ACT_GELU_TANH); H_SCALE_BITS: the attention scale (a double's bits).
 constexpr int SEG_FIELDS = 3, QKV_SEGS = 3, GU_SEGS = 2;
 enum Header : int {
   H_LAYERS, H_HIDDEN, H_HEADS, H_KV_HEADS, H_HEAD_DIM, H_INTER, H_ROT_DIM, H_BLOCK_SIZE, H_MAX_POS,
-  H_FINAL_NORM, H_EPS_BITS, H_KV_F16, H_FIELDS
+  H_FINAL_NORM, H_EPS_BITS, H_KV_F16, H_ACT, H_SCALE_BITS, H_FIELDS
 };
 enum Layer : int {
   L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS = L_QKV + QKV_SEGS * SEG_FIELDS, L_Q_NORM, L_K_NORM, L_O_TYPE,
   L_O_W, L_GU, L_DOWN_TYPE = L_GU + GU_SEGS * SEG_FIELDS, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_COS, L_SIN, L_WINDOW,
-  L_FIELDS
+  L_ATTN_OUT_NORM, L_MLP_OUT_NORM, L_FIELDS
 };
+enum : int { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5 };
 
 template <class T>
@@ -79,17 +83,21 @@ T* ptr(int64_t v) {
 struct Model {
   int64_t layers, hidden, heads, kv_heads, head_dim, inter, rot_dim, block_size, max_pos;
   const float* final_norm;
-  float eps;
+  float eps, scale;
   bool kv_f16;
+  int act;
 
   Model() = default;
   explicit Model(const int64_t* p)
       : layers(p[H_LAYERS]), hidden(p[H_HIDDEN]), heads(p[H_HEADS]), kv_heads(p[H_KV_HEADS]),
         head_dim(p[H_HEAD_DIM]), inter(p[H_INTER]), rot_dim(p[H_ROT_DIM]), block_size(p[H_BLOCK_SIZE]),
-        max_pos(p[H_MAX_POS]), final_norm(ptr<const float>(p[H_FINAL_NORM])), kv_f16(p[H_KV_F16] != 0) {
-    double e;
+        max_pos(p[H_MAX_POS]), final_norm(ptr<const float>(p[H_FINAL_NORM])), kv_f16(p[H_KV_F16] != 0),
+        act(static_cast<int>(p[H_ACT])) {
+    double e, sc;
     std::memcpy(&e, &p[H_EPS_BITS], sizeof e);
+    std::memcpy(&sc, &p[H_SCALE_BITS], sizeof sc);
     eps = static_cast<float>(e);
+    scale = static_cast<float>(sc);
   }
   int64_t q_size() const { return heads * head_dim; }
   int64_t kv_size() const { return kv_heads * head_dim; }
@@ -141,6 +149,10 @@ inline __mmask16 lanes(int64_t k) { return static_cast<__mmask16>((1u << k) - 1)
 inline vf vload_part(const float* p, int64_t k) { return _mm512_maskz_loadu_ps(lanes(k), p); }
 inline void vstore_part(float* p, vf v, int64_t k) { _mm512_mask_storeu_ps(p, lanes(k), v); }
 inline vf vkeep(vf v, int64_t k) { return _mm512_maskz_mov_ps(lanes(k), v); }
+// a where |x| < t, else b.
+inline vf vsmall(vf x, float t, vf a, vf b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(x), vset(t), _CMP_LT_OQ), b, a);
+}
 #elif DEC_VL == 8
 constexpr int VL = 8;
 using vf = __m256;
@@ -178,6 +190,10 @@ inline __m256i lanes(int64_t k) {
 inline vf vload_part(const float* p, int64_t k) { return _mm256_maskload_ps(p, lanes(k)); }
 inline void vstore_part(float* p, vf v, int64_t k) { _mm256_maskstore_ps(p, lanes(k), v); }
 inline vf vkeep(vf v, int64_t k) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes(k))); }
+inline vf vsmall(vf x, float t, vf a, vf b) {
+  const vf abs = _mm256_andnot_ps(vset(-0.0f), x);
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(abs, vset(t), _CMP_LT_OQ));
+}
 #endif
 
 #if DEC_VL
@@ -445,8 +461,10 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out) {
 }
 
 // One row of nc_dec_activation: every element through the same code (vexp, with the row's last < VL values
-// as a masked vector; std::exp in builds without SIMD; softplus in scalar code, log1p having no vector form
-// here).
+// as a masked vector; std::exp / std::tanh in builds without SIMD; softplus in scalar code, log1p having no
+// vector form here). GELU-tanh as x * sigmoid(2 y), y = sqrt(2 / pi) (x + 0.044715 x^3), which is
+// 0.5 x (1 + tanh(y)) exactly; tanh as Cephes' tanhf: an odd polynomial below |x| 0.625 (where 1 - 2 / (1 + e^2x)
+// would lose the small values' digits), else that (exp clamped, so +-1 at the ends).
 void activation_row(int op, const float* x, const float* u, int64_t n, float* out) {
   if (op == 2) {
     for (int64_t i = 0; i < n; ++i) {
@@ -460,6 +478,17 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
   const vf one = vset(1.0f);
   auto f = [&](vf v) {
     if (op == 3) return vexp(v);
+    if (op == 5) {
+      const vf z = vmul(v, v);
+      vf p = vset(-5.70498872745e-3f);
+      for (const float c : {2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f, -3.33332819422e-1f})
+        p = vfmadd(p, z, vset(c));
+      return vsmall(v, 0.625f, vfmadd(vmul(p, z), v, v), vsub(one, vdiv(vset(2.0f), vadd(one, vexp(vadd(v, v))))));
+    }
+    if (op == 4) {   // e = exp(-2 y)
+      const vf y2 = vmul(vmul(v, vset(-1.5957691216057308f)), vfmadd(vmul(v, v), vset(0.044715f), one));
+      return vdiv(v, vadd(one, vexp(y2)));
+    }
     const vf e = vexp(vsub(vset(0.f), v));
     return op == 0 ? vdiv(v, vadd(one, e)) : vdiv(one, vadd(one, e));
   };
@@ -470,8 +499,15 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
   }
 #else
   for (; i < n; ++i) {
-    float v = std::exp(op == 3 ? x[i] : -x[i]);
-    if (op != 3) v = op == 0 ? x[i] / (1.0f + v) : 1.0f / (1.0f + v);
+    float v;
+    if (op == 4)
+      v = 0.5f * x[i] * (1.0f + std::tanh(0.7978845608028654f * x[i] * (1.0f + 0.044715f * x[i] * x[i])));
+    else if (op == 5)
+      v = std::tanh(x[i]);
+    else {
+      v = std::exp(op == 3 ? x[i] : -x[i]);
+      if (op != 3) v = op == 0 ? x[i] / (1.0f + v) : 1.0f / (1.0f + v);
+    }
     out[i] = u ? v * u[i] : v;
   }
 #endif
@@ -938,6 +974,13 @@ struct Matmul {
   }
 };
 
+// x += y, or x += rms_norm(y) * w per row where the layer has that output norm (w non-null).
+void add_normed(float* x, float* y, const float* w, int64_t n, int64_t H, float eps) {
+  if (w)
+    for (int64_t t = 0; t < n; ++t) rms_norm(y + t * H, w, H, eps, y + t * H);
+  for (int64_t i = 0; i < n * H; ++i) x[i] += y[i];
+}
+
 int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Scratch& s, const Matmul& mm) {
   const int64_t n = b.n, H = m.hidden, qkv_w = m.q_size() + 2 * m.kv_size();
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * H, ptr<const float>(L[L_IN_NORM]), H, m.eps, &s.normed[t * H]);
@@ -947,20 +990,23 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
     prepare_qkv<uint16_t>(m, L, b, s.qkv.data());
   else
     prepare_qkv<float>(m, L, b, s.qkv.data());
-  s.attn_job.bind(m, b, s.qkv.data(), qkv_w, 1.0f / std::sqrt(static_cast<float>(m.head_dim)),
-                  ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]), s.attn.data(), L[L_WINDOW]);
+  s.attn_job.bind(m, b, s.qkv.data(), qkv_w, m.scale, ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]),
+                  s.attn.data(), L[L_WINDOW]);
   attention(s.attn_job, mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
-  for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
+  add_normed(x, s.proj.data(), ptr<const float>(L[L_ATTN_OUT_NORM]), n, H, m.eps);
 
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * H, ptr<const float>(L[L_POST_NORM]), H, m.eps, &s.normed[t * H]);
   if (!mm.segments(L, L_GU, GU_SEGS, H, s.normed.data(), n, s.gate_up.data(), 2 * m.inter)) return ERR_MATMUL;
   for (int64_t t = 0; t < n; ++t) {
     const float* g = &s.gate_up[t * 2 * m.inter];
-    silu_mul(g, g + m.inter, m.inter, &s.act[t * m.inter]);
+    if (m.act == ACT_GELU_TANH)
+      activation_row(4, g, g + m.inter, m.inter, &s.act[t * m.inter]);
+    else
+      silu_mul(g, g + m.inter, m.inter, &s.act[t * m.inter]);
   }
   if (!mm(L, L_DOWN_TYPE, H, m.inter, s.act.data(), n, s.proj.data())) return ERR_MATMUL;
-  for (int64_t i = 0; i < n * H; ++i) x[i] += s.proj[i];
+  add_normed(x, s.proj.data(), ptr<const float>(L[L_MLP_OUT_NORM]), n, H, m.eps);
   return OK;
 }
 
@@ -973,7 +1019,8 @@ extern "C" {
 int nc_dec_header_fields() { return H_FIELDS; }
 int nc_dec_layer_fields() { return L_FIELDS; }
 
-// x [n, hidden] fp32: the embedded tokens in, the final-normed hidden states out. Rows as in Batch.
+// x [n, hidden] fp32: the embedded tokens (times any embedding scale) in, the final-normed hidden states out. Rows
+// as in Batch.
 int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* positions, const int64_t* slots,
                    int64_t seqs, const int32_t* cu_q, const int32_t* block_tables, int64_t table_stride,
                    const int32_t* context_lens, int x2, int threads) {
@@ -1025,12 +1072,12 @@ int nc_dec_attention(const float* q, int64_t ldq, int64_t n, int64_t seqs, const
 
 // Elementwise activations (the module-by-module forward): out[r][i] = f(x[r][i]), times u[r][i] when u is
 // given, over rows of `cols` values (strides ldx, ldu, ldo). f: 0 silu, 1 sigmoid, 2 softplus (log(1 + e^x),
-// x past 20 as is, as torch), 3 exp. Each element is a function of its own value only, the last elements of a row
+// x past 20 as is, as torch), 3 exp, 4 GELU with the tanh approximation, 5 tanh. Each element is a function of its own value only, the last elements of a row
 // running the same vector code (masked), so a row's results do not depend on the rows beside it (torch's
 // kernels finish a flat range in scalar code, which rounds differently).
 int nc_dec_activation(int op, const float* x, int64_t ldx, const float* u, int64_t ldu, int64_t rows, int64_t cols,
                       float* out, int64_t ldo, int threads) {
-  if (op < 0 || op > 3) return ERR_BATCH;
+  if (op < 0 || op > 5) return ERR_BATCH;
   struct Ctx {
     int op;
     const float *x, *u;
