@@ -12,11 +12,14 @@ the first prefills it, the rest then find it in the prefix cache, and all decode
 
 Clients re-send the whole transcript every turn. Each conversation is a chat session of the client
 (engine/serve/session.py), kept here between requests under its transcript: the next request whose
-messages are that transcript plus a new user message continues it, so the engine prefills only the new
-message (its canonical ids, generated ids included, are the cached KV's). A transcript no session holds
-(the first turn, a server restart, an edited message) opens one seeded with it, rendered turn by turn as
-a live chat renders it; one that cuts a kept conversation short (a regenerated reply) branches it at
-that turn, sharing the cached prefix. Sessions are kept in LRU order, at most `max_sessions`.
+messages are that transcript plus a new user message (or the tool results that answer its last reply's
+calls) continues it, so the engine prefills only the new messages (its canonical ids, generated ids
+included, are the cached KV's). A reply that called tools is kept as the model wrote it, and matched to
+the assistant message the client sends back by its text and calls. A transcript no session holds (the
+first turn, a server restart, an edited message) opens one seeded with it, rendered turn by turn as a
+live chat renders it (a client's own tool_calls through the template's handling of them); one that cuts
+a kept conversation short (a regenerated reply) branches it at that turn, sharing the cached prefix.
+Sessions are kept in LRU order, at most `max_sessions`.
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
 SamplingParams itself. Errors are OpenAI's error object: 400 a bad request or a prompt over the context,
@@ -104,8 +107,8 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     system: str | None = None
-    history: list[dict] = field(default_factory=list)   # finished turns: user, assistant, ...
-    user: str | None = None                             # the new user message (chat)
+    history: list[dict] = field(default_factory=list)   # finished turns' messages, each turn ending with the reply
+    turn: list[dict] | None = None                      # the new turn's messages: the user's, or tool results (chat)
     prompt: str | list[int] | None = None               # the raw prompt (completions)
     n: int = 1                                          # choices: sequences of the same prompt
     tools: list[dict] | None = None                     # for the chat template; calls are parsed from replies
@@ -273,39 +276,79 @@ def _content(message: dict, at: int) -> str:
     raise _type_error(f"messages[{at}].content", "a string or a list of text parts", content)
 
 
-def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], str]:
-    """(system prompt, finished turns, new user message). A chat session takes an optional system
-    message, then user and assistant messages in turn, ending with the user's."""
+def _tool_calls(message: dict, at: int) -> list[dict]:
+    """An assistant message's calls as the template gets them: their arguments parsed from OpenAI's JSON
+    text, as vLLM passes them (Qwen2.5's template writes them with tojson, which would quote the text)."""
+    calls = message["tool_calls"]
+    shape = '{"type": "function", "function": {"name": ..., "arguments": "{...}"}}'
+    if not isinstance(calls, list):
+        raise _type_error(f"messages[{at}].tool_calls", f"a list of {shape}", calls)
+    parsed = []
+    for k, call in enumerate(calls):
+        where = f"messages[{at}].tool_calls[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
+            raise _type_error(where, shape, call)
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise _type_error(f"{where}.function.arguments", "a JSON object's text", function["arguments"])
+        parsed.append({"id": call.get("id"), "type": "function",
+                       "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
+
+
+# What may follow each kind of message (None: the start) and why, in the order of a conversation.
+_FOLLOWS = {None: (("user",), "a user message: the conversation starts with the user's"),
+            "user": (("assistant",), "an assistant message: user and assistant messages take turns"),
+            "assistant": (("user",), "a user message: user and assistant messages take turns"),
+            "calls": (("tool",), "a tool message: an assistant's tool_calls are answered by tool results"),
+            "tool": (("tool", "assistant", "user"), "")}
+
+
+def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], list[dict]]:
+    """(system prompt, finished turns' messages, the new turn's messages). A chat session takes an
+    optional system message, then user and assistant messages in turn, an assistant's tool_calls
+    answered by tool messages; it ends with the user's message or the tool results."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
     if len(messages) > limit:
         raise ApiError(400, f"too many messages: {len(messages)}, at most {limit}", param="messages")
-    system = None
-    turns = []
+    system, parsed, last = None, [], None
     for at, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _type_error(f"messages[{at}]", "an object with role and content", message)
         role = message.get("role")
-        if role == "tool" or message.get("tool_calls"):
-            raise ApiError(400, f"messages[{at}]: a tool's result and the calls before it cannot be sent back yet",
-                           param=f"messages[{at}]")
-        if role not in (*SYSTEM_ROLES, "user", "assistant"):
-            raise ApiError(400, f"messages[{at}].role must be system, user or assistant, got {json.dumps(role)[:40]}",
-                           param=f"messages[{at}].role")
-        text = _content(message, at)
+        if role not in (*SYSTEM_ROLES, "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{at}].role must be system, user, assistant or tool, got "
+                                f"{json.dumps(role)[:40]}", param=f"messages[{at}].role")
+        calls = role == "assistant" and message.get("tool_calls")
+        text = "" if calls and message.get("content") is None else _content(message, at)
         if role in SYSTEM_ROLES:
             if at != 0:
                 raise ApiError(400, f"messages[{at}]: a system message may only come first", param="messages")
             system = text
             continue
-        wanted = "user" if len(turns) % 2 == 0 else "assistant"
-        if role != wanted:
-            raise ApiError(400, f"messages[{at}] must be a {wanted} message: user and assistant messages "
-                                "take turns, starting and ending with the user's", param="messages")
-        turns.append({"role": role, "content": text})
-    if not turns or turns[-1]["role"] != "user":
-        raise ApiError(400, "the last message must be the user's", param="messages")
-    return system, turns[:-1], turns[-1]["content"]
+        allowed, why = _FOLLOWS[last]
+        if role not in allowed:
+            raise ApiError(400, f"messages[{at}]: a tool message must answer an assistant message's tool_calls"
+                           if role == "tool" else f"messages[{at}] must be {why}", param="messages")
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise _type_error(f"messages[{at}].tool_call_id", "a string", message.get("tool_call_id"))
+            parsed.append({"role": role, "content": text, "tool_call_id": message["tool_call_id"]})
+        elif calls:
+            parsed.append({"role": role, "content": text, "tool_calls": _tool_calls(message, at)})
+        else:
+            parsed.append({"role": role, "content": text})
+        last = "calls" if calls else role
+    if last not in ("user", "tool"):
+        raise ApiError(400, "the last message must be the user's or a tool result", param="messages")
+    start = max((at + 1 for at, m in enumerate(parsed) if m["role"] == "assistant"), default=0)
+    return system, parsed[:start], parsed[start:]
 
 
 def parse_prompt(prompt) -> str | list[int]:
@@ -321,6 +364,30 @@ def parse_prompt(prompt) -> str | list[int]:
 
 
 # ---------------------------------------------------------------------------------- conversations
+def _arguments(arguments):
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _view(message: dict):
+    """What identifies a message between requests. An assistant's calls count by name and arguments,
+    whether its session holds them as the model wrote them (<tool_call> text) or the client sends them
+    back as tool_calls (with ids made up for its reply, kept nowhere), and its text then without the
+    whitespace around the calls, which the reply's content loses."""
+    if message["role"] != "assistant":
+        return message
+    content, calls = split_tool_calls(message["content"])
+    calls += message.get("tool_calls") or []
+    if not calls:
+        return ["assistant", message["content"]]
+    return ["assistant", content.strip(), [[c["function"]["name"], _arguments(c["function"]["arguments"])]
+                                           for c in calls]]
+
+
 class Conversations:
     """The chat sessions kept between requests, keyed by transcript (see the module docstring)."""
 
@@ -331,8 +398,8 @@ class Conversations:
     @staticmethod
     def _key(system: str | None, history: list[dict], tools: list[dict] | None) -> str:
         # the tools are part of the prompt (the template renders them at its head)
-        text = json.dumps([system or None, [[m["role"], m["content"]] for m in history], tools or None],
-                          ensure_ascii=False)
+        text = json.dumps([system or None, [_view(m) for m in history], tools or None], ensure_ascii=False,
+                          sort_keys=True)
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     @staticmethod
@@ -344,10 +411,10 @@ class Conversations:
         session = self._idle.pop(self._key(system, history, tools), None)
         if session is not None:
             return session
-        turns = len(history) // 2
+        turns, views = sum(m["role"] == "assistant" for m in history), [_view(m) for m in history]
         for other in reversed(self._idle.values()):
-            if other.system_prompt == (system or None) and other.turns > turns \
-                    and other.history[:len(history)] == history and self._tools(other) == tools:
+            if other.system_prompt == (system or None) and other.turns > turns and self._tools(other) == tools \
+                    and [_view(m) for m in other.history[:len(history)]] == views:
                 return self.client.branch_session(other, turns)
         return self.client.open_session(system, history)
 
@@ -547,7 +614,7 @@ class Api:
         samplings = [gen.sampling_for(c.index) for c in choices]
         try:
             if gen.prompt is None:
-                streams = await self.client.submit_turns([c.session for c in choices], gen.user, samplings,
+                streams = await self.client.submit_turns([c.session for c in choices], gen.turn, samplings,
                                                          gen.template_kwargs)
             else:
                 streams = await self.client.submit_many(gen.prompt, samplings)
@@ -623,8 +690,12 @@ class Api:
             sampling = replace(sampling, logprobs=asked)
         gen = Generation(sampling, stream, _stream_options(body, stream), n=self._n(body))
         if chat:
-            gen.system, gen.history, gen.user = parse_messages(body.get("messages"), self.config.max_messages)
+            gen.system, gen.history, gen.turn = parse_messages(body.get("messages"), self.config.max_messages)
             gen.tools = parse_tools(body, bool(model and model.tools))
+            if not (model and model.tools) and any(m["role"] == "tool" or m.get("tool_calls")
+                                                   for m in gen.history + gen.turn):
+                raise ApiError(400, "this model's chat template does not render tools: it cannot take their calls "
+                                    "or results", param="messages")
         else:
             gen.prompt = parse_prompt(body.get("prompt"))
         return gen

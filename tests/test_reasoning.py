@@ -45,7 +45,7 @@ class ScriptedClient(FrozenClient):
         self.variables.append(template_kwargs)
         request_id = f"r{next(self._ids)}"
         stream = RequestStream(self, request_id, on_event, session)
-        session.request_id, session.pending_user = request_id, user
+        session.request_id, session.pending = request_id, [{"role": "user", "content": user}]
 
         def run():
             for i, piece in enumerate(self.pieces):

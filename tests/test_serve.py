@@ -454,6 +454,148 @@ def test_the_tool_call_parser_holds_back_only_what_may_be_a_tag():
     assert parser.feed("a <")[0] == "a " and parser.feed("b")[0] == "<b"
 
 
+CALLS = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+         {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]
+# what a Qwen model writes for CALLS, which is also how the Qwen3 template renders them
+WROTE = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}   # as a client sends one
+RESULTS = [{"role": "tool", "content": '{"celsius": 21}', "tool_call_id": "call_1"},
+           {"role": "tool", "content": '{"celsius": 25}', "tool_call_id": "call_2"}]
+
+
+def test_tool_results_continue_a_session_as_the_template_renders_the_transcript(tiny_models):
+    """With the real Qwen3 template and canned replies: each turn's incremental rendering (tool results
+    after the calls the model wrote, then a user message) gives the text the template gives the whole
+    transcript; a transcript whose calls a client built as tool_calls renders to the same ids."""
+    from test_chat_template import QWEN3_TEMPLATE
+
+    from nanochat.engine.serve.session import ChatSession
+    from nanochat.models.chat_template import ChatTemplate
+    from nanochat.models.loader import load
+
+    tok = load(str(tiny_models["llama"])).tokenizer
+    template = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
+    kw = {"tools": TOOLS}
+    system = [{"role": "system", "content": "Be brief."}]
+    asked = {"role": "user", "content": "the weather in Paris and Rome?"}
+    answer, thanks = "21 °C in Paris, 25 °C in Rome.", {"role": "user", "content": "and tomorrow?"}
+
+    session = ChatSession(tok, template, system_prompt="Be brief.")
+    first = session.prepare_turn([asked], kw)
+    session.complete_turn(WROTE, tok.encode(WROTE, add_special_tokens=False))   # the generated ids, then <|im_end|>
+    second = session.prepare_turn(RESULTS, kw)
+    assert second[:len(first)] == first
+    called = [asked, {"role": "assistant", "content": WROTE}, *RESULTS]
+    text = tok.decode(second)
+    assert text == template.render(system + called, add_generation_prompt=True, **kw)
+    assert text.endswith("<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response>\n<tool_response>\n"
+                         "{\"celsius\": 25}\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    session.complete_turn(answer, tok.encode(answer, add_special_tokens=False))
+    third = session.prepare_turn([thanks], kw)
+    transcript = called + [{"role": "assistant", "content": answer}, thanks]
+    assert tok.decode(third) == template.render(system + transcript, add_generation_prompt=True, **kw)
+    assert session.transcript_messages == transcript[:-1]
+
+    # the calls as a client sends them back: rendered by the template's own tool_calls handling
+    built = [asked, {"role": "assistant", "content": "Let me check.", "tool_calls": CALLS}, *RESULTS,
+             {"role": "assistant", "content": answer}]
+    rebuilt = ChatSession.from_history(tok, template, "Be brief.", built, template_kwargs=kw)
+    again = rebuilt.prepare_turn([thanks], kw)
+    assert tok.decode(again) == template.render(system + built + [thanks], add_generation_prompt=True, **kw)
+    assert again == third and rebuilt.turn_starts == session.turn_starts
+    assert rebuilt.transcript_messages == built
+
+
+def test_a_reply_that_called_tools_is_known_by_its_text_and_calls():
+    """The assistant message a client sends back, whole or rebuilt from a stream's deltas (its content
+    then keeps the whitespace before the calls), finds the session that holds the reply as written."""
+    from nanochat.app.openai_api import Conversations, parse_messages
+
+    asked = {"role": "user", "content": "the weather in Paris and Rome?"}
+    kept = Conversations._key(None, [asked, {"role": "assistant", "content": WROTE}], TOOLS)
+    sent = [{"id": f"call_{i}", "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+            for i, c in enumerate(CALLS)]
+    for content in ("Let me check.", "Let me check.\n"):
+        _, history, turn = parse_messages([asked, {"role": "assistant", "content": content, "tool_calls": sent},
+                                           *RESULTS], 9)
+        assert turn == RESULTS and Conversations._key(None, history, TOOLS) == kept
+    sent[1]["function"]["arguments"] = '{"city": "Oslo"}'
+    _, history, _ = parse_messages([asked, {"role": "assistant", "content": None, "tool_calls": sent}, *RESULTS], 9)
+    assert Conversations._key(None, history, TOOLS) != kept
+
+
+def test_a_tool_result_goes_back_through_the_sdk_and_prefills_only_itself(tiny_models, tmp_path, monkeypatch):
+    """A tiny model under the Qwen3 template (in this process), its sampler made to write two calls: the
+    SDK sends the results back with the reply's message; the engine's next prompt is the template's
+    rendering of the whole transcript with the reply as the model wrote it, and all but the results come
+    from the KV cache. A transcript whose calls the client made up itself renders them through the template."""
+    import shutil
+
+    from test_chat_template import QWEN3_TEMPLATE
+
+    from nanochat.engine.llm_engine import LLMEngine
+    from nanochat.engine.sampler import Sampler
+    from nanochat.models.chat_template import ChatTemplate
+    from nanochat.models.loader import load
+
+    folder = shutil.copytree(tiny_models["llama"], tmp_path / "qwen3-template")
+    for name, changes in (("tokenizer_config.json", {"chat_template": QWEN3_TEMPLATE}),
+                          ("config.json", {"max_position_embeddings": 2048})):   # room for the tools' prompt
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **changes}))
+    client = EngineClient(in_process=True)
+    client.load_model(str(folder), **{**ENGINE, "max_model_len": 2048})
+    tok = load(str(folder)).tokenizer
+    template = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
+    wrote = WROTE.replace('{"city": "Paris"}', '{"city":"Paris"}')   # not how the template would write it
+    forced = tok.encode(wrote, add_special_tokens=False) + [tok.token_to_id("<|im_end|>")]
+    sample, add = Sampler.__call__, LLMEngine.add_request
+    prompts = []
+
+    def scripted(self, logits, params, *args):
+        return [forced.pop(0) if forced else token for token in sample(self, logits, params, *args)]
+
+    def recorded(self, prompt, *args, **kwargs):
+        prompts.append(prompt)
+        return add(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "__call__", scripted)
+    monkeypatch.setattr(LLMEngine, "add_request", recorded)
+    srv = Server(client)
+    try:
+        sdk = srv.sdk()
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "the weather in Paris and Rome?"}]
+        called = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=256,
+                                             temperature=0)
+        message = called.choices[0].message
+        assert called.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+        assert [json.loads(c.function.arguments) for c in message.tool_calls] == [{"city": "Paris"}, {"city": "Rome"}]
+        results = [{"role": "tool", "tool_call_id": c.id, "content": r["content"]}
+                   for c, r in zip(message.tool_calls, RESULTS)]
+        follow = sdk.chat.completions.create(model=MODEL, messages=messages + [message] + results, tools=TOOLS,
+                                             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        assert follow.choices[0].finish_reason == "length" and not forced
+        transcript = messages + [{"role": "assistant", "content": wrote}, *RESULTS]
+        assert tok.decode(prompts[-1]) == template.render(transcript, add_generation_prompt=True, tools=TOOLS)
+        previous = called.usage.prompt_tokens + called.usage.completion_tokens
+        assert follow.usage.prompt_tokens_details.cached_tokens >= previous - BLOCK, (previous, follow.usage)
+
+        # a call the server never wrote (another conversation): the template renders it
+        oslo, result = {"name": "get_weather", "arguments": {"city": "Oslo"}}, RESULTS[0]
+        sent = {"id": "call_1", "type": "function", "function": {**oslo, "arguments": json.dumps(oslo["arguments"])}}
+        sdk.chat.completions.create(model=MODEL, messages=[messages[1], {"role": "assistant", "content": None,
+                                                                         "tool_calls": [sent]}, result],
+                                    tools=TOOLS, max_tokens=2, temperature=0)
+        made_up = [messages[1], {"role": "assistant", "content": "", "tool_calls": [{**sent, "function": oslo}]},
+                   result]
+        assert tok.decode(prompts[-1]) == template.render(made_up, add_generation_prompt=True, tools=TOOLS)
+    finally:
+        srv.stop()
+        client.shutdown()
+
+
 # ---------------------------------------------------------------------------------- errors
 def test_sdk_error_statuses(server):
     sdk = server.sdk()
@@ -497,9 +639,23 @@ def test_sdk_error_statuses(server):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}),
      "top_logprobs must be an integer from 0 to 20"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), "top_logprobs needs logprobs"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]}),
-     "cannot be sent back yet"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+     "the last message must be the user's or a tool result"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, RESULTS[0]]}),
+     "a tool message must answer an assistant message's tool_calls"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
+                              {"role": "user", "content": "y"}]}), "messages[2] must be a tool message"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{oops"}}]}, RESULTS[0]]}),
+     "messages[1].tool_calls[0].function.arguments must be a JSON object's text"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
+                              {"role": "tool", "content": "4"}]}), "messages[2].tool_call_id must be a string"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
+                              RESULTS[0]]}),
+     "does not render tools: it cannot take their calls or results"),   # the tiny model's ChatML template
 ])
+
+
 def test_malformed_requests_are_400(server, payload, words):
     status, body = raw(server, "POST", "/v1/chat/completions", payload)
     assert status == 400 and words in body["error"]["message"], body

@@ -59,18 +59,24 @@ class Session:
 
     id: str
     system_prompt: str | None = None
-    history: list[dict] = field(default_factory=list)    # finished turns, as the model saw them
+    history: list[dict] = field(default_factory=list)    # finished turns' messages, as the model saw them
     token_ids: list[int] | None = None     # canonical ids of the first len(turn_starts) turns (None: none known)
     turn_starts: list[int] | None = None   # where each of those turns starts in token_ids
     model: str | None = None               # the model the ids belong to
     epoch: int = -1                        # the engine incarnation that holds it (-1: none)
     request_id: str | None = None          # the turn in flight
-    pending_user: str | None = None
+    pending: list[dict] | None = None      # its input messages
     template_kwargs: dict | None = None    # template variables of its latest turn (a re-open renders with them)
 
     @property
     def turns(self) -> int:
-        return len(self.history) // 2
+        """Finished turns: each is its input messages (a user's, or tool results) and an assistant reply."""
+        return sum(m["role"] == "assistant" for m in self.history)
+
+    def turn_end(self, turns: int) -> int:
+        """Where the first `turns` turns end in `history`: just after the turns-th assistant message."""
+        ends = [at + 1 for at, m in enumerate(self.history) if m["role"] == "assistant"]
+        return ends[turns - 1] if turns else 0
 
     @property
     def busy(self) -> bool:
@@ -377,9 +383,8 @@ class EngineClient:
         history (its ids came just before, in a "session" message; when the engine died they never
         come, and the turn is rendered from its text when the session is re-opened)."""
         if reply.token_ids:
-            session.history = session.history + [{"role": "user", "content": session.pending_user},
-                                                 {"role": "assistant", "content": reply.text}]
-        session.request_id = session.pending_user = None
+            session.history = session.history + [*session.pending, {"role": "assistant", "content": reply.text}]
+        session.request_id = session.pending = None
 
     def _on_session(self, session_id: str, token_ids: list[int], turn_starts: list[int]) -> None:
         session = self._sessions.get(session_id)
@@ -490,8 +495,9 @@ class EngineClient:
         return self._call("describe")
 
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
-        """A chat session, optionally seeded with a transcript ({"role", "content"} dicts of finished
-        turns) that its first turn prefills. Cheap: the engine builds it on its first turn."""
+        """A chat session, optionally seeded with a transcript (the messages of finished turns, each
+        ending with the assistant's) that its first turn prefills. Cheap: the engine builds it on its
+        first turn."""
         session = Session(f"s{next(self._ids)}", system_prompt or None, list(history or []))
         self._sessions[session.id] = session
         return session
@@ -502,7 +508,7 @@ class EngineClient:
 
     def branch_session(self, session: Session, turns: int, more: list[dict] | None = None) -> Session:
         """A new session holding the first `turns` turns of `session`, then the finished turns `more`
-        ({"role", "content"} dicts): a branch of a conversation tree. `session` stays as it is.
+        (messages): a branch of a conversation tree. `session` stays as it is.
 
         Where the cut is known in canonical ids, the branch starts from exactly those ids, so its next
         turn finds them in the prefix cache (shared with `session`, pinned once); `more` is rendered."""
@@ -515,7 +521,8 @@ class EngineClient:
             cut = session.turn_starts[turns] if turns < len(session.turn_starts) else len(session.token_ids)
             ids, starts = session.token_ids[:cut], session.turn_starts[:turns]
         other = Session(f"s{next(self._ids)}", session.system_prompt,
-                        session.history[:2 * turns] + [dict(m) for m in more or []], ids, starts, session.model,
+                        session.history[:session.turn_end(turns)] + [dict(m) for m in more or []], ids, starts,
+                        session.model,
                         template_kwargs=session.template_kwargs)
         self._sessions[other.id] = other
         with self._lock:
@@ -565,12 +572,14 @@ class EngineClient:
                 pass
         session.epoch = -1
 
-    def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None,
+    def submit_turn(self, session: Session, user: str | list[dict], sampling: SamplingParams | None = None,
                     on_event: Callable[[TokenEvent], None] | None = None,
                     template_kwargs: dict | None = None) -> RequestStream:
-        """Send the next user message of `session`; the stream yields the reply's events. A request
-        the engine refuses (too long for the context, ...) ends its stream with an error event.
-        `template_kwargs`: variables for the chat template's render of this turn (enable_thinking)."""
+        """Send the next user message of `session` (or the turn's input messages: the tool results that
+        answer the assistant's calls); the stream yields the reply's events. A request the engine refuses
+        (too long for the context, ...) ends its stream with an error event. `template_kwargs`: variables
+        for the chat template's render of this turn (enable_thinking, tools)."""
+        messages = [{"role": "user", "content": user}] if isinstance(user, str) else [dict(m) for m in user]
         if session.busy:
             raise EngineError("the previous reply in this conversation is still being generated")
         self.ensure_running()
@@ -582,14 +591,14 @@ class EngineClient:
                 self._open(session)
             request_id = f"r{next(self._ids)}"
             stream = RequestStream(self, request_id, on_event, session, replayed)
-            session.request_id, session.pending_user = request_id, user
+            session.request_id, session.pending = request_id, messages
             self._streams[request_id] = stream
             try:
                 self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
-                           session_id=session.id, user=user, template_kwargs=template_kwargs)
+                           session_id=session.id, messages=messages, template_kwargs=template_kwargs)
             except EngineDied:
                 self._streams.pop(request_id, None)
-                session.request_id = session.pending_user = None
+                session.request_id = session.pending = None
                 raise
         return stream
 
@@ -752,14 +761,16 @@ class AsyncEngineClient:
         await asyncio.to_thread(submit_all)
         return streams
 
-    async def submit_turn(self, session: Session, user: str, sampling: SamplingParams | None = None,
+    async def submit_turn(self, session: Session, user: str | list[dict], sampling: SamplingParams | None = None,
                           template_kwargs: dict | None = None) -> AsyncRequestStream:
-        """The next user message of `session` (see EngineClient.submit_turn)."""
+        """The next user message (or input messages) of `session` (see EngineClient.submit_turn)."""
         return (await self.submit_turns([session], user, [sampling], template_kwargs))[0]
 
-    async def submit_turns(self, sessions: list[Session], user: str, samplings: list[SamplingParams | None],
+    async def submit_turns(self, sessions: list[Session], user: str | list[dict],
+                           samplings: list[SamplingParams | None],
                            template_kwargs: dict | None = None) -> list[AsyncRequestStream]:
-        """The same next user message in each of `sessions` (forks of one conversation), one sampling each."""
+        """The same next user message (or input messages) in each of `sessions` (forks of one
+        conversation), one sampling each."""
         return await self._submit([partial(self.client.submit_turn, session, user, sampling,
                                            template_kwargs=template_kwargs)
                                    for session, sampling in zip(sessions, samplings)])

@@ -224,12 +224,12 @@ class EngineCore:
             self.engine.release_session(session_id)
 
     def op_submit(self, call: Call, request_id: str, sampling, prompt=None, session_id: str | None = None,
-                  user: str | None = None, template_kwargs: dict | None = None) -> None:
-        """A raw prompt (text or ids), or a chat turn (`user` in session `session_id`, its prompt rendered
-        with the template variables `template_kwargs`). A refused request ends at once with an error event
-        (submits are posted: nobody waits for an answer)."""
+                  messages: list[dict] | None = None, template_kwargs: dict | None = None) -> None:
+        """A raw prompt (text or ids), or a chat turn (its input `messages` in session `session_id`, its
+        prompt rendered with the template variables `template_kwargs`). A refused request ends at once
+        with an error event (submits are posted: nobody waits for an answer)."""
         try:
-            self._add(request_id, sampling, prompt, session_id, user, template_kwargs)
+            self._add(request_id, sampling, prompt, session_id, messages, template_kwargs)
         except BaseException as e:
             if not _answerable(e):
                 raise
@@ -238,15 +238,15 @@ class EngineCore:
                 if isinstance(e, ContextExceeded) else None
             self.send(("events", [TokenEvent(request_id, None, "", True, "error", stats, error=one_line(e))]))
 
-    def _add(self, request_id, sampling, prompt, session_id, user, template_kwargs) -> None:
+    def _add(self, request_id, sampling, prompt, session_id, messages, template_kwargs) -> None:
         engine = self._engine()
-        if user is None:
+        if messages is None:
             engine.add_request(prompt, sampling, request_id=request_id)
             return
         session = self.sessions.get(session_id)
         if session is None:
             raise ValueError(self.session_errors.get(session_id, f"unknown chat session {session_id!r}"))
-        ids = session.prepare_turn(user, template_kwargs)
+        ids = session.prepare_turn(messages, template_kwargs)
         try:
             engine.add_request(ids, sampling, request_id=request_id, session_id=session_id)
         except BaseException:
