@@ -36,13 +36,13 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, specials: list[str] = SPECIALS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 3, trainer)
     return tok
@@ -73,6 +73,11 @@ def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vo
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+    return save_tiny(model, tok, out_dir)
+
+
+def save_tiny(model, tok, out_dir: Path) -> Path:
+    """A tiny model saved as a Hugging Face folder with the suite's tokenizer and a ChatML template."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save(str(out_dir / "tokenizer.json"))

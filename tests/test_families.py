@@ -15,7 +15,7 @@ import torch
 from nanochat.engine import LLM, LLMEngine, SamplingParams
 from nanochat.kernels import cpu_qgemv
 from nanochat.models.errors import ModelLoadError
-from tests.conftest import CHATML, TINY, build_tokenizer
+from tests.conftest import TINY, build_tokenizer, save_tiny
 from tests.gguf_writer import T, MetaValue, VT, write_gguf_from_hf
 
 WINDOW = 12          # the tiny models' sliding window: the prompts below are longer
@@ -57,13 +57,7 @@ def make_family_model(family: str, out_dir: Path, seed: int = 0) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
-        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return out_dir
+    return save_tiny(model, tok, out_dir)
 
 
 def tokenizer_metadata(folder: Path, eos: str = "<|im_end|>") -> dict:
@@ -191,13 +185,18 @@ def test_windows_from_config_json_as_transformers_reads_them():
      "short_factor needs"),
 ])
 def test_bad_config_is_one_line(family_models, tmp_path, change, message):
+    family = "smollm3" if "no_rope_layers" in change else "phi3"
+    assert_refused(family_models[family], tmp_path, change, message)
+
+
+def assert_refused(model: Path, tmp_path: Path, change: dict, message: str) -> None:
+    """A copy of `model` with `change` in its config.json is refused in one line matching `message`."""
     import shutil
 
     from nanochat.models.hf_source import HFSource
 
-    family = "smollm3" if "no_rope_layers" in change else "phi3"
-    folder = tmp_path / family
-    shutil.copytree(family_models[family], folder)
+    folder = tmp_path / model.name
+    shutil.copytree(model, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(change)
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -212,14 +211,17 @@ def test_bad_config_is_one_line(family_models, tmp_path, change, message):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "module"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(family, fused, family_models, oracle):
+    assert_logits_match(family_models[family], oracle(family), fused)
+
+
+def assert_logits_match(model: Path, hf, fused: bool) -> None:
+    """fp32 logits over PROMPT and FORCED within 1e-4 of the transformers model `hf`, on the path asked for."""
     if fused and not cpu_qgemv.available():
         pytest.skip("the CPU kernels cannot be built here")
-    engine = engine_for(family_models[family], fused)
+    engine = engine_for(model, fused)
     assert (engine.runner.model.fused.why_not is None) == fused
-    ours = step_logits(engine, PROMPT, FORCED)
-    ref = oracle_logits(oracle(family), PROMPT, FORCED)
-    err = (ours - ref).abs().max().item()
-    assert err <= 1e-4, f"{family}: max abs err {err}"
+    err = (step_logits(engine, PROMPT, FORCED) - oracle_logits(hf, PROMPT, FORCED)).abs().max().item()
+    assert err <= 1e-4, f"{model.name}: max abs err {err}"
 
 
 def test_the_window_changes_the_result(family_models, oracle):
@@ -254,10 +256,16 @@ def test_greedy_through_the_engine(family, family_models, oracle):
 
 @pytest.mark.parametrize("family", ["smollm3", "phi3"])
 def test_chat_session_turns_equal_a_fresh_replay(family, family_models):
+    assert_chat_turns_replay(family_models[family])
+
+
+def assert_chat_turns_replay(model: Path) -> None:
+    """Three chat-session turns (each prefilling only its new message) give the tokens a fresh engine gives
+    for the same ids."""
     from nanochat.engine.serve.session import ChatSession
 
-    engine = LLMEngine(str(family_models[family]), dtype="float32", max_model_len=256, kv_cache_dtype="float32")
-    fresh = LLMEngine(str(family_models[family]), dtype="float32", max_model_len=256, kv_cache_dtype="float32",
+    engine = LLMEngine(str(model), dtype="float32", max_model_len=256, kv_cache_dtype="float32")
+    fresh = LLMEngine(str(model), dtype="float32", max_model_len=256, kv_cache_dtype="float32",
                       enable_prefix_caching=False)
     session = ChatSession(engine.tokenizer, engine.loaded.chat_template, system_prompt="Be brief.")
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from nanochat.engine import LLM, LLMEngine, SamplingParams
-from nanochat.kernels import cpu_qgemv
 from nanochat.models.config import ModelConfig
-from nanochat.models.errors import ModelLoadError
-from tests.conftest import CORPUS
+from tests.conftest import build_tokenizer
 from tests.gguf_writer import T, write_gguf_from_hf
-from tests.test_families import engine_for, oracle_greedy, oracle_logits, step_logits, tokenizer_metadata
+from tests.test_families import (assert_chat_turns_replay, assert_logits_match, assert_refused, engine_for,
+                                 oracle_greedy, oracle_logits, step_logits, tokenizer_metadata)
 
 WINDOW = 12
 PROMPT = list(range(5, 25))
@@ -77,15 +76,7 @@ VARIANTS = ["gemma3", "gemma3_capped"]
 
 def gemma_tokenizer(vocab_size: int = 320):
     """The suite's byte-level BPE with Gemma's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 3, trainer)
-    return tok
+    return build_tokenizer(vocab_size, SPECIALS)
 
 
 def make_gemma3(out_dir: Path, variant: str = "gemma3", seed: int = 0) -> Path:
@@ -226,18 +217,7 @@ def test_multimodal_checkpoint_serves_its_text_model(prefix, models, tmp_path):
      "RoPE scaling on the sliding-window layers"),
 ])
 def test_unsupported_config_is_one_line(models, tmp_path, change, message):
-    import shutil
-
-    from nanochat.models.hf_source import HFSource
-
-    folder = tmp_path / "m"
-    shutil.copytree(models["gemma3"], folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(change)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=message) as e:
-        HFSource(folder)
-    assert "\n" not in str(e.value)
+    assert_refused(models["gemma3"], tmp_path, change, message)
 
 
 # ---------------------------------------------------------------- logits
@@ -246,14 +226,7 @@ def test_unsupported_config_is_one_line(models, tmp_path, change, message):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "module"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_match_transformers(variant, fused, models, oracle):
-    if fused and not cpu_qgemv.available():
-        pytest.skip("the CPU kernels cannot be built here")
-    engine = engine_for(models[variant], fused)
-    assert (engine.runner.model.fused.why_not is None) == fused
-    ours = step_logits(engine, PROMPT, FORCED)
-    ref = oracle_logits(oracle(variant), PROMPT, FORCED)
-    err = (ours - ref).abs().max().item()
-    assert err <= 1e-4, f"{variant}: max abs err {err}"
+    assert_logits_match(models[variant], oracle(variant), fused)
 
 
 def test_the_checks_can_fail(models, oracle):
@@ -335,29 +308,7 @@ def test_chat_template_renders_and_ends_turns(models):
 
 
 def test_chat_session_turns_equal_a_fresh_replay(models):
-    from nanochat.engine.serve.session import ChatSession
-
-    path = str(models["gemma3"])
-    engine = LLMEngine(path, dtype="float32", max_model_len=256, kv_cache_dtype="float32")
-    fresh = LLMEngine(path, dtype="float32", max_model_len=256, kv_cache_dtype="float32", enable_prefix_caching=False)
-    session = ChatSession(engine.tokenizer, engine.loaded.chat_template, system_prompt="Be brief.")
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for user in ["hello there, how are you?", "what is the capital of France?", "tell me more"]:
-        ids = session.prepare_turn(user)
-        rid = engine.add_request(ids, sp, session_id=session.session_id)
-        text, gen = [], []
-        while engine.has_unfinished():
-            for ev in engine.step():
-                if ev.request_id == rid:
-                    text.append(ev.text)
-                    gen.append(ev.token_id)
-        session.complete_turn("".join(text), gen)
-        rid = fresh.add_request(ids, sp)
-        replay = []
-        while fresh.has_unfinished():
-            replay += [ev.token_id for ev in fresh.step() if ev.request_id == rid]
-        assert replay == gen
-    engine.release_session(session.session_id)
+    assert_chat_turns_replay(models["gemma3"])
 
 
 # ---------------------------------------------------------------- GGUF
