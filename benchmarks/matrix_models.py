@@ -14,8 +14,24 @@ Families:
                 norms 1), written here with the `gguf` package at F16 (norms F32), with a made-up
                 151,936-token gpt2-style byte-level BPE (256 byte tokens, 151,387 merged tokens with
                 matching merges, Qwen's special tokens, ChatML template); then quantized by
-                llama.cpp to Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0. The text it generates is garbage:
-                these files measure speed, not quality.
+                llama.cpp to Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0.
+  phi3-mini-*   a phi3 checkpoint with Phi-3-mini-4k-instruct's shapes (hidden 3072, 32 layers, 32 heads and
+                32 KV heads of 96, FFN 8192, rope theta 1e4, rms eps 1e-5, window 2047, context 4096) laid
+                out as llama.cpp's converter writes phi3 (attn_qkv = q|k|v, ffn_up = gate|up, untied
+                output), random weights as above; a made-up 32,064-piece SentencePiece vocabulary
+                (spm_vocab: <unk> <s> </s>, the 256 <0xNN> byte-fallback tokens, pieces with scores, then
+                Phi-3's added tokens <|endoftext|> ... <|user|> from id 32000 and [PADn]), Phi-3's chat
+                template; F16 (7.6 GB), then Q4_K_M by llama.cpp.
+  gemma3-1b-*   a gemma3 checkpoint with Gemma 3 1B's shapes (hidden 1152, 26 layers, 4 heads and 1 KV head
+                of 256, FFN 6912, window 512 on 5 layers of every 6, rope bases 1e4 local / 1e6 global,
+                query_pre_attn_scalar 256, four norms per layer and q/k norms, tied embeddings, context
+                32768) as llama.cpp's converter writes gemma3 (norms stored as 1 + w: ones here), random
+                weights; a made-up 262,144-piece SentencePiece vocabulary without a space prefix (Gemma's
+                <pad> <eos> <bos> <unk>, control tokens up to <start_of_turn> 105 / <end_of_turn> 106),
+                Gemma 3's chat template; F16, then Q4_K_M by llama.cpp.
+The text these random files generate is garbage: they measure speed, not quality. The made-up
+SentencePiece vocabularies are 8,000 pieces trained on made-up text (tests/gguf_writer.py's
+train_sentencepiece) and pieces joining two of those, so that merges reach every piece.
 
 The cache: --models-dir, else $NANOCHAT_HOME/cache/peer-models, else the platformdirs user cache dir
 nanochat/peer-models (kernels/cpp_build.py's cache_root()). A file is written under a temporary
@@ -27,8 +43,11 @@ $NANOCHAT_PEER_PYTHON), through `llamacpp_worker.py quantize`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -37,33 +56,40 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent / "tests"))   # gguf_writer's SentencePiece helpers
 QUANTS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")
+
+
+# family -> (file stem, the quantizations made from its source)
+FAMILIES = {"smollm2": ("SmolLM2-135M-Instruct", QUANTS), "qwen3-0.6b": ("Qwen3-0.6B-random", QUANTS),
+            "phi3-mini": ("Phi-3-mini-4k-random", ("q4_k_m",)), "gemma3-1b": ("Gemma-3-1B-random", ("q4_k_m",))}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str           # "smollm2" | "qwen3-0.6b"
+    family: str           # a key of FAMILIES
     quant: str            # "q4_1", "q4_k_m", ..., "f16"
     source: str | None    # the model it is quantized from (None: the built-in file / written here)
 
     @property
     def filename(self) -> str:
-        stem = {"smollm2": "SmolLM2-135M-Instruct", "qwen3-0.6b": "Qwen3-0.6B-random"}[self.family]
-        return f"{stem}.{self.quant.upper()}.gguf"
+        return f"{FAMILIES[self.family][0]}.{self.quant.upper()}.gguf"
 
 
 def _specs() -> dict[str, ModelSpec]:
-    out = {"smollm2-q4_1": ModelSpec("smollm2-q4_1", "smollm2", "q4_1", None)}
-    out.update({f"smollm2-{q}": ModelSpec(f"smollm2-{q}", "smollm2", q, "smollm2-q4_1") for q in QUANTS})
-    out["qwen3-0.6b-f16"] = ModelSpec("qwen3-0.6b-f16", "qwen3-0.6b", "f16", None)
-    out.update({f"qwen3-0.6b-{q}": ModelSpec(f"qwen3-0.6b-{q}", "qwen3-0.6b", q, "qwen3-0.6b-f16") for q in QUANTS})
+    out = {}
+    for family, (_, quants) in FAMILIES.items():
+        # SmolLM2's source is the built-in Q4_1 file; the random-weight families are written at F16
+        src = f"{family}-q4_1" if family == "smollm2" else f"{family}-f16"
+        out[src] = ModelSpec(src, family, src.rpartition("-")[2], None)
+        out.update({f"{family}-{q}": ModelSpec(f"{family}-{q}", family, q, src) for q in quants})
     return out
 
 
 MODELS = _specs()
-# --matrix: every model but the F16 source (1.2 GB, not a format anyone chats with on a CPU)
-MATRIX = [n for n in MODELS if n != "qwen3-0.6b-f16"]
+# --matrix: every model but the F16 sources (1.2-7.6 GB, not a format anyone chats with on a CPU)
+MATRIX = [n for n in MODELS if MODELS[n].quant != "f16"]
 
 
 def default_models_dir() -> Path:
@@ -108,8 +134,9 @@ def ensure_model(name: str, models_dir: Path, python: str, threads: int = 2,
     t0 = time.perf_counter()
     try:
         if spec.source is None:
-            log(f"writing {path.name} (random weights, Qwen3-0.6B shapes)")
-            write_qwen3_random(tmp)
+            write, shapes = RANDOM_WRITERS[spec.family]
+            log(f"writing {path.name} (random weights, {shapes} shapes)")
+            write(tmp)
         else:
             src = ensure_model(spec.source, models_dir, python, threads, log)
             log(f"quantizing {src.name} -> {path.name} (llama.cpp, {threads} threads)")
@@ -199,7 +226,6 @@ def bpe_vocab(vocab_size: int, first_special: int, specials: list[str]) -> tuple
 def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02, **shape) -> Path:
     """A qwen3 GGUF with random weights (F16 matrices, F32 norms), streamed tensor by tensor."""
     import gguf
-    import numpy as np
 
     s = {**QWEN3_0_6B, **shape}
     h, hd, nh, nkv, ff = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["intermediate"]
@@ -238,6 +264,16 @@ def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02
     w.add_bos_token_id(first_special)
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
+    return write_random_tensors(w, path, tensors, seed, std)
+
+
+def write_random_tensors(w, path: str | os.PathLike, tensors: list[tuple[str, tuple[int, ...]]],
+                         seed: int, std: float) -> Path:
+    """Finish GGUFWriter `w` (metadata added) at `path`: `tensors` (name, numpy shape) in order, matrices
+    F16 normal(0, std), vectors (the norms) F32 ones; streamed tensor by tensor, each drawn in row chunks so
+    that a 262k-row embedding never exists as float32 in full."""
+    import numpy as np
+
     for name, shp in tensors:
         f16 = len(shp) == 2
         w.add_tensor_info(name, shp, np.dtype(np.float16 if f16 else np.float32),
@@ -249,13 +285,229 @@ def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02
     for name, shp in tensors:
         if len(shp) == 1:
             w.write_tensor_data(np.ones(shp, dtype=np.float32))
-        else:
-            x = rng.standard_normal(shp, dtype=np.float32)
-            x *= std
-            w.write_tensor_data(x.astype(np.float16))
-            del x
+            continue
+        x = np.empty(shp, dtype=np.float16)
+        step = max(1, (1 << 24) // shp[1])
+        for r in range(0, shp[0], step):
+            part = rng.standard_normal((min(step, shp[0] - r), shp[1]), dtype=np.float32)
+            part *= std
+            x[r:r + step] = part
+        w.write_tensor_data(x)
+        del x
     w.close()
     return Path(path)
+
+
+# ---------------------------------------------------------------------------------- SentencePiece, made up
+SPM_TRAINED = 8000   # pieces actually trained; the rest of a vocabulary are pairs of them
+
+
+def made_up_corpus(lines: int = 20_000, seed: int = 0) -> list[str]:
+    """Sentences of made-up words (consonant-vowel syllables, Zipf-distributed), with digits and punctuation."""
+    rng = random.Random(seed)
+    cons, vowels = "bcdfghjklmnpqrstvwxyz", "aeiou"
+    lexicon = ["".join(rng.choice(cons) + rng.choice(vowels) + (rng.choice(cons) if rng.random() < 0.4 else "")
+                       for _ in range(rng.randint(1, 4))) for _ in range(20_000)]
+    weights = [1 / (i + 1) for i in range(len(lexicon))]
+    out = []
+    for _ in range(lines):
+        words = rng.choices(lexicon, weights, k=rng.randint(4, 16))
+        out.append(" ".join(words).capitalize() + rng.choice(".,?!")
+                   + (f" {rng.randint(0, 99_999)}" if rng.random() < 0.2 else ""))
+    return out
+
+
+def spm_vocab(n_pieces: int, trainer: dict | None = None, **flags: bool) -> dict:
+    """tokenizer.* metadata of a made-up SentencePiece vocabulary of `n_pieces`, as llama.cpp's converter
+    writes one (tests/gguf_writer.py's helpers): a BPE model with byte fallback trained on made_up_corpus()
+    (`trainer`: more SentencePiece trainer options, e.g. special ids and control symbols), then filled up
+    with pieces that are two trained pieces joined (the second not a word start: pieces stay inside words,
+    as SentencePiece's are), so that merges reach them, each scored below the last.
+    `flags`: tokenizer.ggml.add_space_prefix, add_bos_token ..."""
+    import gguf
+    from gguf_writer import sentencepiece_tokenizer_metadata, train_sentencepiece
+
+    sp = train_sentencepiece(made_up_corpus(), SPM_TRAINED, **(trainer or {}))
+    meta = sentencepiece_tokenizer_metadata(sp, **flags)
+    tokens, scores, types = (meta[f"tokenizer.ggml.{k}"].value for k in ("tokens", "scores", "token_type"))
+    normal = [t for t, k in zip(tokens, types) if k == gguf.TokenType.NORMAL]
+    inner = [t for t in normal if not t.startswith("\u2581")]
+    side = math.isqrt(2 * (n_pieces - len(tokens))) + 1   # twice the pairs needed: some joins exist already
+    seen, low = set(tokens), min(scores)
+    for a, b in itertools.product(normal[:side], inner[:side]):
+        if len(tokens) == n_pieces:
+            break
+        if a + b not in seen:
+            seen.add(a + b)
+            tokens.append(a + b)
+            scores.append(low - len(tokens))
+            types.append(int(gguf.TokenType.NORMAL))
+    if len(tokens) != n_pieces:
+        raise ValueError(f"made {len(tokens)} SentencePiece pieces, wanted {n_pieces}")
+    return meta
+
+
+def _add_tokenizer(w, meta: dict, chat_template: str) -> None:
+    for key, v in meta.items():
+        w.add_key_value(key, v.value, v.vtype, v.sub_type)
+    w.add_chat_template(chat_template)
+
+
+# ---------------------------------------------------------------------------------- Phi-3-mini, random
+PHI3_MINI = dict(hidden=3072, layers=32, heads=32, kv_heads=32, head_dim=96, intermediate=8192, vocab=32_064,
+                 context=4096, rope_theta=10_000.0, rms_eps=1e-5, sliding_window=2047)
+# Phi-3's added tokens from id 32000 on (added_tokens.json), CONTROL as the converter writes them (their
+# tokenizer_config says special); [PADn] up to the vocab size, UNUSED.
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+PHI3_FIRST_ADDED = 32_000
+PHI3_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + "
+                 "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + "
+                 "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + "
+                 "message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def write_phi3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02) -> Path:
+    """A phi3 GGUF with Phi-3-mini-4k-instruct's shapes and random weights, laid out as llama.cpp's
+    converter (Phi3MiniModel) writes it: fused attn_qkv [q; k; v] and ffn_up [gate; up], untied output."""
+    import gguf
+
+    from gguf_writer import MetaValue
+
+    s = PHI3_MINI
+    h, hd, nh, nkv, ff = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["intermediate"]
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h))]
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", (h,)), (p + "attn_qkv.weight", ((nh + 2 * nkv) * hd, h)),
+                    (p + "attn_output.weight", (h, nh * hd)), (p + "ffn_norm.weight", (h,)),
+                    (p + "ffn_up.weight", (2 * ff, h)), (p + "ffn_down.weight", (h, ff))]
+    tensors += [("output_norm.weight", (h,)), ("output.weight", (s["vocab"], h))]
+
+    w = gguf.GGUFWriter(None, "phi3")
+    # llama.cpp keys its Phi-3 tokenizer rule (special tokens strip the whitespace after them) on the name
+    w.add_name("Phi-3-mini-4k-instruct-shaped random weights (nanochat benchmarks)")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
+    w.add_context_length(s["context"])
+    w.add_rope_scaling_orig_ctx_len(s["context"])
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(ff)
+    w.add_block_count(s["layers"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(s["rms_eps"])
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(s["rope_theta"])
+    w.add_sliding_window(s["sliding_window"])
+    meta = spm_vocab(PHI3_FIRST_ADDED, add_bos_token=False, add_eos_token=False)
+    tokens, scores, types = (meta[f"tokenizer.ggml.{k}"].value for k in ("tokens", "scores", "token_type"))
+    for i in range(PHI3_FIRST_ADDED, s["vocab"]):
+        added = i - PHI3_FIRST_ADDED < len(PHI3_ADDED)
+        tokens.append(PHI3_ADDED[i - PHI3_FIRST_ADDED] if added else f"[PAD{i}]")
+        scores.append(-1000.0 if added else -10000.0)
+        types.append(int(gguf.TokenType.CONTROL if added else gguf.TokenType.UNUSED))
+    eos = PHI3_FIRST_ADDED + PHI3_ADDED.index("<|endoftext|>")
+    for key in ("eos_token_id", "padding_token_id"):
+        meta[f"tokenizer.ggml.{key}"] = MetaValue(eos, gguf.GGUFValueType.UINT32)
+    _add_tokenizer(w, meta, PHI3_TEMPLATE)
+    return write_random_tensors(w, path, tensors, seed, std)
+
+
+# ---------------------------------------------------------------------------------- Gemma 3 1B, random
+GEMMA3_1B = dict(hidden=1152, layers=26, heads=4, kv_heads=1, head_dim=256, intermediate=6912, vocab=262_144,
+                 context=32_768, rope_theta=1_000_000.0, rms_eps=1e-6, sliding_window=512)
+# Gemma's ids 0-3 and control tokens 4-106 (<start_of_turn> 105, <end_of_turn> 106), as in its tokenizer.model
+GEMMA_TRAINER = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                     bos_piece="<bos>", add_dummy_prefix=False,
+                     control_symbols=["<mask>", "[multimodal]"] + [f"<unused{i}>" for i in range(99)]
+                     + ["<start_of_turn>", "<end_of_turn>"])
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+def write_gemma3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02) -> Path:
+    """A gemma3 GGUF with Gemma 3 1B's shapes and random weights, as llama.cpp's converter (Gemma3Model)
+    writes it: four norms per layer (stored as 1 + w, so ones here are w = 0), q/k norms, tied embeddings.
+    Like the converter it writes neither the window pattern nor the local rope base: llama.cpp's gemma3
+    defaults are Gemma's (every 6th layer global, the others windowed; local base 10000), and its
+    attention scale 1/sqrt(head_dim) is Gemma 3 1B's query_pre_attn_scalar (256)."""
+    import gguf
+
+    s = GEMMA3_1B
+    h, hd, nh, nkv, ff = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["intermediate"]
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h))]
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (nh * hd, h)),
+                    (p + "attn_k.weight", (nkv * hd, h)), (p + "attn_v.weight", (nkv * hd, h)),
+                    (p + "attn_output.weight", (h, nh * hd)), (p + "attn_q_norm.weight", (hd,)),
+                    (p + "attn_k_norm.weight", (hd,)), (p + "post_attention_norm.weight", (h,)),
+                    (p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (ff, h)), (p + "ffn_up.weight", (ff, h)),
+                    (p + "ffn_down.weight", (h, ff)), (p + "post_ffw_norm.weight", (h,))]
+    tensors.append(("output_norm.weight", (h,)))
+
+    w = gguf.GGUFWriter(None, "gemma3")
+    w.add_name("Gemma-3-1B-shaped random weights (nanochat benchmarks)")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
+    w.add_context_length(s["context"])
+    w.add_embedding_length(h)
+    w.add_block_count(s["layers"])
+    w.add_feed_forward_length(ff)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(s["rope_theta"])
+    w.add_layer_norm_rms_eps(s["rms_eps"])
+    w.add_sliding_window(s["sliding_window"])
+    meta = spm_vocab(s["vocab"], GEMMA_TRAINER, add_space_prefix=False, add_bos_token=True, add_eos_token=False)
+    _add_tokenizer(w, meta, GEMMA3_TEMPLATE)
+    return write_random_tensors(w, path, tensors, seed, std)
+
+
+# family -> (writer of its F16 source, whose shapes)
+RANDOM_WRITERS = {"qwen3-0.6b": (write_qwen3_random, "Qwen3-0.6B"), "phi3-mini": (write_phi3_random, "Phi-3-mini-4k"),
+                  "gemma3-1b": (write_gemma3_random, "Gemma 3 1B")}
 
 
 # ---------------------------------------------------------------------------------- load checks

@@ -5,8 +5,8 @@
         [--isa avx2] [--models-dir DIR] [--rows decode,prompt,...]
 
 Models: --model FILE runs one file (default: the built-in SmolLM2-135M Q4_1); --matrix runs every model
-of benchmarks/matrix_models.py (SmolLM2 in six quantizations, a random-weight Qwen3-0.6B in five),
---models picks some of them (names or families: `smollm2,qwen3-0.6b-q4_k_m`). The matrix's files are
+of benchmarks/matrix_models.py (SmolLM2 in six quantizations, a random-weight Qwen3-0.6B in five,
+random-weight Phi-3-mini and Gemma 3 1B in Q4_K_M), --models picks some of them (names or families: `smollm2,qwen3-0.6b-q4_k_m`). The matrix's files are
 made on first use (llama.cpp's quantizer, in --peer-python) and cached under --models-dir.
 
 Engines, each in a process of its own, speaking JSON lines over a pipe (worker_protocol.py):
