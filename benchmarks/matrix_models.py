@@ -223,6 +223,26 @@ def bpe_vocab(vocab_size: int, first_special: int, specials: list[str]) -> tuple
     return tokens, merges, types
 
 
+def _dense_writer(arch: str, name: str, s: dict, h: int, ff: int, nh: int, nkv: int, hd: int):
+    """A GGUFWriter for an F16 file of `arch` with the shape keys every dense family writes."""
+    import gguf
+
+    w = gguf.GGUFWriter(None, arch)
+    w.add_name(name)
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
+    w.add_context_length(s["context"])
+    w.add_embedding_length(h)
+    w.add_block_count(s["layers"])
+    w.add_feed_forward_length(ff)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(s["rope_theta"])
+    w.add_layer_norm_rms_eps(s["rms_eps"])
+    return w
+
+
 def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02, **shape) -> Path:
     """A qwen3 GGUF with random weights (F16 matrices, F32 norms), streamed tensor by tensor."""
     import gguf
@@ -239,19 +259,7 @@ def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02
                     (p + "ffn_gate.weight", (ff, h)), (p + "ffn_up.weight", (ff, h)), (p + "ffn_down.weight", (h, ff))]
     tensors.append(("output_norm.weight", (h,)))   # tied embeddings: no output.weight
 
-    w = gguf.GGUFWriter(None, "qwen3")
-    w.add_name("Qwen3-0.6B-shaped random weights (nanochat benchmarks)")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
-    w.add_context_length(s["context"])
-    w.add_embedding_length(h)
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(ff)
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(s["rope_theta"])
-    w.add_layer_norm_rms_eps(s["rms_eps"])
+    w = _dense_writer("qwen3", "Qwen3-0.6B-shaped random weights (nanochat benchmarks)", s, h, ff, nh, nkv, hd)
     first_special = min(QWEN_FIRST_SPECIAL, s["vocab"] - len(QWEN_SPECIAL))
     tokens, merges, types = bpe_vocab(s["vocab"], first_special, QWEN_SPECIAL)
     w.add_tokenizer_model("gpt2")
@@ -486,19 +494,7 @@ def write_gemma3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.0
                     (p + "ffn_down.weight", (h, ff)), (p + "post_ffw_norm.weight", (h,))]
     tensors.append(("output_norm.weight", (h,)))
 
-    w = gguf.GGUFWriter(None, "gemma3")
-    w.add_name("Gemma-3-1B-shaped random weights (nanochat benchmarks)")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
-    w.add_context_length(s["context"])
-    w.add_embedding_length(h)
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(ff)
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(s["rope_theta"])
-    w.add_layer_norm_rms_eps(s["rms_eps"])
+    w = _dense_writer("gemma3", "Gemma-3-1B-shaped random weights (nanochat benchmarks)", s, h, ff, nh, nkv, hd)
     w.add_sliding_window(s["sliding_window"])
     meta = spm_vocab(s["vocab"], GEMMA_TRAINER, add_space_prefix=False, add_bos_token=True, add_eos_token=False)
     _add_tokenizer(w, meta, GEMMA3_TEMPLATE)
