@@ -86,7 +86,8 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("build", ["native", "scalar"])
-@pytest.mark.parametrize("head_dim,heads", [(64, 6), (128, 4), (32, 4)], ids=["hd64", "hd128", "hd32"])
+@pytest.mark.parametrize("head_dim,heads", [(64, 6), (128, 4), (32, 4), (96, 4), (256, 2)],
+                         ids=["hd64", "hd128", "hd32", "hd96", "hd256"])
 def test_fused_step_rows_do_not_depend_on_the_batch(head_dim, heads, build):
     """A row's output is the same alone, token by token (decode), and in ragged steps beside other
     sequences' rows with other chunk boundaries: head_dim 64 and 128 run the vector kernels, 32 the

@@ -195,7 +195,7 @@ def _ints(types):
     return None if types is None else [int(t) for t in types]
 
 
-# head_dim 64 and 128 run the kernel's fixed-size instantiations, 32 its generic one; 2, 3 and 4
+# head_dim 64, 96, 128 and 256 run the kernel's fixed-size instantiations, 32 its generic one; 2, 3 and 4
 # query heads per KV head its value passes over 2, 3 and 4 heads at once.
 @pytest.mark.parametrize("qk_norm,bias,head_dim,rotary_dim,heads,types", [
     (False, False, 64, 64, 4, [T.Q8_0]),                   # Llama
@@ -204,7 +204,9 @@ def _ints(types):
     (False, True, 32, 32, 4, [T.Q4_1, T.Q5_0]),            # Qwen2 (bias on q/k/v)
     (True, False, 128, 128, 4, [T.Q4_0, T.Q8_0, T.Q5_1]),  # Qwen3 (q/k head norms)
     (False, False, 32, 16, 4, [T.Q8_0]),                   # partial rotary
-], ids=["llama", "group3", "group4", "qwen2", "qwen3", "partial-rope"])
+    (False, False, 96, 48, 4, [T.Q8_0]),                   # Phi-3's heads (and Phi-4-mini's partial rotary)
+    (True, False, 256, 256, 2, [T.Q8_0]),                  # Gemma 3's heads
+], ids=["llama", "group3", "group4", "qwen2", "qwen3", "partial-rope", "phi3", "gemma3"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode", "mixed"])
 @KV_DTYPES
@@ -275,7 +277,9 @@ def other_builds():
     (64, False, 256, [T.Q5_0, T.Q8_0, T.Q4_K], [T.Q6_K, T.Q4_1], [T.Q8_0]),
     (32, True, 64, [T.Q4_0, T.Q5_1], [T.Q5_0, T.Q4_1], [T.Q4_1, T.Q8_0]),
     (128, True, 64, None, [T.Q8_0, T.Q4_1], [T.Q5_1]),
-], ids=["hd64", "hd64-segments", "hd32-segments", "hd128"])
+    (96, False, 64, [T.Q8_0, T.Q4_1, T.Q8_0], None, [T.Q4_1]),
+    (256, True, 64, None, None, [T.Q8_0]),
+], ids=["hd64", "hd64-segments", "hd32-segments", "hd128", "hd96", "hd256"])
 @pytest.mark.parametrize("build", ["avx2", "scalar"])
 @KV_DTYPES
 def test_fused_step_without_avx512(build, head_dim, qk_norm, hidden, qkv_types, gate_up_types, types, kv_dtype,

@@ -861,8 +861,12 @@ void run_item(AttnJob& j, const Item& it, Local& local) {
     widen_keys<T>(j, it.seq, it.index, local);
   else if (j.m->head_dim == 64)
     it.work == Work::PART ? attend_parts<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
+  else if (j.m->head_dim == 96)   // Phi-3
+    it.work == Work::PART ? attend_parts<96, T>(j, it, local) : attend_rows<96, T>(j, it, local);
   else if (j.m->head_dim == 128)
     it.work == Work::PART ? attend_parts<128, T>(j, it, local) : attend_rows<128, T>(j, it, local);
+  else if (j.m->head_dim == 256)  // Gemma 3
+    it.work == Work::PART ? attend_parts<256, T>(j, it, local) : attend_rows<256, T>(j, it, local);
   else
     it.work == Work::PART ? attend_parts<0, T>(j, it, local) : attend_rows<0, T>(j, it, local);
 }
