@@ -245,8 +245,6 @@ def _dense_writer(arch: str, name: str, s: dict, h: int, ff: int, nh: int, nkv: 
 
 def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02, **shape) -> Path:
     """A qwen3 GGUF with random weights (F16 matrices, F32 norms), streamed tensor by tensor."""
-    import gguf
-
     s = {**QWEN3_0_6B, **shape}
     h, hd, nh, nkv, ff = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["intermediate"]
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h))]
@@ -479,8 +477,6 @@ def write_gemma3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.0
     Like the converter it writes neither the window pattern nor the local rope base: llama.cpp's gemma3
     defaults are Gemma's (every 6th layer global, the others windowed; local base 10000), and its
     attention scale 1/sqrt(head_dim) is Gemma 3 1B's query_pre_attn_scalar (256)."""
-    import gguf
-
     s = GEMMA3_1B
     h, hd, nh, nkv, ff = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["intermediate"]
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h))]

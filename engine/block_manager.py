@@ -254,10 +254,13 @@ class BlockManager:
         if not self.window:
             return
         first_key = seq.num_computed_tokens - self.window + 1
-        for i in range(max(0, first_key) // self.block_size):
-            if seq.block_table[i] != DROPPED:
-                self._unref(seq.block_table[i])
-                seq.block_table[i] = DROPPED
+        # Given back blocks are always a prefix of the table: walk back only to the last one given back
+        # (a decode step gives back at most one block, not a scan of a long chat's whole table).
+        for i in range(max(0, first_key) // self.block_size - 1, -1, -1):
+            if seq.block_table[i] == DROPPED:
+                break
+            self._unref(seq.block_table[i])
+            seq.block_table[i] = DROPPED
 
     def _session_tail(self, seq: Sequence, hits: list[Block]) -> tuple[Block | None, int]:
         """The partly filled last block pinned by seq's session, when seq's prompt goes on from it."""

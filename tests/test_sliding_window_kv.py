@@ -139,7 +139,7 @@ def test_a_32k_token_chat_on_a_windowed_model_stays_within_its_bound_and_answers
         history, replies, peak, fresh = [], [], 0, []
         for k, user in enumerate(turns):
             ids = history + user
-            rid = engine.add_request(ids, greedy, session_id="chat")
+            engine.add_request(ids, greedy, session_id="chat")
             out, final = [], None
             while final is None:
                 for ev in engine.step():
