@@ -302,7 +302,7 @@ def join_notes(*notes: str) -> str:
 def model_display_name(model: str | None) -> str:
     if not model:
         return "no model"
-    from nanochat.models.catalog import EMBEDDED_FILE, EMBEDDED_NAME
+    from nanochat.models.formats.catalog import EMBEDDED_FILE, EMBEDDED_NAME
 
     p = Path(model)
     if p.name == EMBEDDED_FILE:

@@ -1,5 +1,5 @@
 """`nanochat convert-model`: write a model's weight map (checkpoint tensors -> the engine's fused
-parameters, see models/weight_map.py) as JSON.
+parameters, see models/formats/weight_map.py) as JSON.
 
     nanochat convert-model --model path/to/hf-folder            -> path/to/hf-folder/weights-map.json
     nanochat convert-model --model model.gguf --out map.json
@@ -37,7 +37,7 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _default_name() -> str:
-    from nanochat.models.weight_map import DEFAULT_PLAN_NAME
+    from nanochat.models.formats.weight_map import DEFAULT_PLAN_NAME
     return DEFAULT_PLAN_NAME
 
 
@@ -59,7 +59,7 @@ def run_convert_cli(args) -> int:
 
 
 def _convert(args) -> int:
-    from nanochat.models.weight_map import make_plan, plan_json, write_plan
+    from nanochat.models.formats.weight_map import make_plan, plan_json, write_plan
 
     model = resolve_model(args, args.settings)
     out = getattr(args, "out", None)

@@ -154,7 +154,7 @@ def resolve_model(args, settings) -> str:
     """--model, else the settings' default model, else the built-in one (ModelLoadError when none). A hub GGUF
     (`REPO:QUANT`) is fetched first, with progress on stderr unless --quiet."""
     from nanochat.app.pull import materialize
-    from nanochat.models.catalog import resolve_default_model
+    from nanochat.models.formats.catalog import resolve_default_model
 
     model = getattr(args, "model", None) or settings.default_model
     return resolve_default_model(materialize(model, quiet=bool(getattr(args, "quiet", False))))

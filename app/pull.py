@@ -1,5 +1,5 @@
 """`nanochat pull REPO[:QUANT]`, and the same fetch wherever a model is named `REPO:QUANT` (--model, settings):
-a GGUF from a Hugging Face repo into the hub cache, with a progress bar on a terminal (models/hub_gguf.py).
+a GGUF from a Hugging Face repo into the hub cache, with a progress bar on a terminal (models/formats/hub_gguf.py).
 
     nanochat pull bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M    -> prints the file's local path
     nanochat --model bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q8_0    -> fetches it (once), then chats
@@ -34,7 +34,7 @@ def run_pull_cli(args) -> int:
 
 
 def _pull(args) -> int:
-    from nanochat.models.hub_gguf import parse_ref
+    from nanochat.models.formats.hub_gguf import parse_ref
 
     ref = parse_ref(args.ref, any_repo=True)
     if ref is None:
@@ -49,7 +49,7 @@ def materialize(model: str | None, quiet: bool = False) -> str | None:
     anything else unchanged."""
     if not model:
         return model
-    from nanochat.models.hub_gguf import parse_ref
+    from nanochat.models.formats.hub_gguf import parse_ref
 
     ref = parse_ref(model)
     return model if ref is None else str(fetch_with_progress(ref, quiet))
@@ -57,7 +57,7 @@ def materialize(model: str | None, quiet: bool = False) -> str | None:
 
 def fetch_with_progress(ref, quiet: bool = False):
     """hub_gguf.fetch with a rich progress bar on a terminal's stderr (a start and an end line elsewhere)."""
-    from nanochat.models.hub_gguf import fetch
+    from nanochat.models.formats.hub_gguf import fetch
 
     if quiet:
         return fetch(ref)

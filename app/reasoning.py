@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-# The tags as the models write them (models/chat_template.py has its own copy: app/ cannot import it).
+# The tags as the models write them (models/text/chat_template.py has its own copy: app/ cannot import it).
 OPEN, CLOSE = "<think>", "</think>"
 _START, _THINKING, _ANSWER = "start", "thinking", "answer"
 

@@ -96,7 +96,7 @@ def timing(types: list[str], rows: list[int], repeats: int) -> None:
 
 
 def main() -> None:
-    from nanochat.models.catalog import embedded_model_path
+    from nanochat.models.formats.catalog import embedded_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the built-in SmolLM2-135M Q4_1)")

@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--model", help="a model file or folder (default: the built-in SmolLM2-135M Q4_1)")
     args = ap.parse_args()
     from nanochat.engine import LLMEngine, SamplingParams
-    from nanochat.models.catalog import resolve_default_model
+    from nanochat.models.formats.catalog import resolve_default_model
 
     args.model = args.model or resolve_default_model(None)
 

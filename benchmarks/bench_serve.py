@@ -277,7 +277,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the summary to this file")
     args = p.parse_args()
     if args.model is None:
-        from nanochat.models.catalog import resolve_default_model
+        from nanochat.models.formats.catalog import resolve_default_model
         args.model = resolve_default_model(None)
     proc = None
     try:

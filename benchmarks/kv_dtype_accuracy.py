@@ -33,7 +33,7 @@ def step_logits(llm, ids: list[int]) -> torch.Tensor:
 
 def main() -> None:
     from nanochat.engine import LLM, SamplingParams
-    from nanochat.models.catalog import resolve_default_model
+    from nanochat.models.formats.catalog import resolve_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)

@@ -123,7 +123,7 @@ def ensure_model(name: str, models_dir: Path, python: str, threads: int = 2,
     """The path of model `name`, made (and the models it is made from) when it is not cached yet."""
     spec = MODELS[name]
     if spec.name == "smollm2-q4_1":
-        from nanochat.models.catalog import resolve_default_model
+        from nanochat.models.formats.catalog import resolve_default_model
 
         return Path(resolve_default_model(None))
     path = Path(models_dir) / spec.filename
@@ -181,7 +181,7 @@ def bpe_vocab(vocab_size: int, first_special: int, specials: list[str]) -> tuple
     `first_special`; then `specials`; then [PADn] up to `vocab_size`. Each merged token has its merge."""
     import gguf
 
-    from nanochat.models.tokenizer import bytes_to_unicode
+    from nanochat.models.text.tokenizer import bytes_to_unicode
 
     table = bytes_to_unicode()
     common = [" "] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]

@@ -657,7 +657,7 @@ def parse_args(argv=None):
         args.names = [args.model]
     else:
         if args.model is None:
-            from nanochat.models.catalog import resolve_default_model
+            from nanochat.models.formats.catalog import resolve_default_model
             args.model = resolve_default_model(None)
         if not str(args.model).endswith(".gguf"):
             p.error("--model must be a .gguf file or a matrix model name (every engine loads the same file)")

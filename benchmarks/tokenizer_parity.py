@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
 
-    from nanochat.models.tokenizer import Tokenizer
+    from nanochat.models.text.tokenizer import Tokenizer
 
     texts = corpus()
     with tempfile.TemporaryDirectory() as tmp:

@@ -169,7 +169,7 @@ def conversation_pair(model: str, prompts: list[str], tokens: int, flip: bool,
 
 
 def main() -> int:
-    from nanochat.models.catalog import resolve_default_model
+    from nanochat.models.formats.catalog import resolve_default_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the built-in SmolLM2")

@@ -112,10 +112,10 @@ class Config:
     pack_cache: bool = True             # CPU: keep a GGUF's repacked kernel weights on disk for the next load
     cpu_isa: str = "auto"               # CPU kernels' build: auto (native) | avx2 | scalar (benchmarks, tests)
     quant_backend: str = "auto"         # GGUF linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
-    fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/fused_forward.py)
+    fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/layers/fused_forward.py)
     act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
     batch_invariant: bool = False       # CPU: a sequence's tokens independent of its batch also with dense weights
-                                        # (HF folders, dequantized GGUF), at a prefill cost; see models/layers.py
+                                        # (HF folders, dequantized GGUF), at a prefill cost; see models/layers/common.py
     tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
                                         # torch.distributed launcher (torchrun) its WORLD_SIZE
 
@@ -208,7 +208,7 @@ class Config:
         calls it once, before the weights load (they are read then), so the last engine built in a
         process sets them; code that builds layers without an engine sees what that engine set."""
         from nanochat.kernels import cpu_qgemv, moe_cpu, quant_matmul
-        from nanochat.models import fused_forward
+        from nanochat.models.layers import fused_forward
 
         quant_matmul.use_backend(self.quant_backend)
         cpu_qgemv.set_activation_levels(self.act_levels)

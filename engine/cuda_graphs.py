@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanochat.models.attention import AttnMetadata
+from nanochat.models.layers.attention import AttnMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

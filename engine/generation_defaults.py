@@ -32,9 +32,9 @@ def sampling_defaults(source) -> dict:
 
 
 def card_defaults(source) -> dict:
-    """The model card's recommended sampling of a model nanochat ships (models/catalog.py), checked as a
+    """The model card's recommended sampling of a model nanochat ships (models/formats/catalog.py), checked as a
     file's are; {} for other models."""
-    from nanochat.models.catalog import card_sampling
+    from nanochat.models.formats.catalog import card_sampling
 
     checked = {name: _checked(name, value) for name, value in card_sampling(source.path).items()}
     return {name: value for name, value in checked.items() if value is not None}

@@ -77,7 +77,7 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - started
 
     def _load(self, model: str, config: Config | None, loaded, load_progress, kwargs: dict) -> None:
-        from nanochat.models.loader import load
+        from nanochat.models.formats.loader import load
 
         config = config or Config.create(model, **kwargs)
         self.device = config.resolved_device()
@@ -119,7 +119,7 @@ class LLMEngine:
         self.total_prefill_tokens = self.total_decode_tokens = 0
 
     def _build_runner(self, load_progress) -> ModelRunner:
-        from nanochat.models.loader import build_model
+        from nanochat.models.formats.loader import build_model
 
         c, workers = self.config, self.workers
         try:   # with tensor parallelism every rank builds its shard, and all agree before the first collective
@@ -150,7 +150,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, session_id: str | None = None) -> str:
-        from nanochat.models.tokenizer import IncrementalDetokenizer
+        from nanochat.models.text.tokenizer import IncrementalDetokenizer
 
         sp = sampling_params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

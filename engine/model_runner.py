@@ -14,7 +14,7 @@ import torch
 
 from nanochat.engine.config import Config
 from nanochat.engine.scheduler import ScheduledChunk
-from nanochat.models.attention import AttnMetadata
+from nanochat.models.layers.attention import AttnMetadata
 
 
 def default_cpu_threads() -> int:
@@ -44,7 +44,7 @@ class ModelRunner:
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
         self.ranks = ranks
         if config.batch_invariant and device.type == "cpu":
-            from nanochat.models.layers import use_batch_invariant_kernels
+            from nanochat.models.layers.common import use_batch_invariant_kernels
             use_batch_invariant_kernels(model)
         self.workers = ranks if ranks is not None and ranks.tp.rank == 0 else None   # rank 0 sends the calls
         self.kv_dtype = config.resolved_kv_dtype(device, dtype)
@@ -58,7 +58,7 @@ class ModelRunner:
             model.allocate_state(self.num_state_slots, device)
         self.graphs = None
         # Hybrid models (GDN state slots) and host-offloaded experts (CPU work mid-forward) run eagerly.
-        from nanochat.models.moe import has_host_experts
+        from nanochat.models.layers.moe import has_host_experts
         if device.type == "cuda" and not config.enforce_eager and not self.is_hybrid \
                 and not has_host_experts(model):
             from nanochat.engine.cuda_graphs import DecodeGraphs

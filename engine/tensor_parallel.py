@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from nanochat.engine.config import launched_rank
 from nanochat.models.errors import ModelLoadError
-from nanochat.models.parallel import TensorParallel
+from nanochat.models.parallel.sharding import TensorParallel
 
 
 class WorkerLost(RuntimeError):
@@ -78,12 +78,12 @@ class RankGroup:
     def use_device(self, device: torch.device, same_machine: bool = False, alive=None) -> None:
         """On CUDA the model's collectives run on NCCL. On the CPU, ranks that rank 0 started on its own
         machine (same_machine, rank 0's say) add through shared memory: gloo's loopback all-reduce costs
-        0.3-0.9 ms a call, two a layer (models/shm_reduce.py). Every rank calls this, in the same order."""
+        0.3-0.9 ms a call, two a layer (models/parallel/shm_reduce.py). Every rank calls this, in the same order."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
             self.tp = replace(self.tp, group=dist.new_group(backend="nccl"))
             return
-        from nanochat.models.shm_reduce import ShmAllReduce
+        from nanochat.models.parallel.shm_reduce import ShmAllReduce
         mine = ShmAllReduce.create(self.tp.size, alive) if self.tp.rank == 0 and same_machine else None
         path = self.broadcast(None if mine is None else mine.path)
         if path is None:
@@ -215,7 +215,7 @@ def worker_device(config, rank: int) -> torch.device:
 def run_worker() -> int:
     """A worker rank: join, build this rank's shard of the model, then run rank 0's calls until exit."""
     from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
-    from nanochat.models.loader import build_model, open_source
+    from nanochat.models.formats.loader import build_model, open_source
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to rank 0's front end

@@ -16,7 +16,7 @@ from nanochat.models.errors import ModelLoadError
 @dataclass(frozen=True)
 class Family:
     """What sets a dense family apart from Llama, in one place: the HF and GGUF sources and the model read it.
-    Dense families share one implementation (models/dense.py); anything not here is Llama's."""
+    Dense families share one implementation (models/families/dense.py); anything not here is Llama's."""
 
     arch: str                             # ModelConfig.arch: the config.json model_type
     attention_bias: bool = False          # bias on q/k/v (Qwen2)
@@ -65,7 +65,7 @@ FAMILIES = {f.arch: f for f in (
 )}
 DENSE_ARCHS = set(FAMILIES)
 MOE_ARCHS = {"qwen3_moe"}
-# Hybrid Gated DeltaNet + gated attention families (models/qwen3_next.py).
+# Hybrid Gated DeltaNet + gated attention families (models/families/qwen3_next.py).
 HYBRID_ARCHS = {"qwen3_next", "qwen3_5_moe", "qwen3_5"}
 # Text-only model_type names of multimodal wrappers -> our arch name (Gemma 3's wrapper: its text model).
 TEXT_ARCH_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text"}
@@ -337,7 +337,7 @@ def _longrope(cfg: dict, scaling: dict) -> dict:
 MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
 
-# RoPE scaling types models/layers.py implements.
+# RoPE scaling types models/layers/common.py implements.
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors", "longrope")
 MAX_CONTEXT = 2**30
 

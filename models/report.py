@@ -1,5 +1,5 @@
 """What a built model runs on: each weight's type and kernel backend, and whether the CPU fast path
-(models/fused_forward.py) applies, with the reason when it does not. `nanochat info` prints it."""
+(models/layers/fused_forward.py) applies, with the reason when it does not. `nanochat info` prints it."""
 
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def describe(model) -> ModelReport:
     cfg = model.config
     counts: dict[str, Counter] = {}
     params = nbytes = 0
-    from nanochat.models.dense import DenseForCausalLM
-    from nanochat.models.layers import Linear
+    from nanochat.models.families.dense import DenseForCausalLM
+    from nanochat.models.layers.common import Linear
 
     for layer in model.layers:
         for name, module in layer.named_modules():

@@ -20,7 +20,7 @@ to [C, K], Qwen3-Next's per-key-head `in_proj_qkvz` regrouped into `attn_qkv` [q
 `expert_qtype` (K-quants packed with tests/kquant_pack.py); routers, conv1d and rows that do not
 fill whole blocks stay F32.
 
-The name tables here are written independently of nanochat.models.gguf_source on purpose: they are
+The name tables here are written independently of nanochat.models.formats.gguf_source on purpose: they are
 the oracle the loader is checked against.
 """
 
@@ -37,7 +37,7 @@ import gguf
 import numpy as np
 import torch
 
-from nanochat.models.tokenizer import bytes_to_unicode
+from nanochat.models.text.tokenizer import bytes_to_unicode
 
 T = gguf.GGMLQuantizationType
 VT = gguf.GGUFValueType

@@ -1,5 +1,5 @@
 """A Hugging Face hub on loopback for the pull tests: the API and file routes huggingface_hub and
-models/hub_gguf.py use (model info, HEAD/GET resolve with Range), and ways to fail as networks do."""
+models/formats/hub_gguf.py use (model info, HEAD/GET resolve with Range), and ways to fail as networks do."""
 
 from __future__ import annotations
 

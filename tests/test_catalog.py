@@ -1,4 +1,4 @@
-"""models/catalog.py: the default model and the model picker's inventory (no weights loaded)."""
+"""models/formats/catalog.py: the default model and the model picker's inventory (no weights loaded)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import gguf
 import pytest
 
 from conftest import smollm_gguf_path
-from nanochat.models import catalog
-from nanochat.models.catalog import (ModelEntry, describe_path, discover_models, embedded_model_path,
+from nanochat.models.formats import catalog
+from nanochat.models.formats.catalog import (ModelEntry, describe_path, discover_models, embedded_model_path,
                                      gguf_summary, resolve_default_model)
 from nanochat.models.errors import ModelLoadError
 

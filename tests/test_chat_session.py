@@ -81,7 +81,7 @@ def test_session_history_is_canonical_with_the_template(tiny_models):
 def test_qwen3_template_strips_think_but_history_stays_canonical(tiny_models):
     from test_chat_template import QWEN3_TEMPLATE   # the real Qwen3 chat template text
 
-    from nanochat.models.chat_template import ChatTemplate
+    from nanochat.models.text.chat_template import ChatTemplate
 
     engine = make_engine(tiny_models)
     tok = engine.tokenizer
@@ -155,7 +155,7 @@ def test_a_session_from_its_transcript_continues_like_the_original(tiny_models):
 def test_template_variables_reach_each_turns_prompt_and_earlier_turns_keep_their_ids(tiny_models):
     from test_chat_template import QWEN3_TEMPLATE
 
-    from nanochat.models.chat_template import ChatTemplate
+    from nanochat.models.text.chat_template import ChatTemplate
 
     engine = make_engine(tiny_models)
     tok = engine.tokenizer

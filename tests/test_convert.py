@@ -1,4 +1,4 @@
-"""Weight maps (models/weight_map.py, `nanochat convert-model`): deterministic output, and a round
+"""Weight maps (models/formats/weight_map.py, `nanochat convert-model`): deterministic output, and a round
 trip: the tensors `apply_plan` builds equal the parameters the model loader builds."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from conftest import smollm_gguf_path
 from gguf_writer import write_gguf_from_hf
 from nanochat.kernels.gguf_quants import dequantize
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.layers import Embedding
-from nanochat.models.layers import Linear
-from nanochat.models.loader import build_model, open_source
-from nanochat.models.weight_map import (PLAN_FORMAT, apply_plan, build_plan, engine_param_name, make_plan,
+from nanochat.models.layers.common import Embedding
+from nanochat.models.layers.common import Linear
+from nanochat.models.formats.loader import build_model, open_source
+from nanochat.models.formats.weight_map import (PLAN_FORMAT, apply_plan, build_plan, engine_param_name, make_plan,
                                         plan_json, read_plan, write_plan)
 
 T = gguf.GGMLQuantizationType

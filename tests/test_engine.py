@@ -251,7 +251,7 @@ def test_config_bad_env_value_is_one_line_naming_the_variable(monkeypatch, env, 
 def test_engine_applies_the_kernel_switches(tiny_models, monkeypatch):
     """LLMEngine sets the process-wide kernel switches from its Config before the weights load."""
     from nanochat.kernels import cpu_qgemv, moe_cpu, quant_matmul
-    from nanochat.models import fused_forward
+    from nanochat.models.layers import fused_forward
 
     monkeypatch.setenv("NANOCHAT_ACT_LEVELS", "1")
     LLMEngine(str(tiny_models["qwen3"]), max_model_len=64, quant_backend="dense", fused_forward=False,

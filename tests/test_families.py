@@ -148,7 +148,7 @@ def oracle_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def test_per_layer_config(family_models):
-    from nanochat.models.hf_source import HFSource
+    from nanochat.models.formats.hf_source import HFSource
 
     smol, mistral, phi3, phi4 = (HFSource(family_models[f]).config for f in FAMILIES)
     assert smol.layer_rope == (True, True, True, False) and smol.layer_windows == (0, 0, 0, 0)
@@ -193,7 +193,7 @@ def assert_refused(model: Path, tmp_path: Path, change: dict, message: str) -> N
     """A copy of `model` with `change` in its config.json is refused in one line matching `message`."""
     import shutil
 
-    from nanochat.models.hf_source import HFSource
+    from nanochat.models.formats.hf_source import HFSource
 
     folder = tmp_path / model.name
     shutil.copytree(model, folder)

@@ -1,4 +1,4 @@
-"""The fused CPU forward (kernels/cpu_decoder.py, csrc/decoder.cpp, models/fused_forward.py).
+"""The fused CPU forward (kernels/cpu_decoder.py, csrc/decoder.cpp, models/layers/fused_forward.py).
 
 Kernel level: one call over a small random stack vs a torch reference written out op by op (RMSNorm,
 the same int8 matmul kernel, q/k norms, RoPE, paged KV store, softmax attention, SwiGLU), paged

@@ -1,4 +1,4 @@
-"""The CPU fast path (models/fused_forward.py) on whole models: tiny GGUFs with the type mixes real files
+"""The CPU fast path (models/layers/fused_forward.py) on whole models: tiny GGUFs with the type mixes real files
 have (every kernel type in every projection position, q/k/v and gate/up of different types, quantized
 heads, tied and untied embeddings, a vocab that is not a multiple of the kernels' 16-row tiles), against
 the module-by-module forward of the same model, and the 16-bit KV cache against the fp32 one."""

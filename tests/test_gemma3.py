@@ -133,7 +133,7 @@ def oracle(models):
 
 
 def test_config_from_the_hf_folder(models):
-    from nanochat.models.hf_source import HFSource
+    from nanochat.models.formats.hf_source import HFSource
 
     cfg = HFSource(models["gemma3"]).config
     assert cfg.arch == "gemma3_text" and cfg.qk_norm and cfg.norm_zero_centred and cfg.sandwich_norms
@@ -289,7 +289,7 @@ def test_greedy_through_the_engine(variant, fused, models, oracle):
 
 
 def test_chat_template_renders_and_ends_turns(models):
-    from nanochat.models.chat_template import ChatTemplate, ChatTemplateError
+    from nanochat.models.text.chat_template import ChatTemplate, ChatTemplateError
 
     engine = LLMEngine(str(models["gemma3"]), dtype="float32", max_model_len=256, kv_cache_dtype="float32")
     template = engine.loaded.chat_template
@@ -335,7 +335,7 @@ def test_gguf_matches_the_hf_folder(qtype, tol, models, tmp_path):
 def test_gguf_layer_pattern_and_27b_scale_as_llama_cpp(models, tmp_path):
     """attention.sliding_window_pattern as an n or a per-layer array; no window: every layer global; the 27B's
     attention scale (hidden / heads) ** -0.5 from its 62 layers."""
-    from nanochat.models.gguf_source import GGUFSource, gemma3_attention_scale
+    from nanochat.models.formats.gguf_source import GGUFSource, gemma3_attention_scale
     from tests.gguf_writer import MetaValue, VT
 
     folder = models["gemma3"]

@@ -15,7 +15,7 @@ from gguf_writer import MetaValue, write_gguf_from_hf
 from nanochat.engine.generation_defaults import sampling_defaults
 from nanochat.engine.serve import client as client_module
 from nanochat.engine.serve.client import EngineClient
-from nanochat.models.loader import open_source
+from nanochat.models.formats.loader import open_source
 
 VT = gguf.GGUFValueType
 K = gguf.Keys.General
@@ -113,7 +113,7 @@ def test_nanochat_info_shows_them(stated_gguf, tmp_path, monkeypatch, capsys):
 def test_the_built_in_model_gets_its_model_cards_sampling():
     from conftest import smollm_gguf_path
     from nanochat.engine.generation_defaults import card_defaults
-    from nanochat.models.catalog import EMBEDDED_SAMPLING
+    from nanochat.models.formats.catalog import EMBEDDED_SAMPLING
 
     path = smollm_gguf_path()
     if path is None:
@@ -131,7 +131,7 @@ def test_the_built_in_model_gets_its_model_cards_sampling():
 ], ids=["card-only", "file-over-card"])
 def test_a_shipped_models_card_sampling_is_under_what_its_file_states(tiny_models, tmp_path, stated, expected, row):
     """A model nanochat ships (known by its file name) gets its card's sampling, key by key under the file's."""
-    from nanochat.models.catalog import EMBEDDED_FILE
+    from nanochat.models.formats.catalog import EMBEDDED_FILE
 
     shipped = tiny_gguf(tiny_models, tmp_path / EMBEDDED_FILE, stated)
     client = EngineClient(in_process=True)
@@ -145,7 +145,7 @@ def test_a_shipped_models_card_sampling_is_under_what_its_file_states(tiny_model
 def test_what_the_user_states_wins_over_a_shipped_models_card(tiny_models, tmp_path):
     """user > model file > model card > CHAT_DEFAULTS, in the sampling a turn uses."""
     from nanochat.app.options import CHAT_DEFAULTS, effective_sampling
-    from nanochat.models.catalog import EMBEDDED_FILE
+    from nanochat.models.formats.catalog import EMBEDDED_FILE
 
     shipped = tiny_gguf(tiny_models, tmp_path / EMBEDDED_FILE, {K.SAMPLING_TOP_P: 0.8})
     client = EngineClient(in_process=True)

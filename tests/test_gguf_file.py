@@ -1,4 +1,4 @@
-"""models/gguf_file.py against gguf.GGUFReader (the oracle) on the real SmolLM2 file and on a
+"""models/formats/gguf_file.py against gguf.GGUFReader (the oracle) on the real SmolLM2 file and on a
 150k-vocabulary file written with gguf.GGUFWriter, plus hand-made corrupt files: every one must
 fail with a one-line GGUFError, never another exception type or a runaway loop."""
 
@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from nanochat.models.gguf_file import GGUFError, GGUFFile, read_metadata, to_python
+from nanochat.models.formats.gguf_file import GGUFError, GGUFFile, read_metadata, to_python
 
 T = gguf.GGMLQuantizationType
 VT = gguf.GGUFValueType
@@ -214,9 +214,9 @@ def test_read_metadata_stops_early(big):
 
 @needs_smollm
 def test_tokenizer_and_loader_reuse_the_parsed_file(monkeypatch):
-    from nanochat.models import tokenizer as tokenizer_mod
-    from nanochat.models.gguf_source import GGUFSource
-    from nanochat.models.loader import load_tokenizer_and_template
+    from nanochat.models.text import tokenizer as tokenizer_mod
+    from nanochat.models.formats.gguf_source import GGUFSource
+    from nanochat.models.formats.loader import load_tokenizer_and_template
 
     parsed = GGUFFile(SMOLLM)
     a = tokenizer_mod.Tokenizer.from_gguf(parsed)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.gguf_source import GGUFSource, ModelLoadError, unpermute_rows
+from nanochat.models.formats.gguf_source import GGUFSource, ModelLoadError, unpermute_rows
 
 try:  # tests/ is on sys.path under pytest's default (rootdir-less) import mode
     from gguf_writer import MetaValue, permute_qk, read_metadata, write_gguf_from_hf
@@ -532,7 +532,7 @@ def _patch_tensor_info(path: Path, name: str, *, ggml_type: int | None = None, o
     """Change one tensor's type or data offset in place (the bytes of the file stay as written)."""
     import struct
 
-    from nanochat.models.gguf_file import GGUFFile
+    from nanochat.models.formats.gguf_file import GGUFFile
     f = GGUFFile(path)
     t = f.tensors[name]
     raw = bytearray(path.read_bytes())
@@ -567,7 +567,7 @@ def test_changed_tensor_type_or_offset_is_refused(good_qwen3, tmp_path, change, 
 
 def test_errors_come_before_the_model_is_built(good_qwen3, tmp_path):
     """The loader path (open_source, as `nanochat` and the engine use it) refuses the file itself."""
-    from nanochat.models.loader import open_source
+    from nanochat.models.formats.loader import open_source
     path = _rewrite(good_qwen3, tmp_path / "bad.gguf",
                     {"qwen3.rope.freq_base": MetaValue(float("nan"), gguf.GGUFValueType.FLOAT32)})
     with pytest.raises(ModelLoadError, match="rope.freq_base is nan"):
@@ -576,8 +576,8 @@ def test_errors_come_before_the_model_is_built(good_qwen3, tmp_path):
 
 def test_chat_template_errors_name_the_model_file(models, tmp_path):
     """A hostile template in the file is refused when rendered, in one line naming the file and the limit."""
-    from nanochat.models.chat_template import ChatTemplateLimitError
-    from nanochat.models.loader import load_tokenizer_and_template
+    from nanochat.models.text.chat_template import ChatTemplateLimitError
+    from nanochat.models.formats.loader import load_tokenizer_and_template
 
     from gguf_writer import byte_tokenizer_metadata
 
@@ -604,7 +604,7 @@ def hf_folder(tmp_path_factory) -> Path:
 def _hf_error(folder: Path, tmp_path: Path, **config) -> str:
     import json
 
-    from nanochat.models.hf_source import HFSource
+    from nanochat.models.formats.hf_source import HFSource
     copy = Path(shutil.copytree(folder, tmp_path / "copy"))
     cfg = json.loads((copy / "config.json").read_text())
     cfg.update(config)

@@ -145,7 +145,7 @@ def test_expert_offload_cuda_side_matches_on_device_experts(tmp_path):
 
     path, _ = Models(tmp_path).quant("qwen3moe-q8_0-attn-q8_0")
     on_host = LLM(str(path), device="cuda", dtype="float32", max_model_len=256, moe_offload="cpu")
-    from nanochat.models.moe import has_host_experts
+    from nanochat.models.layers.moe import has_host_experts
     assert has_host_experts(on_host.engine.runner.model) and on_host.engine.runner.graphs is None
     on_device = LLM(str(path), device="cuda", dtype="float32", max_model_len=256, moe_offload="none")
     a = [r.token_ids for r in on_host.generate(PROMPTS, GREEDY)]

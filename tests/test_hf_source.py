@@ -9,7 +9,7 @@ import pytest
 
 from nanochat.engine import LLM, SamplingParams
 from nanochat.models.errors import ModelLoadError
-from nanochat.models.loader import open_source
+from nanochat.models.formats.loader import open_source
 
 
 def test_hub_id_resolves_through_the_hf_cache(tiny_models, tmp_path, monkeypatch):

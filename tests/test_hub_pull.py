@@ -15,7 +15,7 @@ import pytest
 
 from hub_server import FakeHub, Repo
 from nanochat.models.errors import ModelLoadError
-from nanochat.models.hub_gguf import HubRef, fetch, file_tag, parse_ref, pick
+from nanochat.models.formats.hub_gguf import HubRef, fetch, file_tag, parse_ref, pick
 
 REPO = "tiny-org/Tiny-GGUF"
 FILES = ["README.md", "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "mmproj-Tiny-F16.gguf", "Tiny.IQ4_XS.gguf",
@@ -47,7 +47,7 @@ def hub(tmp_path, monkeypatch):
     with FakeHub({REPO: Repo(files)}) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-        monkeypatch.setattr("nanochat.models.hub_gguf._CHUNK", 512)    # several chunks per file
+        monkeypatch.setattr("nanochat.models.formats.hub_gguf._CHUNK", 512)    # several chunks per file
         yield server
 
 

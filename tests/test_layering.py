@@ -15,9 +15,9 @@ APP_MAY_IMPORT = {
     "nanochat.engine.serve.bench",           # bench specs and reports (the bench runs in the engine process)
     "nanochat.engine.output", "nanochat.engine.sampling_params",
     "nanochat.engine.config",                # option names and checks, shared with the CLI
-    "nanochat.models.catalog", "nanochat.models.errors",
-    "nanochat.models.weight_map",            # convert-model writes a weight map; no engine involved
-    "nanochat.models.hub_gguf",              # pull fetches a model file before any engine starts
+    "nanochat.models.formats.catalog", "nanochat.models.errors",
+    "nanochat.models.formats.weight_map",            # convert-model writes a weight map; no engine involved
+    "nanochat.models.formats.hub_gguf",              # pull fetches a model file before any engine starts
 }
 PUBLIC_ENGINE_NAMES = {"SamplingParams", "TokenEvent", "RequestStats", "EngineStats", "Reply", "RequestError",
                        "RequestResult"}

@@ -1,5 +1,5 @@
 """A model load says what makes it slow (kernels/notices.py): compiling the C++ kernels for this machine
-(kernels/cpp_build.py) and repacking a new GGUF file's weights into the pack cache (models/pack_cache.py),
+(kernels/cpp_build.py) and repacking a new GGUF file's weights into the pack cache (models/formats/pack_cache.py),
 from the engine process through the client's `status` callback to a one-shot's stderr on a terminal; and
 the set-up step (`python -m nanochat.kernels.cpp_build`) builds the kernels ahead without ever failing."""
 
@@ -21,8 +21,8 @@ import pytest
 from nanochat.engine.serve.client import EngineClient
 from nanochat.kernels import cpp_build, cpu_qgemv, notices
 from nanochat.kernels.cpp_build import COMPILING
-from nanochat.models import pack_cache
-from nanochat.models.pack_cache import REPACKING
+from nanochat.models.formats import pack_cache
+from nanochat.models.formats.pack_cache import REPACKING
 
 T = gguf.GGMLQuantizationType
 needs_kernels = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kernels cannot be built here")

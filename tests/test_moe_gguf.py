@@ -40,9 +40,9 @@ from nanochat.engine.serve.session import ChatSession
 from nanochat.kernels import moe_cpu
 from nanochat.kernels.moe_cpu import HostExperts
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.gguf_source import GGUFSource
-from nanochat.models.loader import build_model
-from nanochat.models.moe import HostOffloadedExperts, SparseMoeBlock, has_host_experts
+from nanochat.models.formats.gguf_source import GGUFSource
+from nanochat.models.formats.loader import build_model
+from nanochat.models.layers.moe import HostOffloadedExperts, SparseMoeBlock, has_host_experts
 from test_moe_engine import run_turn
 from test_moe_models import BASE, GDN, MOE, VOCAB, Runner, _save_tokenizer
 

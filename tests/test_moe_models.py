@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import CHATML, build_tokenizer
-from nanochat.models.attention import AttnMetadata
-from nanochat.models.hf_source import HFSource
-from nanochat.models.loader import build_model, load
-from nanochat.models.moe import Experts, route
+from nanochat.models.layers.attention import AttnMetadata
+from nanochat.models.formats.hf_source import HFSource
+from nanochat.models.formats.loader import build_model, load
+from nanochat.models.layers.moe import Experts, route
 
 VOCAB = 320
 BLOCK = 16
@@ -353,7 +353,7 @@ class _DenseSource:
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("grouped_mm", [False, True])
 def test_moe_dispatch_matches_per_token_loop(fused, grouped_mm):
-    from nanochat.models.layers import WeightLoader
+    from nanochat.models.layers.common import WeightLoader
 
     if grouped_mm and not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm not available")

@@ -168,7 +168,7 @@ def test_imports_read_no_knobs_and_load_no_torch_for_the_command_line():
             "import nanochat.app.cli, nanochat.app.options, nanochat.app.settings, nanochat.app.convert_cli\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "import nanochat.kernels.cpu_qgemv, nanochat.kernels.moe_cpu, nanochat.kernels.quant_matmul\n"
-            "import nanochat.models.fused_forward, nanochat.models.pack_cache, nanochat.models.loader\n"
+            "import nanochat.models.layers.fused_forward, nanochat.models.formats.pack_cache, nanochat.models.formats.loader\n"
             "import nanochat.engine.llm_engine\n"
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

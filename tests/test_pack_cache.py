@@ -1,4 +1,4 @@
-"""The on-disk cache of packed kernel weights (models/pack_cache.py): a second load maps what the first
+"""The on-disk cache of packed kernel weights (models/formats/pack_cache.py): a second load maps what the first
 packed, with identical results; a changed model file or a damaged cache file is never read as valid."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanochat.kernels import cpu_qgemv
-from nanochat.models import pack_cache
+from nanochat.models.formats import pack_cache
 
 T = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kernels cannot be built here")

@@ -362,8 +362,8 @@ def test_tools_reach_the_qwen3_template(tiny_models):
     from test_chat_template import QWEN3_TEMPLATE   # the real Qwen3 chat template text
 
     from nanochat.engine.serve.session import ChatSession
-    from nanochat.models.chat_template import CHATML_TEMPLATE, ChatTemplate
-    from nanochat.models.loader import load
+    from nanochat.models.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+    from nanochat.models.formats.loader import load
 
     tok = load(str(tiny_models["llama"])).tokenizer
     template = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
@@ -471,8 +471,8 @@ def test_tool_results_continue_a_session_as_the_template_renders_the_transcript(
     from test_chat_template import QWEN3_TEMPLATE
 
     from nanochat.engine.serve.session import ChatSession
-    from nanochat.models.chat_template import ChatTemplate
-    from nanochat.models.loader import load
+    from nanochat.models.text.chat_template import ChatTemplate
+    from nanochat.models.formats.loader import load
 
     tok = load(str(tiny_models["llama"])).tokenizer
     template = ChatTemplate(QWEN3_TEMPLATE, eos_token="<|im_end|>")
@@ -537,8 +537,8 @@ def test_a_tool_result_goes_back_through_the_sdk_and_prefills_only_itself(tiny_m
 
     from nanochat.engine.llm_engine import LLMEngine
     from nanochat.engine.sampler import Sampler
-    from nanochat.models.chat_template import ChatTemplate
-    from nanochat.models.loader import load
+    from nanochat.models.text.chat_template import ChatTemplate
+    from nanochat.models.formats.loader import load
 
     folder = shutil.copytree(tiny_models["llama"], tmp_path / "qwen3-template")
     for name, changes in (("tokenizer_config.json", {"chat_template": QWEN3_TEMPLATE}),

@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce of CPU tensor-parallel ranks on one machine (models/shm_reduce.py)."""
+"""The shared-memory all-reduce of CPU tensor-parallel ranks on one machine (models/parallel/shm_reduce.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from nanochat.models.shm_reduce import SLOT_BYTES, ShmAllReduce
+from nanochat.models.parallel.shm_reduce import SLOT_BYTES, ShmAllReduce
 
 SHAPES = [(1, 576), (7, 64), (3, 5), (64, 4096), (1,)]
 

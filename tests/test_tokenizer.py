@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from nanochat.models.tokenizer import (
+from nanochat.models.text.tokenizer import (
     PRE_TOKENIZERS,
     TOKENIZER_PATH_ENV,
     IncrementalDetokenizer,
@@ -252,7 +252,7 @@ def _tiny_meta(pre, extra=("ab",), merges=(), model="gpt2", **kw):
 
 
 def _byte_chars():
-    from nanochat.models.tokenizer import _BYTE_CHARS
+    from nanochat.models.text.tokenizer import _BYTE_CHARS
     return _BYTE_CHARS.values()
 
 

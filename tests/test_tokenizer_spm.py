@@ -14,7 +14,7 @@ import pytest
 from conftest import make_hf_model
 from gguf_writer import (MetaValue, sentencepiece_tokenizer_metadata, train_sentencepiece, write_gguf_from_hf,
                          write_vocab_gguf)
-from nanochat.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from nanochat.models.text.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 pytest.importorskip("sentencepiece")
 

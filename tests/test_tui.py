@@ -551,7 +551,7 @@ async def test_bench_cancel_with_escape(shared_client, home, slow_steps):
 async def test_model_picker_switches_and_survives_a_broken_model(tiny_models, home):
     import shutil
 
-    from nanochat.models.catalog import discover_models
+    from nanochat.models.formats.catalog import discover_models
 
     other = home.models_dir / "tiny-llama"
     shutil.copytree(tiny_models["llama"], other)

@@ -18,7 +18,7 @@ from nanochat.app.tui.widgets import ChatInput
 from nanochat.engine.output import EngineStats, RequestStats
 from nanochat.engine.serve.client import EngineClient
 from nanochat.engine.serve.protocol import ModelInfo
-from nanochat.models.catalog import ModelEntry
+from nanochat.models.formats.catalog import ModelEntry
 
 SIZE = (130, 40)
 MODEL = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"

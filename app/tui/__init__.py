@@ -12,7 +12,7 @@ def main(args=None) -> int:
     from nanochat.app.tui import paste
     from nanochat.app.tui.app import NanochatApp, yield_to_engine
     from nanochat.engine.serve.client import EngineClient
-    from nanochat.models.catalog import resolve_default_model
+    from nanochat.models.formats.catalog import resolve_default_model
     from nanochat.models.errors import ModelLoadError
 
     paths = get_paths()

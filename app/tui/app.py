@@ -290,7 +290,7 @@ class NanochatApp(App):
     # ------------------------------------------------------------------ models
     def discover_models(self) -> list:
         """Entries for the model picker (runs in a worker thread)."""
-        from nanochat.models.catalog import ModelEntry, discover_models
+        from nanochat.models.formats.catalog import ModelEntry, discover_models
 
         recent = list(self.settings.recent_models)
         entries = discover_models([self.paths.models_dir, Path.cwd() / "models"], recent=recent)

@@ -76,7 +76,7 @@ class ChatSession:
 
     # ------------------------------------------------------------------ template helpers
     def _end_of_turn_id(self) -> int | None:
-        from nanochat.models.chat_template import end_of_turn_token
+        from nanochat.models.text.chat_template import end_of_turn_token
 
         tok = end_of_turn_token(self.template, self.tokenizer)
         return self.tokenizer.token_to_id(tok) if tok else self.tokenizer.eos_token_id

@@ -591,7 +591,7 @@ def fuzz_export(values: list[str], tmp_path, monkeypatch) -> Tally:
 
 @pytest.fixture(scope="module")
 def builtin_model() -> str:
-    from nanochat.models.catalog import embedded_model_path
+    from nanochat.models.formats.catalog import embedded_model_path
 
     path = embedded_model_path()
     if path is None:

@@ -28,7 +28,7 @@ import torch
 from timed import call_with_timeout
 from gguf_mutations import Case, Model, Mutator, parse, serialize, tail_case
 from gguf_writer import MetaValue, write_gguf_from_hf
-from nanochat.models.tokenizer import bytes_to_unicode
+from nanochat.models.text.tokenizer import bytes_to_unicode
 
 T = gguf.GGMLQuantizationType
 VT = gguf.GGUFValueType
@@ -110,7 +110,7 @@ def write_base(name: str, folder: Path) -> tuple[Path, Model]:
 
 def load_and_build(path: Path) -> None:
     """What the app does with a model file before the first token."""
-    from nanochat.models.loader import build_model, load
+    from nanochat.models.formats.loader import build_model, load
 
     loaded = load(str(path))
     build_model(loaded.source, torch.device("cpu"), torch.float32, block_size=16, max_positions=64)
@@ -165,7 +165,7 @@ class Tally:
 
 
 def fuzz(base_name: str, folder: Path, seed: int, n_cases: int) -> Tally:
-    quiet = logging.getLogger("nanochat.models.tokenizer")   # "unknown pre-tokenizer" warnings, by design
+    quiet = logging.getLogger("nanochat.models.text.tokenizer")   # "unknown pre-tokenizer" warnings, by design
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:

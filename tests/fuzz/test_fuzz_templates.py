@@ -13,7 +13,7 @@ import time
 import pytest
 
 from timed import call_with_timeout
-from nanochat.models.chat_template import ChatTemplate, ChatTemplateError, RenderLimits
+from nanochat.models.text.chat_template import ChatTemplate, ChatTemplateError, RenderLimits
 
 ORIGIN = "/models/hostile.gguf"
 # The default time limit is a few seconds; the fuzz run uses a shorter one to stay quick (the default

@@ -14,7 +14,7 @@ from nanochat.kernels import cpu_qgemv
 from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
-from nanochat.models.parallel import SINGLE, TensorParallel, column_units, split
+from nanochat.models.parallel.sharding import SINGLE, TensorParallel, column_units, split
 
 Ranges = list[tuple[int, int]]   # (start, count) slices of a weight's rows, concatenated in order
 SMALL_COPY_BYTES = 1 << 20       # dense tensors up to this size are copied out of a memory-mapped file
@@ -298,7 +298,7 @@ class GatedMLP(nn.Module):
 
 
 def _is_gguf(source) -> bool:
-    from nanochat.models.gguf_source import GGUFSource
+    from nanochat.models.formats.gguf_source import GGUFSource
     return isinstance(source, GGUFSource)
 
 
@@ -310,11 +310,11 @@ class WeightLoader:
     device: torch.device
     dtype: torch.dtype
     dequantize: bool = False
-    moe_offload: str = "auto"      # routed MoE experts: "auto" | "cpu" (host kernels) | "none" (see models/moe.py)
+    moe_offload: str = "auto"      # routed MoE experts: "auto" | "cpu" (host kernels) | "none" (see models/layers/moe.py)
     quantize: str | None = None    # "q8_0": dense linears (not GGUF blocks) are quantized to Q8_0 here
     progress: Callable[[int, int], None] | None = None   # (tensors loaded, of total): a load bar
     pack_cache: object | None = None   # models.pack_cache.PackCache: packed tiles kept across loads
-    tp: TensorParallel = SINGLE        # this rank's slice of every split weight (models/parallel.py)
+    tp: TensorParallel = SINGLE        # this rank's slice of every split weight (models/parallel/sharding.py)
 
     def get(self, name: str):
         """The source tensor `name`, counted for `progress` (routed experts are left out of the count:
@@ -434,7 +434,7 @@ class WeightLoader:
 
 def _slice(w, rows: Ranges | None, cols: tuple[int, int] | None):
     """Rows (ranges, concatenated) and a column range of a dense tensor or GGML blocks; GGML columns are
-    cut on block boundaries (models/parallel.py makes sure they fall there)."""
+    cut on block boundaries (models/parallel/sharding.py makes sure they fall there)."""
     if rows is not None:
         def take(t):   # one range stays a view
             return torch.cat([t[s:s + n] for s, n in rows]) if len(rows) > 1 else t[rows[0][0]:sum(rows[0])]

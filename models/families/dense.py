@@ -16,12 +16,12 @@ from torch import nn
 from dataclasses import replace
 
 from nanochat.kernels.cpu_decoder import activation
-from nanochat.models.attention import AttentionBackend, AttnMetadata
+from nanochat.models.layers.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.fused_forward import FusedForward
-from nanochat.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, \
+from nanochat.models.layers.fused_forward import FusedForward
+from nanochat.models.layers.common import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, \
     head_logits, norm_weight
-from nanochat.models.parallel import head_shard
+from nanochat.models.parallel.sharding import head_shard
 
 
 class DenseAttention(nn.Module):

@@ -50,7 +50,7 @@ from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import (ACTIVATIONS, FAMILIES, MAX_EXPERTS, PHI3_FUSED, ModelConfig, check_config,
                                     expected_shapes, fused_rows, layer_types_from_interval, required_tensors)
-from nanochat.models.gguf_file import GGUFError, GGUFFile, to_python
+from nanochat.models.formats.gguf_file import GGUFError, GGUFFile, to_python
 
 T = gguf.GGMLQuantizationType
 
@@ -216,7 +216,7 @@ def _from_numpy(arr: np.ndarray) -> torch.Tensor:
 
 
 class GGUFSource:
-    """WeightSource over a single GGUF file (see models/weights.py for the naming)."""
+    """WeightSource over a single GGUF file (see models/formats/weights.py for the naming)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -816,7 +816,7 @@ class GGUFSource:
     # ---- tokenizer side ----
 
     def tokenizer_json(self) -> str | None:
-        return None  # built from tokenizer.ggml.* metadata by models/tokenizer.py
+        return None  # built from tokenizer.ggml.* metadata by models/text/tokenizer.py
 
     def chat_template(self) -> str | None:
         return self._str_meta("tokenizer.chat_template")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanochat.models.attention import AttentionBackend, AttnMetadata
+from nanochat.models.layers.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.dense import DenseAttention
-from nanochat.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
-from nanochat.models.moe import SparseMoeBlock
+from nanochat.models.families.dense import DenseAttention
+from nanochat.models.layers.common import GatedMLP, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
+from nanochat.models.layers.moe import SparseMoeBlock
 
 
 def load_mlp(cfg: ModelConfig, w: WeightLoader, i: int) -> nn.Module:

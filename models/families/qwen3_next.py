@@ -32,12 +32,12 @@ from torch import nn
 
 from nanochat.kernels import gated_delta as gd
 from nanochat.kernels.cpu_decoder import activation
-from nanochat.models.attention import AttentionBackend, AttnMetadata
+from nanochat.models.layers.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
-from nanochat.models.layers import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits, \
+from nanochat.models.layers.common import Linear, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits, \
     norm_weight
-from nanochat.models.parallel import head_shard, split
-from nanochat.models.qwen3_moe import load_mlp
+from nanochat.models.parallel.sharding import head_shard, split
+from nanochat.models.families.qwen3_moe import load_mlp
 
 
 def triton_available() -> bool:

@@ -25,19 +25,19 @@ def open_source(model: str):
     """A WeightSource for a .gguf path, a local HF folder, or a hub id."""
     path = Path(os.path.expanduser(model))
     if path.suffix.lower() == ".gguf" or path.is_file():
-        from nanochat.models.gguf_source import GGUFSource
+        from nanochat.models.formats.gguf_source import GGUFSource
         if not path.exists():
             raise missing_path(path)
         return GGUFSource(str(path))
-    from nanochat.models.hf_source import HFSource, resolve_hub_id
+    from nanochat.models.formats.hf_source import HFSource, resolve_hub_id
     if path.exists():
         return HFSource(path)
     if path.is_symlink():   # a loop or a dangling link, not a hub id
         raise missing_path(path)
-    from nanochat.models.hub_gguf import fetch, parse_ref
+    from nanochat.models.formats.hub_gguf import fetch, parse_ref
     ref = parse_ref(model)
     if ref is not None:   # REPO:QUANT, or a repo named ...-GGUF: one GGUF file of it
-        from nanochat.models.gguf_source import GGUFSource
+        from nanochat.models.formats.gguf_source import GGUFSource
         return GGUFSource(str(fetch(ref)))
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return HFSource(resolve_hub_id(model))
@@ -45,8 +45,8 @@ def open_source(model: str):
 
 
 def load_tokenizer_and_template(source):
-    from nanochat.models.chat_template import ChatTemplate, end_of_turn_token
-    from nanochat.models.tokenizer import Tokenizer, load_tokenizer
+    from nanochat.models.text.chat_template import ChatTemplate, end_of_turn_token
+    from nanochat.models.text.tokenizer import Tokenizer, load_tokenizer
 
     if hasattr(source, "root"):   # HF folder
         tok_path = source.tokenizer_path()
@@ -95,16 +95,16 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
                 dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None,
                 progress=None, pack_cache: bool = False, tp=None):
     """The model on `device`; `progress(done, total)` is called as its tensors are loaded. pack_cache: keep
-    the CPU kernels' packed weights of a GGUF on disk (models/pack_cache.py), so the next load maps them.
+    the CPU kernels' packed weights of a GGUF on disk (models/formats/pack_cache.py), so the next load maps them.
     tp: this rank's models.parallel.TensorParallel (its shard of the model), None for the whole model."""
-    from nanochat.models.layers import WeightLoader
-    from nanochat.models.parallel import SINGLE
+    from nanochat.models.layers.common import WeightLoader
+    from nanochat.models.parallel.sharding import SINGLE
 
     cfg = source.config
     cache = None
     if pack_cache and device.type == "cpu" and not dequantize and str(source.path).lower().endswith(".gguf"):
         from nanochat.kernels.notices import announce
-        from nanochat.models.pack_cache import REPACKING, PackCache, usable
+        from nanochat.models.formats.pack_cache import REPACKING, PackCache, usable
         if usable():
             cache = PackCache(source.path)
             if cache.missing:
@@ -117,13 +117,13 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
 
 
 def _build(cfg, source, loader, block_size: int, max_positions: int):
-    from nanochat.models.dense import DenseForCausalLM
+    from nanochat.models.families.dense import DenseForCausalLM
     if cfg.arch in DENSE_ARCHS:
         return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
     if cfg.arch in MOE_ARCHS:
-        from nanochat.models.qwen3_moe import Qwen3MoeForCausalLM
+        from nanochat.models.families.qwen3_moe import Qwen3MoeForCausalLM
         return Qwen3MoeForCausalLM(cfg, loader, block_size, max_positions).eval()
     if cfg.arch in HYBRID_ARCHS:
-        from nanochat.models.qwen3_next import Qwen3NextForCausalLM
+        from nanochat.models.families.qwen3_next import Qwen3NextForCausalLM
         return Qwen3NextForCausalLM(cfg, loader, block_size, max_positions).eval()
     raise ModelLoadError(f"{source.path}: unsupported architecture {cfg.arch!r}")

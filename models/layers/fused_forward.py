@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from nanochat.models.attention import AttnMetadata
+from nanochat.models.layers.attention import AttnMetadata
 
 _enabled = True
 OFF_REASON = "turned off (fused_forward=False, NANOCHAT_FUSED_FORWARD=0)"

@@ -21,8 +21,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from nanochat.models.gguf_file import GGUFFile, read_metadata, to_python
-from nanochat.models.tokenizer_spm import build_spm
+from nanochat.models.formats.gguf_file import GGUFFile, read_metadata, to_python
+from nanochat.models.text.tokenizer_spm import build_spm
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Weight maps: a deterministic plan from checkpoint tensor names to the engine's (fused) parameters.
 
-The engine fuses some projections into one matmul (models/dense.py): q, k, v rows are concatenated
+The engine fuses some projections into one matmul (models/families/dense.py): q, k, v rows are concatenated
 into `qkv_proj` (biases too, for Qwen2), gate and up into `gate_up_proj`; everything else is taken
 one-to-one, and a tied LM head is read from the embedding. A plan spells that out per target:
 
@@ -78,7 +78,7 @@ def _safetensors_header(path: Path) -> dict:
 def _hf_inventory(source) -> dict[str, dict]:
     """Shape, dtype and shard of every tensor from the safetensors headers (no tensor is read)."""
     try:
-        from nanochat.models.hf_source import canonical_name
+        from nanochat.models.formats.hf_source import canonical_name
     except ImportError:   # older HFSource: stored names are our names
         def canonical_name(name):
             return name
@@ -160,7 +160,7 @@ def source_inventory(source) -> tuple[dict, dict[str, dict]]:
 
 # ---------------------------------------------------------------------------------- layout rules
 def dense_layout(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
-    """(target, op, sources) for the dense families, exactly as models/dense.py loads them."""
+    """(target, op, sources) for the dense families, exactly as models/families/dense.py loads them."""
     rules = [("model.embed_tokens.weight", "copy", ["model.embed_tokens.weight"])]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -245,7 +245,7 @@ def build_plan(source) -> dict:
 
 def make_plan(model: str) -> dict:
     """The weight map of a model reference (.gguf file, HF folder or hub id)."""
-    from nanochat.models.loader import open_source
+    from nanochat.models.formats.loader import open_source
 
     return build_plan(open_source(model))
 

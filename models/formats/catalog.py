@@ -78,7 +78,7 @@ _WANTED = ("general.architecture", "general.name", "general.file_type")
 def gguf_summary(path: str | os.PathLike) -> dict:
     """The metadata up to general.architecture / name / file_type (llama.cpp writes them before the
     vocabulary arrays, so those are usually not read). Raises ValueError for files that are not GGUF."""
-    from nanochat.models.gguf_file import read_metadata   # numpy + gguf: only when a GGUF is described
+    from nanochat.models.formats.gguf_file import read_metadata   # numpy + gguf: only when a GGUF is described
 
     return read_metadata(path, until=_WANTED)
 
@@ -165,7 +165,7 @@ def _scan_hub_cache() -> list[ModelEntry]:
     try:
         from huggingface_hub import scan_cache_dir
 
-        from nanochat.models.hub_gguf import hub_cache_dir
+        from nanochat.models.formats.hub_gguf import hub_cache_dir
         info = scan_cache_dir(hub_cache_dir())
     except Exception:   # no cache, unreadable cache, or an old huggingface_hub: nothing to list
         return []

@@ -39,8 +39,8 @@ from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
-from nanochat.models.layers import GatedMLP, Linear, WeightLoader
-from nanochat.models.parallel import split
+from nanochat.models.layers.common import GatedMLP, Linear, WeightLoader
+from nanochat.models.parallel.sharding import split
 
 OFFLOAD_MODES = ("auto", "cpu", "none")
 _DENSE_IDS = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}

@@ -1,0 +1,1 @@
+"""Model families: one description each, and the code that builds them."""

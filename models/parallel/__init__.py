@@ -1,0 +1,1 @@
+"""Tensor parallelism inside a model: weight slices and collectives."""
