@@ -8,57 +8,30 @@ default (engine/config.py). `engine_config` and `sampling_options` apply it. Sam
 neither names come from the model file where it recommends them, else from CHAT_DEFAULTS
 (`effective_sampling`, once the model is loaded).
 
-The value checks serve both argparse (`arg_type(rule)`: a bad flag is a one-line usage error) and the
-settings file (`accepts(rule, value)`: a bad value is ignored with a warning). The dtype names and the
-device check are the engine's (engine/config.py, which imports no torch), so the command line, the
-settings file and Config accept the same values.
+The value rules are the engine's (engine/rules.py; with the dtype names and the device check of
+engine/config.py, none of which imports torch): argparse reads them through `arg_type(rule)` (a bad flag
+is a one-line usage error), the settings file through `accepts` (a bad value is ignored with a warning),
+and SamplingParams and Config check with them, so every place accepts the same values.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from typing import Callable, NamedTuple
 
 from nanochat.app.errors import UsageError
-from nanochat.engine.config import (DEVICES, DTYPES, MAX_CPU_THREADS, MAX_KV_CACHE_GIB, Config, shown,
-                                    valid_device)
-from nanochat.engine.sampling_params import MAX_LOGPROBS, MIN_TEMPERATURE, SamplingParams
+from nanochat.engine.config import DEVICES, DTYPES, Config, valid_device
+from nanochat.engine.rules import (KV_CACHE_GIB, LOGPROBS, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REPETITION_PENALTY,
+                                   SAMPLING_RULES, SEED, TEMPERATURE, THREADS, TOP_K, TOP_P, Rule, accepts, shown)
+from nanochat.engine.sampling_params import SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
+__all__ = ["LOGPROBS", "Rule", "accepts"]   # re-exported for app/openai_api.py
 
-
-# ---------------------------------------------------------------------------------- value checks
-class Rule(NamedTuple):
-    """A number's type (int or float), its range check and the range in words."""
-    cast: type
-    ok: Callable[[float], bool]
-    text: str
-
-
-POSITIVE_INT = Rule(int, lambda v: v > 0, "a positive integer")
-NON_NEGATIVE_INT = Rule(int, lambda v: v >= 0, "a non-negative integer")
-TOP_K = Rule(int, lambda v: v >= -1, "-1 or 0 (off) or a positive integer")
-TEMPERATURE = Rule(float, lambda v: v == 0 or MIN_TEMPERATURE <= v < math.inf,
-                   f"0 (greedy) or from {MIN_TEMPERATURE} up")
-TOP_P = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
-REPETITION_PENALTY = Rule(float, lambda v: 0 < v < math.inf, "a number > 0 (1 is off)")
-PENALTY = Rule(float, lambda v: -2 <= v <= 2, "from -2 to 2 (0 is off)")   # presence, frequency (OpenAI's range)
-KV_CACHE_GIB = Rule(float, lambda v: 0 < v <= MAX_KV_CACHE_GIB, f"> 0 and at most {MAX_KV_CACHE_GIB} (1 PiB)")
-SEED = Rule(int, lambda v: 0 <= v < 2 ** 64, "an integer from 0 to 2**64 - 1")
-LOGPROBS = Rule(int, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")   # alternatives per token
-THREADS = Rule(int, lambda v: 1 <= v <= MAX_CPU_THREADS, f"from 1 to {MAX_CPU_THREADS}")
 # The bench builds every prompt in memory before the first step, so sizes past these hang it after the
 # model loaded (--num-seqs 10**100): 2**20 tokens is past every supported model's context.
 BENCH_TOKENS = Rule(int, lambda v: 1 <= v <= 2 ** 20, "from 1 to 1048576 (tokens)")
 BENCH_COUNT = Rule(int, lambda v: 1 <= v <= 2 ** 16, "from 1 to 65536")
 BENCH_WARMUP = Rule(int, lambda v: 0 <= v <= 2 ** 16, "from 0 to 65536")
-
-
-def accepts(rule: Rule, value) -> bool:
-    """Whether a value read from JSON satisfies `rule` (an int where the rule wants an int; no bools)."""
-    kinds = (int,) if rule.cast is int else (int, float)
-    return isinstance(value, kinds) and not isinstance(value, bool) and rule.ok(value)
 
 
 def arg_type(rule: Rule):
@@ -179,10 +152,6 @@ def engine_config(args, settings, **extra) -> dict:
     return cfg
 
 
-# Every sampling setting a user can state (flags, settings.json, a chat's /set), with its check.
-SAMPLING_RULES = {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
-                  "max_tokens": POSITIVE_INT, "repetition_penalty": REPETITION_PENALTY,
-                  "presence_penalty": PENALTY, "frequency_penalty": PENALTY}
 # What a chat samples with where neither the user nor the model file says (SamplingParams' own defaults,
 # 1.0 and 64 tokens, suit the API, not a chat).
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512}

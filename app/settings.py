@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-from nanochat.app.options import DTYPE_NAMES, KV_CACHE_GIB, POSITIVE_INT, SAMPLING_RULES, accepts, valid_device
+from nanochat.app.options import DTYPE_NAMES, valid_device
+from nanochat.engine.rules import KV_CACHE_GIB, POSITIVE_INT, SAMPLING_RULES, accepts
 
 MAX_RECENT = 10
 VERSION = 2

@@ -10,14 +10,10 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+from nanochat.engine.rules import FRACTION, KV_CACHE_GIB, POSITIVE_INT, THREADS, TP_SIZE, check, shown
+
 if TYPE_CHECKING:
     import torch
-
-
-def shown(value, limit: int = 60) -> str:
-    """repr(value) for a one-line message, cut after `limit` characters (a 100 kB value stays readable)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _flag(raw: str) -> bool:
@@ -56,11 +52,6 @@ DEVICES = "cpu, cuda, cuda:N or auto"   # what valid_device accepts, for message
 # kernels/quant_matmul.BACKENDS (tests/test_options.py pins them equal): named here so that checking a
 # config needs no torch, and the command line can check one before it starts the engine.
 QUANT_BACKENDS = ("auto", "q8", "int4", "dense", "triton")
-MAX_CPU_THREADS = 1024          # 100000 threads crashed the engine process (SIGSEGV); 10**100 overflowed torch
-MAX_KV_CACHE_GIB = 2 ** 20      # 1 PiB, past any machine; the budget in bytes (x 2**30) must stay a finite float
-
-
-MAX_TP = 64
 
 
 def _launch_world_size() -> int | None:
@@ -155,24 +146,16 @@ class Config:
 
     def validate(self) -> None:
         """Raises ValueError("<field> must be ..."), the field's name first."""
-        def positive(name):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kvcache_block_size"):
-            positive(name)
+            check(name, POSITIVE_INT, getattr(self, name))
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
         if not valid_device(self.device):
             raise ValueError(f"device must be {DEVICES}, got {shown(self.device)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {shown(self.dtype)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not 0 < self.kv_cache_gib <= MAX_KV_CACHE_GIB:
-            raise ValueError(f"kv_cache_gib must be > 0 and at most {MAX_KV_CACHE_GIB} (1 PiB), "
-                             f"got {self.kv_cache_gib}")
+        check("gpu_memory_utilization", FRACTION, self.gpu_memory_utilization)
+        check("kv_cache_gib", KV_CACHE_GIB, self.kv_cache_gib)
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
@@ -186,14 +169,12 @@ class Config:
             raise ValueError(f"moe_offload must be auto, cpu or none, got {shown(self.moe_offload)}")
         if self.cpu_isa not in ("auto", "avx2", "scalar"):
             raise ValueError(f"cpu_isa must be auto, avx2 or scalar, got {shown(self.cpu_isa)}")
-        if self.cpu_threads is not None and not (isinstance(self.cpu_threads, int)
-                                                 and 1 <= self.cpu_threads <= MAX_CPU_THREADS):
-            raise ValueError(f"cpu_threads must be from 1 to {MAX_CPU_THREADS}, got {self.cpu_threads}")
+        if self.cpu_threads is not None:
+            check("cpu_threads", THREADS, self.cpu_threads)
         if self.quant_backend not in QUANT_BACKENDS:
             raise ValueError(f"quant_backend must be one of {', '.join(QUANT_BACKENDS)}, "
                              f"got {shown(self.quant_backend)}")
-        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= MAX_TP:
-            raise ValueError(f"tensor_parallel_size must be from 1 to {MAX_TP}, got {self.tensor_parallel_size!r}")
+        check("tensor_parallel_size", TP_SIZE, self.tensor_parallel_size)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) if launched_rank() is not None else 0
         cpus = os.cpu_count() or 1
         if self.device == "cpu" and (local or self.tensor_parallel_size) > cpus:

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-
-# Below this the logits / temperature overflow (1e-300 made the sampler's softmax NaN); vLLM's floor
-# too. Such a temperature is greedy in all but name, and 0 says so.
-MIN_TEMPERATURE = 0.01
-MAX_LOGPROBS = 20   # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, check, shown
 
 
 @dataclass(frozen=True)
@@ -38,32 +29,18 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE} up, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
-        if any((not isinstance(s, str)) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64):
-            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed}")
-        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), "
-                             f"got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, rule in SAMPLING_RULES.items():
             value = getattr(self, name)
-            if not (_finite(value) and -2 <= value <= 2):
-                raise ValueError(f"{name} must be a number from -2 to 2 (0 is off), got {value!r}")
-            object.__setattr__(self, name, float(value))
-        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
+            if value is not None or name != "seed":
+                check(name, rule, value)
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {shown(self.stop_token_ids)}")
+        if any((not isinstance(s, str)) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {shown(self.stop)}")
+        if self.logprobs is not None:
+            check("logprobs", LOGPROBS, self.logprobs)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

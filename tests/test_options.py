@@ -113,6 +113,41 @@ def test_settings_file_uses_the_same_rules(tmp_path):
     assert len(loaded.warnings) == len(bad) and loaded == Settings()
 
 
+# Values at and around each sampling rule's edges, as a user could type or write them.
+EDGE_VALUES = [-3, -2, -1, 0, 0.001, 0.01, 0.5, 1, 1.5, 2, 2.5, 7, 2 ** 64 - 1, 2 ** 64, float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("name", sorted(options.SAMPLING_RULES))
+def test_one_rule_table_for_flags_settings_set_and_sampling_params(name, tmp_path):
+    """argparse, settings.json, a chat's /set (SamplingParams' check) and SamplingParams itself accept
+    exactly the same values of every sampling setting, and refuse with the same words."""
+    from nanochat.engine.rules import SAMPLING_RULES
+    from nanochat.engine.sampling_params import SamplingParams
+
+    rule = SAMPLING_RULES[name]
+    parser = options.arg_type(rule)
+    path = tmp_path / "settings.json"
+    for value in EDGE_VALUES:
+        if rule.cast is int and isinstance(value, float):
+            continue   # not an integer: every reader refuses it by type
+        try:
+            SamplingParams(**{name: value})
+            by_params = True
+        except ValueError as e:
+            by_params = False
+            assert str(e).startswith(f"{name} must be {rule.text}, got "), e
+        try:
+            parser(repr(value) if isinstance(value, float) else str(value))
+            by_flag = True
+        except argparse.ArgumentTypeError as e:
+            by_flag = False
+            assert f"must be {rule.text}" in str(e)
+        assert by_flag == by_params == options.accepts(rule, value), (name, value)
+        if name != "seed":   # settings.json states no seed
+            path.write_text(json.dumps({"version": 2, name: value}))
+            assert (not Settings.load(path).warnings) == by_params, (name, value)
+
+
 def test_one_engine_config_for_every_command():
     from nanochat.app import bench_cli, convert_cli
 

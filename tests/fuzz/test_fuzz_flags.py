@@ -39,8 +39,8 @@ import pytest
 
 from timed import call_with_timeout
 from nanochat.app import cli
-from nanochat.engine.config import DTYPES, ENV_OVERRIDES, MAX_CPU_THREADS, MAX_KV_CACHE_GIB, QUANT_BACKENDS
-from nanochat.engine.sampling_params import MIN_TEMPERATURE
+from nanochat.engine.config import DTYPES, ENV_OVERRIDES, QUANT_BACKENDS
+from nanochat.engine.rules import MAX_CPU_THREADS, MAX_KV_CACHE_GIB, MIN_TEMPERATURE
 
 CASE_SECONDS = 10.0          # an in-process case is milliseconds; slower than this is a hang
 PROCESS_SECONDS = 120.0
