@@ -21,6 +21,7 @@ from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
+from nanochat.models.errors import one_line
 
 
 def kv_window(model_config) -> int:
@@ -129,7 +130,7 @@ class LLMEngine:
         except Exception as e:
             if workers is not None:
                 try:
-                    workers.agree(" ".join(str(e).split()) or type(e).__name__)
+                    workers.agree(one_line(e))
                 except Exception:
                     pass
             raise

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.engine.config import launched_rank
-from nanochat.models.errors import ModelLoadError
+from nanochat.models.errors import ModelLoadError, one_line
 from nanochat.models.parallel.sharding import TensorParallel
 
 
@@ -184,7 +184,7 @@ class Workers(RankGroup):
             return WorkerLost(f"tensor-parallel rank {rank} stopped ({how})")
         if isinstance(error, WorkerLost):
             return error
-        return WorkerLost(f"tensor-parallel communication failed: {' '.join(str(error).split())[:200]}")
+        return WorkerLost(f"tensor-parallel communication failed: {one_line(error)[:200]}")
 
     def stop(self) -> None:
         """Tell the workers to exit, then make sure they have (no process is left behind)."""
@@ -238,7 +238,7 @@ def run_worker() -> int:
                             config.dequantize, config.moe_offload, config.quantize, None, config.pack_cache,
                             tp=group.tp)
     except Exception as e:
-        error = " ".join(str(e).split()) or type(e).__name__
+        error = one_line(e)
     try:
         group.agree(error)
         runner = ModelRunner(config, built, device, dtype, ranks=group)

@@ -34,6 +34,8 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, pass_context, pass_environment
 
+from nanochat.models.errors import one_line
+
 # Used when a model ships no template: the most common format among small chat models.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -83,7 +85,8 @@ _FIX = "the model's chat template is broken or hostile: use --no-chat-template, 
 
 
 def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
+    """one_line, cut at `limit`: a template's error can quote a long stretch of the template."""
+    text = one_line(text)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
