@@ -432,10 +432,6 @@ class Conversations:
         """Forget a session (its turn failed, or its client went away): its KV is released at once."""
         self.client.close_session(session)
 
-    def close_all(self) -> None:
-        while self._idle:
-            self.client.close_session(self._idle.popitem()[1])
-
 
 # ---------------------------------------------------------------------------------- the app
 class Api:
