@@ -33,9 +33,9 @@ def kv_window(model_config) -> int:
 
 @contextmanager
 def _collector_paused():
-    """No cyclic garbage collection during a load: torch's import leaves ~170k tracked objects, every full
-    collection walks them all (~0.15 s on a slow 2-core machine), and the hundreds of thousands of small
-    objects a load makes (a vocabulary's merges, the model's modules) would trigger several. The collector's
+    """No cyclic garbage collection during a load: torch's import leaves a great many tracked objects, every
+    full collection walks them all, and the hundreds of thousands of small objects a load makes (a
+    vocabulary's merges, the model's modules) would trigger several. The collector's
     state is restored whether the load succeeds or not. (Not gc.freeze: whatever it froze that later became
     cyclic garbage would never be collected.)"""
     was_enabled = gc.isenabled()

@@ -9,9 +9,8 @@ other than 0 become workers (app/cli.py, LLMEngine). The same worker code serves
 
 Calls from rank 0 to the workers go through torch.distributed itself: rank 0 broadcasts each call
 (method name and arguments) over a gloo group, and every rank then runs it. nano-vllm uses shared
-memory and an event instead; a broadcast costs a little more per step (tens of microseconds on one
-machine) but is the same code on one machine and across several, and a dead rank makes it fail
-rather than wait. The calls are the model runner's: one step's prepared inputs (token ids, positions,
+memory and an event instead; a broadcast costs a little more per step but is the same code on one
+machine and across several, and a dead rank makes it fail rather than wait. The calls are the model runner's: one step's prepared inputs (token ids, positions,
 slots, block tables: what the runner built on rank 0, so no rank needs the scheduler), a KV copy,
 exit. The compute (the model's all-reduces) runs on NCCL on CUDA and on the same gloo group on CPU.
 """
@@ -77,8 +76,9 @@ class RankGroup:
 
     def use_device(self, device: torch.device, same_machine: bool = False, alive=None) -> None:
         """On CUDA the model's collectives run on NCCL. On the CPU, ranks that rank 0 started on its own
-        machine (same_machine, rank 0's say) add through shared memory: gloo's loopback all-reduce costs
-        0.3-0.9 ms a call, two a layer (models/parallel/shm_reduce.py). Every rank calls this, in the same order."""
+        machine (same_machine, rank 0's say) add through shared memory: gloo's loopback all-reduce is
+        slow next to a decode step, and it runs twice a layer (models/parallel/shm_reduce.py). Every rank
+        calls this, in the same order."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
             self.tp = replace(self.tp, group=dist.new_group(backend="nccl"))

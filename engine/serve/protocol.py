@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from nanochat.models.errors import one_line  # noqa: F401 (front ends import it from here, with the errors)
 
 STATS_INTERVAL = 0.25     # seconds between engine-stats reports while busy
-# Seconds token events wait to share one message with later steps' (a step can take ~3 ms): fewer
+# Seconds token events wait to share one message with later steps' (a step can take a few ms): fewer
 # messages to pickle on the engine's loop and to wake the client's reader for; a front end draws at
 # most every 0.1 s anyway.
 EVENTS_INTERVAL = 0.02
