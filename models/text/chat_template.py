@@ -84,9 +84,10 @@ DEFAULT_LIMITS = RenderLimits()
 _FIX = "the model's chat template is broken or hostile: use --no-chat-template, or another model file"
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    """one_line, cut at `limit`: a template's error can quote a long stretch of the template."""
-    text = one_line(text)
+def _one_line(text, limit: int = 300) -> str:
+    """one_line of the text alone (the callers name the exception's class where it helps), cut at `limit`:
+    a template's error can quote a long stretch of the template."""
+    text = one_line(str(text))
     return text if len(text) <= limit else text[:limit] + "..."
 
 
