@@ -236,11 +236,11 @@ def _multi_turn_spec(args, spec):
 
 # ModelLoadError, RequestError, BenchError, MemoryError, ... on one line: an OSError as its str(),
 # out of memory with bench's advice
-_one_line = partial(one_line, oom_advice="a smaller tier or --kv-cache-gib", os_filename=False)
+_describe = partial(one_line, oom_advice="a smaller tier or --kv-cache-gib", os_filename=False)
 
 
 def run_bench_cli(args) -> int:
     """Run `nanochat bench` for parsed `args`; returns the exit code (errors are one line on stderr)."""
     from nanochat.engine.serve.bench import BenchCancelled
 
-    return run_guarded(lambda: _run(args), PROG, describe=_one_line, interrupts=(KeyboardInterrupt, BenchCancelled))
+    return run_guarded(lambda: _run(args), PROG, describe=_describe, interrupts=(KeyboardInterrupt, BenchCancelled))

@@ -11,6 +11,7 @@ import sys
 from typing import Callable
 
 from nanochat.app.terminal_text import for_stream
+from nanochat.models.errors import one_line as shared_one_line
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEBUG_ENV = "NANOCHAT_DEBUG"   # set to 1 to get tracebacks instead of one-line messages
@@ -22,16 +23,16 @@ class UsageError(Exception):
 
 def one_line(exc: BaseException, oom_advice: str | None = "a smaller model or --kv-cache-gib",
              os_filename: bool = True) -> str:
-    """The exception's message squeezed onto one line (the class name when it has none).
+    """models/errors.py's one_line, with two readings only a command line wants: the user acts on them.
 
-    os_filename: an OSError with a file name reads "FILE: strerror". oom_advice: a MemoryError reads
-    "out of memory (...); try <oom_advice>" (None: its plain message)."""
-    text = " ".join(str(exc).split())
+    os_filename: an OSError with a file name reads "FILE: strerror" (without the errno and quotes).
+    oom_advice: a MemoryError reads "out of memory (...); try <oom_advice>" (None: its plain message)."""
+    text = shared_one_line(str(exc))   # the text alone: an empty message is told apart below
     if os_filename and isinstance(exc, OSError) and exc.filename and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}"
     if oom_advice is not None and isinstance(exc, MemoryError):
         text = "out of memory" + (f" ({text})" if text else "") + f"; try {oom_advice}"
-    return text or exc.__class__.__name__
+    return text or type(exc).__name__
 
 
 def report(message: str, prog: str = "nanochat") -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from nanochat.app.options import effective_sampling
 from nanochat.app.reasoning import CLOSE, OPEN, ThinkingSplitter, split_reasoning
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal, sanitize
+from nanochat.models.errors import one_line
 
 LOAD_INDICATOR_DELAY = 0.4   # seconds before a loading spinner appears
 STDIN_WAIT = 1.0             # seconds to wait for a pipe on stdin to say something
@@ -275,7 +276,7 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err, prompt
             prefix = f"#{n + 1} " if len(replies) > 1 else ""
             print(dim(prefix + format_stats(st, extra), terminal), file=err, flush=True)
     if errors:
-        print(for_terminal(f"nanochat: error: {' '.join(errors[0].split())}", terminal), file=err, flush=True)
+        print(for_terminal(f"nanochat: error: {one_line(errors[0])}", terminal), file=err, flush=True)
         return 1
     return 0
 

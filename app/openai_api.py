@@ -52,7 +52,7 @@ from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.output import TokenEvent, TokenLogprobs
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.serve.client import AsyncEngineClient, AsyncRequestStream, Session
-from nanochat.engine.serve.protocol import EngineError, EngineRestarting
+from nanochat.engine.serve.protocol import EngineError, EngineRestarting, one_line
 
 MAX_BODY_BYTES = 4 * 2 ** 20   # a request body past this is refused (413) before it is parsed
 MAX_MESSAGES = 1024            # messages in one chat request
@@ -432,10 +432,6 @@ class Conversations:
         """Forget a session (its turn failed, or its client went away): its KV is released at once."""
         self.client.close_session(session)
 
-    def close_all(self) -> None:
-        while self._idle:
-            self.client.close_session(self._idle.popitem()[1])
-
 
 # ---------------------------------------------------------------------------------- the app
 class Api:
@@ -470,7 +466,7 @@ class Api:
         try:
             data = json.loads(body)
         except (ValueError, RecursionError) as e:   # RecursionError: nesting deeper than the parser goes
-            raise ApiError(400, f"the request body is not valid JSON ({' '.join(str(e).split())[:120]})") from None
+            raise ApiError(400, f"the request body is not valid JSON ({one_line(e)[:120]})") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return data
@@ -621,7 +617,7 @@ class Api:
         except EngineRestarting as e:
             raise ApiError(503, str(e), code="engine_restarting") from None
         except (EngineError, ValueError) as e:
-            raise ApiError(400 if isinstance(e, ValueError) else 503, " ".join(str(e).split())) from None
+            raise ApiError(400 if isinstance(e, ValueError) else 503, one_line(e)) from None
         for c, astream in zip(choices, streams):
             c.astream = astream
 

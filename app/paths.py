@@ -8,6 +8,8 @@ from pathlib import Path
 
 import platformdirs
 
+from nanochat.kernels.cpp_build import cache_root
+
 APP = "nanochat"
 
 
@@ -76,9 +78,11 @@ class Paths:
 
 
 def get_paths() -> Paths:
+    # The cache dir is the kernels' cache_root (compiled kernels, packed weights): the one definition, at
+    # the lowest layer that needs it, so that `nanochat --paths` names where they are.
     home = os.environ.get("NANOCHAT_HOME")
     if home:
         root = Path(home).expanduser()
-        return Paths(root / "config", root / "data", root / "state", root / "cache")
+        return Paths(root / "config", root / "data", root / "state", cache_root())
     return Paths(Path(platformdirs.user_config_dir(APP)), Path(platformdirs.user_data_dir(APP)),
-                 Path(platformdirs.user_state_dir(APP)), Path(platformdirs.user_cache_dir(APP)))
+                 Path(platformdirs.user_state_dir(APP)), cache_root())

@@ -22,9 +22,8 @@ import ipaddress
 import logging
 import socket
 import sys
-from functools import partial
 
-from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded
+from nanochat.app.errors import EXIT_OK, UsageError, run_guarded
 from nanochat.app.options import (Rule, add_engine_options, add_option, arg_type, engine_config, positive_int,
                                   resolve_model)
 from nanochat.app.terminal_text import for_stream
@@ -57,7 +56,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_serve_cli(args) -> int:
-    return run_guarded(lambda: _serve(args), PROG, describe=partial(one_line, oom_advice="a smaller model or --kv-cache-gib"))
+    return run_guarded(lambda: _serve(args), PROG)   # one_line's default advice on running out of memory
 
 
 def say(line: str) -> None:

@@ -4,7 +4,7 @@ A user message is committed when it is sent. A reply is committed at its first t
 and rewritten as it streams (ChatController decides how often) until it ends, so a kill -9 of the app
 mid-reply keeps the reply up to its last save, and a restart shows it marked partial. The file is in
 WAL mode with synchronous=NORMAL: a commit is an append, not an fsync of the database, so saving while
-streaming costs well under a millisecond. The schema is versioned with PRAGMA user_version; `migrate`
+streaming is cheap. The schema is versioned with PRAGMA user_version; `migrate`
 brings any older file up to SCHEMA_VERSION step by step.
 
 A reply's thinking (schema v5: <think>...</think> of reasoning models) is kept apart from its answer:

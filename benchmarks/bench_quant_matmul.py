@@ -8,7 +8,7 @@
    weights streamed from memory, as in a real forward.
 Weights are random GGML blocks (the kernels' speed does not depend on the values). Times are the
 median and the minimum over the sampling window; on a shared machine trust the minimum, and with
-2 threads any other load makes OpenMP stall for whole scheduler slices (4-8 ms spikes).
+2 threads any other load makes OpenMP stall for whole scheduler slices (spikes of milliseconds).
 """
 
 from __future__ import annotations

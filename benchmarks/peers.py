@@ -203,7 +203,7 @@ class WorkerRunner:
 def peer_env(args=None) -> dict[str, str]:
     """The environment this script was given, for the peers: nanochat's own default
     OMP_WAIT_POLICY=PASSIVE (set when nanochat is imported) is taken out (on an idle machine it slows
-    llama.cpp ~3x); then --peer-env KEY=VALUE (KEY= unsets)."""
+    llama.cpp's OpenMP build down: benchmarks/README.md); then --peer-env KEY=VALUE (KEY= unsets)."""
     import nanochat
 
     env = dict(os.environ)

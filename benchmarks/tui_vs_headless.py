@@ -10,7 +10,7 @@ conversations generate the same number of tokens, reply by reply.
 The two conversations advance in lockstep, reply k of one right after reply k of the other (which
 goes first alternates), and each engine is idle while the other generates. (Run one after the other,
 the second conversation was often the slower one in its later replies, whichever it was.) Even in
-lockstep, two engines on these shared machines can differ by up to 1.6x at ~2k tokens of context:
+lockstep, two engines on these shared machines can differ a lot at long contexts (benchmarks/README.md):
 `--control` puts a second headless conversation in the app's place, to show that noise floor. So
 take many rounds: the table gives each reply's best over `--rounds` (noise only ever slows a run
 down) and the median of the pairs' ratios. Decode tok/s is the engine's own measure (completion

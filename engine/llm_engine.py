@@ -21,6 +21,7 @@ from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
+from nanochat.models.errors import one_line
 
 
 def kv_window(model_config) -> int:
@@ -32,9 +33,9 @@ def kv_window(model_config) -> int:
 
 @contextmanager
 def _collector_paused():
-    """No cyclic garbage collection during a load: torch's import leaves ~170k tracked objects, every full
-    collection walks them all (~0.15 s on a slow 2-core machine), and the hundreds of thousands of small
-    objects a load makes (a vocabulary's merges, the model's modules) would trigger several. The collector's
+    """No cyclic garbage collection during a load: torch's import leaves a great many tracked objects, every
+    full collection walks them all, and the hundreds of thousands of small objects a load makes (a
+    vocabulary's merges, the model's modules) would trigger several. The collector's
     state is restored whether the load succeeds or not. (Not gc.freeze: whatever it froze that later became
     cyclic garbage would never be collected.)"""
     was_enabled = gc.isenabled()
@@ -129,7 +130,7 @@ class LLMEngine:
         except Exception as e:
             if workers is not None:
                 try:
-                    workers.agree(" ".join(str(e).split()) or type(e).__name__)
+                    workers.agree(one_line(e))
                 except Exception:
                     pass
             raise

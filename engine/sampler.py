@@ -17,10 +17,9 @@ def candidates(row: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tenso
     probabilities renormalized), most likely first; None when neither filter is on.
 
     top-p keeps a token while the mass of the tokens before it is below top_p (the first always
-    stays), over the top-k distribution when top-k is on. Instead of sorting the whole vocabulary
-    (~2 ms for 49k logits on a CPU, as long as a decode step), it takes the FIRST_GUESS most likely
-    tokens and widens 8x until their mass reaches top_p: the same set, since the nucleus is a prefix
-    of the sorted order."""
+    stays), over the top-k distribution when top-k is on. Instead of sorting the whole vocabulary (on a
+    CPU that can cost as much as a decode step), it takes the FIRST_GUESS most likely tokens and widens
+    8x until their mass reaches top_p: the same set, since the nucleus is a prefix of the sorted order."""
     vocab = row.shape[-1]
     top_k = top_k if 0 < top_k < vocab else vocab
     if top_k == vocab and top_p >= 1.0:
@@ -44,8 +43,8 @@ def candidates(row: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tenso
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """An index of the 1-D distribution `probs` (any positive total), from one uniform draw of `generator`
-    through the inverse of its CDF (accumulated in float64). torch.multinomial takes ~2.5 ms on a
-    151k-token vocabulary, a third of a batched decode step on two cores; this ~0.3 ms."""
+    through the inverse of its CDF (accumulated in float64): on a large vocabulary torch.multinomial
+    costs a sizeable share of a CPU decode step, and this a fraction of it."""
     cdf = probs.double().cumsum(0)
     u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
@@ -56,8 +55,8 @@ History = tuple[list[int] | torch.Tensor, int]   # (prompt + generated token ids
 
 class TokenHistory:
     """A request's token ids as an int64 tensor for the penalties, kept in step with the sequence's list
-    (the source of truth, append-only) by copying only the ids added since the last sync: converting a
-    whole 5k-id list would cost ~75 us per row per step (~600 us with torch.tensor), the tail ~4 us."""
+    (the source of truth, append-only) by copying only the ids added since the last sync: converting the
+    whole list every step would cost time that grows with the chat, the tail almost none."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.buf = torch.empty(0, dtype=torch.int64, device=device)
@@ -92,7 +91,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[Sampling
     The work is gathers / scatters over the histories' ids (no sort, no pass over the vocabulary). Ids the
     logits do not cover (an embedding wider than the head) are skipped, as transformers does."""
     vocab, dev = logits.shape[-1], logits.device
-    flat = logits.view(-1)            # one flat index per (row, token): 1-D index ops are ~3x faster than 2-D
+    flat = logits.view(-1)            # one flat index per (row, token): 1-D index ops are cheaper than 2-D
 
     def keys_of(picked: list[int], prompt_too: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The picked rows' history ids as (flat index, row), on the logits' device."""

@@ -9,9 +9,8 @@ other than 0 become workers (app/cli.py, LLMEngine). The same worker code serves
 
 Calls from rank 0 to the workers go through torch.distributed itself: rank 0 broadcasts each call
 (method name and arguments) over a gloo group, and every rank then runs it. nano-vllm uses shared
-memory and an event instead; a broadcast costs a little more per step (tens of microseconds on one
-machine) but is the same code on one machine and across several, and a dead rank makes it fail
-rather than wait. The calls are the model runner's: one step's prepared inputs (token ids, positions,
+memory and an event instead; a broadcast costs a little more per step but is the same code on one
+machine and across several, and a dead rank makes it fail rather than wait. The calls are the model runner's: one step's prepared inputs (token ids, positions,
 slots, block tables: what the runner built on rank 0, so no rank needs the scheduler), a KV copy,
 exit. The compute (the model's all-reduces) runs on NCCL on CUDA and on the same gloo group on CPU.
 """
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.engine.config import launched_rank
-from nanochat.models.errors import ModelLoadError
+from nanochat.models.errors import ModelLoadError, one_line
 from nanochat.models.parallel.sharding import TensorParallel
 
 
@@ -77,8 +76,9 @@ class RankGroup:
 
     def use_device(self, device: torch.device, same_machine: bool = False, alive=None) -> None:
         """On CUDA the model's collectives run on NCCL. On the CPU, ranks that rank 0 started on its own
-        machine (same_machine, rank 0's say) add through shared memory: gloo's loopback all-reduce costs
-        0.3-0.9 ms a call, two a layer (models/parallel/shm_reduce.py). Every rank calls this, in the same order."""
+        machine (same_machine, rank 0's say) add through shared memory: gloo's loopback all-reduce is
+        slow next to a decode step, and it runs twice a layer (models/parallel/shm_reduce.py). Every rank
+        calls this, in the same order."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
             self.tp = replace(self.tp, group=dist.new_group(backend="nccl"))
@@ -184,7 +184,7 @@ class Workers(RankGroup):
             return WorkerLost(f"tensor-parallel rank {rank} stopped ({how})")
         if isinstance(error, WorkerLost):
             return error
-        return WorkerLost(f"tensor-parallel communication failed: {' '.join(str(error).split())[:200]}")
+        return WorkerLost(f"tensor-parallel communication failed: {one_line(error)[:200]}")
 
     def stop(self) -> None:
         """Tell the workers to exit, then make sure they have (no process is left behind)."""
@@ -238,7 +238,7 @@ def run_worker() -> int:
                             config.dequantize, config.moe_offload, config.quantize, None, config.pack_cache,
                             tp=group.tp)
     except Exception as e:
-        error = " ".join(str(e).split()) or type(e).__name__
+        error = one_line(e)
     try:
         group.agree(error)
         runner = ModelRunner(config, built, device, dtype, ranks=group)

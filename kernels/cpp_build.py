@@ -27,6 +27,8 @@ COMPILING = "compiling the CPU kernels for this machine (once, 20-60 s)…"
 
 
 def cache_root() -> Path:
+    """nanochat's cache dir ($NANOCHAT_HOME/cache, else the platformdirs user cache dir): the kernels'
+    builds, the packed weights and app/paths.py's `cache_dir` are all under it."""
     home = os.environ.get("NANOCHAT_HOME")
     if home:
         return Path(home).expanduser() / "cache"

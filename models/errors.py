@@ -19,3 +19,14 @@ def missing_path(path: str | os.PathLike, what: str = "no such file") -> ModelLo
         if os.path.islink(path):
             return ModelLoadError(f"{path}: broken symlink (to {os.readlink(path)})")
     return ModelLoadError(f"{path}: {what}")
+
+
+def one_line(message: BaseException | str) -> str:
+    """`message` (an exception, or its text) on one line, its whitespace runs (newlines included) one
+    space: how every layer reports an error to the user. An exception without a message reads as its
+    class name. The one definition, here at the lowest layer that reports errors; app/errors.py adds the
+    command line's readings of OSError and MemoryError on top."""
+    text = " ".join(str(message).split())
+    if not text and isinstance(message, BaseException):
+        return type(message).__name__
+    return text

@@ -18,6 +18,7 @@ APP_MAY_IMPORT = {
     "nanochat.models.formats.catalog", "nanochat.models.errors",
     "nanochat.models.formats.weight_map",            # convert-model writes a weight map; no engine involved
     "nanochat.models.formats.hub_gguf",              # pull fetches a model file before any engine starts
+    "nanochat.kernels.cpp_build",                    # cache_root: the one definition of the cache dir
 }
 PUBLIC_ENGINE_NAMES = {"SamplingParams", "TokenEvent", "RequestStats", "EngineStats", "Reply", "RequestError",
                        "RequestResult"}

@@ -553,11 +553,6 @@ def _token_id(tokenizer, token: str) -> int | None:
         return None
 
 
-def chat_overhead(tokenizer) -> int:
-    """Framing tokens one turn adds around its user message and reply (0 without ChatML tokens)."""
-    return _ChatShape.of(tokenizer).overhead
-
-
 CHAT_OVERHEAD_BOUND = 32   # framing tokens per turn, a bound (real ChatML tokenizers need ~10)
 
 

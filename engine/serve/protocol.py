@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanochat.models.errors import one_line  # noqa: F401 (front ends import it from here, with the errors)
+
 STATS_INTERVAL = 0.25     # seconds between engine-stats reports while busy
-# Seconds token events wait to share one message with later steps' (a step can take ~3 ms): fewer
+# Seconds token events wait to share one message with later steps' (a step can take a few ms): fewer
 # messages to pickle on the engine's loop and to wake the client's reader for; a front end draws at
 # most every 0.1 s anyway.
 EVENTS_INTERVAL = 0.02
@@ -63,7 +65,7 @@ class EngineRestarting(EngineError):
 
 
 def error_kind(exc: BaseException) -> str:
-    """The name a client maps back to an exception class (see `raise_remote`)."""
+    """The name a client maps back to an exception class (see `remote_error`)."""
     return type(exc).__name__
 
 
@@ -78,6 +80,3 @@ def remote_error(kind: str, message: str) -> BaseException:
                                           ValueError, MemoryError, FileNotFoundError, PermissionError)}
     return known.get(kind, EngineError)(message)
 
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

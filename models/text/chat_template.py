@@ -32,7 +32,9 @@ import jinja2.nodes as nodes
 import jinja2.visitor
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import _PassArg, pass_context, pass_environment
+from jinja2 import pass_context, pass_environment
+
+from nanochat.models.errors import one_line
 
 # Used when a model ships no template: the most common format among small chat models.
 CHATML_TEMPLATE = (
@@ -82,8 +84,10 @@ DEFAULT_LIMITS = RenderLimits()
 _FIX = "the model's chat template is broken or hostile: use --no-chat-template, or another model file"
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
+def _one_line(text, limit: int = 300) -> str:
+    """one_line of the text alone (the callers name the exception's class where it helps), cut at `limit`:
+    a template's error can quote a long stretch of the template."""
+    text = one_line(str(text))
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -176,7 +180,7 @@ class _Budget:
             elif isinstance(item, jinja2.utils.Namespace):   # mutable: never memoized
                 volatile = True
                 total += 12
-                stack.extend(object.__getattribute__(item, "_Namespace__attrs").values())
+                stack.extend(_Namespace.values(item))
             else:
                 total += _scalar_size(item) + 2
         if not volatile and total <= cap:
@@ -346,11 +350,11 @@ def _sum(environment, iterable, attribute=None, start=0):
     return total
 
 
-def _guarded_filter(name: str, func):
-    """`func` with the budget around it: a step, its inputs and output within the value limit, and (for
-    filters that can multiply their input) the result's size estimated before it is built. It takes
-    the context, so jinja never runs it at compile time, outside any budget."""
-    pass_arg = _PassArg.from_obj(func)
+def _guarded_filter(name: str, raw: jinja2.Environment):
+    """Filter `name` of `raw` (the unguarded filters) with the budget around it: a step, its inputs and
+    output within the value limit, and (for filters that can multiply their input) the result's size
+    estimated before it is built. It takes the context, so jinja never runs it at compile time, outside
+    any budget; `raw.call_filter` gives the filter the context, eval context or environment it asks for."""
     estimate = _FILTER_SIZES.get(name)
 
     @pass_context
@@ -363,11 +367,9 @@ def _guarded_filter(name: str, func):
             budget.checked(x, f"the {name} filter's input")
         if estimate is not None:
             budget.ensure(_estimate(lambda: estimate(budget, value, *args, **kwargs)), f"|{name}")
-        first = {_PassArg.context: (context,), _PassArg.eval_context: (context.eval_ctx,),
-                 _PassArg.environment: (context.environment,)}.get(pass_arg, ())
-        return budget.checked(func(*first, value, *args, **kwargs), f"|{name}")
+        return budget.checked(raw.call_filter(name, value, args, kwargs, context=context), f"|{name}")
 
-    guarded.__name__ = getattr(func, "__name__", name)
+    guarded.__name__ = getattr(raw.filters[name], "__name__", name)
     return guarded
 
 
@@ -505,7 +507,8 @@ def _strftime_now(fmt):
 
 
 class _Namespace(jinja2.utils.Namespace):
-    """namespace() that refuses underscore names, so templates cannot reach Python internals."""
+    """namespace() that refuses underscore names, so templates cannot reach Python internals. It keeps its
+    own copy of the values for the budget to size (jinja's Namespace hides its dict under a private name)."""
 
     def __init__(*args, **kwargs):  # same signature trick as jinja's Namespace: `self` may be a kwarg
         self, args = args[0], args[1:]
@@ -513,10 +516,20 @@ class _Namespace(jinja2.utils.Namespace):
         for name in attrs:
             _Namespace._check(name)
         jinja2.utils.Namespace.__init__(self, attrs)
+        object.__setattr__(self, "_nanochat_values", dict(attrs))
 
     def __setitem__(self, name, value):
         _Namespace._check(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
+        object.__getattribute__(self, "_nanochat_values")[name] = value
+
+    @staticmethod
+    def values(namespace) -> list:
+        """A namespace's values (none for a plain jinja Namespace, which templates cannot make here)."""
+        try:
+            return list(object.__getattribute__(namespace, "_nanochat_values").values())
+        except AttributeError:
+            return []
 
     @staticmethod
     def _check(name):
@@ -544,7 +557,11 @@ def _environment() -> _Sandbox:
     env.optimized = False   # nothing of the template runs at compile time, outside the budget
     env.filters["tojson"] = _tojson
     env.filters["sum"] = pass_environment(_sum)
-    env.filters = {name: _guarded_filter(name, func) for name, func in env.filters.items()}
+    # The unguarded filters live on an overlay: the same sandbox and settings, so a filter that takes the
+    # environment (attr, sort, ...) still reads attributes through the sandbox.
+    raw = env.overlay()
+    raw.filters = dict(env.filters)
+    env.filters = {name: _guarded_filter(name, raw) for name in raw.filters}
     env.globals.pop("lipsum", None)   # lipsum(n) writes n paragraphs; no chat template uses it
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
