@@ -46,10 +46,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanochat.app.metrics import Metrics
-from nanochat.app.options import LOGPROBS, SAMPLING_RULES, Rule, accepts
 from nanochat.app.tool_calls import ToolCallParser
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.output import TokenEvent, TokenLogprobs
+from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, Rule, accepts
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.serve.client import AsyncEngineClient, AsyncRequestStream, Session
 from nanochat.engine.serve.protocol import EngineError, EngineRestarting, one_line

@@ -20,12 +20,11 @@ import argparse
 
 from nanochat.app.errors import UsageError
 from nanochat.engine.config import DEVICES, DTYPES, Config, valid_device
-from nanochat.engine.rules import (KV_CACHE_GIB, LOGPROBS, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REPETITION_PENALTY,
-                                   SAMPLING_RULES, SEED, TEMPERATURE, THREADS, TOP_K, TOP_P, Rule, accepts, shown)
+from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REPETITION_PENALTY,
+                                   SAMPLING_RULES, SEED, TEMPERATURE, THREADS, TOP_K, TOP_P, Rule, shown)
 from nanochat.engine.sampling_params import SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
-__all__ = ["LOGPROBS", "Rule", "accepts"]   # re-exported for app/openai_api.py
 
 # The bench builds every prompt in memory before the first step, so sizes past these hang it after the
 # model loaded (--num-seqs 10**100): 2**20 tokens is past every supported model's context.
