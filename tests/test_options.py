@@ -121,7 +121,7 @@ EDGE_VALUES = [-3, -2, -1, 0, 0.001, 0.01, 0.5, 1, 1.5, 2, 2.5, 7, 2 ** 64 - 1, 
 def test_one_rule_table_for_flags_settings_set_and_sampling_params(name, tmp_path):
     """argparse, settings.json, a chat's /set (SamplingParams' check) and SamplingParams itself accept
     exactly the same values of every sampling setting, and refuse with the same words."""
-    from nanochat.engine.rules import SAMPLING_RULES
+    from nanochat.engine.rules import SAMPLING_RULES, accepts
     from nanochat.engine.sampling_params import SamplingParams
 
     rule = SAMPLING_RULES[name]
@@ -142,7 +142,7 @@ def test_one_rule_table_for_flags_settings_set_and_sampling_params(name, tmp_pat
         except argparse.ArgumentTypeError as e:
             by_flag = False
             assert f"must be {rule.text}" in str(e)
-        assert by_flag == by_params == options.accepts(rule, value), (name, value)
+        assert by_flag == by_params == accepts(rule, value), (name, value)
         if name != "seed":   # settings.json states no seed
             path.write_text(json.dumps({"version": 2, name: value}))
             assert (not Settings.load(path).warnings) == by_params, (name, value)
