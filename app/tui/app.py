@@ -42,7 +42,8 @@ from textual.message import Message
 from textual.reactive import var
 from textual.timer import Timer
 
-from nanochat.app.controller import ChatController, EngineState, model_display_name
+from nanochat.app.controller import ChatController, EngineState
+from nanochat.app.export import model_display_name
 from nanochat.app.options import sampling_options
 from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings

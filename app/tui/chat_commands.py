@@ -11,7 +11,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanochat.app.controller import ChatController, ChatError, describe_settings, model_display_name, setting_value
+from nanochat.app.controller import ChatController, describe_settings, setting_value
+from nanochat.app.conversation import ChatError
+from nanochat.app.export import model_display_name
 from nanochat.app.options import on_off
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.messages import LoadModel
@@ -103,7 +105,7 @@ class ChatCommands:
 
     async def edit(self, arg: str) -> None:
         conv = self.screen.current
-        mine = [m for m in conv.messages if m.role == "user"]
+        mine = [m for m in conv.path if m.role == "user"]
         if not mine:
             self.notify("There is no message of yours to edit", severity="warning")
             return
@@ -111,10 +113,10 @@ class ChatCommands:
 
     async def fork(self, arg: str) -> None:
         conv = self.screen.current
-        if not conv.messages:
+        if not conv.path:
             self.notify("Nothing to fork yet", severity="warning")
             return
-        await self.screen.fork(conv, conv.messages[-1])
+        await self.screen.fork(conv, conv.path[-1])
 
     async def set(self, arg: str) -> None:
         conv = self.screen.current
@@ -184,7 +186,7 @@ class ChatCommands:
         self.notify(f"Exported to {path}", timeout=8)
 
     async def copy(self, arg: str) -> None:
-        replies = [m for m in self.screen.current.messages if m.role == "assistant" and m.content]
+        replies = [m for m in self.screen.current.path if m.role == "assistant" and m.content]
         if not replies:
             self.notify("Nothing to copy yet", severity="warning")
             return
