@@ -33,8 +33,8 @@ from nanochat.app.conversation import DEFAULT_TITLE, ChatError, Message
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.chat_commands import ChatCommands
-from nanochat.app.tui.commands import NanochatCommands
-from nanochat.app.tui.messages import MessageAction, RunCommand, TurnFinished, TurnStarted
+from nanochat.app.tui.messages import LoadNote, MessageAction, RunCommand, TurnFinished, TurnStarted
+from nanochat.app.tui.palette import NanochatCommands
 from nanochat.app.tui.screens import ContextFullScreen, GaugedScreen
 from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHints, ConversationList, GaugePanel,
                                      InputHistory, MessageView)
@@ -83,6 +83,11 @@ class ChatScreen(GaugedScreen):
         self.commands = ChatCommands(self, exports_dir, discover, bench_overrides)
         self.current_id: int = next(iter(controller.conversations))
         self._restart_pending = False
+        # Set by the app: a load asked for and not ended (true from start-up, before the load's worker has
+        # begun: the controller says LOADING only from then on, and a message sent at once waits for it),
+        # and what makes that load slow (LoadNote's text).
+        self.load_pending = False
+        self.load_note: str | None = None
         self.editing: Message | None = None    # a message of yours being edited in the input
         # The message sent during a load, and its chat: sent by engine_ready; its view is `_waiting_view`.
         self.waiting: tuple[Chat, Message] | None = None
@@ -207,7 +212,7 @@ class ChatScreen(GaugedScreen):
     # ------------------------------------------------------------------ a message waiting for the engine
     def engine_coming(self) -> bool:
         """A load or a restart runs, or has been asked for: the engine will take messages after it."""
-        return self.controller.engine_state in JOBS or self.app.load_pending or self._restart_pending
+        return self.controller.engine_state in JOBS or self.load_pending or self._restart_pending
 
     async def _wait(self, conv: Chat, text: str) -> bool:
         if self.waiting is not None:
@@ -215,7 +220,7 @@ class ChatScreen(GaugedScreen):
                         severity="warning")
             self.give_back(conv, text)
             return False
-        self.waiting = (conv, Message("user", text, note=waiting_note(self.app.load_note)))
+        self.waiting = (conv, Message("user", text, note=waiting_note(self.load_note)))
         await self._show_waiting(conv)
         return True
 
@@ -315,10 +320,14 @@ class ChatScreen(GaugedScreen):
             await view.show_path()
             await self._show_waiting(conv)   # show_path takes away views of messages not in the chat
 
+    def post_load_note(self, text: str) -> None:
+        """A restart's `status` callback (the client's reader thread): the note goes up to the app."""
+        self.post_message(LoadNote(text))
+
     @work(group="engine")
     async def restart_then_begin(self, conv: Chat, start: Callable[[], Turn], text: str, verb: str) -> None:
         try:
-            await asyncio.to_thread(self.controller.restart_engine, status=self.app.post_load_note)
+            await asyncio.to_thread(self.controller.restart_engine, status=self.post_load_note)
         except Exception as e:   # the engine cannot start again: say why, and keep what was typed
             self.notify(f"could not restart the engine: {one_line(e)}", severity="error", timeout=10)
             self.give_back(conv, text)

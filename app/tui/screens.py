@@ -144,7 +144,7 @@ class ModelPicker(ModalScreen[str | None]):
         self._loading = True
         self.query_one("#picker-loading").display = True
         self.query_one("#picker-message", Label).update(sanitize(f"loading {model} …"))
-        self.post_message(LoadModel(model, picker=self))
+        self.post_message(LoadModel(model, done=self.load_finished))
 
     def load_finished(self, model: str, error: str | None) -> None:
         """The app's answer to LoadModel (error: None when the model is loaded)."""

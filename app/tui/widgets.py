@@ -33,6 +33,7 @@ from nanochat.app.conversation import Conversation, Message
 from nanochat.app.export import format_stats
 from nanochat.app.reasoning import Thought, describe_thought
 from nanochat.app.terminal_text import sanitize
+from nanochat.app.tui.commands import matching
 from nanochat.app.tui.messages import MessageAction
 from nanochat.engine.output import EngineStats
 
@@ -570,8 +571,6 @@ class ChatInput(TextArea):
         super().action_cursor_down(select)
 
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
-        from nanochat.app.tui.commands import matching
-
         hints = self.hints
         if hints is not None:
             hints.show(matching(self.text, self.theme_names))
