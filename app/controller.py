@@ -12,7 +12,8 @@ for the front end to run in a worker thread; they touch nothing but the client.
 A conversation is a tree (app/conversation.py): `regenerate` and `edit` add versions beside the
 messages they replace, `switch` shows another version, `fork` copies a branch into a new conversation.
 Each branch recently shown keeps an engine session; a new branch is cut from the session it shares the
-longest prefix with, so its shared KV is found in the prefix cache (`_session_for`).
+longest prefix with, so its shared KV is found in the prefix cache. Which session holds which branch is
+the sessions' to say (BranchSessions, engine/serve/session.py, where their state machine is written).
 
 A reply is saved while it streams (SAVE_INTERVAL), so when the app itself is killed a restart shows
 the reply up to its last save, marked STOPPED_NOTE; `regenerate` writes a new version of it.
@@ -45,7 +46,7 @@ from nanochat.app.reasoning import ThinkingSplitter, Thought, split_reasoning
 from nanochat.app.store import ChatStore, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
-from nanochat.engine.serve.client import EngineClient, RequestStream, Session
+from nanochat.engine.serve.client import BranchSessions, EngineClient, RequestStream, Session
 from nanochat.engine.serve.protocol import EngineError, ModelInfo, one_line
 
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
@@ -59,9 +60,9 @@ class Chat(Conversation):
     """A conversation as the controller runs it: the tree, its turn in flight and the engine sessions
     of its branches."""
 
-    # Engine sessions of recently shown branches, least recently used first: (the exchanges each holds,
-    # as messages, the session). Branches share their common prefix's KV through the prefix cache.
-    sessions: list[tuple[tuple[Message, ...], Session]] = field(default_factory=list)
+    # The engine sessions of recently shown branches (set by the controller), each known by the
+    # exchanges it holds (turn_keys). Branches share their common prefix's KV through the prefix cache.
+    sessions: BranchSessions | None = None
     turn: "Turn | None" = None      # the turn in flight
 
     @property
@@ -71,7 +72,7 @@ class Chat(Conversation):
     @property
     def session(self) -> Session | None:
         """The engine session used last (the branch shown, unless a move to another branch came since)."""
-        return self.sessions[-1][1] if self.sessions else None
+        return self.sessions.recent if self.sessions is not None else None
 
 
 @dataclass(eq=False)
@@ -82,7 +83,6 @@ class Turn:
     user: Message
     reply: Message
     stream: RequestStream | None = None
-    session: Session | None = None
     new_user: bool = True           # the user message was written for this turn (not a regenerate)
     edit_of: Message | None = None  # the message this turn's user message is a new version of
     shown_before: Message | None = None   # the leaf shown before the turn (where a forgotten turn goes back)
@@ -164,12 +164,9 @@ def _turn_sizes(held: list[Message]) -> list[int]:
     return sizes
 
 
-def _shared_turns(a: tuple[Message, ...], b: tuple[Message, ...]) -> int:
-    """Whole exchanges (user message + reply) two sessions' histories have in common."""
-    n = 0
-    while len(a) >= 2 * n + 2 and len(b) >= 2 * n + 2 and a[2 * n:2 * n + 2] == b[2 * n:2 * n + 2]:
-        n += 1
-    return n
+def turn_keys(held: list[Message]) -> list[tuple[Message, Message]]:
+    """The names of a path's exchanges in its engine sessions (BranchSessions): (user message, reply)."""
+    return list(zip(held[::2], held[1::2]))
 
 
 # ---------------------------------------------------------------------------------- observer
@@ -276,7 +273,7 @@ class ChatController:
         client.add_death_listener(self._on_death)
         store.on_fault = self._storage_changed
         for stored in store.load_all():
-            self.conversations[stored.id] = Chat.from_stored(stored)
+            self.conversations[stored.id] = self._live(Chat.from_stored(stored))
         if not self.conversations:
             self.new_conversation()
 
@@ -285,8 +282,13 @@ class ChatController:
         title = " ".join(title.split()) or DEFAULT_TITLE
         now = time.time()
         cid = self.store.create_conversation(title, self.default_system_prompt, None, created=now)
-        conv = Chat(cid, title, self.default_system_prompt, None, now, now)
+        conv = self._live(Chat(cid, title, self.default_system_prompt, None, now, now))
         self.conversations = {cid: conv, **self.conversations}
+        return conv
+
+    def _live(self, conv: Chat) -> Chat:
+        """`conv`, given the tree of engine sessions its branches use."""
+        conv.sessions = BranchSessions(self.client, MAX_BRANCH_SESSIONS)
         return conv
 
     def rename(self, conv: Chat, title: str) -> bool:
@@ -335,35 +337,9 @@ class ChatController:
     def _drop_sessions(self, conv: Chat) -> None:
         """Stop the turn in flight (its events are ignored from now on) and free the sessions' KV."""
         conv.turn = None
-        for _, session in conv.sessions:
-            self.client.close_session(session)   # also cancels the request in flight
-        conv.sessions = []
+        conv.sessions.close()   # also cancels the request in flight
 
     # ------------------------------------------------------------------ branches
-    def _session_for(self, conv: Chat, held: list[Message]) -> Session:
-        """A session holding the exchanges `held` (a path's): the one that already does, else a branch of
-        the session sharing the longest prefix with it (its ids cut there, found in the prefix cache),
-        else a new one that renders them. It becomes the most recently used."""
-        target = tuple(held)
-        best, best_turns = None, -1
-        for key, session in conv.sessions:
-            if key == target:
-                conv.sessions.remove((key, session))
-                conv.sessions.append((key, session))
-                return session
-            turns = _shared_turns(key, target)
-            if not session.busy and turns > best_turns:
-                best, best_turns = session, turns
-        if best is not None:
-            session = self.client.branch_session(best, best_turns, as_history(target[2 * best_turns:]))
-        else:
-            session = self.client.open_session(conv.system_prompt, as_history(target))
-        conv.sessions.append((target, session))
-        while len(conv.sessions) > MAX_BRANCH_SESSIONS:
-            _, oldest = conv.sessions.pop(0)
-            self.client.close_session(oldest)
-        return session
-
     def _start(self, conv: Chat, user: Message, held: list[Message], new_user: bool,
                edit_of: Message | None = None) -> Turn:
         """Send `user` after the exchanges `held` (the path up to its parent) and show the reply streaming."""
@@ -377,16 +353,16 @@ class ChatController:
             sampling = SamplingParams(**self.sampling_for(conv))
         except (TypeError, ValueError) as e:
             raise ChatError(f"bad sampling settings: {one_line(e)}") from None
-        session = self._session_for(conv, held)
+        session = conv.sessions.session_for(conv.system_prompt, turn_keys(held), as_history(held))
         variables = template_variables(conv.settings)
         # whether the prompt opens the thinking block itself (the reply then starts inside it)
         prompted = variables.get("enable_thinking") in self.client.model.thinking_opened
-        turn = Turn(conv, user, Message("assistant", "", streaming=True), session=session, new_user=new_user,
-                    edit_of=edit_of, shown_before=conv.leaf, splitter=ThinkingSplitter(prompted))
+        turn = Turn(conv, user, Message("assistant", "", streaming=True), new_user=new_user, edit_of=edit_of,
+                    shown_before=conv.leaf, splitter=ThinkingSplitter(prompted))
         try:
-            turn.stream = self.client.submit_turn(session, user.content, sampling,
-                                                  on_event=partial(self._on_event, turn),
-                                                  template_kwargs=variables or None)
+            turn.stream = conv.sessions.submit_turn(session, (user, turn.reply), user.content, sampling,
+                                                    on_event=partial(self._on_event, turn),
+                                                    template_kwargs=variables or None)
         except EngineError as e:
             raise ChatError(one_line(e)) from None
         if turn.stream.replayed:   # a new session, a new model or a new engine process
@@ -458,10 +434,7 @@ class ChatController:
             return None
         conv.show(latest_leaf([siblings[at]]) or siblings[at])
         self._save_leaf(conv)
-        held = tuple(conv.held())
-        for key, session in conv.sessions:
-            if key == held:   # its KV is resident: keep it so, ahead of the branches not shown
-                self.client.focus_session(session)
+        conv.sessions.focus(turn_keys(conv.held()))   # its KV, if resident, stays so ahead of the others'
         return siblings[at]
 
     def fork(self, conv: Chat, message: Message) -> Chat:
@@ -483,11 +456,7 @@ class ChatController:
             other.attach(copy, parent)
             parent = copy
         other.show(parent)
-        held = exchanges(path)
-        source = next((s for key, s in reversed(conv.sessions) if key[:len(held)] == tuple(held)), None)
-        if source is not None and not source.busy:
-            copies = exchanges(other.path)
-            other.sessions.append((tuple(copies), self.client.branch_session(source, len(held) // 2)))
+        conv.sessions.fork_into(other.sessions, turn_keys(exchanges(path)), turn_keys(exchanges(other.path)))
         return other
 
     # ------------------------------------------------------------------ the context window
@@ -709,10 +678,7 @@ class ChatController:
         reply.stats = turn.fold.stats
         if turn.interrupted:
             reply.note = join_notes(reply.note, INTERRUPTED_NOTE)
-        self._save_reply(turn, partial=False)
-        for i, (key, session) in enumerate(conv.sessions):
-            if session is turn.session:   # it now holds this exchange too
-                conv.sessions[i] = (key + (user, reply), session)
+        self._save_reply(turn, partial=False)   # (its session recorded the exchange as the turn ended)
 
     def wait(self, turn: Turn, timeout: float = 60.0, poll: float = 0.01) -> Turn:
         """Drain until `turn` has finished (for front ends without an event loop, and tests)."""
