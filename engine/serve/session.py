@@ -24,23 +24,10 @@ engine that has not ended). Every operation checks TRANSITIONS; any other is ref
     branch   OPEN, UNOPENED            the source of a new session holding its first k turns; unchanged
     rewind   OPEN, UNOPENED -> CLOSED  the source of a branch without its last turns, closed
     focus    OPEN, UNOPENED, BUSY      the branch shown: its resident KV is evicted last
-    evict    OPEN, UNOPENED -> CLOSED  a tree over its capacity closes its least recently used session
+    evict    OPEN, UNOPENED -> CLOSED  a tree over its capacity closes its least recently used idle one
     restart  OPEN -> UNOPENED          its engine ended (died, shut down, loaded another model): the
                                        next turn re-opens it (a BUSY one's turn ends with an error first)
     close    any -> CLOSED             its turn cancelled, its KV released; nothing more is allowed
-
-ChatSession: a session's token history as the engine builds it, canonical so that each turn prefills
-only the new messages. A turn is its input messages (a user message, or the tool results that answer
-the assistant's calls) and the assistant's reply. A session renders the chat template for the NEW input
-messages only and appends those ids to its history; after generation it appends the generated ids
-verbatim (plus the end-of-turn token when generation did not end with it). Earlier turns are never
-re-rendered, so the ids match the cached KV blocks exactly, even for templates that rewrite history
-(Qwen3 strips <think> blocks). A reply that calls tools is kept as the model wrote it (its <tool_call>
-text), which is also how Hermes-style templates (Qwen2.5, Qwen3) render an assistant message's tool_calls.
-A session seeded with a transcript (a branch, a model switch, a new engine process) is built the same
-way, turn by turn, optionally after canonical ids of its first turns; so every session knows where each
-of its turns starts in ids (`turn_starts`), which is what lets a client cut a session at any turn and
-branch from there with the shared prefix found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -277,6 +264,21 @@ _MARK = "\u2063nanochat-turn-marker\u2063"   # unlikely text used to find a temp
 
 
 class ChatSession:
+    """A session's token history as the engine builds it, canonical so that each turn prefills only its
+    new messages.
+
+    A turn is its input messages (a user message, or the tool results that answer the assistant's calls)
+    and the assistant's reply. The chat template is rendered for the NEW input messages only, their ids
+    appended to the history; after generation the generated ids are appended verbatim (plus the
+    end-of-turn token when generation did not end with it). Earlier turns are never re-rendered, so the
+    ids match the cached KV blocks exactly, even for templates that rewrite history (Qwen3 strips <think>
+    blocks). A reply that calls tools is kept as the model wrote it (its <tool_call> text), which is also
+    how Hermes-style templates (Qwen2.5, Qwen3) render an assistant message's tool_calls. A session
+    seeded with a transcript (a branch, a model switch, a new engine process) is built the same way, turn
+    by turn, optionally after canonical ids of its first turns; so every session knows where each of its
+    turns starts in ids (`turn_starts`), which is what lets a client cut a session at any turn and branch
+    from there with the shared prefix found in the prefix cache."""
+
     def __init__(self, tokenizer, template, system_prompt: str | None = None, session_id: str | None = None):
         self.tokenizer, self.template = tokenizer, template
         self.session_id = session_id or f"chat-{next(_session_ids)}"
