@@ -1,18 +1,19 @@
-"""The chat controller: conversations, their engine sessions, streamed turns and the engine's life.
+"""The chat controller: conversations' turns, their engine sessions and the engine's life.
 
 No Textual here (nor torch): a front end builds a ChatController over an EngineClient and a ChatStore,
 calls its methods from one thread (the UI thread; "the owner"), and calls `drain()` now and then (the
-TUI: STREAM_HZ times a second). Token events arrive on the client's reader thread, which only puts
-them in an inbox; `drain()` folds them into the conversations on the owner thread and tells the
-ChatObserver what changed, so the front end redraws at most once per drain however fast tokens come.
+TUI: on its stream tick). Token events arrive on the client's reader thread, which only puts them in
+an inbox; `drain()` folds them into the conversations on the owner thread and tells the ChatObserver
+what changed, so the front end redraws at most once per drain however fast tokens come.
 
 Blocking engine work (load a model, restart a dead engine) is in `load_model` / `restart_engine`,
 for the front end to run in a worker thread; they touch nothing but the client.
 
-A conversation is a tree: `regenerate` and `edit` add versions beside the messages they replace,
-`switch` shows another version, `fork` copies a branch into a new conversation. Each branch recently
-shown keeps an engine session; a new branch is cut from the session it shares the longest prefix
-with, so its shared KV is found in the prefix cache (`_session_for`).
+A conversation is a tree (app/conversation.py): `regenerate` and `edit` add versions beside the
+messages they replace, `switch` shows another version, `fork` copies a branch into a new conversation.
+Each branch recently shown keeps an engine session; a new branch is cut from the session it shares the
+longest prefix with, so its shared KV is found in the prefix cache. Which session holds which branch is
+the sessions' to say (BranchSessions, engine/serve/session.py, where their state machine is written).
 
 A reply is saved while it streams (SAVE_INTERVAL), so when the app itself is killed a restart shows
 the reply up to its last save, marked STOPPED_NOTE; `regenerate` writes a new version of it.
@@ -29,75 +30,39 @@ the observer hears `engine_stopped(reason)` once, and the next message restarts 
 from __future__ import annotations
 
 import enum
-import json
-import os
-import re
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, ChatError, Conversation, Message,
+                                       as_history, exchanges, join_notes, latest_leaf)
+from nanochat.app.export import model_display_name, write_export
 from nanochat.app.options import SAMPLING_RULES, TEMPLATE_SWITCHES, effective_sampling, template_variables
-from nanochat.app.reasoning import ThinkingSplitter, Thought, describe_thought, join_reasoning, split_reasoning
-from nanochat.app.store import ChatStore, StoredConversation, warn_on_stderr
-from nanochat.engine.output import EngineStats, Reply, RequestStats, TokenEvent
+from nanochat.app.reasoning import ThinkingSplitter, Thought, split_reasoning
+from nanochat.app.store import ChatStore, warn_on_stderr
+from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
-from nanochat.engine.serve.client import EngineClient, RequestStream, Session
+from nanochat.engine.serve.client import BranchSessions, EngineClient, RequestStream, Session
 from nanochat.engine.serve.protocol import EngineError, ModelInfo, one_line
 
-DEFAULT_TITLE = "New chat"
-REPLAY_NOTE = "history re-prefilled"
-INTERRUPTED_NOTE = "interrupted: engine stopped"
-STOPPED_NOTE = "interrupted: nanochat stopped"   # saved mid-reply and never finished (/retry regenerates it)
-UNANSWERED_NOTE = "not answered: nanochat stopped · /retry sends it again"
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
 MAX_BRANCH_SESSIONS = 4   # engine sessions kept per conversation (the branch shown and recent others)
 CHAT_SETTINGS = tuple(SAMPLING_RULES)   # what /set may change
 
 
-# ---------------------------------------------------------------------------------- conversations
-@dataclass(eq=False)   # identity: two messages with the same text are still two messages
-class Message:
-    role: str                       # "user" | "assistant"
-    content: str                    # a reply's answer (its thinking is `thought`)
-    stats: RequestStats | None = None   # an assistant reply's numbers
-    created: float = field(default_factory=time.time)
-    note: str = ""                  # REPLAY_NOTE, INTERRUPTED_NOTE, STOPPED_NOTE
-    id: int | None = None           # row id in the store (None until saved)
-    streaming: bool = False
-    generated_tokens: int = 0       # tokens received so far while streaming
-    parent: "Message | None" = field(default=None, repr=False)   # None: a first message
-    children: list["Message"] = field(default_factory=list, repr=False)   # versions that follow it, oldest first
-    thought: Thought | None = None  # a reply's thinking (None: it had none)
-
-    @property
-    def spoken(self) -> str:
-        """The text as the model wrote it, thinking and all: what it sees again in the chat's history
-        (as a live session keeps the ids it generated; the template decides what earlier turns keep)."""
-        t = self.thought
-        return self.content if t is None else join_reasoning(t.text, self.content, t.closed, t.prompted)
-
-
+# ---------------------------------------------------------------------------------- chats
 @dataclass(eq=False)
-class Conversation:
-    """A tree of messages; `messages` is the path shown (the active branch), first message to `leaf`."""
+class Chat(Conversation):
+    """A conversation as the controller runs it: the tree, its turn in flight and the engine sessions
+    of its branches."""
 
-    id: int
-    title: str
-    system_prompt: str | None = None
-    model: str | None = None
-    created: float = field(default_factory=time.time)
-    updated: float = field(default_factory=time.time)
-    messages: list[Message] = field(default_factory=list)
-    roots: list[Message] = field(default_factory=list)      # the first messages of every branch
-    settings: dict = field(default_factory=dict)            # the chat's own sampling settings (/set)
-    context_after: "Message | None" = None  # the model sees only what follows it (older turns dropped to fit)
-    # Engine sessions of recently shown branches, least recently used first: (the exchanges each holds,
-    # as messages, the session). Branches share their common prefix's KV through the prefix cache.
-    sessions: list[tuple[tuple[Message, ...], Session]] = field(default_factory=list)
+    # The engine sessions of recently shown branches (set by the controller), each known by the
+    # exchanges it holds (turn_keys). Branches share their common prefix's KV through the prefix cache.
+    sessions: BranchSessions | None = None
     turn: "Turn | None" = None      # the turn in flight
 
     @property
@@ -107,86 +72,17 @@ class Conversation:
     @property
     def session(self) -> Session | None:
         """The engine session used last (the branch shown, unless a move to another branch came since)."""
-        return self.sessions[-1][1] if self.sessions else None
-
-    @property
-    def leaf(self) -> Message | None:
-        return self.messages[-1] if self.messages else None
-
-    def siblings(self, message: Message) -> list[Message]:
-        """The versions of `message`: its parent's children (the first messages, for a first message)."""
-        return message.parent.children if message.parent is not None else self.roots
-
-    def version(self, message: Message) -> tuple[int, int]:
-        """(k, n): `message` is version k of n (‹k/n›)."""
-        versions = self.siblings(message)
-        return versions.index(message) + 1, len(versions)
-
-    def show(self, leaf: Message | None) -> None:
-        """Make the path ending at `leaf` the one shown."""
-        path = []
-        while leaf is not None:
-            path.append(leaf)
-            leaf = leaf.parent
-        self.messages = path[::-1]
-
-    def attach(self, message: Message, parent: Message | None) -> None:
-        message.parent = parent
-        (parent.children if parent is not None else self.roots).append(message)
-
-    def detach(self, message: Message) -> None:
-        siblings = self.siblings(message)
-        if message in siblings:
-            siblings.remove(message)
-
-    @classmethod
-    def from_stored(cls, stored: StoredConversation) -> "Conversation":
-        conv = cls(stored.id, stored.title, stored.system_prompt, stored.model, stored.created, stored.updated,
-                   settings=dict(stored.settings))
-        by_id: dict[int, Message] = {}
-        for m in stored.messages:   # oldest first: a parent comes before its children
-            message = Message(m.role, m.content, m.stats, m.created,
-                              join_notes(m.note, STOPPED_NOTE) if m.partial else m.note, m.id, thought=m.thought)
-            by_id[m.id] = message
-            conv.attach(message, by_id.get(m.parent_id))
-        for m in by_id.values():
-            if m.role == "user" and not any(c.role == "assistant" for c in m.children):
-                m.note = UNANSWERED_NOTE   # the app stopped before the reply's first token
-        leaf = by_id.get(stored.leaf_id) if stored.leaf_id is not None else None
-        conv.show(leaf if leaf is not None else latest_leaf(conv.roots))
-        conv.context_after = by_id.get(stored.context_after) if stored.context_after is not None else None
-        return conv
-
-    def held(self, messages: list[Message] | None = None) -> list[Message]:
-        """The exchanges of a path (default: the one shown) that the model sees: after context_after."""
-        path = self.messages if messages is None else messages
-        if self.context_after is not None and self.context_after in path:
-            path = path[path.index(self.context_after) + 1:]
-        return exchanges(path)
-
-
-def latest_leaf(messages: list[Message]) -> Message | None:
-    """The newest message at the end of a branch under (or among) `messages`: where a move to one of
-    them lands."""
-    best = None
-    stack = list(messages)
-    while stack:
-        m = stack.pop()
-        if not m.children and (best is None or (m.created, m.id or 0) > (best.created, best.id or 0)):
-            best = m
-        stack.extend(m.children)
-    return best
+        return self.sessions.recent if self.sessions is not None else None
 
 
 @dataclass(eq=False)
 class Turn:
     """One user message and the reply streaming into it."""
 
-    conversation: Conversation
+    conversation: Chat
     user: Message
     reply: Message
     stream: RequestStream | None = None
-    session: Session | None = None
     new_user: bool = True           # the user message was written for this turn (not a regenerate)
     edit_of: Message | None = None  # the message this turn's user message is a new version of
     shown_before: Message | None = None   # the leaf shown before the turn (where a forgotten turn goes back)
@@ -216,24 +112,6 @@ class Turn:
         final = self.fold.final
         return final is not None and final.finish_reason == "error" and final.stats is not None \
             and final.stats.context_full
-
-
-def exchanges(messages: list[Message]) -> list[Message]:
-    """The messages of a path a session holds: user messages that got a reply, and the replies."""
-    out: list[Message] = []
-    for i, m in enumerate(messages):
-        if m.streaming:
-            continue
-        if m.role == "user":
-            nxt = messages[i + 1] if i + 1 < len(messages) else None
-            if nxt is None or nxt.role != "assistant" or nxt.streaming:
-                continue   # never answered (a crash mid-reply): the model never saw it answered
-        out.append(m)
-    return out
-
-
-def as_history(messages) -> list[dict]:
-    return [{"role": m.role, "content": m.spoken} for m in messages]
 
 
 def setting_value(name: str, raw: str):
@@ -286,154 +164,9 @@ def _turn_sizes(held: list[Message]) -> list[int]:
     return sizes
 
 
-def _shared_turns(a: tuple[Message, ...], b: tuple[Message, ...]) -> int:
-    """Whole exchanges (user message + reply) two sessions' histories have in common."""
-    n = 0
-    while len(a) >= 2 * n + 2 and len(b) >= 2 * n + 2 and a[2 * n:2 * n + 2] == b[2 * n:2 * n + 2]:
-        n += 1
-    return n
-
-
-def join_notes(*notes: str) -> str:
-    return " · ".join(n for n in notes if n)
-
-
-# ---------------------------------------------------------------------------------- text helpers
-def model_display_name(model: str | None) -> str:
-    if not model:
-        return "no model"
-    from nanochat.models.formats.catalog import EMBEDDED_FILE, EMBEDDED_NAME
-
-    p = Path(model)
-    if p.name == EMBEDDED_FILE:
-        return EMBEDDED_NAME
-    return p.name if (p.suffix or p.exists()) else model
-
-
-def format_stats(stats: RequestStats | None, note: str = "") -> str:
-    """One footer line: tokens, TTFT, decode speed, cached prompt tokens, how it ended, and any note."""
-    parts: list[str] = []
-    if stats is not None:
-        parts.append(f"{stats.completion_tokens} tok")
-        if stats.ttft is not None:
-            parts.append(f"TTFT {stats.ttft * 1000:.0f} ms")
-        if stats.decode_tok_s:
-            parts.append(f"{stats.decode_tok_s:.1f} tok/s")
-        if stats.prompt_tokens:
-            parts.append(f"cached {stats.cached_tokens}/{stats.prompt_tokens}")
-        ending = {"abort": "cancelled", "length": "context full" if stats.context_full else "max tokens",
-                  "error": "error"}.get(stats.finish_reason or "")
-        if ending and not (ending == "error" and INTERRUPTED_NOTE in note):   # the note says it better
-            parts.append(ending)
-    if note:
-        parts.append(note)
-    return " · ".join(parts)
-
-
-def slugify(text: str) -> str:
-    slug = re.sub(r"[^a-zA-Z0-9]+", "-", text).strip("-").lower()
-    return slug[:40] or "chat"
-
-
-def export_markdown(conv: Conversation, model_label: str | None = None) -> str:
-    lines = [f"# {conv.title}", ""]
-    meta = [f"model: {conv.model or model_label or 'unknown'}",
-            f"created: {time.strftime('%Y-%m-%d %H:%M', time.localtime(conv.created))}"]
-    lines += ["_" + " · ".join(meta) + "_", ""]
-    if conv.system_prompt:
-        lines += ["## System", "", conv.system_prompt, ""]
-    for m in conv.messages:
-        lines += ["## You" if m.role == "user" else "## Assistant", ""]
-        if m.thought is not None and m.thought.text:   # collapsed where Markdown renders HTML, quoted elsewhere
-            quoted = [f"> {line}".rstrip() for line in m.thought.text.splitlines()]
-            lines += [f"<details><summary>{describe_thought(m.thought)}</summary>", "", *quoted, "", "</details>", ""]
-        lines += [m.content, ""]
-        footer = format_stats(m.stats, m.note)
-        if footer:
-            lines += [f"<sub>{footer}</sub>", ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def tree_json(conv: Conversation, model_label: str | None = None) -> dict:
-    """Every branch of a conversation: nested messages, each with its versions' order and the path shown."""
-    shown = set(map(id, conv.messages))
-
-    def node(m: Message) -> dict:
-        out = {"role": m.role, "content": m.content, "created": m.created, "shown": id(m) in shown,
-               "children": [node(c) for c in m.children]}
-        if m.stats is not None:
-            out["stats"] = m.stats.to_dict()
-        if m.note:
-            out["note"] = m.note
-        if m.thought is not None:
-            out["reasoning"], out["thought"] = m.thought.text, m.thought.meta()
-        return out
-
-    return {"title": conv.title, "model": conv.model or model_label, "system_prompt": conv.system_prompt,
-            "settings": conv.settings, "created": conv.created, "messages": [node(m) for m in conv.roots]}
-
-
-def _why(e: OSError) -> str:
-    """An OSError's reason, lowercase ("permission denied", "no space left on device")."""
-    reason = e.strerror or str(e)
-    return reason[:1].lower() + reason[1:]
-
-
-def _make_folder(folder: Path, what: str) -> None:
-    """Make `folder` and its parents; ChatError naming the file in the way, if a file is."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
-        raise ChatError(f"{what} {folder} is a file" if blocker == folder
-                        else f"{blocker} is a file, not a folder") from None
-    except OSError as e:
-        raise ChatError(f"cannot make the {what} {folder}: {_why(e)}") from None
-
-
-def _export_path(conv: Conversation, folder: Path, target: str, suffix: str) -> Path:
-    """Where an export goes: `target` itself, or a new file in the folder it names (or `folder`)."""
-    what = "exports folder"
-    if target:
-        path = Path(os.path.abspath(os.path.expanduser(target)))   # as a shell's cd reads "..": by name
-        if not (path.is_dir() or target.endswith(("/", os.sep))):
-            _make_folder(path.parent, "folder")
-            return path
-        folder, what = path, "folder"
-    _make_folder(folder, what)
-    name = f"{slugify(conv.title)}-{conv.id}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, n = folder / f"{name}{suffix}", 1
-    while path.exists():
-        n += 1
-        path = folder / f"{name}-{n}{suffix}"
-    return path
-
-
-def write_export(conv: Conversation, folder: Path, model_label: str | None = None, tree: bool = False,
-                 target: str = "") -> Path:
-    """Write the path shown as Markdown, or (`tree`) every branch as JSON, to `target`: a file, or a folder
-    (one that exists, or a name ending in /) for a new file named after the chat; "" is `folder`, the
-    exports folder. `~` is expanded, relative paths start at the working folder, and a file that exists
-    is never overwritten. Returns the file written; ChatError (one line) when it cannot be written."""
-    text = (json.dumps(tree_json(conv, model_label), indent=2, ensure_ascii=False) + "\n" if tree
-            else export_markdown(conv, model_label))
-    try:
-        path = _export_path(conv, folder, target, ".json" if tree else ".md")
-        file = open(path, "x", encoding="utf-8")
-    except FileExistsError:
-        raise ChatError(f"{path} already exists; /export does not overwrite a file") from None
-    except OSError as e:
-        raise ChatError(f"cannot write {e.filename or target}: {_why(e)}") from None
-    except ValueError as e:   # a NUL in the path
-        raise ChatError(f"cannot write {target!r}: {e}") from None
-    try:
-        with file:
-            file.write(text)
-    except (OSError, ValueError) as e:
-        with suppress(OSError):
-            path.unlink()   # not half an export
-        raise ChatError(f"cannot write {path}: {_why(e) if isinstance(e, OSError) else e}") from None
-    return path
+def turn_keys(held: list[Message]) -> list[tuple[Message, Message]]:
+    """The names of a path's exchanges in its engine sessions (BranchSessions): (user message, reply)."""
+    return list(zip(held[::2], held[1::2]))
 
 
 # ---------------------------------------------------------------------------------- observer
@@ -471,10 +204,6 @@ class EngineState(enum.Enum):
     RESTARTING = "restarting"
     STOPPED = "stopped"             # the engine died; the next message restarts it
     READY = "ready"
-
-
-class ChatError(Exception):
-    """The controller cannot do what was asked; the message is one line for the user."""
 
 
 # ---------------------------------------------------------------------------------- inbox
@@ -534,7 +263,7 @@ class ChatController:
         self.default_system_prompt = system_prompt
         self.engine_config = dict(engine_config or {})
         self.observer = observer or ChatObserver()
-        self.conversations: dict[int, Conversation] = {}   # newest first
+        self.conversations: dict[int, Chat] = {}   # newest first
         self._inbox = _Inbox()
         self._last_stats: EngineStats | None = None
         self._job: tuple[EngineState, str] | None = None   # (LOADING | RESTARTING, model) while one runs
@@ -544,20 +273,25 @@ class ChatController:
         client.add_death_listener(self._on_death)
         store.on_fault = self._storage_changed
         for stored in store.load_all():
-            self.conversations[stored.id] = Conversation.from_stored(stored)
+            self.conversations[stored.id] = self._live(Chat.from_stored(stored))
         if not self.conversations:
             self.new_conversation()
 
     # ------------------------------------------------------------------ conversations
-    def new_conversation(self, title: str = "") -> Conversation:
+    def new_conversation(self, title: str = "") -> Chat:
         title = " ".join(title.split()) or DEFAULT_TITLE
         now = time.time()
         cid = self.store.create_conversation(title, self.default_system_prompt, None, created=now)
-        conv = Conversation(cid, title, self.default_system_prompt, None, now, now)
+        conv = self._live(Chat(cid, title, self.default_system_prompt, None, now, now))
         self.conversations = {cid: conv, **self.conversations}
         return conv
 
-    def rename(self, conv: Conversation, title: str) -> bool:
+    def _live(self, conv: Chat) -> Chat:
+        """`conv`, given the tree of engine sessions its branches use."""
+        conv.sessions = BranchSessions(self.client, MAX_BRANCH_SESSIONS)
+        return conv
+
+    def rename(self, conv: Chat, title: str) -> bool:
         """Rename (whitespace squeezed); False when the title is blank."""
         title = " ".join(title.split())
         if not title:
@@ -566,7 +300,7 @@ class ChatController:
         self.store.rename(conv.id, title)
         return True
 
-    def set_system_prompt(self, conv: Conversation, prompt: str | None) -> None:
+    def set_system_prompt(self, conv: Chat, prompt: str | None) -> None:
         if conv.generating:
             raise ChatError("wait for the reply (or cancel it) before changing the system prompt")
         conv.system_prompt = prompt or None
@@ -574,13 +308,13 @@ class ChatController:
         # The sessions' histories start with the old prompt: the next turn re-prefills with the new one.
         self._drop_sessions(conv)
 
-    def clear(self, conv: Conversation) -> None:
+    def clear(self, conv: Chat) -> None:
         """Forget the messages, every branch (the system prompt stays), and free the sessions' KV."""
         self._drop_sessions(conv)
         self.store.clear_messages(conv.id)
-        conv.messages, conv.roots = [], []
+        conv.path, conv.roots = [], []
 
-    def delete(self, conv: Conversation) -> None:
+    def delete(self, conv: Chat) -> None:
         """Delete a conversation; when it was the last one, a new empty one takes its place."""
         self._drop_sessions(conv)
         self.store.delete_conversation(conv.id)
@@ -588,7 +322,7 @@ class ChatController:
         if not self.conversations:
             self.new_conversation()
 
-    def export(self, conv: Conversation, folder: Path, tree: bool = False, target: str = "") -> Path:
+    def export(self, conv: Chat, folder: Path, tree: bool = False, target: str = "") -> Path:
         """The path shown as Markdown, or (`tree`) every branch as JSON, written to `target` or the exports
         `folder` (see write_export); ChatError when it cannot be written."""
         label = model_display_name(self.client.model.model if self.client.model else None)
@@ -596,43 +330,17 @@ class ChatController:
 
     def last_ttft(self) -> float | None:
         """TTFT of the latest reply on record that has one."""
-        replies = [m for c in self.conversations.values() for m in c.messages
+        replies = [m for c in self.conversations.values() for m in c.path
                    if m.stats is not None and m.stats.ttft is not None]
         return max(replies, key=lambda m: m.created).stats.ttft if replies else None
 
-    def _drop_sessions(self, conv: Conversation) -> None:
+    def _drop_sessions(self, conv: Chat) -> None:
         """Stop the turn in flight (its events are ignored from now on) and free the sessions' KV."""
         conv.turn = None
-        for _, session in conv.sessions:
-            self.client.close_session(session)   # also cancels the request in flight
-        conv.sessions = []
+        conv.sessions.close()   # also cancels the request in flight
 
     # ------------------------------------------------------------------ branches
-    def _session_for(self, conv: Conversation, held: list[Message]) -> Session:
-        """A session holding the exchanges `held` (a path's): the one that already does, else a branch of
-        the session sharing the longest prefix with it (its ids cut there, found in the prefix cache),
-        else a new one that renders them. It becomes the most recently used."""
-        target = tuple(held)
-        best, best_turns = None, -1
-        for key, session in conv.sessions:
-            if key == target:
-                conv.sessions.remove((key, session))
-                conv.sessions.append((key, session))
-                return session
-            turns = _shared_turns(key, target)
-            if not session.busy and turns > best_turns:
-                best, best_turns = session, turns
-        if best is not None:
-            session = self.client.branch_session(best, best_turns, as_history(target[2 * best_turns:]))
-        else:
-            session = self.client.open_session(conv.system_prompt, as_history(target))
-        conv.sessions.append((target, session))
-        while len(conv.sessions) > MAX_BRANCH_SESSIONS:
-            _, oldest = conv.sessions.pop(0)
-            self.client.close_session(oldest)
-        return session
-
-    def _start(self, conv: Conversation, user: Message, held: list[Message], new_user: bool,
+    def _start(self, conv: Chat, user: Message, held: list[Message], new_user: bool,
                edit_of: Message | None = None) -> Turn:
         """Send `user` after the exchanges `held` (the path up to its parent) and show the reply streaming."""
         if self.client.model is None:
@@ -645,16 +353,16 @@ class ChatController:
             sampling = SamplingParams(**self.sampling_for(conv))
         except (TypeError, ValueError) as e:
             raise ChatError(f"bad sampling settings: {one_line(e)}") from None
-        session = self._session_for(conv, held)
+        session = conv.sessions.session_for(conv.system_prompt, turn_keys(held), as_history(held))
         variables = template_variables(conv.settings)
         # whether the prompt opens the thinking block itself (the reply then starts inside it)
         prompted = variables.get("enable_thinking") in self.client.model.thinking_opened
-        turn = Turn(conv, user, Message("assistant", "", streaming=True), session=session, new_user=new_user,
-                    edit_of=edit_of, shown_before=conv.leaf, splitter=ThinkingSplitter(prompted))
+        turn = Turn(conv, user, Message("assistant", "", streaming=True), new_user=new_user, edit_of=edit_of,
+                    shown_before=conv.leaf, splitter=ThinkingSplitter(prompted))
         try:
-            turn.stream = self.client.submit_turn(session, user.content, sampling,
-                                                  on_event=partial(self._on_event, turn),
-                                                  template_kwargs=variables or None)
+            turn.stream = conv.sessions.submit_turn(session, (user, turn.reply), user.content, sampling,
+                                                    on_event=partial(self._on_event, turn),
+                                                    template_kwargs=variables or None)
         except EngineError as e:
             raise ChatError(one_line(e)) from None
         if turn.stream.replayed:   # a new session, a new model or a new engine process
@@ -668,7 +376,7 @@ class ChatController:
         self._note_model(conv)
         return turn
 
-    def send(self, conv: Conversation, text: str) -> Turn:
+    def send(self, conv: Chat, text: str) -> Turn:
         """Start a turn after the path shown; its events come through drain(). Raises ChatError when it
         cannot start. When the engine has stopped, this restarts it first (blocking): front ends call
         restart_engine in a worker beforehand."""
@@ -679,7 +387,7 @@ class ChatController:
             self.rename(conv, text.strip().splitlines()[0][:40])
         return turn
 
-    def _attached(self, conv: Conversation, user: Message, parent: Message | None,
+    def _attached(self, conv: Chat, user: Message, parent: Message | None,
                   start: Callable[[], Turn]) -> Turn:
         """Run `start` with `user` attached under `parent`; detached again when the turn cannot start."""
         conv.attach(user, parent)
@@ -689,33 +397,33 @@ class ChatController:
             conv.detach(user)
             raise
 
-    def regenerate(self, conv: Conversation) -> Turn:
+    def regenerate(self, conv: Chat) -> Turn:
         """A new version of the last reply (or the first one of an unanswered message): a sibling of
         the reply it replaces, generated after the same history, whose KV is found cached."""
         if conv.generating:
             raise ChatError("this conversation is still replying")
-        at = max((i for i, m in enumerate(conv.messages) if m.role == "user"), default=None)
+        at = max((i for i, m in enumerate(conv.path) if m.role == "user"), default=None)
         if at is None:
             raise ChatError("there is no message to answer again")
-        user = conv.messages[at]
+        user = conv.path[at]
         user.note = ""
-        return self._start(conv, user, conv.held(conv.messages[:at]), new_user=False)
+        return self._start(conv, user, conv.held(conv.path[:at]), new_user=False)
 
-    def edit(self, conv: Conversation, message: Message, text: str) -> Turn:
+    def edit(self, conv: Chat, message: Message, text: str) -> Turn:
         """Send `text` in place of the user message `message` (on the path shown): a new version of it,
         a sibling branch from that point; the KV of everything before it is found cached."""
         if conv.generating:
             raise ChatError("this conversation is still replying")
-        if message.role != "user" or message not in conv.messages:
+        if message.role != "user" or message not in conv.path:
             raise ChatError("only your own messages on the branch shown can be edited")
         if not text.strip():
             raise ChatError("the edited message is empty")
-        at = conv.messages.index(message)
+        at = conv.path.index(message)
         user = Message("user", text)
         return self._attached(conv, user, message.parent,
-                              lambda: self._start(conv, user, conv.held(conv.messages[:at]), True, message))
+                              lambda: self._start(conv, user, conv.held(conv.path[:at]), True, message))
 
-    def switch(self, conv: Conversation, message: Message, step: int) -> Message | None:
+    def switch(self, conv: Chat, message: Message, step: int) -> Message | None:
         """Show another version of `message` (`step` = -1: the previous one, +1: the next one) and the
         newest branch under it; returns the version shown, or None when there is none that way."""
         if conv.generating:
@@ -726,17 +434,14 @@ class ChatController:
             return None
         conv.show(latest_leaf([siblings[at]]) or siblings[at])
         self._save_leaf(conv)
-        held = tuple(conv.held())
-        for key, session in conv.sessions:
-            if key == held:   # its KV is resident: keep it so, ahead of the branches not shown
-                self.client.focus_session(session)
+        conv.sessions.focus(turn_keys(conv.held()))   # its KV, if resident, stays so ahead of the others'
         return siblings[at]
 
-    def fork(self, conv: Conversation, message: Message) -> Conversation:
+    def fork(self, conv: Chat, message: Message) -> Chat:
         """A new conversation with the path shown up to `message`; it shares the KV of that prefix."""
-        if message not in conv.messages:
+        if message not in conv.path:
             raise ChatError("only a message on the branch shown can be forked")
-        path = conv.messages[:conv.messages.index(message) + 1]
+        path = conv.path[:conv.path.index(message) + 1]
         if any(m.streaming for m in path):
             raise ChatError("wait for the reply (or cancel it) before forking at it")
         other = self.new_conversation(f"{conv.title} (fork)")
@@ -751,21 +456,17 @@ class ChatController:
             other.attach(copy, parent)
             parent = copy
         other.show(parent)
-        held = exchanges(path)
-        source = next((s for key, s in reversed(conv.sessions) if key[:len(held)] == tuple(held)), None)
-        if source is not None and not source.busy:
-            copies = exchanges(other.messages)
-            other.sessions.append((tuple(copies), self.client.branch_session(source, len(held) // 2)))
+        conv.sessions.fork_into(other.sessions, turn_keys(exchanges(path)), turn_keys(exchanges(other.path)))
         return other
 
     # ------------------------------------------------------------------ the context window
-    def context_used(self, conv: Conversation) -> int:
+    def context_used(self, conv: Chat) -> int:
         """Tokens of the context the path shown fills, as of its last reply the model sees (0 before any)."""
         held = conv.held()
         last = next((m for m in reversed(held) if m.role == "assistant" and m.stats is not None), None)
         return last.stats.prompt_tokens + last.stats.completion_tokens if last is not None else 0
 
-    def drop_oldest(self, conv: Conversation, turn: Turn) -> int:
+    def drop_oldest(self, conv: Chat, turn: Turn) -> int:
         """After `turn` was refused for the context: let the model see only the newest turns that leave
         room for the message and a reply (the system prompt stays; the transcript is untouched). Returns
         how many turns are dropped; ChatError when even the message alone does not fit."""
@@ -784,12 +485,12 @@ class ChatController:
             self.store.set_context_after(conv.id, conv.context_after.id)
         return dropped
 
-    def _reply_room(self, conv: Conversation, limit: int) -> int:
+    def _reply_room(self, conv: Chat, limit: int) -> int:
         """Tokens kept free for a reply when trimming or summarizing: max_tokens, at most a quarter of
         the context."""
         return min(int(self.sampling_for(conv)["max_tokens"]), limit // 4)
 
-    def summarize(self, conv: Conversation, timeout: float = 600.0) -> str:
+    def summarize(self, conv: Chat, timeout: float = 600.0) -> str:
         """A summary of the chat, written by the model from the newest turns that fit (blocking: run it
         in a worker). ChatError when it cannot be written."""
         limit = self.client.model.max_model_len
@@ -816,7 +517,7 @@ class ChatController:
             raise ChatError(f"no summary: {reply.final.error if reply.final is not None else 'no reply'}")
         return summary
 
-    def continue_with_summary(self, conv: Conversation, summary: str) -> Conversation:
+    def continue_with_summary(self, conv: Chat, summary: str) -> Chat:
         """A new chat that starts from `summary` (in its system prompt), with the same settings."""
         other = self.new_conversation(f"{conv.title} (continued)")
         head = f"{conv.system_prompt}\n\n" if conv.system_prompt else ""
@@ -825,14 +526,14 @@ class ChatController:
         self.store.set_settings(other.id, other.settings)
         return other
 
-    def sampling_for(self, conv: Conversation) -> dict:
+    def sampling_for(self, conv: Chat) -> dict:
         """SamplingParams keywords of a turn: the chat's own settings over the front end's (flags and
         settings.json) over what the model file recommends over CHAT_DEFAULTS."""
         recommended = self.client.model.sampling_defaults if self.client.model is not None else {}
         own = {k: v for k, v in conv.settings.items() if k in SAMPLING_RULES}
         return effective_sampling({**self.sampling, **own}, recommended)
 
-    def set_setting(self, conv: Conversation, name: str, value) -> None:
+    def set_setting(self, conv: Chat, name: str, value) -> None:
         """Set (or with value None, drop) one of the chat's own sampling settings; ChatError when invalid."""
         if name not in CHAT_SETTINGS:
             raise ChatError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
@@ -846,7 +547,7 @@ class ChatController:
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
 
-    def set_thinking(self, conv: Conversation, on: bool | None) -> None:
+    def set_thinking(self, conv: Chat, on: bool | None) -> None:
         """Turn the chat's thinking on or off (None: the template's default) from its next turn: the chat
         template's enable_thinking. Whether the model's template reads it: `model.thinking_switch`."""
         settings = {k: v for k, v in conv.settings.items() if k != "think"}
@@ -855,16 +556,16 @@ class ChatController:
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
 
-    def _save_leaf(self, conv: Conversation) -> None:
+    def _save_leaf(self, conv: Chat) -> None:
         self.store.set_leaf(conv.id, conv.leaf.id if conv.leaf is not None else None)
 
-    def _note_model(self, conv: Conversation) -> None:
+    def _note_model(self, conv: Chat) -> None:
         model = self.client.model.model
         if conv.model != model:
             conv.model = model
             self.store.set_model(conv.id, model)
 
-    def cancel(self, conv: Conversation) -> bool:
+    def cancel(self, conv: Chat) -> bool:
         """Stop the reply in flight; it ends (through drain) with finish reason "abort", partial text kept."""
         if conv.turn is None or conv.turn.stream is None:
             return False
@@ -977,10 +678,7 @@ class ChatController:
         reply.stats = turn.fold.stats
         if turn.interrupted:
             reply.note = join_notes(reply.note, INTERRUPTED_NOTE)
-        self._save_reply(turn, partial=False)
-        for i, (key, session) in enumerate(conv.sessions):
-            if session is turn.session:   # it now holds this exchange too
-                conv.sessions[i] = (key + (user, reply), session)
+        self._save_reply(turn, partial=False)   # (its session recorded the exchange as the turn ended)
 
     def wait(self, turn: Turn, timeout: float = 60.0, poll: float = 0.01) -> Turn:
         """Drain until `turn` has finished (for front ends without an event loop, and tests)."""

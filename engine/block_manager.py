@@ -13,7 +13,8 @@ from the first token that differs (a regenerated one: only its final token, for 
 Chat sessions may pin the blocks of their last turn (a session reference), the partly filled last
 one included: the session's next turn, whose prompt extends those tokens, takes that block over and
 computes only its new tokens. Pinned blocks are evicted only under memory pressure, least recently
-used session first.
+used session first. The pins are a cache: a session's state is its client-side record
+(engine/serve/session.py), and a session whose pins went still works, computing what is not cached.
 
 Sliding-window models (every attention layer windowed: Mistral-style, Phi-3-mini) never read keys more
 than `window` positions behind the next query, so a sequence gives back its blocks wholly behind that

@@ -20,9 +20,10 @@ import time
 import psutil
 import pytest
 
-from nanochat.app.controller import (INTERRUPTED_NOTE, REPLAY_NOTE, SAVE_INTERVAL, STOPPED_NOTE, UNANSWERED_NOTE,
-                                     ChatController, ChatError, ChatObserver, EngineState, as_history,
-                                     describe_settings, exchanges, format_stats)
+from nanochat.app.controller import SAVE_INTERVAL, ChatController, ChatObserver, EngineState, describe_settings
+from nanochat.app.conversation import (INTERRUPTED_NOTE, REPLAY_NOTE, STOPPED_NOTE, UNANSWERED_NOTE, ChatError,
+                                       as_history, exchanges)
+from nanochat.app.export import format_stats
 from nanochat.app.store import ChatStore
 from nanochat.engine.output import RequestStats
 from nanochat.engine.serve.client import EngineClient
@@ -170,7 +171,7 @@ def test_turns_stream_save_and_reuse_the_cache(make, client):
     recorder = Recorder()
     chat = make(observer=recorder, max_tokens=8)
     conv = first(chat)
-    assert conv.title == "New chat" and conv.messages == []
+    assert conv.title == "New chat" and conv.path == []
     turn = chat.send(conv, LONG_USER)
     assert conv.generating and turn.reply.streaming and conv.title.startswith("hello there")
     chat.wait(turn)
@@ -234,7 +235,7 @@ def test_a_refused_request_forgets_the_turn(make):
     conv = first(chat)
     turn = chat.wait(chat.send(conv, "fox " * 400))                   # more than the 256-token context
     assert not turn.kept and turn.finish_reason == "error" and "max_model_len" in turn.error
-    assert not turn.interrupted and conv.messages == [] and chat.store.messages(conv.id) == []
+    assert not turn.interrupted and conv.path == [] and chat.store.messages(conv.id) == []
     assert recorder.named("finished") == [("finished", turn)]
     with pytest.raises(ChatError, match="bad sampling"):
         chat.sampling["top_p"] = 7
@@ -258,7 +259,7 @@ def test_system_prompt_and_clear_free_the_session(make, client):
         chat.set_system_prompt(conv, "no")
     chat.wait(busy)
     chat.clear(conv)
-    assert conv.messages == [] and chat.store.messages(conv.id) == [] and conv.session is None
+    assert conv.path == [] and chat.store.messages(conv.id) == [] and conv.session is None
     assert conv.system_prompt == "Be terse."
     wait_until(lambda: client.stats().pinned_sessions == 0, what="the KV freed by /clear")
 
@@ -343,13 +344,13 @@ def test_the_app_killed_mid_reply_keeps_the_reply_and_retry_regenerates_it(tiny_
         app.wait(10)
     chat = make(db="killed.db")
     conv = first(chat)
-    user, reply = conv.messages
+    user, reply = conv.path
     assert (user.content, user.note) == (LONG_USER, "")
     assert reply.content and reply.note == STOPPED_NOTE
-    assert as_history(exchanges(conv.messages)) == [{"role": "user", "content": LONG_USER},
+    assert as_history(exchanges(conv.path)) == [{"role": "user", "content": LONG_USER},
                                                     {"role": "assistant", "content": reply.content}]
     turn = chat.wait(chat.regenerate(conv))
-    assert turn.kept and turn.user is user and conv.messages == [user, turn.reply]
+    assert turn.kept and turn.user is user and conv.path == [user, turn.reply]
     assert conv.siblings(turn.reply) == [reply, turn.reply]               # the old version stays
     stored = chat.store.messages(conv.id)
     assert [(m.role, m.partial, m.parent_id) for m in stored] == [("user", False, None), ("assistant", True, user.id),
@@ -366,7 +367,7 @@ def test_an_unanswered_message_is_marked_and_can_be_sent_again(make, tmp_path):
     store.close()
     chat = make(db="unanswered.db")
     conv = first(chat)
-    assert [m.note for m in conv.messages] == ["", "", UNANSWERED_NOTE]
+    assert [m.note for m in conv.path] == ["", "", UNANSWERED_NOTE]
     with pytest.raises(ChatError):
         chat.regenerate(chat.new_conversation())   # nothing to answer
     turn = chat.wait(chat.regenerate(conv))
@@ -390,7 +391,7 @@ def test_retry_reuses_the_cached_prefix(make):
     assert again.reply.content == second.reply.content   # greedy: the same reply
     assert [m.content for m in chat.store.messages(conv.id)][2:] == ["and then?", second.reply.content,
                                                                      again.reply.content]
-    assert conv.messages[-1] is again.reply and conv.siblings(again.reply) == [second.reply, again.reply]
+    assert conv.path[-1] is again.reply and conv.siblings(again.reply) == [second.reply, again.reply]
 
 
 # ---------------------------------------------------------------------------------- models
@@ -468,7 +469,7 @@ def test_engine_death_mid_reply_keeps_the_partial_reply_and_recovers(make, clien
     # after an app restart the interrupted reply is there, between its user messages
     reopened = ChatController(client, ChatStore(tmp_path / "death.db"), SAMPLING)
     try:
-        messages = reopened.conversations[conv.id].messages
+        messages = reopened.conversations[conv.id].path
         assert [m.role for m in messages] == ["user", "assistant"] * 3
         assert messages[3].note == INTERRUPTED_NOTE and messages[3].content == turn.reply.content
         assert as_history(exchanges(messages))[3] == {"role": "assistant", "content": turn.reply.content}
@@ -488,7 +489,7 @@ def test_engine_death_before_the_first_token_gives_the_turn_back(make, client, d
     chat.wait(turn)
     delay.set(0)
     assert turn.interrupted and not turn.kept
-    assert conv.messages == [] and chat.store.messages(conv.id) == []   # the text goes back to the user
+    assert conv.path == [] and chat.store.messages(conv.id) == []   # the text goes back to the user
     assert len(recorder.named("stopped")) == 1
     chat.restart_engine()
     assert chat.wait(chat.send(conv, LONG_USER)).kept
@@ -524,35 +525,35 @@ def test_edit_makes_a_branch_and_moving_between_branches_reuses_their_kv(make, t
     chat = make(db="tree.db")
     conv = first(chat)
     turns = four_turns(chat, conv)
-    old_path = list(conv.messages)
-    first_user = conv.messages[0]
+    old_path = list(conv.path)
+    first_user = conv.path[0]
     with pytest.raises(ChatError, match="own messages"):
-        chat.edit(conv, conv.messages[1], "not mine")
+        chat.edit(conv, conv.path[1], "not mine")
     edited = chat.wait(chat.edit(conv, first_user, LONG_USER + " (edited)"))
-    assert conv.messages == [edited.user, edited.reply] and conv.siblings(edited.user) == [first_user, edited.user]
+    assert conv.path == [edited.user, edited.reply] and conv.siblings(edited.user) == [first_user, edited.user]
     # only the system/template head before the first message is shared: its whole blocks are cached
     assert edited.reply.stats.cached_tokens < turns[0].reply.stats.prompt_tokens
     # back to the first branch: the newest leaf under it is shown, its session is still resident
-    assert chat.switch(conv, edited.user, -1) is first_user and conv.messages == old_path
+    assert chat.switch(conv, edited.user, -1) is first_user and conv.path == old_path
     assert chat.switch(conv, first_user, -1) is None                      # no version before the first
     nxt = chat.wait(chat.send(conv, "back on the first branch"))
     held = turns[-1].reply.stats.prompt_tokens + turns[-1].reply.stats.completion_tokens
     assert nxt.reply.stats.cached_tokens >= held - BLOCK and not nxt.stream.replayed
     # and to the second: its session too
-    assert chat.switch(conv, first_user, 1) is edited.user and conv.messages == [edited.user, edited.reply]
+    assert chat.switch(conv, first_user, 1) is edited.user and conv.path == [edited.user, edited.reply]
     again = chat.wait(chat.send(conv, "on the edited branch"))
     held = edited.reply.stats.prompt_tokens + edited.reply.stats.completion_tokens
     assert again.reply.stats.cached_tokens >= held - BLOCK
     # the store keeps the tree: a restart shows the same path, the same versions
-    shown = [m.content for m in conv.messages]
+    shown = [m.content for m in conv.path]
     reopened = ChatController(chat.client, ChatStore(tmp_path / "tree.db"), SAMPLING)
     try:
         conv2 = reopened.conversations[conv.id]
-        assert [m.content for m in conv2.messages] == shown
+        assert [m.content for m in conv2.path] == shown
         assert [m.content for m in conv2.roots] == [first_user.content, edited.user.content]
         assert len(conv2.roots[0].children[0].children) == 1
         assert reopened.switch(conv2, conv2.roots[1], -1) is conv2.roots[0]
-        assert [m.content for m in conv2.messages] == [m.content for m in old_path] + [
+        assert [m.content for m in conv2.path] == [m.content for m in old_path] + [
             "back on the first branch", nxt.reply.content]
     finally:
         reopened.close()
@@ -567,30 +568,30 @@ def test_a_branch_from_an_evicted_session_still_finds_the_shared_prefix(make):
     base = chat.wait(chat.send(conv, LONG_USER))
     second = chat.wait(chat.send(conv, "and then?"))
     for k in range(5):   # five more versions of the second message: more than MAX_BRANCH_SESSIONS
-        chat.wait(chat.edit(conv, conv.messages[2], f"variant {k}"))
+        chat.wait(chat.edit(conv, conv.path[2], f"variant {k}"))
     assert len(conv.sessions) <= 4
-    first_version = conv.siblings(conv.messages[2])[0]
-    while conv.messages[2] is not first_version:
-        chat.switch(conv, conv.messages[2], -1)
+    first_version = conv.siblings(conv.path[2])[0]
+    while conv.path[2] is not first_version:
+        chat.switch(conv, conv.path[2], -1)
     turn = chat.wait(chat.send(conv, "continue"))
     # its own session was closed, but the first exchange's blocks are shared by every branch
     assert turn.reply.stats.cached_tokens >= base.reply.stats.prompt_tokens - BLOCK
     assert not turn.stream.replayed or turn.reply.stats.cached_tokens > 0
-    assert second.reply in conv.messages
+    assert second.reply in conv.path
 
 
 def test_fork_copies_the_branch_and_shares_its_kv(make):
     chat = make(db="fork.db")
     conv = first(chat)
     turns = [chat.wait(chat.send(conv, t)) for t in (LONG_USER, "and then?")]
-    other = chat.fork(conv, conv.messages[1])                            # after the first reply
-    assert other.title.endswith("(fork)") and [m.content for m in other.messages] == [
+    other = chat.fork(conv, conv.path[1])                            # after the first reply
+    assert other.title.endswith("(fork)") and [m.content for m in other.path] == [
         LONG_USER, turns[0].reply.content]
-    assert chat.store.load_conversation(other.id).leaf_id == other.messages[-1].id
+    assert chat.store.load_conversation(other.id).leaf_id == other.path[-1].id
     turn = chat.wait(chat.send(other, "a different second question"))
     held = turns[0].reply.stats.prompt_tokens + turns[0].reply.stats.completion_tokens
     assert turn.reply.stats.cached_tokens >= held - BLOCK and not turn.stream.replayed
-    assert len(conv.messages) == 4                                       # the original is untouched
+    assert len(conv.path) == 4                                       # the original is untouched
 
 
 def test_per_chat_settings_are_validated_saved_and_win(make, tmp_path, monkeypatch):
@@ -630,7 +631,7 @@ def test_export_json_keeps_every_branch(make, tmp_path):
     [root] = data["messages"]
     assert root["content"] == "one" and [c["shown"] for c in root["children"]] == [False, True]
     markdown = chat.export(conv, tmp_path / "out").read_text()
-    assert markdown.count("## Assistant") == 1 and conv.messages[-1].content in markdown
+    assert markdown.count("## Assistant") == 1 and conv.path[-1].content in markdown
 
 
 # ---------------------------------------------------------------------------------- storage faults
@@ -652,7 +653,7 @@ def test_a_storage_fault_mid_reply_keeps_the_turn_and_saves_it_later(make, delay
     wait_until(lambda: len(chat.store.messages(conv.id)) == 2, 10, "the reply's first save", chat)
     faults.error = sqlite3.OperationalError("database or disk is full")
     chat.wait(turn)
-    assert turn.kept and turn.reply.stats.completion_tokens == 30 and conv.messages == [turn.user, turn.reply]
+    assert turn.kept and turn.reply.stats.completion_tokens == 30 and conv.path == [turn.user, turn.reply]
     [(_, warning)] = recorder.named("storage")
     assert warning.startswith(f"cannot save chats to {chat.store.path} (database or disk is full)")
     [_, saved] = chat.store.messages(conv.id)
@@ -668,7 +669,7 @@ def test_a_storage_fault_mid_reply_keeps_the_turn_and_saves_it_later(make, delay
     assert recorder.named("storage")[-1] == ("storage", None)
     stored = chat.store.load_conversation(conv.id)
     assert [(m.id, m.parent_id, m.content, m.partial) for m in stored.messages] == [
-        (m.id, m.parent.id if m.parent else None, m.content, False) for m in conv.messages]
+        (m.id, m.parent.id if m.parent else None, m.content, False) for m in conv.path]
     assert stored.leaf_id == nxt.reply.id and stored.messages[1].stats == turn.reply.stats
 
 
@@ -698,7 +699,8 @@ def test_export_to_a_path_and_its_one_line_errors(tmp_path, monkeypatch):
     folder for the default name; and what cannot be written, in one line that names the path."""
     import json
 
-    from nanochat.app.controller import Conversation, Message, write_export
+    from nanochat.app.conversation import Conversation, Message
+    from nanochat.app.export import write_export
 
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()

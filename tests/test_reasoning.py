@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from nanochat.app.controller import ChatController, describe_settings, export_markdown, tree_json
+from nanochat.app.controller import ChatController, describe_settings
+from nanochat.app.export import export_markdown, tree_json
 from nanochat.app.paths import get_paths
 from nanochat.app.reasoning import Thought, ThinkingSplitter, describe_thought, split_reasoning
 from nanochat.app.store import SCHEMA_VERSION, ChatStore, migrate
@@ -185,7 +186,7 @@ def test_a_turn_keeps_its_thinking_apart_counts_it_and_the_model_sees_it_again(t
     again = ChatController(client, store)
     loaded = again.conversations[conv.id]
     assert loaded.settings == {"think": False}
-    assert loaded.messages[1].content == "Hello!" and loaded.messages[1].thought == reply.thought
+    assert loaded.path[1].content == "Hello!" and loaded.path[1].thought == reply.thought
     markdown = export_markdown(loaded)
     assert "<details><summary>Thought for" in markdown and "> The user greets me." in markdown
     assert markdown.index("> The user greets me.") < markdown.index("Hello!")
@@ -237,9 +238,9 @@ async def test_the_thinking_streams_collapsed_then_says_how_long_it_took_and_ope
         screen = app.chat_screen
         await screen.send_message("hi")
         conv = screen.current
-        await wait_for(pilot, lambda: conv.messages[-1].generated_tokens == 5)
+        await wait_for(pilot, lambda: conv.path[-1].generated_tokens == 5)
         await pilot.pause(0.2)
-        view = screen.chat_view(conv).view_for(conv.messages[-1])
+        view = screen.chat_view(conv).view_for(conv.path[-1])
         block = view.query_one(ThinkingBlock)
         assert block.display and title(view).startswith("▸ Thinking…")   # live, collapsed
         assert "The user" in str(view.query_one(".thinking-tail").render())
@@ -259,7 +260,7 @@ async def test_the_thinking_streams_collapsed_then_says_how_long_it_took_and_ope
         await pilot.click(ThinkingBlock, offset=(2, 0))                  # and a click
         assert block.expanded and title(view).startswith("▾ Thought for ")
         # a reply without thinking looks as it did: no block, and its keys do nothing
-        user_view = screen.chat_view(conv).view_for(conv.messages[0])
+        user_view = screen.chat_view(conv).view_for(conv.path[0])
         assert not user_view.query(ThinkingBlock)
 
 
@@ -271,11 +272,11 @@ async def test_a_reply_cancelled_while_thinking_still_shows_its_thinking(home):
         screen = app.chat_screen
         await screen.send_message("hi")
         conv = screen.current
-        await wait_for(pilot, lambda: conv.messages[-1].generated_tokens >= 4)
+        await wait_for(pilot, lambda: conv.path[-1].generated_tokens >= 4)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not conv.generating)
         await pilot.pause()
-        view = screen.chat_view(conv).view_for(conv.messages[-1])
+        view = screen.chat_view(conv).view_for(conv.path[-1])
         assert view.query_one(ThinkingBlock).display
         assert title(view).startswith("▸ Thinking stopped before the answer")
 

@@ -80,7 +80,7 @@ async def test_a_full_disk_mid_reply_keeps_the_app_and_the_reply(shared_client, 
         await wait_for(pilot, lambda: len(app.controller.store.messages(conv.id)) == 2, 20, "the reply's first save")
         filler = fill(tiny_disk)
         reply = await reply_done(pilot, conv)
-        assert app.is_running and reply.stats.completion_tokens == 16 and conv.messages[-1] is reply
+        assert app.is_running and reply.stats.completion_tokens == 16 and conv.path[-1] is reply
         assert any("cannot save chats" in m and "database or disk is full" in m for m in notifications(app))
         assert saved(paths.chat_db, conv.id)[1][2]                        # on disk: still the partial reply
         filler.unlink()
@@ -120,7 +120,7 @@ async def test_failing_writes_never_close_the_app(shared_client, home, monkeypat
         await reply_done(pilot, conv)
         await send(pilot, "/retry")
         again = await reply_done(pilot, conv)
-        assert app.is_running and [m.role for m in conv.messages] == ["user", "assistant"] * 2
+        assert app.is_running and [m.role for m in conv.path] == ["user", "assistant"] * 2
         warnings = [m for m in notifications(app) if "cannot save chats" in m]
         assert len(warnings) == 1 and "(input/output error)" in warnings[0]
         assert ChatStore(home.chat_db).messages(conv.id) == []
@@ -128,8 +128,8 @@ async def test_failing_writes_never_close_the_app(shared_client, home, monkeypat
         await wait_for(pilot, lambda: any(m.startswith("Chats are saved again") for m in notifications(app)), 10,
                        "saved again")
         stored = {m.id: m for m in ChatStore(home.chat_db).messages(conv.id)}
-        assert len(stored) == 5 and stored[again.id].parent_id == conv.messages[2].id
-        assert stored[conv.messages[2].id].parent_id == first.id and stored[again.id].content == again.content
+        assert len(stored) == 5 and stored[again.id].parent_id == conv.path[2].id
+        assert stored[conv.path[2].id].parent_id == first.id and stored[again.id].content == again.content
 
 
 # ---------------------------------------------------------------------------------- a damaged database

@@ -375,13 +375,13 @@ async def test_a_paste_holding_escapes_goes_whole_into_the_input_and_is_not_sent
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         conv = app.chat_screen.current
-        sent = len(conv.messages)
+        sent = len(conv.path)
         box = app.query_one(ChatInput)
         box.set_text("before ")
         for event in PasteSafeParser().feed(BRACKETED):   # what the driver posts for these bytes
             app.post_message(event)
         await pilot.pause()
-        assert box.text == "before a\n␛[31mred␛[0m\nc" and len(conv.messages) == sent
+        assert box.text == "before a\n␛[31mred␛[0m\nc" and len(conv.path) == sent
         # also with the focus on a message: the paste goes to the input, as typing does
         box.load_text("")
         list(app.chat_screen.query(MessageView))[-1].focus()

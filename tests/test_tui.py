@@ -23,7 +23,9 @@ import pytest
 from textual.widgets._markdown import MarkdownParagraph
 from textual.widgets import Label, Static
 
-from nanochat.app.controller import DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, EngineState, format_stats
+from nanochat.app.controller import EngineState
+from nanochat.app.conversation import DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE
+from nanochat.app.export import format_stats
 from nanochat.app.paths import get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import ChatStore
@@ -103,7 +105,7 @@ async def send(pilot, text: str) -> None:
 async def reply_done(pilot, conv, timeout: float = 30.0):
     await wait_for(pilot, lambda: not conv.generating, timeout, "the reply")
     await pilot.pause()
-    return conv.messages[-1]
+    return conv.path[-1]
 
 
 def footers(app) -> list[str]:
@@ -220,7 +222,7 @@ async def test_a_turn_shows_its_first_token_at_once_whatever_the_tick_budget(sha
         conv = app.chat_screen.current
         await pilot.pause(0.5)    # the tick after start-up has scheduled the next one 30 s away
         await send(pilot, "hello")
-        await wait_for(pilot, lambda: conv.messages[-1].role == "assistant" and conv.messages[-1].content,
+        await wait_for(pilot, lambda: conv.path[-1].role == "assistant" and conv.path[-1].content,
                        15.0, "the first token")
 
 
@@ -243,7 +245,7 @@ async def test_two_conversations_generate_at_once(shared_client, home, slow_step
         assert second is not first
         await send(pilot, "a different question in another conversation")
         assert first.generating and second.generating, notifications(app)   # both in flight together
-        a, b = first.messages[-1], second.messages[-1]
+        a, b = first.path[-1], second.path[-1]
         running = []
 
         def both_streaming():
@@ -274,7 +276,7 @@ async def test_escape_cancels_the_reply(shared_client, home, slow_steps):
     async with app.run_test(size=SIZE) as pilot:
         conv = app.chat_screen.current
         await send(pilot, LONG_USER)
-        reply = conv.messages[-1]
+        reply = conv.path[-1]
         await wait_for(pilot, lambda: reply.generated_tokens >= 2, what="the first tokens")
         await pilot.press("escape")
         await reply_done(pilot, conv)
@@ -295,7 +297,7 @@ async def test_quitting_mid_reply_keeps_the_partial_reply(shared_client, home, s
     async with app.run_test(size=SIZE) as pilot:
         conv = app.chat_screen.current
         await send(pilot, LONG_USER)
-        reply = conv.messages[-1]
+        reply = conv.path[-1]
         await wait_for(pilot, lambda: reply.generated_tokens >= 2, what="the first tokens")
     stored = ChatStore(home.chat_db).messages(conv.id)
     assert [m.role for m in stored] == ["user", "assistant"]
@@ -322,7 +324,7 @@ async def test_a_message_longer_than_the_context_offers_a_choice_and_loses_nothi
         conv = app.chat_screen.current
         too_long = "fox " * 400                          # more than the 256-token context
         await fill_until_refused(pilot, app, conv, too_long, most=1)
-        assert conv.messages == [] and ChatStore(home.chat_db).messages(conv.id) == []
+        assert conv.path == [] and ChatStore(home.chat_db).messages(conv.id) == []
         await pilot.press("escape")                      # cancel
         await pilot.pause()
         assert app.query_one(ChatInput).text == too_long    # nothing typed is lost
@@ -352,24 +354,24 @@ async def test_a_chat_outgrowing_the_context_drops_its_oldest_turns_or_goes_on_f
         conv = screen.current
         text = "tell me about the fox " * 6
         sends = await fill_until_refused(pilot, app, conv, text)
-        assert sends > 2 and len(conv.messages) == 2 * (sends - 1)
+        assert sends > 2 and len(conv.path) == 2 * (sends - 1)
         gauge = str(screen.query_one("#g-context-label", Readout).render())
         assert gauge.startswith("context  ") and gauge.endswith("/256 tokens")
         await pilot.press("enter")                       # the first choice: drop the oldest turns
-        await wait_for(pilot, lambda: len(conv.messages) == 2 * sends and not conv.generating, 10, "the resend")
-        assert conv.context_after in conv.messages and conv.context_after.role == "assistant"
-        assert conv.messages[-2].content == text and conv.messages[-1].stats.finish_reason == "length"
-        assert conv.messages[0].role == "user"           # the transcript is untouched
+        await wait_for(pilot, lambda: len(conv.path) == 2 * sends and not conv.generating, 10, "the resend")
+        assert conv.context_after in conv.path and conv.context_after.role == "assistant"
+        assert conv.path[-2].content == text and conv.path[-1].stats.finish_reason == "length"
+        assert conv.path[0].role == "user"           # the transcript is untouched
         await wait_for(pilot, lambda: screen.chat_status.context_used > 0, 10, "the context gauge")
-        assert screen.chat_status.context_used < 256 and conv.messages[-1].stats.prompt_tokens < 256
+        assert screen.chat_status.context_used < 256 and conv.path[-1].stats.prompt_tokens < 256
         # again until it is full, then go on in a new chat from a summary
         await fill_until_refused(pilot, app, conv, text)
         await pilot.press("down", "enter")               # the second choice
-        await wait_for(pilot, lambda: screen.current is not conv and screen.current.messages
+        await wait_for(pilot, lambda: screen.current is not conv and screen.current.path
                        and not screen.current.generating, 30, "the new chat")
         other = screen.current
         assert other.title.endswith("(continued)") and "summary of the conversation" in other.system_prompt
-        assert [m.content for m in other.messages][:1] == [text]
+        assert [m.content for m in other.path][:1] == [text]
 
 
 @sync
@@ -442,10 +444,10 @@ async def test_slash_commands(shared_client, home):
         await wait_for(pilot, pinned(0), 20, "the session's KV freed")
         await send(pilot, "again")
         await reply_done(pilot, conv)
-        assert conv.messages[-1].note == REPLAY_NOTE
+        assert conv.path[-1].note == REPLAY_NOTE
         await wait_for(pilot, pinned(1), 20, "the new session's KV pinned")
         await send(pilot, "/clear")
-        assert conv.messages == [] and ChatStore(home.chat_db).messages(conv.id) == []
+        assert conv.path == [] and ChatStore(home.chat_db).messages(conv.id) == []
         assert not list(screen.chat_view(conv).query(MessageView))
         assert conv.system_prompt == "Be terse."
         await wait_for(pilot, pinned(0), 20, "the KV freed by /clear")
@@ -492,7 +494,7 @@ async def test_a_room_callback_landing_while_its_reply_is_removed_is_ignored(sha
         mview.room = 0
         await pilot.pause()
         await send(pilot, "/clear")
-        assert conv.messages == [] and not list(view.query(MessageView))
+        assert conv.path == [] and not list(view.query(MessageView))
         await send(pilot, "still here")
         assert (await reply_done(pilot, conv)).content
 
@@ -616,8 +618,8 @@ async def test_conversations_persist_across_restart(shared_client, home):
         titles = {c.title for c in again.controller.conversations.values()}
         assert titles == {"remember this conversation", "Empty one"}
         restored = again.controller.conversations[first_id]
-        assert [m.role for m in restored.messages] == ["user", "assistant"]
-        assert restored.messages[1].stats.completion_tokens == 4
+        assert [m.role for m in restored.path] == ["user", "assistant"]
+        assert restored.path[1].stats.completion_tokens == 4
         await screen.show_conversation(first_id)
         await pilot.pause()
         assert len(screen.chat_view(restored).query(MessageView)) == 2
@@ -642,25 +644,25 @@ async def test_ctrl_r_regenerates_the_last_reply_as_a_new_version(shared_client,
         old = await reply_done(pilot, conv)
         app.chat_screen.query_one(ChatInput).focus()
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: conv.messages[-1] is not old and not conv.generating, what="the new reply")
+        await wait_for(pilot, lambda: conv.path[-1] is not old and not conv.generating, what="the new reply")
         await pilot.pause()
-        new = conv.messages[-1]
-        assert [m.content for m in conv.messages[:3]] == [conv.messages[0].content, conv.messages[1].content,
+        new = conv.path[-1]
+        assert [m.content for m in conv.path[:3]] == [conv.path[0].content, conv.path[1].content,
                                                           "second question"]
-        assert len(conv.messages) == 4 and new.content == old.content          # greedy: the same text again
+        assert len(conv.path) == 4 and new.content == old.content          # greedy: the same text again
         # the whole prompt is found cached (its last block copied up to the last token, computed again for
         # its logits); nothing is replayed
         assert new.stats.cached_tokens == new.stats.prompt_tokens - 1 and new.note == ""
         assert role_labels(app, conv) == ["You", "Assistant", "You", "Assistant  ‹2/2›"]
         assert [m.content for m in app.controller.store.messages(conv.id)] == [
-            m.content for m in conv.messages] + [old.content]
+            m.content for m in conv.path] + [old.content]
         # Alt+Left and Alt+Right move between the versions
         await pilot.press("alt+left")
         await pilot.pause()
-        assert conv.messages[-1] is old and role_labels(app, conv)[-1] == "Assistant  ‹1/2›"
+        assert conv.path[-1] is old and role_labels(app, conv)[-1] == "Assistant  ‹1/2›"
         await pilot.press("alt+right")
         await pilot.pause()
-        assert conv.messages[-1] is new and len(app.chat_screen.chat_view(conv).query(MessageView)) == 4
+        assert conv.path[-1] is new and len(app.chat_screen.chat_view(conv).query(MessageView)) == 4
         await send(pilot, "/new")
         await send(pilot, "/retry")
         assert any("cannot retry" in n for n in notifications(app)), notifications(app)
@@ -696,10 +698,10 @@ async def test_edit_an_earlier_message_then_move_between_branches_and_fork(share
         for text in ("one", "two", "three"):
             await send(pilot, text)
             await reply_done(pilot, conv)
-        original = list(conv.messages)
+        original = list(conv.path)
         # focus the first message and press e: its text goes to the input, Enter sends the new version
         view = screen.chat_view(conv)
-        view.view_for(conv.messages[0]).focus()
+        view.view_for(conv.path[0]).focus()
         await pilot.press("e")
         await pilot.pause()
         assert screen.query_one(ChatInput).text == "one" and screen.query_one("#editing").display
@@ -707,13 +709,13 @@ async def test_edit_an_earlier_message_then_move_between_branches_and_fork(share
         screen.query_one(ChatInput).focus()
         await pilot.press("enter")
         reply = await reply_done(pilot, conv)
-        assert [m.content for m in conv.messages] == ["one, edited", reply.content]
+        assert [m.content for m in conv.path] == ["one, edited", reply.content]
         assert role_labels(app, conv) == ["You  ‹2/2›", "Assistant"] and not screen.query_one("#editing").display
         # Left on the focused first message: back to the original branch, all three exchanges
-        view.view_for(conv.messages[0]).focus()
+        view.view_for(conv.path[0]).focus()
         await pilot.press("left")
         await pilot.pause()
-        assert conv.messages == original and len(view.query(MessageView)) == 6
+        assert conv.path == original and len(view.query(MessageView)) == 6
         assert role_labels(app, conv)[0] == "You  ‹1/2›"
         screen.query_one(ChatInput).focus()
         await send(pilot, "four")
@@ -721,11 +723,11 @@ async def test_edit_an_earlier_message_then_move_between_branches_and_fork(share
         held = original[-1].stats.prompt_tokens + original[-1].stats.completion_tokens
         assert back.stats.cached_tokens >= held - 16                         # the branch's KV was resident
         # fork at the second message (the first reply): a new conversation with that much
-        view.view_for(conv.messages[1]).focus()
+        view.view_for(conv.path[1]).focus()
         await pilot.press("f")
         await pilot.pause()
         fork = screen.current
-        assert fork is not conv and [m.content for m in fork.messages] == ["one", original[1].content]
+        assert fork is not conv and [m.content for m in fork.path] == ["one", original[1].content]
         await send(pilot, "/edit")
         assert screen.query_one(ChatInput).text == "one"
         await pilot.press("escape")
@@ -749,7 +751,7 @@ async def test_engine_killed_mid_reply_is_survived(tiny_models, home, step_delay
             conv = screen.current
             step_delay.set(0.03)
             await send(pilot, LONG_USER)
-            reply = conv.messages[-1]
+            reply = conv.path[-1]
             await wait_for(pilot, lambda: reply.generated_tokens >= 3, what="the first tokens")
             pid = client.pid
             client.kill()
@@ -776,10 +778,10 @@ async def test_engine_killed_mid_reply_is_survived(tiny_models, home, step_delay
             step_delay.set(0)
             app.controller.sampling["max_tokens"] = 5
             await send(pilot, "are you back?")
-            await wait_for(pilot, lambda: len(conv.messages) == 4 and not conv.generating, 60,
+            await wait_for(pilot, lambda: len(conv.path) == 4 and not conv.generating, 60,
                            "the restart and the reply")
             await pilot.pause()
-            nxt = conv.messages[-1]
+            nxt = conv.path[-1]
             assert nxt.role == "assistant" and nxt.note == REPLAY_NOTE
             assert nxt.stats.finish_reason == "length" and nxt.stats.prompt_tokens > 40
             assert client.alive and client.pid != pid
@@ -810,7 +812,7 @@ async def test_no_engine_process_outlives_the_app(tiny_models, home, step_delay)
         step_delay.set(0.03)
         conv = app.chat_screen.current
         await send(pilot, LONG_USER)
-        await wait_for(pilot, lambda: conv.messages[-1].generated_tokens >= 2, what="the first tokens")
+        await wait_for(pilot, lambda: conv.path[-1].generated_tokens >= 2, what="the first tokens")
     assert process_gone(pid) and not app.client.alive
     [_, reply] = ChatStore(home.chat_db).messages(conv.id)
     assert reply.stats.finish_reason == "abort" and "cancelled" in format_stats(reply.stats)

@@ -13,7 +13,8 @@ from contextlib import asynccontextmanager
 import pytest
 from textual.widgets import Static
 
-from nanochat.app.controller import DEFAULT_TITLE, EngineState
+from nanochat.app.controller import EngineState
+from nanochat.app.conversation import DEFAULT_TITLE
 from nanochat.app.store import ChatStore
 from nanochat.app.tui.chat_screen import WAITING
 from nanochat.app.tui.screens import ModelPicker
@@ -70,7 +71,7 @@ async def test_a_message_sent_while_the_model_loads_waits_and_goes_out_once(tiny
         await send(pilot, "What is the capital of France?")   # at once: the load's worker may not run yet
         [view] = waiting_views(app)
         assert view.message.content == "What is the capital of France?" and footer(view).startswith(WAITING)
-        assert box.text == "" and conv.messages == [] and conv.title == DEFAULT_TITLE
+        assert box.text == "" and conv.path == [] and conv.title == DEFAULT_TITLE
         assert not screen.query_one(".placeholder").display
 
         # why it is slow, in the gauges and on the message
@@ -87,15 +88,15 @@ async def test_a_message_sent_while_the_model_loads_waits_and_goes_out_once(tiny
         box.load_text("")
 
         held_load.set()
-        await wait_for(pilot, lambda: len(conv.messages) == 2 and not conv.generating, 60, "the reply")
+        await wait_for(pilot, lambda: len(conv.path) == 2 and not conv.generating, 60, "the reply")
         await pilot.pause()
-        assert [m.role for m in conv.messages] == ["user", "assistant"]
-        assert conv.messages[0].content == "What is the capital of France?"
-        assert conv.messages[1].stats.completion_tokens > 0
+        assert [m.role for m in conv.path] == ["user", "assistant"]
+        assert conv.path[0].content == "What is the capital of France?"
+        assert conv.path[1].stats.completion_tokens > 0
         assert waiting_views(app) == [] and conv.title == "What is the capital of France?"
         assert COMPILING not in str(app.query_one("#g-device").render())
         await pilot.pause(0.3)
-        assert len(conv.messages) == 2   # sent once
+        assert len(conv.path) == 2   # sent once
     assert [m.role for m in ChatStore(home.chat_db).messages(conv.id)] == ["user", "assistant"]
 
 
@@ -111,7 +112,7 @@ async def test_a_message_waiting_for_a_load_that_fails_goes_back_to_the_input(tm
         held_load.set()
         await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), 30, "the failed load")
         assert screen.query_one(ChatInput).text == "hello" and waiting_views(app) == []
-        assert conv.messages == [] and app.controller.engine_state is EngineState.NO_MODEL
+        assert conv.path == [] and app.controller.engine_state is EngineState.NO_MODEL
         await pilot.pause()
         [why] = [m for m in notifications(app) if "not sent" in m]
         assert "it is back in the input" in why and "x.gguf" not in why   # the load's own line names it
@@ -131,4 +132,4 @@ async def test_escape_takes_a_waiting_message_back(tiny_models, home, held_load)
         held_load.set()
         await wait_for(pilot, lambda: app.controller.engine_state is EngineState.READY, 60, "the load")
         await pilot.pause(0.2)
-        assert conv.messages == []   # nothing went out
+        assert conv.path == []   # nothing went out

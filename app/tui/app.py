@@ -38,19 +38,19 @@ from pathlib import Path
 from rich.text import Text
 from textual import on, work
 from textual.app import App
-from textual.message import Message
 from textual.reactive import var
 from textual.timer import Timer
 
-from nanochat.app.controller import ChatController, EngineState, model_display_name
+from nanochat.app.controller import ChatController, EngineState
+from nanochat.app.export import model_display_name
 from nanochat.app.options import sampling_options
 from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
 from nanochat.app.store import open_store
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.chat_screen import ChatScreen
-from nanochat.app.tui.messages import (EngineChanged, EngineStopped, LoadModel, StorageChanged, TuiObserver,
-                                       TurnFinished, TurnStarted)
+from nanochat.app.tui.messages import (EngineChanged, EngineStopped, LoadModel, LoadNote, StorageChanged,
+                                       TuiObserver, TurnFinished, TurnStarted)
 from nanochat.app.tui.recovery import offer_recovery
 from nanochat.app.tui.widgets import EngineStatus, InputHistory
 from nanochat.engine.output import EngineStats
@@ -108,15 +108,6 @@ def engine_labels(controller: ChatController, note: str | None = None) -> tuple[
     return name, " · ".join(x for x in (info.arch, device, info.dtype) if x), False
 
 
-class LoadNote(Message):
-    """What the load (or restart) in progress is doing that takes long; posted from the client's reader
-    thread."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-
 class NanochatApp(App):
     TITLE = "nanochat"
     CSS_PATH = ["app.tcss", "screens.tcss"]
@@ -149,10 +140,6 @@ class NanochatApp(App):
         self._stats: EngineStats | None = None      # engine stats the gauges have not shown yet
         self._stats_at = 0.0                        # when the gauges last took stats
         self._gc_deferred_at: float | None = None   # when streaming turned the garbage collector off
-        # A load asked for and not ended: true from start-up, before the load's worker has begun (the
-        # controller says LOADING only from then on), so that a message sent at once waits for it.
-        self.load_pending = False
-        self.load_note: str | None = None           # LoadNote's text, while its load runs
         register_themes(self)
         self.theme = self.settings.theme if self.settings.theme in self.available_themes else DEFAULT_THEME
 
@@ -178,7 +165,7 @@ class NanochatApp(App):
         for warning in self.settings.warnings:
             self.notify(warning, severity="warning")
         if self.controller.model is None and self.startup_model:
-            self.load_pending = True
+            self.chat_screen.load_pending = True
             self.startup_load(self.startup_model)
         elif self.controller.model is None:
             self.notify("No model loaded: pick one (Ctrl+L or /model)", severity="warning")
@@ -197,7 +184,7 @@ class NanochatApp(App):
 
     # ------------------------------------------------------------------ engine status
     def refresh_engine_status(self) -> None:
-        model, detail, busy = engine_labels(self.controller, self.load_note)
+        model, detail, busy = engine_labels(self.controller, self.chat_screen.load_note)
         self.engine_status = replace(self.engine_status, model=model, detail=detail, busy=busy)
 
     def post_load_note(self, text: str) -> None:
@@ -206,10 +193,11 @@ class NanochatApp(App):
 
     @on(LoadNote)
     def _load_note(self, message: LoadNote) -> None:
-        if self.load_pending or self.controller.engine_state in (EngineState.LOADING, EngineState.RESTARTING):
-            self.load_note = message.text   # (a note that comes after its load ended is dropped)
+        screen = self.chat_screen
+        if screen.load_pending or self.controller.engine_state in (EngineState.LOADING, EngineState.RESTARTING):
+            screen.load_note = message.text   # (a note that comes after its load ended is dropped)
             self.refresh_engine_status()
-            self.chat_screen.show_load_note(message.text)
+            screen.show_load_note(message.text)
 
     async def stream_tick(self) -> None:
         """Drain the controller and draw what it brought (reply text, gauges) as one batch; then wait
@@ -264,7 +252,7 @@ class NanochatApp(App):
     @on(EngineChanged)
     def _engine_changed(self) -> None:
         if self.controller.engine_state not in (EngineState.LOADING, EngineState.RESTARTING):
-            self.load_note = None   # the job it was about has ended
+            self.chat_screen.load_note = None   # the job it was about has ended
         self.refresh_engine_status()
 
     @on(EngineStopped)
@@ -303,7 +291,7 @@ class NanochatApp(App):
     async def load_model(self, model: str) -> str | None:
         """Load `model` in a worker thread; None on success, else why not (the previous model stays).
         Then the message that waited for it goes out, or back to the input."""
-        self.load_pending = True
+        self.chat_screen.load_pending = True
         error = None
         try:
             await asyncio.to_thread(self.controller.load_model, model, status=self.post_load_note)
@@ -311,7 +299,7 @@ class NanochatApp(App):
             error = one_line(e)
             self.notify(f"could not load {model}: {error}", severity="error", timeout=10)
         finally:
-            self.load_pending, self.load_note = False, None
+            self.chat_screen.load_pending, self.chat_screen.load_note = False, None
             self.refresh_engine_status()
         if error is None:
             self.settings.remember_model(model)
@@ -326,8 +314,8 @@ class NanochatApp(App):
 
     async def _load_for(self, request: LoadModel) -> None:
         error = await self.load_model(request.model)
-        if request.picker is not None:
-            request.picker.load_finished(request.model, error)
+        if request.done is not None:
+            request.done(request.model, error)
 
     @work(group="load")
     async def startup_load(self, model: str) -> None:

@@ -2,16 +2,22 @@
 
 Typed in the input, chosen in the command palette or bound to keys, every command runs here. The
 handlers act on the chat screen's current conversation through the controller, push screens and post
-requests upward (LoadModel); parsing, completion and help text live in commands.py.
+requests upward (LoadModel); parsing, completion and help text live in commands.py. What they need of
+the screen is `ChatHost` (the chat screen is one), so this module does not import the screen's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from nanochat.app.controller import ChatController, ChatError, describe_settings, model_display_name, setting_value
+from textual.app import App
+from textual.message import Message as TextualMessage
+
+from nanochat.app.controller import Chat, ChatController, describe_settings, setting_value
+from nanochat.app.conversation import ChatError, Message
+from nanochat.app.export import model_display_name
 from nanochat.app.options import on_off
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.messages import LoadModel
@@ -20,8 +26,39 @@ from nanochat.app.tui.screens import (BenchScreen, ConfirmScreen, HelpScreen, Hi
 from nanochat.app.tui.widgets import code_blocks
 from nanochat.themes import THEME_NAMES
 
-if TYPE_CHECKING:
-    from nanochat.app.tui.chat_screen import ChatScreen
+
+class ChatHost(Protocol):
+    """The screen the commands act on (ChatScreen): its controller and current conversation, and the
+    changes to its views that a command makes."""
+
+    controller: ChatController
+
+    @property
+    def app(self) -> App: ...
+
+    @property
+    def current(self) -> Chat: ...
+
+    def notify(self, message: str, *, title: str = "", severity: str = "information",
+               timeout: float | None = None, markup: bool = True) -> None: ...
+
+    def post_message(self, message: TextualMessage) -> bool: ...
+
+    async def new_conversation(self, title: str = "") -> Chat: ...
+
+    def rename_conversation(self, conv: Chat, title: str) -> None: ...
+
+    async def delete_conversation(self, conv: Chat) -> None: ...
+
+    async def clear_conversation(self, conv: Chat) -> None: ...
+
+    async def retry(self, conv: Chat) -> None: ...
+
+    def start_edit(self, message: Message) -> None: ...
+
+    async def fork(self, conv: Chat, message: Message) -> None: ...
+
+    def refresh_chat_status(self) -> None: ...
 
 
 def parse_value(raw: str):
@@ -35,7 +72,7 @@ def parse_value(raw: str):
 
 
 class ChatCommands:
-    def __init__(self, screen: "ChatScreen", exports_dir: Path, discover: Callable[[], list],
+    def __init__(self, screen: ChatHost, exports_dir: Path, discover: Callable[[], list],
                  bench_overrides: dict | None = None):
         self.screen = screen
         self.exports_dir = exports_dir
@@ -103,7 +140,7 @@ class ChatCommands:
 
     async def edit(self, arg: str) -> None:
         conv = self.screen.current
-        mine = [m for m in conv.messages if m.role == "user"]
+        mine = [m for m in conv.path if m.role == "user"]
         if not mine:
             self.notify("There is no message of yours to edit", severity="warning")
             return
@@ -111,10 +148,10 @@ class ChatCommands:
 
     async def fork(self, arg: str) -> None:
         conv = self.screen.current
-        if not conv.messages:
+        if not conv.path:
             self.notify("Nothing to fork yet", severity="warning")
             return
-        await self.screen.fork(conv, conv.messages[-1])
+        await self.screen.fork(conv, conv.path[-1])
 
     async def set(self, arg: str) -> None:
         conv = self.screen.current
@@ -184,7 +221,7 @@ class ChatCommands:
         self.notify(f"Exported to {path}", timeout=8)
 
     async def copy(self, arg: str) -> None:
-        replies = [m for m in self.screen.current.messages if m.role == "assistant" and m.content]
+        replies = [m for m in self.screen.current.path if m.role == "assistant" and m.content]
         if not replies:
             self.notify("Nothing to copy yet", severity="warning")
             return

@@ -28,13 +28,13 @@ from textual.css.query import NoMatches
 from textual.reactive import var
 from textual.widgets import ContentSwitcher, Footer, Header, Label, OptionList
 
-from nanochat.app.controller import (DEFAULT_TITLE, ChatController, ChatError, Conversation, EngineState, Message,
-                                     Turn, describe_settings)
+from nanochat.app.controller import Chat, ChatController, EngineState, Turn, describe_settings
+from nanochat.app.conversation import DEFAULT_TITLE, ChatError, Message
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.chat_commands import ChatCommands
-from nanochat.app.tui.commands import NanochatCommands
-from nanochat.app.tui.messages import MessageAction, RunCommand, TurnFinished, TurnStarted
+from nanochat.app.tui.messages import LoadNote, MessageAction, RunCommand, TurnFinished, TurnStarted
+from nanochat.app.tui.palette import NanochatCommands
 from nanochat.app.tui.screens import ContextFullScreen, GaugedScreen
 from nanochat.app.tui.widgets import (ChatInput, ChatStatus, ChatView, CommandHints, ConversationList, GaugePanel,
                                      InputHistory, MessageView)
@@ -83,9 +83,14 @@ class ChatScreen(GaugedScreen):
         self.commands = ChatCommands(self, exports_dir, discover, bench_overrides)
         self.current_id: int = next(iter(controller.conversations))
         self._restart_pending = False
+        # Set by the app: a load asked for and not ended (true from start-up, before the load's worker has
+        # begun: the controller says LOADING only from then on, and a message sent at once waits for it),
+        # and what makes that load slow (LoadNote's text).
+        self.load_pending = False
+        self.load_note: str | None = None
         self.editing: Message | None = None    # a message of yours being edited in the input
         # The message sent during a load, and its chat: sent by engine_ready; its view is `_waiting_view`.
-        self.waiting: tuple[Conversation, Message] | None = None
+        self.waiting: tuple[Chat, Message] | None = None
         self._waiting_view: MessageView | None = None
 
     # ------------------------------------------------------------------ layout
@@ -112,10 +117,10 @@ class ChatScreen(GaugedScreen):
 
     # ------------------------------------------------------------------ conversations
     @property
-    def current(self) -> Conversation:
+    def current(self) -> Chat:
         return self.controller.conversations[self.current_id]
 
-    def chat_view(self, conv: Conversation) -> ChatView | None:
+    def chat_view(self, conv: Chat) -> ChatView | None:
         try:
             return self.query_one(f"#chat-{conv.id}", ChatView)
         except NoMatches:
@@ -125,7 +130,7 @@ class ChatScreen(GaugedScreen):
         self.query_one(ConversationList).set_conversations(list(self.controller.conversations.values()),
                                                            self.current_id)
 
-    def refresh_item(self, conv: Conversation) -> None:
+    def refresh_item(self, conv: Chat) -> None:
         self.query_one(ConversationList).refresh_conversation(conv)
         if conv.id == self.current_id:
             self.sub_title = sanitize(conv.title)
@@ -148,18 +153,18 @@ class ChatScreen(GaugedScreen):
         await self.show_conversation(int(event.option.id))
         self.query_one(ChatInput).focus()
 
-    async def new_conversation(self, title: str = "") -> Conversation:
+    async def new_conversation(self, title: str = "") -> Chat:
         conv = self.controller.new_conversation(title)
         self.refresh_list()
         await self.show_conversation(conv.id)
         self.query_one(ChatInput).focus()
         return conv
 
-    def rename_conversation(self, conv: Conversation, title: str) -> None:
+    def rename_conversation(self, conv: Chat, title: str) -> None:
         if self.controller.rename(conv, title):
             self.refresh_item(conv)
 
-    async def delete_conversation(self, conv: Conversation) -> None:
+    async def delete_conversation(self, conv: Chat) -> None:
         if self.waiting is not None and self.waiting[0] is conv:
             self.waiting = None   # deleted with its chat, as the user asked
         self.controller.delete(conv)
@@ -170,7 +175,7 @@ class ChatScreen(GaugedScreen):
         if self.current_id not in self.controller.conversations:
             await self.show_conversation(next(iter(self.controller.conversations)))
 
-    async def clear_conversation(self, conv: Conversation) -> None:
+    async def clear_conversation(self, conv: Chat) -> None:
         self.controller.clear(conv)
         view = self.chat_view(conv)
         if view is not None:
@@ -195,7 +200,7 @@ class ChatScreen(GaugedScreen):
             return
         await self.send_message(text)
 
-    async def send_message(self, text: str, conv: Conversation | None = None) -> bool:
+    async def send_message(self, text: str, conv: Chat | None = None) -> bool:
         """Start a turn in `conv` (default: the current one); False when it could not start. When the
         engine has stopped, it is restarted first (in a worker) and the message sent after that; while a
         model loads, it waits for the load (see the module's docstring)."""
@@ -207,19 +212,19 @@ class ChatScreen(GaugedScreen):
     # ------------------------------------------------------------------ a message waiting for the engine
     def engine_coming(self) -> bool:
         """A load or a restart runs, or has been asked for: the engine will take messages after it."""
-        return self.controller.engine_state in JOBS or self.app.load_pending or self._restart_pending
+        return self.controller.engine_state in JOBS or self.load_pending or self._restart_pending
 
-    async def _wait(self, conv: Conversation, text: str) -> bool:
+    async def _wait(self, conv: Chat, text: str) -> bool:
         if self.waiting is not None:
             self.notify("A message is already waiting for the model; send this one after its reply",
                         severity="warning")
             self.give_back(conv, text)
             return False
-        self.waiting = (conv, Message("user", text, note=waiting_note(self.app.load_note)))
+        self.waiting = (conv, Message("user", text, note=waiting_note(self.load_note)))
         await self._show_waiting(conv)
         return True
 
-    async def _show_waiting(self, conv: Conversation) -> None:
+    async def _show_waiting(self, conv: Chat) -> None:
         """Show the waiting message at the end of its chat (again, after the chat's views were redone)."""
         view = self.chat_view(conv)
         if self.waiting is None or self.waiting[0] is not conv or view is None:
@@ -231,7 +236,7 @@ class ChatScreen(GaugedScreen):
             view.query_one(".placeholder").display = False
             view.anchor()
 
-    async def _take_waiting(self) -> tuple[Conversation, Message]:
+    async def _take_waiting(self) -> tuple[Chat, Message]:
         """The waiting message (there is one), no longer waiting: its view goes."""
         waiting, self.waiting = self.waiting, None
         view, self._waiting_view = self._waiting_view, None
@@ -268,15 +273,15 @@ class ChatScreen(GaugedScreen):
         self.controller.drain()   # the replies a model switch cancelled end first: their chat is free
         await self._begin(conv, partial(self.controller.send, conv, message.content), message.content)
 
-    async def retry(self, conv: Conversation) -> None:
+    async def retry(self, conv: Chat) -> None:
         """Regenerate the last reply: a new version of it, beside the old one (‹2/2›)."""
         await self._begin(conv, partial(self.controller.regenerate, conv), "", verb="retry")
 
-    async def edit(self, conv: Conversation, message: Message, text: str) -> bool:
+    async def edit(self, conv: Chat, message: Message, text: str) -> bool:
         """Send `text` as a new version of the user message `message`: a branch from that point."""
         return await self._begin(conv, partial(self.controller.edit, conv, message, text), text, verb="edit")
 
-    async def _begin(self, conv: Conversation, start: Callable[[], Turn], text: str, verb: str = "send") -> bool:
+    async def _begin(self, conv: Chat, start: Callable[[], Turn], text: str, verb: str = "send") -> bool:
         """Start a turn with `start` once the engine can take it; False when it could not start (what
         was typed, `text`, goes back to the input). A stopped engine is restarted first, in a worker."""
         state = self.controller.engine_state
@@ -309,16 +314,20 @@ class ChatScreen(GaugedScreen):
             self.refresh_item(conv)   # the generating dot, and the title taken from the first message
         return True
 
-    async def show_path(self, conv: Conversation) -> None:
+    async def show_path(self, conv: Chat) -> None:
         view = self.chat_view(conv)
         if view is not None:   # events wait in the controller's inbox until these views exist
             await view.show_path()
             await self._show_waiting(conv)   # show_path takes away views of messages not in the chat
 
+    def post_load_note(self, text: str) -> None:
+        """A restart's `status` callback (the client's reader thread): the note goes up to the app."""
+        self.post_message(LoadNote(text))
+
     @work(group="engine")
-    async def restart_then_begin(self, conv: Conversation, start: Callable[[], Turn], text: str, verb: str) -> None:
+    async def restart_then_begin(self, conv: Chat, start: Callable[[], Turn], text: str, verb: str) -> None:
         try:
-            await asyncio.to_thread(self.controller.restart_engine, status=self.app.post_load_note)
+            await asyncio.to_thread(self.controller.restart_engine, status=self.post_load_note)
         except Exception as e:   # the engine cannot start again: say why, and keep what was typed
             self.notify(f"could not restart the engine: {one_line(e)}", severity="error", timeout=10)
             self.give_back(conv, text)
@@ -333,7 +342,7 @@ class ChatScreen(GaugedScreen):
     def start_edit(self, message: Message) -> None:
         """Put a message of yours in the input; Enter sends it as a new version, Esc stops editing."""
         conv = self.current
-        if message.role != "user" or message not in conv.messages:
+        if message.role != "user" or message not in conv.path:
             self.notify("Only your own messages can be edited", severity="warning")
             return
         self.editing = message
@@ -342,7 +351,7 @@ class ChatScreen(GaugedScreen):
         chat_input.select_all()   # typing replaces it; an arrow key keeps it to change
         chat_input.focus()
         label = self.query_one("#editing", Label)
-        label.update(sanitize(f"Editing message {conv.messages.index(message) + 1} · Enter sends a new version · "
+        label.update(sanitize(f"Editing message {conv.path.index(message) + 1} · Enter sends a new version · "
                               "Esc stops"))
         label.display = True
 
@@ -350,7 +359,7 @@ class ChatScreen(GaugedScreen):
         self.editing = None
         self.query_one("#editing", Label).display = False
 
-    async def switch_version(self, conv: Conversation, message: Message, step: int, focus: bool = False) -> None:
+    async def switch_version(self, conv: Chat, message: Message, step: int, focus: bool = False) -> None:
         """Show the previous (-1) or next (+1) version of `message`; `focus` moves the focus to it (when
         the move came from the message itself, so that Left/Right keep moving)."""
         try:
@@ -369,7 +378,7 @@ class ChatScreen(GaugedScreen):
             mview.focus()
             mview.scroll_visible()
 
-    async def fork(self, conv: Conversation, message: Message) -> None:
+    async def fork(self, conv: Chat, message: Message) -> None:
         try:
             other = self.controller.fork(conv, message)
         except ChatError as e:
@@ -411,11 +420,11 @@ class ChatScreen(GaugedScreen):
         else:
             await self.switch_version(conv, event.message, -1 if event.action == "prev" else 1, focus=True)
 
-    def last_versioned(self, conv: Conversation) -> Message | None:
+    def last_versioned(self, conv: Chat) -> Message | None:
         """The last message of the path shown that has other versions."""
-        return next((m for m in reversed(conv.messages) if len(conv.siblings(m)) > 1), None)
+        return next((m for m in reversed(conv.path) if len(conv.siblings(m)) > 1), None)
 
-    def give_back(self, conv: Conversation, text: str) -> None:
+    def give_back(self, conv: Chat, text: str) -> None:
         """Put an unsent message back into the input, on lines of its own above what was typed since (a
         message sent next must not run into it)."""
         if not text or conv.id != self.current_id:   # (a retry gives back no text)
@@ -493,7 +502,7 @@ class ChatScreen(GaugedScreen):
 
         await self.app.push_screen(ContextFullScreen(turn.fold.stats.prompt_tokens, limit), chosen)
 
-    def _again(self, turn: Turn, conv: Conversation | None = None) -> Callable[[], Turn]:
+    def _again(self, turn: Turn, conv: Chat | None = None) -> Callable[[], Turn]:
         """What starts `turn` over (in `conv`, default its own): an edit, a regenerate or a message."""
         conv = conv or turn.conversation
         if conv is turn.conversation and turn.edit_of is not None:

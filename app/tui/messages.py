@@ -3,17 +3,14 @@ and widgets post upward (load a model, run a slash command)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from textual.message import Message
 from textual.message_pump import MessagePump
 
 from nanochat.app.controller import ChatObserver, Turn
 from nanochat.engine.output import EngineStats
-
-if TYPE_CHECKING:
-    from nanochat.app.tui.screens import ModelPicker
 
 
 # ---------------------------------------------------------------------------------- controller -> UI
@@ -94,12 +91,22 @@ class TurnStarted(Message):
 
 
 class LoadModel(Message):
-    """Load `model` (the app does it in a worker); a picker that asked hears back through load_finished."""
+    """Load `model` (the app does it in a worker); `done(model, error)`, when given, hears how it went
+    (error: None when the model is loaded)."""
 
-    def __init__(self, model: str, picker: "ModelPicker | None" = None):
+    def __init__(self, model: str, done: Callable[[str, str | None], None] | None = None):
         super().__init__()
         self.model = model
-        self.picker = picker
+        self.done = done
+
+
+class LoadNote(Message):
+    """What the load (or restart) in progress is doing that takes long; posted from the client's reader
+    thread."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
 
 class RunCommand(Message):

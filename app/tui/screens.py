@@ -22,7 +22,7 @@ from textual.widgets import (DataTable, Footer, Input, Label, LoadingIndicator, 
                              Static)
 from textual.widgets.option_list import Option
 
-from nanochat.app.controller import Conversation
+from nanochat.app.conversation import Conversation
 from nanochat.app.reasoning import describe_thought
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.tui.messages import LoadModel
@@ -144,7 +144,7 @@ class ModelPicker(ModalScreen[str | None]):
         self._loading = True
         self.query_one("#picker-loading").display = True
         self.query_one("#picker-message", Label).update(sanitize(f"loading {model} …"))
-        self.post_message(LoadModel(model, picker=self))
+        self.post_message(LoadModel(model, done=self.load_finished))
 
     def load_finished(self, model: str, error: str | None) -> None:
         """The app's answer to LoadModel (error: None when the model is loaded)."""
@@ -347,7 +347,7 @@ class HistoryScreen(ModalScreen[None]):
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("#", "Role", "Message", "Prompt", "Cached", "Prefilled", "Output", "TTFT", "tok/s", "Note")
-        for i, m in enumerate(self.conversation.messages, 1):
+        for i, m in enumerate(self.conversation.path, 1):
             text = " ".join(m.content.split())
             text = text if len(text) <= 48 else text[:47] + "…"
             k, n = self.conversation.version(m)
@@ -369,12 +369,12 @@ class HistoryScreen(ModalScreen[None]):
                 f"{s.decode_tok_s:.1f}" if s.decode_tok_s else ""]
 
     def _totals(self) -> str:
-        stats = [m.stats for m in self.conversation.messages if m.stats is not None]
+        stats = [m.stats for m in self.conversation.path if m.stats is not None]
         prompt = sum(s.prompt_tokens for s in stats)
         cached = sum(s.cached_tokens for s in stats)
         out = sum(s.completion_tokens for s in stats)
         rate = f"{cached / prompt * 100:.0f}%" if prompt else "—"
-        return (f"{len(self.conversation.messages)} messages · {len(stats)} replies · prompt {prompt} tok, "
+        return (f"{len(self.conversation.path)} messages · {len(stats)} replies · prompt {prompt} tok, "
                 f"cached {cached} ({rate}) · generated {out} tok")
 
     def action_close(self) -> None:

@@ -28,9 +28,12 @@ from textual.widgets import Label, LoadingIndicator, Markdown, OptionList, Progr
 from textual.widgets.option_list import Option
 from textual.widgets.text_area import Edit, EditResult
 
-from nanochat.app.controller import Conversation, Message, format_stats
+from nanochat.app.controller import Chat
+from nanochat.app.conversation import Conversation, Message
+from nanochat.app.export import format_stats
 from nanochat.app.reasoning import Thought, describe_thought
 from nanochat.app.terminal_text import sanitize
+from nanochat.app.tui.commands import matching
 from nanochat.app.tui.messages import MessageAction
 from nanochat.engine.output import EngineStats
 
@@ -298,7 +301,7 @@ class ChatView(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("Type a message and press Enter. /help lists the commands, Ctrl+P opens the palette.",
                      classes="placeholder")
-        for m in self.conversation.messages:
+        for m in self.conversation.path:
             yield self._view(m)
 
     def _view(self, message: Message) -> MessageView:
@@ -309,7 +312,7 @@ class ChatView(VerticalScroll):
         self.anchor()
 
     def refresh_placeholder(self) -> None:
-        self.query_one(".placeholder").display = not self.conversation.messages
+        self.query_one(".placeholder").display = not self.conversation.path
 
     async def clear_messages(self) -> None:
         self._drop_room()   # first: a reply's pending room callback then finds no room to move
@@ -326,7 +329,7 @@ class ChatView(VerticalScroll):
         """Follow the path shown (after a regenerate, an edit, a move to another version, a forgotten
         turn): the views of the messages it shares with what is on screen stay, the rest are replaced."""
         views = list(self.query(MessageView))
-        path = self.conversation.messages
+        path = self.conversation.path
         keep = 0
         while keep < min(len(views), len(path)) and views[keep].message is path[keep]:
             keep += 1
@@ -568,8 +571,6 @@ class ChatInput(TextArea):
         super().action_cursor_down(select)
 
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
-        from nanochat.app.tui.commands import matching
-
         hints = self.hints
         if hints is not None:
             hints.show(matching(self.text, self.theme_names))
@@ -737,14 +738,14 @@ class ConversationList(OptionList):
     def __init__(self, **kwargs):
         super().__init__(markup=False, **kwargs)
 
-    def set_conversations(self, conversations: list[Conversation], current_id: int | None) -> None:
+    def set_conversations(self, conversations: list[Chat], current_id: int | None) -> None:
         self.clear_options()
         self.add_options([Option(self._label(c), id=str(c.id)) for c in conversations])
         if current_id is not None:
             self.select_id(current_id)
 
     @staticmethod
-    def _label(c: Conversation) -> str:
+    def _label(c: Chat) -> str:
         return sanitize(("● " if c.generating else "  ") + c.title)
 
     def select_id(self, conversation_id: int) -> None:
@@ -753,7 +754,7 @@ class ConversationList(OptionList):
         except Exception:
             pass
 
-    def refresh_conversation(self, c: Conversation) -> None:
+    def refresh_conversation(self, c: Chat) -> None:
         try:
             self.replace_option_prompt(str(c.id), self._label(c))
         except Exception:

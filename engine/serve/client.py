@@ -6,11 +6,12 @@
     for event in client.submit_turn(chat, "Hello!", SamplingParams(max_tokens=64)):
         print(event.text, end="")
 
-The engine process (engine/serve/core.py) holds the model, the KV cache, the scheduler and the chat
-sessions' token histories. This side keeps a mirror of every session (its transcript and canonical
-token ids), so when the process dies (kill -9, the OOM killer, a crash in a kernel) nothing is lost:
-open streams end with one clear error, and the next request starts a new process, reloads the model
-and re-opens each session from its ids, which are then prefilled once.
+The engine process (engine/serve/core.py) holds the model, the KV cache, the scheduler and a working
+copy of each chat session. The sessions themselves are this side's `Session` records (their state
+machine: engine/serve/session.py): transcript, canonical token ids, the engine that holds them. So when
+the process dies (kill -9, the OOM killer, a crash in a kernel) nothing is lost: open streams end with
+one clear error, and the next request starts a new process, reloads the model and re-opens each
+session from its record, whose ids are then prefilled once.
 
 Nothing here imports torch. Calls may come from any thread; event callbacks run on the client's
 reader thread and must not block.
@@ -30,12 +31,17 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from functools import partial
 
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.serve.protocol import Call, EngineDied, EngineError, EngineRestarting, ModelInfo, remote_error
+from nanochat.engine.serve.session import (BranchSessions, Incarnation, Session, SessionState, SessionStateError,
+                                           check)
+
+# Front ends reach sessions through this module too (the one door).
+__all__ = ["AsyncEngineClient", "AsyncRequestStream", "BranchSessions", "EngineClient", "RequestStream", "Session",
+           "SessionState", "SessionStateError"]
 
 STDERR_TAIL = 40   # lines of the engine process's stderr kept for the message when it dies
 
@@ -51,36 +57,6 @@ def _memory_hint(signal_name: str, stderr_tail: list[str]) -> str:
     if any(sign in line for line in stderr_tail[-4:] for sign in MEMORY_SIGNS):
         return " (out of memory: an allocation failed)"
     return " (out of memory?)" if signal_name == "SIGKILL" else ""
-
-
-@dataclass(eq=False)
-class Session:
-    """A chat session as the client keeps it: enough to rebuild it in a new engine process."""
-
-    id: str
-    system_prompt: str | None = None
-    history: list[dict] = field(default_factory=list)    # finished turns' messages, as the model saw them
-    token_ids: list[int] | None = None     # canonical ids of the first len(turn_starts) turns (None: none known)
-    turn_starts: list[int] | None = None   # where each of those turns starts in token_ids
-    model: str | None = None               # the model the ids belong to
-    epoch: int = -1                        # the engine incarnation that holds it (-1: none)
-    request_id: str | None = None          # the turn in flight
-    pending: list[dict] | None = None      # its input messages
-    template_kwargs: dict | None = None    # template variables of its latest turn (a re-open renders with them)
-
-    @property
-    def turns(self) -> int:
-        """Finished turns: each is its input messages (a user's, or tool results) and an assistant reply."""
-        return sum(m["role"] == "assistant" for m in self.history)
-
-    def turn_end(self, turns: int) -> int:
-        """Where the first `turns` turns end in `history`: just after the turns-th assistant message."""
-        ends = [at + 1 for at, m in enumerate(self.history) if m["role"] == "assistant"]
-        return ends[turns - 1] if turns else 0
-
-    @property
-    def busy(self) -> bool:
-        return self.request_id is not None
 
 
 class RequestStream:
@@ -101,7 +77,7 @@ class RequestStream:
     def _deliver(self, event: TokenEvent) -> None:
         self.reply.add(event)
         if event.finished and self.session is not None and self.session.request_id == self.request_id:
-            EngineClient._end_turn(self.session, self.reply)
+            self.session.end_turn(self.reply)
         self._queue.put(event)
         if self._on_event is not None:
             self._on_event(event)
@@ -165,7 +141,8 @@ class EngineClient:
         self.in_process = in_process
         self.log_path = log_path
         self.model: ModelInfo | None = None
-        self.epoch = 0
+        self.epoch = 0                      # engine incarnations so far (a start or a model load makes one)
+        self._incarnation: Incarnation | None = None
         self._config: dict = {}
         self._conn = None
         self._proc: subprocess.Popen | None = None
@@ -224,7 +201,7 @@ class EngineClient:
                                                    name="nanochat-engine-stderr", daemon=True)
             self._stderr_thread.start()
         self._conn = Connection(ours.detach())
-        self.epoch += 1
+        self._new_incarnation()
         self.died = None
         threading.Thread(target=self._read, args=(self._conn,), name="nanochat-client-reader",
                          daemon=True).start()
@@ -377,16 +354,8 @@ class EngineClient:
                     del self._streams[event.request_id]
                 stream._deliver(event)
 
-    @staticmethod
-    def _end_turn(session: Session, reply: Reply) -> None:
-        """The session mirror follows the engine's session: a turn that produced tokens joins the
-        history (its ids came just before, in a "session" message; when the engine died they never
-        come, and the turn is rendered from its text when the session is re-opened)."""
-        if reply.token_ids:
-            session.history = session.history + [*session.pending, {"role": "assistant", "content": reply.text}]
-        session.request_id = session.pending = None
-
     def _on_session(self, session_id: str, token_ids: list[int], turn_starts: list[int]) -> None:
+        """The engine's copy of a session finished a turn: its canonical ids, for the record."""
         session = self._sessions.get(session_id)
         if session is not None:
             session.token_ids, session.turn_starts = token_ids, turn_starts
@@ -399,7 +368,18 @@ class EngineClient:
             except Exception:
                 pass   # a listener's bug must not stop the client
 
+    def _new_incarnation(self) -> None:
+        """A new engine (a start, a model load): the sessions the last one held restart."""
+        self._end_incarnation()
+        self.epoch += 1
+        self._incarnation = Incarnation(self.epoch)
+
+    def _end_incarnation(self) -> None:
+        if self._incarnation is not None:
+            self._incarnation.end()
+
     def _disconnect(self) -> None:
+        self._end_incarnation()   # before the connection goes: a start after it makes a new one
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -414,6 +394,7 @@ class EngineClient:
         if not closing:
             self.died = reason     # before the connection goes: a sender that finds it gone says why
         if self._conn is conn:     # no lock: a caller may hold it while waiting on a call failed below
+            self._end_incarnation()
             self._conn = None
         self._gone.set()
         error = EngineDied(reason)
@@ -479,7 +460,7 @@ class EngineClient:
         info = self._call("load", progress=progress, status=status, model=model, config=dict(config))
         with self._lock:
             self.model, self._config = info, dict(config)
-            self.epoch += 1                    # every session is re-opened for the new model
+            self._new_incarnation()            # every session is re-opened for the new model
         return info
 
     def stats(self, fresh: bool = False) -> EngineStats:
@@ -512,8 +493,7 @@ class EngineClient:
 
         Where the cut is known in canonical ids, the branch starts from exactly those ids, so its next
         turn finds them in the prefix cache (shared with `session`, pinned once); `more` is rendered."""
-        if session.busy:
-            raise EngineError("wait for the reply before branching the conversation")
+        check("branch", session.state)
         if not 0 <= turns <= session.turns:
             raise ValueError(f"the session has {session.turns} turns; cannot branch after turn {turns}")
         ids = starts = None
@@ -522,11 +502,10 @@ class EngineClient:
             ids, starts = session.token_ids[:cut], session.turn_starts[:turns]
         other = Session(f"s{next(self._ids)}", session.system_prompt,
                         session.history[:session.turn_end(turns)] + [dict(m) for m in more or []], ids, starts,
-                        session.model,
-                        template_kwargs=session.template_kwargs)
+                        session.model, template_kwargs=session.template_kwargs, keys=session.keys[:turns])
         self._sessions[other.id] = other
         with self._lock:
-            if ids is not None and session.epoch == self.epoch and self._conn is not None:
+            if ids is not None and session.resident:
                 # Open it now, in the engine that holds these ids' blocks: its next turn is no replay.
                 try:
                     self._open(other)
@@ -536,6 +515,7 @@ class EngineClient:
 
     def rewind_session(self, session: Session, turns: int = 1) -> Session:
         """A new session holding `session`'s history without its last `turns` turns; `session` is closed."""
+        check("rewind", session.state)
         if not 0 < turns <= session.turns:
             raise ValueError(f"the session has {session.turns} turns; cannot take back {turns}")
         other = self.branch_session(session, session.turns - turns)
@@ -544,7 +524,8 @@ class EngineClient:
 
     def focus_session(self, session: Session) -> None:
         """`session` is the one the user sees: its resident KV is evicted last."""
-        if session.epoch == self.epoch and self._conn is not None:
+        check("focus", session.state)
+        if session.resident:
             try:
                 self._post("touch_session", session_id=session.id)
             except EngineDied:
@@ -552,25 +533,27 @@ class EngineClient:
 
     def _open(self, session: Session) -> None:
         """Open the session in the current engine (its ids kept where they belong to this model)."""
+        check("open", session.state)
         same_model = session.model == self.model.model and session.token_ids is not None
         if not same_model:   # the history is rendered again: earlier ids are no longer known
             session.token_ids = session.turn_starts = None
         self._post("open_session", session_id=session.id, system_prompt=session.system_prompt,
                    history=session.history, token_ids=session.token_ids, turn_starts=session.turn_starts,
                    template_kwargs=session.template_kwargs)
-        session.epoch, session.model = self.epoch, self.model.model
+        session.engine, session.model = self._incarnation, self.model.model
 
     def close_session(self, session: Session) -> None:
         """Forget a session and release its resident KV (a turn in flight is cancelled)."""
+        check("close", session.state)
         if session.request_id is not None:
             self.cancel(session.request_id)
         self._sessions.pop(session.id, None)
-        if session.epoch == self.epoch and self._conn is not None:
+        if session.resident:
             try:
                 self._post("close_session", session_id=session.id)
             except EngineDied:
                 pass
-        session.epoch = -1
+        session.engine, session.closed = None, True
 
     def submit_turn(self, session: Session, user: str | list[dict], sampling: SamplingParams | None = None,
                     on_event: Callable[[TokenEvent], None] | None = None,
@@ -580,13 +563,12 @@ class EngineClient:
         (too long for the context, ...) ends its stream with an error event. `template_kwargs`: variables
         for the chat template's render of this turn (enable_thinking, tools)."""
         messages = [{"role": "user", "content": user}] if isinstance(user, str) else [dict(m) for m in user]
-        if session.busy:
-            raise EngineError("the previous reply in this conversation is still being generated")
+        check("turn", session.state)
         self.ensure_running()
         with self._lock:
             session.template_kwargs = template_kwargs
             replayed = False
-            if session.epoch != self.epoch:
+            if session.state is SessionState.UNOPENED:   # new, or its engine ended: lazily (re-)opened
                 replayed = bool(session.history)
                 self._open(session)
             request_id = f"r{next(self._ids)}"
@@ -598,7 +580,7 @@ class EngineClient:
                            session_id=session.id, messages=messages, template_kwargs=template_kwargs)
             except EngineDied:
                 self._streams.pop(request_id, None)
-                session.request_id = session.pending = None
+                session.request_id = session.pending = session.pending_key = None
                 raise
         return stream
 

@@ -1,4 +1,5 @@
-"""The engine process: one LLMEngine, its chat sessions and the step loop, driven over a connection.
+"""The engine process: one LLMEngine, the working copies of the client's chat sessions (built from
+their records: engine/serve/session.py) and the step loop, driven over a connection.
 
     python -m nanochat.engine.serve.core FD      (started by EngineClient; FD is its end of a socketpair)
 

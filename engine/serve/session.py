@@ -1,30 +1,284 @@
-"""Chat sessions whose token history is canonical, so each turn prefills only the new messages.
+"""Chat sessions: where a conversation's session state lives, its state machine, and the engine's copy.
 
-A turn is its input messages (a user message, or the tool results that answer the assistant's calls)
-and the assistant's reply. A session renders the chat template for the NEW input messages only and
-appends those ids to its history; after generation it appends the generated ids verbatim (plus the
-end-of-turn token when generation did not end with it). Earlier turns are never re-rendered, so the
-ids match the cached KV blocks exactly, even for templates that rewrite history (Qwen3 strips <think>
-blocks). A reply that calls tools is kept as the model wrote it (its <tool_call> text), which is also
-how Hermes-style templates (Qwen2.5, Qwen3) render an assistant message's tool_calls.
+One owner. A session's state is its `Session` record, which the client (client.py) keeps in the front
+end's process: its transcript, the canonical token ids the engine reported for it, where each turn
+starts in them, the turn in flight, the engine that holds it, and the front end's names for its turns
+(`keys`). Everything else asks the record or is rebuilt from it:
+- the engine process builds a working copy (`ChatSession`, below) from the record when the session
+  opens, and reports its ids back after each turn (client: `_on_session`); it is gone when the engine
+  restarts or loads another model, and the next turn builds it again (`replayed`);
+- the block manager pins the KV of the session's last turn (engine/block_manager.py, by session id):
+  a cache, dropped under memory pressure least recently used first; that is no transition (the
+  session stays OPEN, and its next turn computes what the prefix cache no longer holds);
+- a conversation tree's branches find their sessions through `BranchSessions` (below), by the keys
+  each session records as its turns end: the front end keeps no copy of what a session holds.
 
-A session seeded with a transcript (a branch of a conversation tree, a model switch, a new engine
-process) is built the same way, turn by turn, optionally after canonical ids of its first turns; so
-every session knows where each of its turns starts in ids (`turn_starts`), which is what lets a client
-cut a session at any turn and branch from there with the shared prefix found in the prefix cache.
+The state machine (`Session.state`, derived from the record: closed, a turn in flight, or held by an
+engine that has not ended). Every operation checks TRANSITIONS; any other is refused (SessionStateError):
 
-Sessions live in the engine process, beside the tokenizer and the chat template.
+    open     UNOPENED -> OPEN          the engine builds it from the record: on its first turn, or at
+                                       once for a branch whose source's engine holds the cut's ids
+    turn     OPEN, UNOPENED -> BUSY    a turn is submitted (an UNOPENED one is opened first, its
+                                       history replayed)
+    end      BUSY -> OPEN              the turn ended; it joined the history if it made tokens
+    branch   OPEN, UNOPENED            the source of a new session holding its first k turns; unchanged
+    rewind   OPEN, UNOPENED -> CLOSED  the source of a branch without its last turns, closed
+    focus    OPEN, UNOPENED, BUSY      the branch shown: its resident KV is evicted last
+    evict    OPEN, UNOPENED -> CLOSED  a tree over its capacity closes its least recently used idle one
+    restart  OPEN -> UNOPENED          its engine ended (died, shut down, loaded another model): the
+                                       next turn re-opens it (a BUSY one's turn ends with an error first)
+    close    any -> CLOSED             its turn cancelled, its KV released; nothing more is allowed
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
+from nanochat.engine.serve.protocol import EngineError
+
+
+# ---------------------------------------------------------------------------------- the state machine
+class SessionState(enum.Enum):
+    UNOPENED = "unopened"   # no engine holds it (new, or its engine ended): its next turn opens it
+    OPEN = "open"           # the running engine holds it; idle
+    BUSY = "busy"           # a turn in flight
+    CLOSED = "closed"       # forgotten
+
+
+_U, _O, _B, _C = SessionState.UNOPENED, SessionState.OPEN, SessionState.BUSY, SessionState.CLOSED
+
+# operation -> {the state it finds: the state it leaves}; from any other state it is refused.
+# "restart" happens to every session of an engine at once, when the engine ends (Incarnation.end).
+TRANSITIONS: dict[str, dict[SessionState, SessionState]] = {
+    "open": {_U: _O},
+    "turn": {_U: _B, _O: _B},
+    "end": {_B: _O, _C: _C},              # (_C: the last event of a turn cancelled by its close)
+    "branch": {_U: _U, _O: _O},
+    "rewind": {_U: _C, _O: _C},
+    "focus": {_U: _U, _O: _O, _B: _B},    # only an OPEN (or BUSY) one has KV to keep
+    "evict": {_U: _C, _O: _C},
+    "restart": {_U: _U, _O: _U, _B: _B},
+    "close": {_U: _C, _O: _C, _B: _C, _C: _C},
+}
+_REFUSALS = {
+    ("turn", _B): "the previous reply in this conversation is still being generated",
+    ("branch", _B): "wait for the reply before branching the conversation",
+    ("rewind", _B): "wait for the reply before branching the conversation",
+}
+
+
+class SessionStateError(EngineError):
+    """An operation the session's state does not allow (a turn while one runs, anything once closed)."""
+
+
+def check(op: str, state: SessionState) -> SessionState:
+    """The state `op` leaves a session in that it finds in `state`; SessionStateError if not allowed."""
+    after = TRANSITIONS[op].get(state)
+    if after is None:
+        verb = {"turn": "send a turn to", "end": "end a turn of"}.get(op, op)
+        raise SessionStateError(_REFUSALS.get((op, state), f"cannot {verb} a session that is {state.value}"))
+    return after
+
+
+@dataclass(eq=False)
+class Incarnation:
+    """One engine with one model loaded: the sessions opened in it are OPEN until it ends."""
+
+    epoch: int
+    ended: bool = False
+
+    def end(self) -> None:
+        """The engine died, was shut down or loaded another model: its sessions restart (see above)."""
+        self.ended = True
+
+
+# ---------------------------------------------------------------------------------- the record
+@dataclass(eq=False)
+class Session:
+    """A chat session's state: enough to rebuild it in any engine (the client makes and changes it)."""
+
+    id: str
+    system_prompt: str | None = None
+    history: list[dict] = field(default_factory=list)    # finished turns' messages, as the model saw them
+    token_ids: list[int] | None = None     # canonical ids of the first len(turn_starts) turns (None: none known)
+    turn_starts: list[int] | None = None   # where each of those turns starts in token_ids
+    model: str | None = None               # the model the ids belong to
+    engine: Incarnation | None = None      # the engine that holds it (None: none)
+    request_id: str | None = None          # the turn in flight
+    pending: list[dict] | None = None      # its input messages
+    pending_key: Hashable = None           # its key, once it joins the history
+    template_kwargs: dict | None = None    # template variables of its latest turn (a re-open renders with them)
+    keys: list[Hashable] = field(default_factory=list)   # a front end's name for each finished turn (None: none)
+    closed: bool = False
+
+    def __post_init__(self):
+        self.keys = (list(self.keys) + [None] * self.turns)[:self.turns]
+
+    @property
+    def state(self) -> SessionState:
+        if self.closed:
+            return SessionState.CLOSED
+        if self.request_id is not None:
+            return SessionState.BUSY
+        return SessionState.OPEN if self.resident else SessionState.UNOPENED
+
+    @property
+    def resident(self) -> bool:
+        """Whether a running engine holds it (its ids, and its KV unless evicted)."""
+        return self.engine is not None and not self.engine.ended
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the engine that holds or held it (-1: none)."""
+        return self.engine.epoch if self.engine is not None else -1
+
+    @property
+    def busy(self) -> bool:
+        return self.request_id is not None
+
+    @property
+    def turns(self) -> int:
+        """Finished turns: each is its input messages (a user's, or tool results) and an assistant reply."""
+        return sum(m["role"] == "assistant" for m in self.history)
+
+    def turn_end(self, turns: int) -> int:
+        """Where the first `turns` turns end in `history`: just after the turns-th assistant message."""
+        return turn_end(self.history, turns)
+
+    def end_turn(self, reply) -> None:
+        """The turn in flight ended (`reply`: its folded Reply). One that produced tokens joins the
+        history (its ids came just before, from the engine; when the engine died they never come, and
+        the turn is rendered from its text when the session re-opens); one that did not is forgotten."""
+        check("end", self.state)
+        if reply.token_ids:
+            self.history = self.history + [*self.pending, {"role": "assistant", "content": reply.text}]
+            self.keys = self.keys + [self.pending_key]
+        self.request_id = self.pending = self.pending_key = None
+
+
+def turn_end(history: list[dict], turns: int) -> int:
+    """Where the first `turns` turns of a transcript end: just after its turns-th assistant message."""
+    ends = [at + 1 for at, m in enumerate(history) if m["role"] == "assistant"]
+    return ends[turns - 1] if turns else 0
+
+
+def _shared_turns(a: Sequence, b: Sequence) -> int:
+    """Turns two sessions' keys have in common from the start."""
+    n = 0
+    while n < len(a) and n < len(b) and a[n] is not None and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------- a conversation tree
+class BranchSessions:
+    """The sessions of one conversation tree's branches: at most `capacity`, least recently used
+    first. Each is known by its turns' keys (Session.keys: the front end names a turn when it submits
+    it, the session records the name when the turn ends), so a branch is found by asking the sessions.
+
+    A turn on a branch uses the session holding exactly that branch, else a branch of the idle session
+    sharing the most turns with it (cut there: their shared KV is found in the prefix cache), else a
+    new session. `client`: the EngineClient that makes, branches and closes them."""
+
+    def __init__(self, client, capacity: int):
+        self.client, self.capacity = client, capacity
+        self._sessions: list[Session] = []
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def recent(self) -> Session | None:
+        """The session used last (the branch shown, unless a move to another branch came since)."""
+        return self._sessions[-1] if self._sessions else None
+
+    def session_for(self, system_prompt: str | None, keys: Sequence, history: list[dict]) -> Session:
+        """A session holding the turns named `keys` (their messages: `history`); it becomes the most
+        recently used, and beyond `capacity` the least recently used idle one is evicted."""
+        keys = list(keys)
+        best, best_turns = None, -1
+        for session in self._sessions:
+            if session.keys == keys:
+                self._sessions.remove(session)
+                self._sessions.append(session)
+                return session
+            turns = _shared_turns(session.keys, keys)
+            if not session.busy and turns > best_turns:
+                best, best_turns = session, turns
+        if best is not None:
+            session = self.client.branch_session(best, best_turns, history[turn_end(history, best_turns):])
+        else:
+            session = self.client.open_session(system_prompt, history)
+        session.keys = keys
+        self._sessions.append(session)
+        while len(self._sessions) > self.capacity:
+            idle = next((s for s in self._sessions if not s.busy), None)
+            if idle is None:
+                break
+            check("evict", idle.state)
+            self._sessions.remove(idle)
+            self.client.close_session(idle)
+        return session
+
+    def submit_turn(self, session: Session, key: Hashable, *args, **kwargs):
+        """The client's submit_turn(session, *args, **kwargs); the turn, once it joins the session's
+        history, is known by `key`."""
+        check("turn", session.state)
+        session.pending_key = key
+        try:
+            return self.client.submit_turn(session, *args, **kwargs)
+        except BaseException:
+            session.pending_key = None
+            raise
+
+    def focus(self, keys: Sequence) -> None:
+        """The branch named `keys` is the one shown: its session's resident KV is evicted last."""
+        keys = list(keys)
+        for session in self._sessions:
+            if session.keys == keys:
+                self.client.focus_session(session)
+
+    def fork_into(self, other: "BranchSessions", keys: Sequence, new_keys: Sequence) -> None:
+        """Give `other` (another tree) a session holding the turns `keys`, there named `new_keys`: a
+        branch of the session used last that holds them, sharing its KV (none when it is busy)."""
+        keys = list(keys)
+        source = next((s for s in reversed(self._sessions) if s.keys[:len(keys)] == keys), None)
+        if source is not None and not source.busy:
+            session = self.client.branch_session(source, len(keys))
+            session.keys = list(new_keys)
+            other._sessions.append(session)
+
+    def close(self) -> None:
+        """Close every session: their KV is released, a turn in flight cancelled."""
+        sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            self.client.close_session(session)
+
+
+# ---------------------------------------------------------------------------------- the engine's copy
 _session_ids = itertools.count()
 _MARK = "\u2063nanochat-turn-marker\u2063"   # unlikely text used to find a template's turn boundary
 
 
 class ChatSession:
+    """A session's token history as the engine builds it, canonical so that each turn prefills only its
+    new messages.
+
+    A turn is its input messages (a user message, or the tool results that answer the assistant's calls)
+    and the assistant's reply. The chat template is rendered for the NEW input messages only, their ids
+    appended to the history; after generation the generated ids are appended verbatim (plus the
+    end-of-turn token when generation did not end with it). Earlier turns are never re-rendered, so the
+    ids match the cached KV blocks exactly, even for templates that rewrite history (Qwen3 strips <think>
+    blocks). A reply that calls tools is kept as the model wrote it (its <tool_call> text), which is also
+    how Hermes-style templates (Qwen2.5, Qwen3) render an assistant message's tool_calls. A session
+    seeded with a transcript (a branch, a model switch, a new engine process) is built the same way, turn
+    by turn, optionally after canonical ids of its first turns; so every session knows where each of its
+    turns starts in ids (`turn_starts`), which is what lets a client cut a session at any turn and branch
+    from there with the shared prefix found in the prefix cache."""
+
     def __init__(self, tokenizer, template, system_prompt: str | None = None, session_id: str | None = None):
         self.tokenizer, self.template = tokenizer, template
         self.session_id = session_id or f"chat-{next(_session_ids)}"

@@ -521,7 +521,8 @@ def _export_oracle(arg: str) -> tuple[bool, str]:
 
 
 def run_export_case(raw: str, root, exports) -> Outcome:
-    from nanochat.app.controller import ChatError, Conversation, Message, write_export
+    from nanochat.app.conversation import ChatError, Conversation, Message
+    from nanochat.app.export import write_export
     from nanochat.app.tui import commands as slash
 
     conv = Conversation(3, "Fuzzed chat")
