@@ -125,7 +125,7 @@ def pick(args, name: str, default):
 def resolve_model(args, settings) -> str:
     """--model, else the settings' default model, else the built-in one (ModelLoadError when none). A hub GGUF
     (`REPO:QUANT`) is fetched first, with progress on stderr unless --quiet."""
-    from nanochat.app.pull import materialize
+    from nanochat.app.fetch import materialize
     from nanochat.models.formats.catalog import resolve_default_model
 
     model = getattr(args, "model", None) or settings.default_model

@@ -7,7 +7,7 @@ def main(args=None) -> int:
     """Run the TUI. `args` is the CLI's argparse namespace (every attribute optional)."""
     from nanochat.app.options import engine_config, sampling_options
     from nanochat.app.paths import get_paths
-    from nanochat.app.pull import materialize
+    from nanochat.app.fetch import materialize
     from nanochat.app.settings import Settings
     from nanochat.app.tui import paste
     from nanochat.app.tui.app import NanochatApp, yield_to_engine
