@@ -35,7 +35,8 @@ from functools import partial
 
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
-from nanochat.engine.serve.protocol import Call, EngineDied, EngineError, EngineRestarting, ModelInfo, remote_error
+from nanochat.engine.serve.protocol import (Call, EngineDied, EngineError, EngineRestarting, ModelInfo, one_line,
+                                            remote_error)
 from nanochat.engine.serve.session import (BranchSessions, Incarnation, Session, SessionState, SessionStateError,
                                            check)
 
@@ -705,7 +706,7 @@ class AsyncEngineClient:
             self.client.ensure_running()
             self.restart_error = None
         except BaseException as e:   # kept for the 503s until the next try (each submit starts one)
-            self.restart_error = " ".join(str(e).split()) or type(e).__name__
+            self.restart_error = one_line(e)
         finally:
             self.restarting = False
 
