@@ -111,7 +111,12 @@ COMMANDS = {"load": cmd_load, "prefill": cmd_prefill, "decode": cmd_decode, "ben
 
 
 if __name__ == "__main__":
-    import nanochat.engine  # noqa: F401  (torch and the engine imported before any timed load)
+    import os
+
+    from nanochat.engine.config import engine_process_env   # (no torch yet)
+
+    os.environ.update(engine_process_env())   # as the app's engine process runs
+    import nanochat.engine  # noqa: F401,E402  (torch and the engine imported before any timed load)
     from worker_protocol import serve   # beside this file (the script's directory is on sys.path)
 
     sys.exit(serve(COMMANDS))

@@ -201,14 +201,10 @@ class WorkerRunner:
 
 
 def peer_env(args=None) -> dict[str, str]:
-    """The environment this script was given, for the peers: nanochat's own default
-    OMP_WAIT_POLICY=PASSIVE (set when nanochat is imported) is taken out (on an idle machine it slows
-    llama.cpp's OpenMP build down: benchmarks/README.md); then --peer-env KEY=VALUE (KEY= unsets)."""
-    import nanochat
-
+    """The environment this script was given, for the peers (nanochat's engine-process defaults, such as
+    OMP_WAIT_POLICY=PASSIVE, go to nanochat's worker alone: on an idle machine PASSIVE slows llama.cpp's
+    OpenMP build down, benchmarks/README.md); then --peer-env KEY=VALUE (KEY= unsets)."""
     env = dict(os.environ)
-    if nanochat.OMP_WAIT_POLICY_DEFAULTED:
-        env.pop("OMP_WAIT_POLICY", None)
     env.pop("NANOCHAT_CPU_ISA", None)
     for item in getattr(args, "peer_env", None) or []:
         key, _, value = item.partition("=")

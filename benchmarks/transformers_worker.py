@@ -1,8 +1,8 @@
 """transformers side of benchmarks/peers.py: `generate` on the GGUF file (dequantized to fp32).
 
 Same line protocol as llamacpp_worker.py (one JSON request per line on stdin, one reply per line on
-stdout). A process of its own so that it runs with torch's default environment: nanochat sets
-OMP_WAIT_POLICY=PASSIVE for itself on import, which would change transformers' speed too.
+stdout). A process of its own so that it runs with torch's default environment (nanochat's worker runs with its
+engine process's OMP_WAIT_POLICY=PASSIVE, which would change transformers' speed too).
 
     {"cmd": "load", "model": PATH, "threads": N}  -> {"version", "n_vocab", "load_s"} (from_pretrained alone)
     {"cmd": "prefill", "ids": [...]}              -> {"seconds"} (prompt to its first token)

@@ -45,6 +45,18 @@ ENV_OVERRIDES = {
     "NANOCHAT_BATCH_INVARIANT": ("batch_invariant", _flag),
 }
 
+# What the engine process's environment defaults to, before torch loads libgomp: OpenMP workers that spin
+# after every torch op (libgomp's default) take the cores the CPU kernels' own thread pool needs between
+# ops. Set where an engine process starts (the client, tensor-parallel ranks, benchmark workers), never at
+# import; a value the user set wins.
+ENGINE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def engine_process_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a new engine process: `base` (os.environ) over ENGINE_PROCESS_ENV."""
+    return {**ENGINE_PROCESS_ENV, **(os.environ if base is None else base)}
+
+
 # dtype names the engine (and the command line's --dtype, besides "auto") accepts -> torch's name
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}

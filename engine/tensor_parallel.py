@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from nanochat.engine.config import launched_rank
+from nanochat.engine.config import engine_process_env, launched_rank
 from nanochat.models.errors import ModelLoadError, one_line
 from nanochat.models.parallel.sharding import TensorParallel
 
@@ -135,7 +135,7 @@ class Workers(RankGroup):
         if launched_rank() is None:
             port = str(_free_port())
             for rank in range(1, size):
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                env = dict(engine_process_env(), RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "nanochat.engine.tensor_parallel"],
                                                    env=env, stdin=subprocess.DEVNULL))

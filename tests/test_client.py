@@ -380,6 +380,24 @@ def test_the_engine_keeps_the_priority_of_the_thread_that_made_the_client():
         client.shutdown()
 
 
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_engine_process_sets_its_own_environment_defaults(monkeypatch, given, expected):
+    """OMP_WAIT_POLICY=PASSIVE is the engine process's default (importing nanochat sets nothing); a value
+    the user set wins."""
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    client = EngineClient()
+    try:
+        client.start()
+        environ = open(f"/proc/{client.pid}/environ", "rb").read().split(b"\0")
+        assert f"OMP_WAIT_POLICY={expected}".encode() in environ
+        assert os.environ.get("OMP_WAIT_POLICY") == given   # the front end's own environment is untouched
+    finally:
+        client.shutdown()
+
+
 @pytest.mark.parametrize("last_words, reason", [
     (b"terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc\n",
      "the engine process was killed by SIGABRT (out of memory: an allocation failed)"),

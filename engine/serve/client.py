@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 
+from nanochat.engine.config import engine_process_env
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.serve.protocol import (Call, EngineDied, EngineError, EngineRestarting, ModelInfo, one_line,
@@ -196,7 +197,7 @@ class EngineClient:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "nanochat.engine.serve.core", str(fd)], pass_fds=(fd,),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                start_new_session=True)   # terminal signals (Ctrl-C, hang-up) are the front end's to handle
+                env=engine_process_env(), start_new_session=True)   # terminal signals (Ctrl-C, hang-up) are the front end's to handle
             theirs.close()
             self._stderr_thread = threading.Thread(target=self._drain_stderr, args=(self._proc,),
                                                    name="nanochat-engine-stderr", daemon=True)
