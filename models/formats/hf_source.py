@@ -13,11 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanochat.models.config import (DENSE_ARCHS, FAMILIES, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig,
-                                    check_config, expected_shapes, fused_rows, required_tensors)
+from nanochat.models.config import ModelConfig, check_config, expected_shapes, fused_rows, required_tensors
 from nanochat.models.errors import ModelLoadError
-
-SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES)
+from nanochat.models.families import registry
 
 # Multimodal checkpoints keep the text model under `model.language_model.` (Qwen3.5/3.6, Gemma 3 from
 # transformers 4.52 on) or `language_model.model.` (Gemma 3 before); we expose it under the plain text names
@@ -59,11 +57,12 @@ class HFSource:
         raw = _read_json(cfg_path)
         # A wrapper of a supported text model keeps its config under text_config; from_hf_dict merges
         # text_config itself when the wrapper is a family we know (Qwen3.5/3.6).
-        raw = raw.get("text_config", raw) if raw.get("model_type") not in SUPPORTED_ARCHS else raw
+        supported = registry.hf_types()
+        raw = raw.get("text_config", raw) if raw.get("model_type") not in supported else raw
         arch = raw.get("model_type")
-        if arch not in SUPPORTED_ARCHS:
+        if arch not in supported:
             raise ModelLoadError(f"{cfg_path}: unsupported architecture {arch!r} "
-                                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+                                 f"(supported: {', '.join(supported)})")
         try:
             self.config = ModelConfig.from_hf_dict(raw, name=root.name)
         except KeyError as e:
@@ -71,6 +70,7 @@ class HFSource:
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{cfg_path}: bad value ({e})") from None
         check_config(self.config, str(cfg_path))
+        self.family = registry.family(self.config.arch)
         self.root = root
         self._where = self._index_tensors(root)
         self._parts = self._split_fused()
@@ -144,11 +144,11 @@ class HFSource:
     def _split_fused(self) -> dict[str, tuple[str, int, int]]:
         """A family's fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) served as the Llama tensors
         they hold: name -> (fused tensor, first row, rows)."""
-        family = FAMILIES.get(self.config.arch)
+        fused = self.family.hf_fused
         parts = {}
-        for name in self._where if family and family.fused else ():
+        for name in self._where if fused else ():
             m = re.fullmatch(r"(model\.layers\.\d+)\.(.+)\.weight", name)
-            modules = family.fused.get(m.group(2)) if m else None
+            modules = fused.get(m.group(2)) if m else None
             start = 0
             for module, rows in zip(modules or (), fused_rows(self.config, modules or ())):
                 parts[f"{m.group(1)}.{module}.weight"] = (name, start, rows)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat.models.config import DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, ModelConfig
+from nanochat.models.config import ModelConfig
 from nanochat.models.errors import ModelLoadError, missing_path
 
 
@@ -110,20 +110,8 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
             if cache.missing:
                 announce(REPACKING)
     loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE)
-    model = _build(cfg, source, loader, block_size, max_positions)
+    model = source.family.model(cfg, loader, block_size, max_positions).eval()
     if cache is not None:
         cache.save()
     return model
 
-
-def _build(cfg, source, loader, block_size: int, max_positions: int):
-    from nanochat.models.families.dense import DenseForCausalLM
-    if cfg.arch in DENSE_ARCHS:
-        return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
-    if cfg.arch in MOE_ARCHS:
-        from nanochat.models.families.qwen3_moe import Qwen3MoeForCausalLM
-        return Qwen3MoeForCausalLM(cfg, loader, block_size, max_positions).eval()
-    if cfg.arch in HYBRID_ARCHS:
-        from nanochat.models.families.qwen3_next import Qwen3NextForCausalLM
-        return Qwen3NextForCausalLM(cfg, loader, block_size, max_positions).eval()
-    raise ModelLoadError(f"{source.path}: unsupported architecture {cfg.arch!r}")

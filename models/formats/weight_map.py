@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import DENSE_ARCHS
 from nanochat.models.errors import ModelLoadError
 
 PLAN_FORMAT = "nanochat.weight-map"
@@ -104,7 +103,7 @@ def _hf_inventory(source) -> dict[str, dict]:
 
 def _gguf_name(source, hf_name: str) -> str | None:
     """The GGUF tensor a GGUFSource serves under `hf_name` (inverting its arch's name tables)."""
-    spec = getattr(source, "spec", None)
+    spec = getattr(source, "family", None)
     if spec is None:
         return None
     module, _, kind = hf_name.rpartition(".")
@@ -123,7 +122,7 @@ def _gguf_name(source, hf_name: str) -> str | None:
 
 def _gguf_inventory(source) -> dict[str, dict]:
     out = {}
-    permute = bool(getattr(getattr(source, "spec", None), "permute_qk", False))
+    permute = bool(getattr(getattr(source, "family", None), "permute_qk", False))
     for name in source.tensor_names():
         gname = _gguf_name(source, name)
         # The stored tensor (a memmap view) has the served shape and type: the q/k un-permutation
@@ -186,12 +185,15 @@ def dense_layout(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
 
 
 def layout_for(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
-    if cfg.arch in DENSE_ARCHS and cfg.norm_zero_centred:   # the loader adds 1 to those norms; a plan only copies
+    from nanochat.models.families import registry
+    from nanochat.models.families.dense import DenseForCausalLM
+
+    dense = sorted(f.name for f in registry.FAMILIES if f.model is DenseForCausalLM)
+    if cfg.arch in dense and cfg.norm_zero_centred:   # the loader adds 1 to those norms; a plan only copies
         raise ModelLoadError(f"no weight map for {cfg.arch!r} yet (its checkpoint stores RMSNorm scales as 1 + w)")
-    if cfg.arch in DENSE_ARCHS:
+    if cfg.arch in dense:
         return dense_layout(cfg, names)
-    raise ModelLoadError(f"no weight map for architecture {cfg.arch!r} yet "
-                         f"(supported: {', '.join(sorted(DENSE_ARCHS))})")
+    raise ModelLoadError(f"no weight map for architecture {cfg.arch!r} yet (supported: {', '.join(dense)})")
 
 
 def _is_quant(dtype: str) -> bool:
