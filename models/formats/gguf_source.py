@@ -52,6 +52,7 @@ from nanochat.models.config import (ACTIVATIONS, MAX_EXPERTS, ModelConfig, check
                                     layer_types_from_interval, required_tensors)
 from nanochat.models.families import registry
 from nanochat.models.formats.gguf_file import GGUFError, GGUFFile, to_python
+from nanochat.models.formats.weights import dtype_name
 
 T = gguf.GGMLQuantizationType
 
@@ -86,6 +87,15 @@ class _Ref:
     part: int = 0         # kind "expert": row block of a fused gate|up tensor (0 gate, 1 up); "rows": which part
     parts: int = 1
 
+
+# SamplingParams name -> general.sampling.* key (min_p has no SamplingParams counterpart).
+_SAMPLING_KEYS = {
+    "temperature": gguf.Keys.General.SAMPLING_TEMP,
+    "top_p": gguf.Keys.General.SAMPLING_TOP_P,
+    "top_k": gguf.Keys.General.SAMPLING_TOP_K,
+    "repetition_penalty": gguf.Keys.General.SAMPLING_PENALTY_REPEAT,
+}
+_FLOAT32 = (int(gguf.GGUFValueType.FLOAT32),)
 
 # Checkpoint dtype reported for unquantized files; quantized ones keep the bf16 default.
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -122,6 +132,8 @@ def _from_numpy(arr: np.ndarray) -> torch.Tensor:
 
 class GGUFSource:
     """WeightSource over a single GGUF file (see models/formats/weights.py for the naming)."""
+
+    kind = "gguf"
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -296,6 +308,28 @@ class GGUFSource:
 
     def __contains__(self, name: str) -> bool:
         return name in self._hf_to_gguf
+
+    def inventory(self) -> dict[str, dict]:
+        """Shape and type of every tensor served, with the GGUF tensor it is (gguf_name) and the converter's
+        transform undone on it, where it is one tensor as stored."""
+        out = {}
+        for name, ref in self._hf_to_gguf.items():
+            if ref.kind != "plain":   # a part, a slice or a function of a stored tensor: as served
+                t = self.get(name)
+                out[name] = {"shape": [int(d) for d in t.shape], "dtype": dtype_name(t)}
+                continue
+            # The stored tensor (a memmap view) has the served shape and type: the q/k un-permutation only
+            # reorders rows, and skipping it avoids copying those tensors.
+            t = self.get_gguf(ref.gguf)
+            entry = {"shape": [int(d) for d in t.shape], "dtype": dtype_name(t), "gguf_name": ref.gguf}
+            if self.family.permute_qk and self._qk_heads(ref.gguf):
+                entry["transform"] = "unpermute_qk"
+            out[name] = entry
+        return out
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "name": os.path.basename(self.path), "arch": self.config.arch,
+                "gguf_arch": self.arch, "file_type": self.quant_summary()}
 
     # ---- tensors ----
 
@@ -722,11 +756,42 @@ class GGUFSource:
 
     # ---- tokenizer side ----
 
+    def tokenizer(self):
+        """The tokenizer from the tokenizer.ggml.* metadata (or a tokenizer.json beside the file; see
+        models/text/tokenizer.load_tokenizer)."""
+        from nanochat.models.text.tokenizer import load_tokenizer
+
+        try:
+            return load_tokenizer(self.path, self.reader)   # reuses the parsed metadata
+        except Exception as e:   # bad tokenizer.ggml.* values: TypeError, IndexError, the tokenizers library's own
+            message = " ".join(str(e).split())
+            if isinstance(e, (ModelLoadError, OSError)) or (isinstance(e, ValueError) and self.path in message):
+                raise
+            raise ModelLoadError(f"{self.path}: cannot build the tokenizer from its metadata "
+                                 f"({type(e).__name__}: {message[:200]})") from None
+
     def tokenizer_json(self) -> str | None:
         return None  # built from tokenizer.ggml.* metadata by models/text/tokenizer.py
 
     def chat_template(self) -> str | None:
         return self._str_meta("tokenizer.chat_template")
+
+    def chat_template_origin(self) -> str:
+        return self.path
+
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def stated_sampling(self) -> dict:
+        """The general.sampling.* settings the file states (SamplingParams names, values unchecked)."""
+        stated = {}
+        for name, key in _SAMPLING_KEYS.items():
+            value = self.metadata(key)   # the metadata parsed at load, not a second read of the file
+            if isinstance(value, float) and self.reader.types.get(key) == _FLOAT32:
+                value = float(str(np.float32(value)))   # 0.6 as written, not float32's 0.6000000238418579
+            if value is not None:
+                stated[name] = value
+        return stated
 
     def quant_summary(self) -> str:
         """The dominant tensor type by element count over the 2-D and 3-D (expert) weights (e.g. "Q4_1")."""

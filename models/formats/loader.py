@@ -10,11 +10,12 @@ import torch
 
 from nanochat.models.config import ModelConfig
 from nanochat.models.errors import ModelLoadError, missing_path
+from nanochat.models.formats.weights import WeightSource
 
 
 @dataclass
 class LoadedModel:
-    source: object
+    source: WeightSource
     config: ModelConfig
     tokenizer: object          # models.tokenizer.Tokenizer
     chat_template: object      # models.chat_template.ChatTemplate
@@ -45,32 +46,16 @@ def open_source(model: str):
 
 
 def load_tokenizer_and_template(source):
+    """The source's tokenizer, chat template and end-of-reply ids."""
     from nanochat.models.text.chat_template import ChatTemplate, end_of_turn_token
-    from nanochat.models.text.tokenizer import Tokenizer, load_tokenizer
 
-    if hasattr(source, "root"):   # HF folder
-        tok_path = source.tokenizer_path()
-        if tok_path is None:
-            raise ModelLoadError(f"{source.root}: no tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(tok_path), source.tokenizer_config())
-    else:
-        try:
-            tokenizer = load_tokenizer(source.path, source.reader)   # reuses the parsed GGUF metadata
-        except Exception as e:   # bad tokenizer.ggml.* values: TypeError, IndexError, the tokenizers library's own
-            message = " ".join(str(e).split())
-            if isinstance(e, (ModelLoadError, OSError)) or (isinstance(e, ValueError) and str(source.path) in message):
-                raise
-            raise ModelLoadError(f"{source.path}: cannot build the tokenizer from its metadata "
-                                 f"({type(e).__name__}: {message[:200]})") from None
+    tokenizer = source.tokenizer()
     _check_vocabulary(source, tokenizer)
-    origin = source.chat_template_file() if hasattr(source, "chat_template_file") else source.path
     template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
-                            eos_token=tokenizer.eos_token or "", origin=str(origin))
-    eos = set(source.config.eos_token_ids)
+                            eos_token=tokenizer.eos_token or "", origin=source.chat_template_origin())
+    eos = set(source.eos_ids())
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    if hasattr(source, "generation_eos_ids"):
-        eos.update(source.generation_eos_ids())
     eot = end_of_turn_token(template, tokenizer)
     if eot is not None and tokenizer.token_to_id(eot) is not None:
         eos.add(tokenizer.token_to_id(eot))
@@ -102,7 +87,7 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
 
     cfg = source.config
     cache = None
-    if pack_cache and device.type == "cpu" and not dequantize and str(source.path).lower().endswith(".gguf"):
+    if pack_cache and device.type == "cpu" and not dequantize and source.kind == "gguf":
         from nanochat.kernels.notices import announce
         from nanochat.models.formats.pack_cache import REPACKING, PackCache, usable
         if usable():
