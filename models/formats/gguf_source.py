@@ -756,13 +756,13 @@ class GGUFSource:
 
     # ---- tokenizer side ----
 
-    def tokenizer(self):
+    def tokenizer(self, cache: bool = False):
         """The tokenizer from the tokenizer.ggml.* metadata (or a tokenizer.json beside the file; see
-        models/text/tokenizer.load_tokenizer)."""
+        models/text/tokenizer.load_tokenizer). cache: keep what is slow to build on disk for the next load."""
         from nanochat.models.text.tokenizer import load_tokenizer
 
         try:
-            return load_tokenizer(self.path, self.reader)   # reuses the parsed metadata
+            return load_tokenizer(self.path, self.reader, cache=cache)   # reuses the parsed metadata
         except Exception as e:   # bad tokenizer.ggml.* values: TypeError, IndexError, the tokenizers library's own
             message = " ".join(str(e).split())
             if isinstance(e, (ModelLoadError, OSError)) or (isinstance(e, ValueError) and self.path in message):

@@ -219,8 +219,8 @@ class HFSource:
 
     # ---- tokenizer side ----
 
-    def tokenizer(self):
-        """The folder's tokenizer.json with its tokenizer_config.json."""
+    def tokenizer(self, cache: bool = False):
+        """The folder's tokenizer.json with its tokenizer_config.json (`cache`: nothing to cache, it is built)."""
         from nanochat.models.text.tokenizer import Tokenizer
 
         tok_path = self.tokenizer_path()

@@ -45,11 +45,12 @@ def open_source(model: str):
     raise missing_path(model, "no such file or folder")
 
 
-def load_tokenizer_and_template(source):
-    """The source's tokenizer, chat template and end-of-reply ids."""
+def load_tokenizer_and_template(source, cache: bool = False):
+    """The source's tokenizer, chat template and end-of-reply ids. cache: keep what is slow to build (a GGUF's
+    SentencePiece merges) on disk for the next load."""
     from nanochat.models.text.chat_template import ChatTemplate, end_of_turn_token
 
-    tokenizer = source.tokenizer()
+    tokenizer = source.tokenizer(cache)
     _check_vocabulary(source, tokenizer)
     template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
                             eos_token=tokenizer.eos_token or "", origin=source.chat_template_origin())
@@ -70,9 +71,10 @@ def _check_vocabulary(source, tokenizer) -> None:
                              f"{rows:,} rows; the tokenizer does not belong to these weights")
 
 
-def load(model: str) -> LoadedModel:
+def load(model: str, cache: bool = False) -> LoadedModel:
+    """The model's source, tokenizer and template (`cache`: see load_tokenizer_and_template)."""
     source = open_source(model)
-    tokenizer, template, eos = load_tokenizer_and_template(source)
+    tokenizer, template, eos = load_tokenizer_and_template(source, cache)
     return LoadedModel(source, source.config, tokenizer, template, eos)
 
 

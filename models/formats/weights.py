@@ -49,7 +49,8 @@ class WeightSource(Protocol):
     def describe(self) -> dict:
         """kind, name, arch and what identifies the weights (a weight map's `source` entry)."""
 
-    def tokenizer(self) -> Tokenizer: ...
+    def tokenizer(self, cache: bool = False) -> Tokenizer:
+        """The model's tokenizer; cache: keep what is slow to build on disk for the next load."""
 
     def tokenizer_json(self) -> str | None:
         """A tokenizer.json string when the source carries one, else None."""
