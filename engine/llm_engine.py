@@ -88,7 +88,7 @@ class LLMEngine:
                 from nanochat.kernels import cpu_qgemv
                 cpu_qgemv.use_isa(config.cpu_isa)
         config.apply_kernel_switches()   # quant backend, activation levels, fused forward, MoE threads
-        self.loaded = loaded or load(model)
+        self.loaded = loaded or load(model, cache=config.pack_cache)
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
         self.dtype = self.config.resolved_dtype(self.device)
         self.tokenizer = self.loaded.tokenizer

@@ -8,67 +8,14 @@ import math
 import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanochat.models.errors import ModelLoadError
 
-
-@dataclass(frozen=True)
-class Family:
-    """What sets a dense family apart from Llama, in one place: the HF and GGUF sources and the model read it.
-    Dense families share one implementation (models/families/dense.py); anything not here is Llama's."""
-
-    arch: str                             # ModelConfig.arch: the config.json model_type
-    attention_bias: bool = False          # bias on q/k/v (Qwen2)
-    qk_norm: bool = False                 # per-head RMSNorm on q and k before RoPE (Qwen3)
-    # config.json's sliding_window applies to: "all" layers (Mistral, Phi-3), the layers config.json's
-    # layer_types call "sliding_attention" (SmolLM3, Qwen2: transformers' use_sliding_window), or "none".
-    sliding_window: str = "layer_types"
-    no_rope_layers: bool = False          # config.json lists per layer whether it uses RoPE (SmolLM3)
-    # Checkpoint tensors holding several of Llama's, in row order (module names inside a layer).
-    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    # Gemma 3: HF RMSNorm weights scale by (1 + w); norms on the attention and MLP outputs as well (four a
-    # layer); the embeddings times sqrt(hidden_size); the windowed layers' own RoPE base, unscaled; the
-    # attention scale query_pre_attn_scalar ** -0.5; final_logit_softcapping.
-    norm_zero_centred: bool = False
-    sandwich_norms: bool = False
-    embed_scale: bool = False
-    local_rope: bool = False
-    query_pre_attn_scalar: bool = False
-    logit_softcapping: bool = False
-    activations: tuple[str, ...] = ("silu",)   # config.json hidden_act / hidden_activation values accepted
-    # config.json values transformers assumes where the file has none (Gemma 3's text_config lists few), and
-    # the RoPE base (which may come from rope_parameters instead).
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    rope_theta: float = 10000.0
+if TYPE_CHECKING:
+    from nanochat.models.families.spec import FamilySpec
 
 
-PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-FAMILIES = {f.arch: f for f in (
-    Family("llama", sliding_window="none"),
-    Family("mistral", sliding_window="all"),
-    Family("qwen2", attention_bias=True),
-    Family("qwen3", qk_norm=True),
-    Family("smollm3", no_rope_layers=True),
-    Family("phi3", sliding_window="all", fused=PHI3_FUSED),
-    # Gemma3TextConfig's defaults; sliding_window_pattern: transformers' rule when layer_types is absent.
-    Family("gemma3_text", qk_norm=True, norm_zero_centred=True, sandwich_norms=True, embed_scale=True,
-           local_rope=True, query_pre_attn_scalar=True, logit_softcapping=True,
-           activations=("gelu_pytorch_tanh", "gelu_tanh"),
-           defaults={"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
-                     "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True,
-                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6},
-           rope_theta=1_000_000.0),
-)}
-DENSE_ARCHS = set(FAMILIES)
-MOE_ARCHS = {"qwen3_moe"}
-# Hybrid Gated DeltaNet + gated attention families (models/families/qwen3_next.py).
-HYBRID_ARCHS = {"qwen3_next", "qwen3_5_moe", "qwen3_5"}
-# Text-only model_type names of multimodal wrappers -> our arch name (Gemma 3's wrapper: its text model).
-TEXT_ARCH_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text"}
 # The gated MLP's activation (ModelConfig.hidden_act) for each config.json name of it.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -80,7 +27,7 @@ def layer_types_from_interval(num_layers: int, interval: int) -> tuple[str, ...]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # the HF model_type: a FAMILIES key, or an MoE / hybrid arch
+    arch: str                      # the family's name (models/families/registry.py): the HF model_type
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -122,7 +69,7 @@ class ModelConfig:
     # whether the layer applies RoPE (SmolLM3's NoPE layers do not).
     layer_windows: tuple[int, ...] = ()
     layer_rope: tuple[bool, ...] = ()
-    # Dense-family options (Family): the gated MLP's activation ("silu" | "gelu_tanh"); RMSNorms on the
+    # Family options (models/families/spec.py): the gated MLP's activation ("silu" | "gelu_tanh"); RMSNorms on the
     # attention and MLP outputs before their residual adds; the factor on the embeddings; the attention
     # scale (0: head_dim ** -0.5); the RoPE base of the windowed layers, unscaled (0: the global RoPE);
     # tanh soft-capping of the logits at +-final_logit_softcapping (0: none).
@@ -153,8 +100,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "") -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (llama / qwen2 / qwen3 / qwen3_moe / qwen3_next /
-        qwen3_5(_moe)); multimodal wrappers keep the text model's config under `text_config`."""
+        """Build from a Hugging Face config.json dict of a registered family (models/families/registry.py);
+        multimodal wrappers keep the text model's config under `text_config`."""
         if isinstance(cfg.get("text_config"), dict):
             text = cfg["text_config"]
             outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
@@ -165,11 +112,13 @@ class ModelConfig:
                     merged[key] = outer[key]
             merged["model_type"] = outer.get("model_type") or text.get("model_type", "")
             cfg = merged
-        arch = cfg.get("model_type", "")
-        arch = TEXT_ARCH_ALIASES.get(arch, arch)
-        family = FAMILIES.get(arch)
-        if family is not None:
-            cfg = {**family.defaults, **cfg}
+        from nanochat.models.families.registry import by_hf_type   # here: the family files import this module
+
+        family = by_hf_type(cfg.get("model_type", ""))
+        if family is None:
+            raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported")
+        arch = family.name
+        cfg = {**family.defaults, **cfg}
         heads = cfg["num_attention_heads"]
         if not cfg.get("head_dim") and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"num_attention_heads is {heads!r}; it must be a positive integer")
@@ -182,12 +131,12 @@ class ModelConfig:
         per_type = rope_params if isinstance(rope_params.get("full_attention"), dict) else None
         if per_type is not None:
             rope_params = per_type["full_attention"]
-        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or (family or Family("")).rope_theta
+        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or family.rope_theta
         rope_scaling = cfg.get("rope_scaling") or rope_params or None
         if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in (None, "default", "mrope"):
             rope_scaling = None   # plain RoPE (mRoPE is plain RoPE for text: all position ids are equal)
         partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
-        hybrid = arch in HYBRID_ARCHS
+        hybrid = family.hybrid
         num_layers = cfg["num_hidden_layers"]
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 < num_layers <= MAX_LAYERS:
             raise ValueError(f"num_hidden_layers is {num_layers!r}; it must be a positive integer up to {MAX_LAYERS}")
@@ -195,10 +144,11 @@ class ModelConfig:
         if hybrid and not layer_types:
             layer_types = layer_types_from_interval(num_layers, cfg.get("full_attention_interval", 4))
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        per_layer = {**_dense_layers(cfg, family, num_layers), **_family_options(cfg, family, per_type)} \
-            if family else {}
-        if family and rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in LONGROPE:
+        per_layer = {**_layer_options(cfg, family, num_layers), **_family_options(cfg, family, per_type)}
+        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in LONGROPE:
             rope_scaling = _longrope(cfg, rope_scaling)
+        norm_topk = family.norm_topk_prob if family.norm_topk_fixed else \
+            bool(cfg.get("norm_topk_prob", family.norm_topk_prob))
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -213,8 +163,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=(family is not None and family.attention_bias) or bool(cfg.get("attention_bias", False)),
-            qk_norm=(family is not None and family.qk_norm) or arch == "qwen3_moe" or hybrid,
+            attention_bias=family.attention_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=family.qk_norm,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -223,8 +173,7 @@ class ModelConfig:
             num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-            # transformers' defaults: off for Qwen3-MoE, on for Qwen3-Next; Qwen3.5/3.6 always renormalise.
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch != "qwen3_moe")) if arch != "qwen3_5_moe" else True,
+            norm_topk_prob=norm_topk,
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             layer_types=layer_types,
@@ -236,7 +185,7 @@ class ModelConfig:
             linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim") or 4,
             partial_rotary_factor=float(partial),
             attn_output_gate=hybrid,
-            norm_zero_centred=hybrid or (family is not None and family.norm_zero_centred),
+            norm_zero_centred=family.norm_zero_centred,
         )
 
 
@@ -244,20 +193,20 @@ LONGROPE = ("longrope", "su")   # "su": Phi-3's first name for LongRoPE
 
 
 def fused_rows(cfg: "ModelConfig", modules: tuple[str, ...]) -> list[int]:
-    """The rows of each module (a Family.fused part, e.g. self_attn.k_proj) in a fused checkpoint tensor."""
+    """The rows of each module (a part of a family's fused tensor, e.g. self_attn.k_proj) in a fused tensor."""
     q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "mlp.gate_proj": inter,
             "mlp.up_proj": inter}
     return [rows[m] for m in modules]
 
 
-def _dense_layers(cfg: dict, family: Family, num_layers: int) -> dict:
-    """layer_windows and layer_rope of a dense family from config.json, as transformers reads them."""
+def _layer_options(cfg: dict, family: FamilySpec, num_layers: int) -> dict:
+    """layer_windows and layer_rope from config.json, as transformers reads them."""
     rope = (True,) * num_layers
-    if family.no_rope_layers:
+    if family.no_rope_interval:
         flags = cfg.get("no_rope_layers")
         if flags is None:   # transformers' default: every no_rope_layer_interval-th layer without RoPE
-            interval = cfg.get("no_rope_layer_interval") or 4
+            interval = cfg.get("no_rope_layer_interval") or family.no_rope_interval
             flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
         if not isinstance(flags, list) or len(flags) != num_layers:
             raise ValueError(f"no_rope_layers must list one 0/1 flag per layer ({num_layers})")
@@ -268,7 +217,7 @@ def _dense_layers(cfg: dict, family: Family, num_layers: int) -> dict:
     if family.sliding_window == "all":
         return {"layer_windows": (window,) * num_layers, "layer_rope": rope}
     types = cfg.get("layer_types")
-    if types is None and family.no_rope_layers and cfg.get("use_sliding_window"):
+    if types is None and family.no_rope_interval and cfg.get("use_sliding_window"):
         types = ["full_attention" if r else "sliding_attention" for r in rope]   # SmolLM3's default
     pattern = cfg.get("sliding_window_pattern")
     if types is None and pattern is not None:   # Gemma 3's default: every pattern-th layer global
@@ -282,13 +231,13 @@ def _dense_layers(cfg: dict, family: Family, num_layers: int) -> dict:
     return {"layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types), "layer_rope": rope}
 
 
-def _family_options(cfg: dict, family: Family, per_type: dict | None) -> dict:
-    """A dense family's activation, extra norms, embedding and attention scales, windowed layers' RoPE and
+def _family_options(cfg: dict, family: FamilySpec, per_type: dict | None) -> dict:
+    """A family's activation, extra norms, embedding and attention scales, windowed layers' RoPE and
     logit soft-capping from config.json, as transformers reads them; one-line ValueErrors for what is not
     supported."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.activations[0]
     if act not in family.activations:
-        raise ValueError(f"hidden activation {act!r} is not supported for {family.arch} "
+        raise ValueError(f"hidden activation {act!r} is not supported for {family.name} "
                          f"(supported: {', '.join(family.activations)})")
     out: dict[str, Any] = {"hidden_act": ACTIVATIONS[act], "sandwich_norms": family.sandwich_norms}
     if family.embed_scale:

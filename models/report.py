@@ -91,7 +91,6 @@ def describe(model) -> ModelReport:
     cfg = model.config
     counts: dict[str, Counter] = {}
     params = nbytes = 0
-    from nanochat.models.families.dense import DenseForCausalLM
     from nanochat.models.layers.common import Linear
 
     for layer in model.layers:
@@ -115,7 +114,7 @@ def describe(model) -> ModelReport:
     else:
         embedding = f"{dtype_name(emb.weight.dtype)} table"
         ep, eb = emb.weight.numel(), emb.weight.numel() * emb.weight.element_size()
-    fused = model.fused if isinstance(model, DenseForCausalLM) else None
+    fused = getattr(model, "fused", None)   # the whole-stack CPU kernel, where the model class has one
     isa = None
     if next(model.parameters(), torch.empty(0)).device.type == "cpu":
         from nanochat.kernels import cpu_qgemv

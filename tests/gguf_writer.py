@@ -320,6 +320,7 @@ def write_gguf_from_hf(
     raw_tensors: Mapping[str, tuple[np.ndarray, T]] | None = None,
     skip_tensors: tuple[str, ...] = (),
     expert_qtype: T | None = None,
+    gguf_arch: str | None = None,
 ) -> Path:
     """Write `source` as a GGUF file for `arch` ("llama" and "smollm3" permute q/k rows like llama.cpp;
     "phi3" gets its LongRoPE factor tensors and partial rotary dims as llama.cpp's Phi3MiniModel writes them;
@@ -334,6 +335,8 @@ def write_gguf_from_hf(
     (plain values or MetaValue). raw_tensors: GGUF name -> (raw uint8 blocks, type) written
     as is, replacing or adding tensors. skip_tensors: GGUF names to leave out.
     expert_qtype (MoE archs): type of the ffn_*_exps tensors (default qtype_for_linears).
+    gguf_arch: the general.architecture (and metadata key prefix) written, when not `arch` (whose converter
+    rules the file follows).
     """
     state, cfg = _load_source(source)
     heads = cfg["num_attention_heads"]
@@ -344,7 +347,7 @@ def write_gguf_from_hf(
     tied = bool(cfg.get("tie_word_embeddings", False))
     theta, scaling = _rope(cfg)
 
-    w = gguf.GGUFWriter(os.fspath(out_path), arch)
+    w = gguf.GGUFWriter(os.fspath(out_path), gguf_arch or arch)
     w.add_name(name)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg.get("max_position_embeddings", 2048))

@@ -306,6 +306,26 @@ def test_gguf_matches_the_hf_folder(family, qtype, tol, family_models, tmp_path)
     assert err <= tol, f"{family} {qtype.name}: max abs err {err}"
 
 
+def test_phi3_gguf_weight_map_builds_what_the_loader_builds(family_models, tmp_path):
+    """Phi-3's fused attn_qkv and ffn_up (gate|up) are listed as the Llama tensors they hold, with their own
+    shapes, and the map's targets equal the loaded model's parameters."""
+    from nanochat.models.formats.loader import build_model, open_source
+    from nanochat.models.formats.weight_map import apply_plan, build_plan, engine_param_name
+
+    folder = family_models["phi3"]
+    source = open_source(str(write_gguf_from_hf(folder, tmp_path / "phi3.gguf", "phi3", T.Q8_0,
+                                                tokenizer=tokenizer_metadata(folder))))
+    plan = build_plan(source)
+    up = plan["tensors"]["model.layers.0.mlp.up_proj.weight"]
+    assert up == {"shape": [TINY["intermediate_size"], TINY["hidden_size"]], "dtype": "Q8_0"}
+    built = apply_plan(plan, source, dequantize=True, dtype=torch.float32)
+    model = build_model(source, torch.device("cpu"), torch.float32, 16, 64, dequantize=True)
+    params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    assert {engine_param_name(t) for t in built} == set(params)
+    for target, tensor in built.items():
+        assert torch.equal(tensor, params[engine_param_name(target)]), target
+
+
 # ---------------------------------------------------------------- attention kernels
 
 

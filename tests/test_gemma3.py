@@ -335,7 +335,8 @@ def test_gguf_matches_the_hf_folder(qtype, tol, models, tmp_path):
 def test_gguf_layer_pattern_and_27b_scale_as_llama_cpp(models, tmp_path):
     """attention.sliding_window_pattern as an n or a per-layer array; no window: every layer global; the 27B's
     attention scale (hidden / heads) ** -0.5 from its 62 layers."""
-    from nanochat.models.formats.gguf_source import GGUFSource, gemma3_attention_scale
+    from nanochat.models.families.gemma3 import gemma3_attention_scale
+    from nanochat.models.formats.gguf_source import GGUFSource
     from tests.gguf_writer import MetaValue, VT
 
     folder = models["gemma3"]

@@ -256,6 +256,66 @@ def test_equal_scores_grow_runs_from_the_left_like_llama_cpp():
             text.replace(" ", "\u2581"), vocab, meta["tokenizer.ggml.scores"]), n
 
 
+# ------------------------------------------------------------------------------------------ merges cache
+
+
+@pytest.fixture
+def merges_cache(tmp_path, monkeypatch):
+    """The cache folder, empty, under tmp_path; and a count of the merges actually built."""
+    from nanochat.models.formats import pack_cache
+    from nanochat.models.text import tokenizer_spm
+
+    monkeypatch.setattr(pack_cache, "cache_dir", lambda: tmp_path / "cache")
+    built = []
+    build = tokenizer_spm._merges
+    monkeypatch.setattr(tokenizer_spm, "_merges", lambda *a: built.append(1) or build(*a))
+    return tmp_path / "cache", built
+
+
+def test_cached_merges_give_the_same_ids_and_are_not_built_again(sp, merges_cache):
+    folder, built = merges_cache
+    meta = plain_meta(sp)
+    plain = Tokenizer.from_gguf(meta)
+    assert len(built) == 1 and not folder.exists()   # no cache asked: nothing written
+    first = Tokenizer.from_gguf(meta, cache=True)
+    assert len(built) == 2 and len(list(folder.glob("*.nc-merges"))) == 1
+    second = Tokenizer.from_gguf(meta, cache=True)
+    assert len(built) == 2   # read from the file
+    for text in CORPUS:
+        assert plain.encode(text) == first.encode(text) == second.encode(text), text
+
+
+def test_a_damaged_merges_file_is_built_anew(sp, merges_cache):
+    folder, built = merges_cache
+    meta = plain_meta(sp)
+    expected = [Tokenizer.from_gguf(meta, cache=True).encode(text) for text in CORPUS]
+    [path] = folder.glob("*.nc-merges")
+    good = path.read_bytes()
+    flipped = bytearray(good)
+    flipped[-5] ^= 1
+    for damaged in (good[:-3], bytes(flipped), b"", b"NCBLOB01" + b"\0" * 40):
+        path.write_bytes(damaged)
+        n = len(built)
+        assert [Tokenizer.from_gguf(meta, cache=True).encode(text) for text in CORPUS] == expected
+        assert len(built) == n + 1 and path.read_bytes() == good   # built and written again
+
+
+def test_another_vocabulary_or_merges_rule_is_another_cache_file(sp, merges_cache, tmp_path, monkeypatch):
+    from nanochat.models.text import tokenizer_spm
+
+    folder, built = merges_cache
+    meta = plain_meta(sp)
+    Tokenizer.from_gguf(meta, cache=True)
+    scores = list(meta["tokenizer.ggml.scores"])
+    scores[300] += 1.0
+    Tokenizer.from_gguf({**meta, "tokenizer.ggml.scores": scores}, cache=True)
+    edited = tmp_path / "tokenizer_spm.py"
+    edited.write_text(open(tokenizer_spm.__file__).read() + "\n# another rule\n")
+    monkeypatch.setattr(tokenizer_spm, "__file__", str(edited))
+    Tokenizer.from_gguf(meta, cache=True)
+    assert len(built) == 3 and len(list(folder.glob("*.nc-merges"))) == 3
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
@@ -343,3 +403,17 @@ def test_tiny_llama_gguf_with_a_sentencepiece_vocabulary_generates(sp, tmp_path)
         assert len(out.token_ids) == n
         full = llm.tokenizer.decode(out.token_ids)
         assert out.text in (full, full[:-1]) and (out.text == full or full.endswith("\ufffd"))
+
+
+def test_an_engine_keeps_the_merges_with_the_pack_cache(sp, merges_cache, tmp_path):
+    from nanochat.engine import LLMEngine
+
+    _, built = merges_cache
+    src = make_hf_model("llama", tmp_path / "hf", seed=7, vocab_size=sp.get_piece_size())
+    path = write_gguf_from_hf(src, tmp_path / "model.gguf", "llama",
+                              tokenizer=sentencepiece_tokenizer_metadata(sp, USER_DEFINED))
+    prompt = "Hello there! \u4f60\u597d"
+    for pack_cache in (True, True, False):
+        engine = LLMEngine(str(path), dtype="float32", max_model_len=64, pack_cache=pack_cache)
+        assert engine.tokenizer.encode(prompt) == [1] + sp.encode(prompt)
+    assert len(built) == 2   # the first load and the one without the cache

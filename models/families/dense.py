@@ -1,5 +1,5 @@
 """Dense decoder-only models (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3): one implementation, options
-for the differences (models/config.py FAMILIES, read into ModelConfig).
+for the differences (each family's FamilySpec, models/families/<family>.py, read into ModelConfig).
 
 Qwen2 = Llama + bias on q/k/v; Qwen3 = Llama + per-head RMSNorm on q and k before RoPE; per layer, an
 attention window (Mistral, Phi-3, Gemma 3's local layers) with its own RoPE table where the family has one

@@ -11,6 +11,7 @@ from torch import nn
 from nanochat.models.layers.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.families.dense import DenseAttention
+from nanochat.models.families.spec import MOE_BLOCK_TENSORS, FamilySpec
 from nanochat.models.layers.common import GatedMLP, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
 from nanochat.models.layers.moe import SparseMoeBlock
 
@@ -58,3 +59,9 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return head_logits(self.lm_head, hidden)
+
+
+# transformers' default: no renormalisation of the routing weights for Qwen3-MoE (GGUF files: llama.cpp's default,
+# on, unless the file says otherwise).
+QWEN3_MOE = FamilySpec("qwen3_moe", Qwen3MoeForCausalLM, gguf_arch="qwen3moe", moe=True, qk_norm=True,
+                       sliding_window="none", norm_topk_prob=False, block_tensors=MOE_BLOCK_TENSORS)

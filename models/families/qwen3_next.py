@@ -38,6 +38,7 @@ from nanochat.models.layers.common import Linear, RMSNorm, RotaryEmbedding, Weig
     norm_weight
 from nanochat.models.parallel.sharding import head_shard, split
 from nanochat.models.families.qwen3_moe import load_mlp
+from nanochat.models.families.spec import MOE_BLOCK_TENSORS, FamilySpec
 
 
 def triton_available() -> bool:
@@ -291,3 +292,25 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return head_logits(self.lm_head, hidden)
+
+
+# GGUF: Qwen3-Next's and Qwen3.5's block tensors (the GGUF source splits ssm_ba and serves ssm_a as A_log).
+HYBRID_BLOCK_TENSORS = {
+    **MOE_BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_HYBRID = dict(hybrid=True, qk_norm=True, norm_zero_centred=True, sliding_window="none",
+               block_tensors=HYBRID_BLOCK_TENSORS)
+QWEN3_NEXT = FamilySpec("qwen3_next", Qwen3NextForCausalLM, gguf_arch="qwen3next", moe=True, **_HYBRID)
+# Qwen3.5 / 3.6: multimodal wrappers (their text models' names too); MoE routing always renormalised.
+QWEN3_5_MOE = FamilySpec("qwen3_5_moe", Qwen3NextForCausalLM, hf_types=("qwen3_5_moe_text",), gguf_arch="qwen35moe",
+                         moe=True, norm_topk_fixed=True, tiled_v_heads=True, **_HYBRID)
+QWEN3_5 = FamilySpec("qwen3_5", Qwen3NextForCausalLM, hf_types=("qwen3_5_text",), gguf_arch="qwen35",
+                     tiled_v_heads=True, **_HYBRID)

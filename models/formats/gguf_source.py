@@ -38,8 +38,8 @@ import os
 import re
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import gguf
 import numpy as np
@@ -48,9 +48,11 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import StackedWeight
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import (ACTIVATIONS, FAMILIES, MAX_EXPERTS, PHI3_FUSED, ModelConfig, check_config,
-                                    expected_shapes, fused_rows, layer_types_from_interval, required_tensors)
+from nanochat.models.config import (ACTIVATIONS, MAX_EXPERTS, ModelConfig, check_config, expected_shapes, fused_rows,
+                                    layer_types_from_interval, required_tensors)
+from nanochat.models.families import registry
 from nanochat.models.formats.gguf_file import GGUFError, GGUFFile, to_python
+from nanochat.models.formats.weights import dtype_name
 
 T = gguf.GGMLQuantizationType
 
@@ -63,54 +65,6 @@ QUANT_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_1,
                T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 SUPPORTED_TYPES = DENSE_TYPES | QUANT_TYPES
 
-# GGUF tensor base name -> HF module path (".weight"/".bias" is carried over).
-GLOBAL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-DENSE_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-MOE_BLOCK_TENSORS = {
-    **DENSE_BLOCK_TENSORS,
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-HYBRID_BLOCK_TENSORS = {
-    **MOE_BLOCK_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "attn_qkv": "linear_attn.in_proj_qkv",
-    "attn_gate": "linear_attn.in_proj_z",
-    "ssm_beta": "linear_attn.in_proj_b",
-    "ssm_alpha": "linear_attn.in_proj_a",
-    "ssm_conv1d": "linear_attn.conv1d",
-    "ssm_norm": "linear_attn.norm",
-    "ssm_out": "linear_attn.out_proj",
-}
-# Gemma 3: four norms a layer; ffn_norm is its pre_feedforward_layernorm, post_attention_norm the attention
-# output's (HF post_attention_layernorm).
-GEMMA3_BLOCK_TENSORS = {
-    **DENSE_BLOCK_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
 # GGUF block tensors whose HF name is not module + ".weight"/".bias" (hybrid archs).
 HYBRID_SPECIAL = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 # Routed experts: GGUF base name -> the projections it holds.
@@ -124,54 +78,6 @@ TILED_V_TENSORS = {"attn_qkv": "qkv", "ssm_conv1d": "qkv", "attn_gate": "rows", 
 
 
 @dataclass(frozen=True)
-class ArchSpec:
-    """How one GGUF architecture maps onto nanochat: a row of ARCHS with its tensor tables and
-    the flags that switch on the MoE / hybrid metadata and tensor transforms."""
-
-    model_type: str                      # HF model_type, used as ModelConfig.arch
-    permute_qk: bool = False             # converter permuted attn_q/attn_k rows
-    block_tensors: Mapping[str, str] = field(default_factory=lambda: DENSE_BLOCK_TENSORS)
-    global_tensors: Mapping[str, str] = field(default_factory=lambda: GLOBAL_TENSORS)
-    moe: bool = False                    # routed experts (ffn_*_exps) and routers
-    hybrid: bool = False                 # Gated DeltaNet + gated attention layers
-    tiled_v_heads: bool = False          # qwen35*: value heads stored in tiled order
-    # Block tensors holding several HF ones in row order (Phi-3's attn_qkv, and ffn_up = gate|up).
-    split_tensors: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    partial_rope: bool = False           # rope.dimension_count may be below the head size (NeoX RoPE)
-    no_rope_every: int = 0               # every n-th layer has no RoPE (llama.cpp's fixed SmolLM3 rule)
-    # llama.cpp's layer pattern when the file has no attention.sliding_window_pattern: every n-th layer global,
-    # the others windowed (0: every layer windowed); and those windowed layers' own RoPE (rope.freq_base_swa,
-    # unscaled).
-    swa_pattern: int = 0
-    local_rope: bool = False
-    # llama.cpp's attention scale for the arch from (layers, hidden, heads, head_dim); None: head_dim ** -0.5.
-    attention_scale: Callable[[int, int, int, int], float] | None = None
-
-
-def gemma3_attention_scale(layers: int, hidden: int, heads: int, head_dim: int) -> float:
-    """llama.cpp's rule (after gemma_pytorch): Gemma 3 27B (62 layers) scales by (hidden / heads) ** -0.5, the
-    others by head_dim ** -0.5, as their query_pre_attn_scalar says in config.json."""
-    return (hidden / heads if layers == 62 else head_dim) ** -0.5
-
-
-ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", permute_qk=True),
-    "smollm3": ArchSpec("smollm3", permute_qk=True, no_rope_every=4),
-    "phi3": ArchSpec("phi3", split_tensors={"attn_qkv": PHI3_FUSED["self_attn.qkv_proj"],
-                                            "ffn_up": PHI3_FUSED["mlp.gate_up_proj"]}, partial_rope=True),
-    "qwen2": ArchSpec("qwen2"),
-    "qwen3": ArchSpec("qwen3"),
-    "gemma3": ArchSpec("gemma3_text", block_tensors=GEMMA3_BLOCK_TENSORS, swa_pattern=6, local_rope=True,
-                       attention_scale=gemma3_attention_scale),
-    "qwen3moe": ArchSpec("qwen3_moe", block_tensors=MOE_BLOCK_TENSORS, moe=True),
-    "qwen3next": ArchSpec("qwen3_next", block_tensors=HYBRID_BLOCK_TENSORS, moe=True, hybrid=True),
-    "qwen35moe": ArchSpec("qwen3_5_moe", block_tensors=HYBRID_BLOCK_TENSORS, moe=True, hybrid=True,
-                          tiled_v_heads=True),
-    "qwen35": ArchSpec("qwen3_5", block_tensors=HYBRID_BLOCK_TENSORS, hybrid=True, tiled_v_heads=True),
-}
-
-
-@dataclass(frozen=True)
 class _Ref:
     """Where an HF-named tensor comes from: a GGUF tensor and how to turn it into the HF tensor."""
 
@@ -181,6 +87,15 @@ class _Ref:
     part: int = 0         # kind "expert": row block of a fused gate|up tensor (0 gate, 1 up); "rows": which part
     parts: int = 1
 
+
+# SamplingParams name -> general.sampling.* key (min_p has no SamplingParams counterpart).
+_SAMPLING_KEYS = {
+    "temperature": gguf.Keys.General.SAMPLING_TEMP,
+    "top_p": gguf.Keys.General.SAMPLING_TOP_P,
+    "top_k": gguf.Keys.General.SAMPLING_TOP_K,
+    "repetition_penalty": gguf.Keys.General.SAMPLING_PENALTY_REPEAT,
+}
+_FLOAT32 = (int(gguf.GGUFValueType.FLOAT32),)
 
 # Checkpoint dtype reported for unquantized files; quantized ones keep the bf16 default.
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -218,6 +133,8 @@ def _from_numpy(arr: np.ndarray) -> torch.Tensor:
 class GGUFSource:
     """WeightSource over a single GGUF file (see models/formats/weights.py for the naming)."""
 
+    kind = "gguf"
+
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self.reader = self._open(self.path)   # the parsed file (metadata, tensor infos, mmap)
@@ -225,11 +142,11 @@ class GGUFSource:
         self.arch = self._str_meta("general.architecture")
         if self.arch is None:
             raise ModelLoadError(f"{self.path}: GGUF has no general.architecture")
-        if self.arch not in ARCHS:
+        self.family = registry.by_gguf_arch(self.arch)
+        if self.family is None:
             raise ModelLoadError(
                 f"{self.path}: unsupported GGUF architecture '{self.arch}' "
-                f"(supported: {', '.join(sorted(ARCHS))})")
-        self.spec = ARCHS[self.arch]
+                f"(supported: {', '.join(registry.gguf_archs())})")
         self._tensors = self.reader.tensors
         self._n_layers: int | None = None
         self._check_tensors()
@@ -305,14 +222,14 @@ class GGUFSource:
             e = self.config.num_experts
             return tuple((e, ref.parts * s[0], *s[1:]) for s in shapes if s), f"num_experts {e}, {why}"
         if ref.kind == "rows":             # the fused tensor: every part's rows
-            modules = self.spec.split_tensors[_BLOCK_RE.match(ref.gguf).group(2)]
+            modules = self.family.split_tensors[_BLOCK_RE.match(ref.gguf).group(2)]
             rows = sum(fused_rows(self.config, modules))
             return tuple((rows, *s[1:]) for s in shapes), f"{' + '.join(modules)} rows, {why}"
         return shapes, why
 
     def _gguf_name_for(self, hf_name: str) -> str:
         """The GGUF tensor that would serve `hf_name` (for messages about a missing one)."""
-        for gguf_base, module in self.spec.global_tensors.items():
+        for gguf_base, module in self.family.global_tensors.items():
             if hf_name.startswith(module + "."):
                 return f"{gguf_base}{hf_name[len(module):]}"
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
@@ -324,7 +241,7 @@ class GGUFSource:
         for gguf_base, hf in HYBRID_SPECIAL.items():
             if rest == hf:
                 return f"blk.{layer}.{gguf_base}"
-        for gguf_base, module in self.spec.block_tensors.items():
+        for gguf_base, module in self.family.block_tensors.items():
             if rest.startswith(module + "."):
                 return f"blk.{layer}.{gguf_base}{rest[len(module):]}"
         return hf_name
@@ -338,15 +255,15 @@ class GGUFSource:
             if int(layer) >= self._num_layers():
                 return []   # nextn / MTP blocks
             prefix = f"model.layers.{layer}"
-            spec = self.spec
-            if spec.hybrid:
+            family = self.family
+            if family.hybrid:
                 special = HYBRID_SPECIAL.get(base if kind is None else f"{base}.{kind}")
                 if special is not None:
                     return [(f"{prefix}.{special}", _Ref(gguf_name, "a_log" if base == "ssm_a" else "plain"))]
                 if base == "ssm_ba" and kind == "weight":
                     return [(f"{prefix}.linear_attn.in_proj_b.weight", _Ref(gguf_name, "ba_b")),
                             (f"{prefix}.linear_attn.in_proj_a.weight", _Ref(gguf_name, "ba_a"))]
-            if spec.moe and base in EXPERT_TENSORS and kind == "weight":
+            if family.moe and base in EXPERT_TENSORS and kind == "weight":
                 projs = EXPERT_TENSORS[base]
                 dims = self._tensors[gguf_name].shape
                 if len(dims) != 3:
@@ -358,16 +275,16 @@ class GGUFSource:
                                          f"(expected 1 to {MAX_EXPERTS}; the file is corrupt)")
                 return [(f"{prefix}.mlp.experts.{e}.{p}_proj.weight", _Ref(gguf_name, "expert", e, i, len(projs)))
                         for e in range(n_experts) for i, p in enumerate(projs)]
-            if base in spec.split_tensors and kind == "weight":
-                modules = spec.split_tensors[base]
+            if base in family.split_tensors and kind == "weight":
+                modules = family.split_tensors[base]
                 return [(f"{prefix}.{module}.weight", _Ref(gguf_name, "rows", part=i, parts=len(modules)))
                         for i, module in enumerate(modules)]
-            module = spec.block_tensors.get(base)
+            module = family.block_tensors.get(base)
             if module is None or kind is None:
                 return []
             return [(f"{prefix}.{module}.{kind}", _Ref(gguf_name))]
         if m := _GLOBAL_RE.match(gguf_name):
-            module = self.spec.global_tensors.get(m.group(1))
+            module = self.family.global_tensors.get(m.group(1))
             return [] if module is None else [(f"{module}.{m.group(2)}", _Ref(gguf_name))]
         return []
 
@@ -392,6 +309,28 @@ class GGUFSource:
     def __contains__(self, name: str) -> bool:
         return name in self._hf_to_gguf
 
+    def inventory(self) -> dict[str, dict]:
+        """Shape and type of every tensor served, with the GGUF tensor it is (gguf_name) and the converter's
+        transform undone on it, where it is one tensor as stored."""
+        out = {}
+        for name, ref in self._hf_to_gguf.items():
+            if ref.kind != "plain":   # a part, a slice or a function of a stored tensor: as served
+                t = self.get(name)
+                out[name] = {"shape": [int(d) for d in t.shape], "dtype": dtype_name(t)}
+                continue
+            # The stored tensor (a memmap view) has the served shape and type: the q/k un-permutation only
+            # reorders rows, and skipping it avoids copying those tensors.
+            t = self.get_gguf(ref.gguf)
+            entry = {"shape": [int(d) for d in t.shape], "dtype": dtype_name(t), "gguf_name": ref.gguf}
+            if self.family.permute_qk and self._qk_heads(ref.gguf):
+                entry["transform"] = "unpermute_qk"
+            out[name] = entry
+        return out
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "name": os.path.basename(self.path), "arch": self.config.arch,
+                "gguf_arch": self.arch, "file_type": self.quant_summary()}
+
     # ---- tensors ----
 
     def get(self, name: str) -> torch.Tensor | QuantWeight:
@@ -403,18 +342,18 @@ class GGUFSource:
         if ref.kind == "expert":
             return self._expert_stack(ref.gguf, ref.part, ref.parts).expert(ref.expert)
         w = self.get_gguf(ref.gguf)
-        if self.spec.permute_qk:
+        if self.family.permute_qk:
             heads = self._qk_heads(ref.gguf)
             if heads:
                 w = self._unpermute(w, heads)
-        if self.spec.tiled_v_heads:
+        if self.family.tiled_v_heads:
             w = self._untile(ref.gguf, w)
         if ref.kind == "a_log":
             return torch.log(-w.float())
         if ref.kind in ("ba_b", "ba_a"):
             return self._split_ba(w, ref.kind == "ba_a")
         if ref.kind == "rows":
-            rows = fused_rows(self.config, self.spec.split_tensors[_BLOCK_RE.match(ref.gguf).group(2)])
+            rows = fused_rows(self.config, self.family.split_tensors[_BLOCK_RE.match(ref.gguf).group(2)])
             start = sum(rows[:ref.part])
             if isinstance(w, QuantWeight):
                 return QuantWeight(w.ggml_type, (rows[ref.part], w.shape[1]), w.data[start:start + rows[ref.part]])
@@ -428,7 +367,7 @@ class GGUFSource:
         ("model.layers.{i}.mlp.experts") as one [E, out, in] StackedWeight over the memory map
         (no copy), or None when the layer has no such GGUF tensor."""
         m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts", prefix)
-        if m is None or not self.spec.moe:
+        if m is None or not self.family.moe:
             return None
         for base, projs in EXPERT_TENSORS.items():
             gname = f"blk.{m.group(1)}.{base}.weight"
@@ -609,7 +548,7 @@ class GGUFSource:
                                  f"{self.arch}.attention.key_length (the file is corrupt)")
         head_dim = key_length if key_length is not None else hidden // heads
         rope_dim = self._int("rope.dimension_count")
-        if rope_dim is not None and rope_dim != head_dim and not (self.spec.hybrid or self.spec.partial_rope):
+        if rope_dim is not None and rope_dim != head_dim and not (self.family.hybrid or self.family.partial_rope):
             raise ModelLoadError(f"{self.path}: {self.arch}.rope.dimension_count {rope_dim} differs from the head "
                                  f"size {head_dim}; partial RoPE is not supported for {self.arch}")
         value_length = self._int("attention.value_length", head_dim)
@@ -631,9 +570,9 @@ class GGUFSource:
             v = self._token_id(f"tokenizer.ggml.{key}")
             if v is not None and v not in eos_ids:
                 eos_ids.append(v)
-        ffn = self._int("feed_forward_length", required=not self.spec.moe)
+        ffn = self._int("feed_forward_length", required=not self.family.moe)
         return ModelConfig(
-            arch=self.spec.model_type,
+            arch=self.family.name,
             vocab_size=vocab or 0,
             hidden_size=hidden,
             intermediate_size=ffn or 0,
@@ -665,23 +604,23 @@ class GGUFSource:
     def _dense_layers(self, head_dim: int, rope_dim: int | None) -> dict[str, Any]:
         """Per-layer attention windows and RoPE flags, partial RoPE, and the family's options (as llama.cpp
         reads them) of the dense archs."""
-        if self.spec.moe or self.spec.hybrid:
+        if self.family.moe or self.family.hybrid:
             return {}
         n = self._num_layers()
         window = self._int("attention.sliding_window", 0, minimum=0) or 0
-        every = self.spec.no_rope_every
+        every = self.family.no_rope_interval   # llama.cpp's fixed rule, not a metadata key
         windowed = self._swa_layers(n) if window else (False,) * n
         out: dict[str, Any] = {"layer_windows": tuple(window if w else 0 for w in windowed),
                                "layer_rope": tuple(not every or (i + 1) % every != 0 for i in range(n))}
-        if self.spec.partial_rope and rope_dim is not None:
+        if self.family.partial_rope and rope_dim is not None:
             out["partial_rotary_factor"] = rope_dim / head_dim
-        family = FAMILIES[self.spec.model_type]
+        family = self.family
         hidden, heads = self._int("embedding_length"), self._int("attention.head_count")
         out.update(hidden_act=ACTIVATIONS[family.activations[0]], sandwich_norms=family.sandwich_norms,
                    embed_scale=hidden ** 0.5 if family.embed_scale else 1.0)
-        if self.spec.attention_scale is not None:
-            out["attention_scale"] = self.spec.attention_scale(n, hidden, heads, head_dim)
-        if self.spec.local_rope and any(windowed):
+        if family.attention_scale is not None:
+            out["attention_scale"] = family.attention_scale(n, hidden, heads, head_dim)
+        if family.local_rope and any(windowed):
             out["local_rope_theta"] = self._float("rope.freq_base_swa", 10000.0)
         if family.logit_softcapping:
             out["final_logit_softcapping"] = self._float("final_logit_softcapping", 0.0)
@@ -690,10 +629,10 @@ class GGUFSource:
     def _swa_layers(self, n: int) -> tuple[bool, ...]:
         """Which layers the sliding window applies to, as llama.cpp's load_swa_pattern: a per-layer array of
         attention.sliding_window_pattern, or its n (every n-th layer global), else the arch's default."""
-        if not self.spec.swa_pattern:
+        if not self.family.swa_pattern:
             return (True,) * n
         key = f"{self.arch}.attention.sliding_window_pattern"
-        pattern = self.metadata(key, self.spec.swa_pattern)
+        pattern = self.metadata(key, self.family.swa_pattern)
         if isinstance(pattern, list):
             if len(pattern) != n or not all(isinstance(v, bool) for v in pattern):
                 raise ModelLoadError(f"{self.path}: metadata {key} must list one boolean per layer ({n}) "
@@ -736,13 +675,15 @@ class GGUFSource:
         return any(n.startswith("blk.") and n.endswith("." + suffix) for n in self._tensors)
 
     def _moe_config(self) -> dict[str, Any]:
-        if not self.spec.moe:
+        if not self.family.moe:
             return {}
         n_layers = self._num_layers()
         experts = self._int("expert_count", required=True)
         # Layers without a router keep a dense MLP (Qwen3-MoE mlp_only_layers); GGUF has no key for it.
         dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors)
-        norm = True if self.arch == "qwen35moe" else bool(self._arch_meta("expert_weights_norm", True))
+        # llama.cpp renormalises unless the file says otherwise
+        norm = self.family.norm_topk_prob if self.family.norm_topk_fixed else \
+            bool(self._arch_meta("expert_weights_norm", True))
         return dict(
             num_experts=experts,
             num_experts_per_tok=self._int("expert_used_count", required=True),
@@ -753,7 +694,7 @@ class GGUFSource:
         )
 
     def _hybrid_config(self, head_dim: int) -> dict[str, Any]:
-        if not self.spec.hybrid:
+        if not self.family.hybrid:
             return {}
         n_layers = self._num_layers()
         interval = self._int("full_attention_interval", 4, minimum=1)
@@ -815,11 +756,42 @@ class GGUFSource:
 
     # ---- tokenizer side ----
 
+    def tokenizer(self, cache: bool = False):
+        """The tokenizer from the tokenizer.ggml.* metadata (or a tokenizer.json beside the file; see
+        models/text/tokenizer.load_tokenizer). cache: keep what is slow to build on disk for the next load."""
+        from nanochat.models.text.tokenizer import load_tokenizer
+
+        try:
+            return load_tokenizer(self.path, self.reader, cache=cache)   # reuses the parsed metadata
+        except Exception as e:   # bad tokenizer.ggml.* values: TypeError, IndexError, the tokenizers library's own
+            message = " ".join(str(e).split())
+            if isinstance(e, (ModelLoadError, OSError)) or (isinstance(e, ValueError) and self.path in message):
+                raise
+            raise ModelLoadError(f"{self.path}: cannot build the tokenizer from its metadata "
+                                 f"({type(e).__name__}: {message[:200]})") from None
+
     def tokenizer_json(self) -> str | None:
         return None  # built from tokenizer.ggml.* metadata by models/text/tokenizer.py
 
     def chat_template(self) -> str | None:
         return self._str_meta("tokenizer.chat_template")
+
+    def chat_template_origin(self) -> str:
+        return self.path
+
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def stated_sampling(self) -> dict:
+        """The general.sampling.* settings the file states (SamplingParams names, values unchecked)."""
+        stated = {}
+        for name, key in _SAMPLING_KEYS.items():
+            value = self.metadata(key)   # the metadata parsed at load, not a second read of the file
+            if isinstance(value, float) and self.reader.types.get(key) == _FLOAT32:
+                value = float(str(np.float32(value)))   # 0.6 as written, not float32's 0.6000000238418579
+            if value is not None:
+                stated[name] = value
+        return stated
 
     def quant_summary(self) -> str:
         """The dominant tensor type by element count over the 2-D and 3-D (expert) weights (e.g. "Q4_1")."""

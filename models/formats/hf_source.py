@@ -13,11 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanochat.models.config import (DENSE_ARCHS, FAMILIES, HYBRID_ARCHS, MOE_ARCHS, TEXT_ARCH_ALIASES, ModelConfig,
-                                    check_config, expected_shapes, fused_rows, required_tensors)
+from nanochat.models.config import ModelConfig, check_config, expected_shapes, fused_rows, required_tensors
 from nanochat.models.errors import ModelLoadError
-
-SUPPORTED_ARCHS = DENSE_ARCHS | MOE_ARCHS | HYBRID_ARCHS | set(TEXT_ARCH_ALIASES)
+from nanochat.models.families import registry
 
 # Multimodal checkpoints keep the text model under `model.language_model.` (Qwen3.5/3.6, Gemma 3 from
 # transformers 4.52 on) or `language_model.model.` (Gemma 3 before); we expose it under the plain text names
@@ -28,6 +26,10 @@ _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.", "vision_tower.", "mo
                      "multi_modal_projector.", "model.multi_modal_projector.")
 # safetensors dtypes the model code reads as weights (anything else would be reinterpreted as floats).
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# safetensors dtype -> torch's name for it (the inventory's dtypes, as a torch tensor's).
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def canonical_name(stored: str) -> str | None:
@@ -48,6 +50,10 @@ def _read_json(path: Path) -> dict:
 
 
 class HFSource:
+    """WeightSource over a Hugging Face folder (see models/formats/weights.py)."""
+
+    kind = "hf"
+
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         root = Path(path)
@@ -59,11 +65,12 @@ class HFSource:
         raw = _read_json(cfg_path)
         # A wrapper of a supported text model keeps its config under text_config; from_hf_dict merges
         # text_config itself when the wrapper is a family we know (Qwen3.5/3.6).
-        raw = raw.get("text_config", raw) if raw.get("model_type") not in SUPPORTED_ARCHS else raw
+        supported = registry.hf_types()
+        raw = raw.get("text_config", raw) if raw.get("model_type") not in supported else raw
         arch = raw.get("model_type")
-        if arch not in SUPPORTED_ARCHS:
+        if arch not in supported:
             raise ModelLoadError(f"{cfg_path}: unsupported architecture {arch!r} "
-                                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+                                 f"(supported: {', '.join(supported)})")
         try:
             self.config = ModelConfig.from_hf_dict(raw, name=root.name)
         except KeyError as e:
@@ -71,8 +78,10 @@ class HFSource:
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{cfg_path}: bad value ({e})") from None
         check_config(self.config, str(cfg_path))
+        self.family = registry.family(self.config.arch)
         self.root = root
         self._where = self._index_tensors(root)
+        self.file_size = sum(f.stat().st_size for f in {f for f, _ in self._where.values()})
         self._parts = self._split_fused()
         self._handles: dict[Path, object] = {}
         self._check_tensors(cfg_path)
@@ -144,11 +153,11 @@ class HFSource:
     def _split_fused(self) -> dict[str, tuple[str, int, int]]:
         """A family's fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) served as the Llama tensors
         they hold: name -> (fused tensor, first row, rows)."""
-        family = FAMILIES.get(self.config.arch)
+        fused = self.family.hf_fused
         parts = {}
-        for name in self._where if family and family.fused else ():
+        for name in self._where if fused else ():
             m = re.fullmatch(r"(model\.layers\.\d+)\.(.+)\.weight", name)
-            modules = family.fused.get(m.group(2)) if m else None
+            modules = fused.get(m.group(2)) if m else None
             start = 0
             for module, rows in zip(modules or (), fused_rows(self.config, modules or ())):
                 parts[f"{m.group(1)}.{module}.weight"] = (name, start, rows)
@@ -173,6 +182,65 @@ class HFSource:
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
+    def inventory(self) -> dict[str, dict]:
+        """Shape, dtype and shard of every tensor, from the safetensors headers (no tensor is read); a part of
+        a fused tensor has no shard of its own."""
+        out = {}
+        for name in self.tensor_names():
+            if name in self._parts:
+                fused, _, rows = self._parts[name]
+                stored = self._header(fused)
+                out[name] = {"shape": [rows, *stored["shape"][1:]], "dtype": stored["dtype"]}
+            else:
+                out[name] = self._header(name)
+        return out
+
+    def _header(self, name: str) -> dict:
+        f, stored = self._where[name]
+        try:
+            meta = self._handle(f).get_slice(stored)
+            shape, dtype = meta.get_shape(), meta.get_dtype()
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
+        return {"shape": [int(d) for d in shape], "dtype": _DTYPE_NAMES.get(dtype, dtype.lower()),
+                "file": str(f.relative_to(self.root))}
+
+    def expert_stack(self, prefix: str, proj: str) -> None:
+        """Checkpoints store experts one tensor each (or fused gate|up): no 3-D stacks to map."""
+        return None
+
+    def release(self, name: str) -> None:
+        """Nothing to drop: safetensors tensors are read into memory, not served from a kept map."""
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "name": self.root.name, "arch": self.config.arch, "dtype": self.config.torch_dtype}
+
+    # ---- tokenizer side ----
+
+    def tokenizer(self, cache: bool = False):
+        """The folder's tokenizer.json with its tokenizer_config.json (`cache`: nothing to cache, it is built)."""
+        from nanochat.models.text.tokenizer import Tokenizer
+
+        tok_path = self.tokenizer_path()
+        if tok_path is None:
+            raise ModelLoadError(f"{self.root}: no tokenizer.json")
+        return Tokenizer.from_file(str(tok_path), self.tokenizer_config())
+
+    def eos_ids(self) -> tuple[int, ...]:
+        return (*self.config.eos_token_ids, *self.generation_eos_ids())
+
+    def stated_sampling(self) -> dict:
+        """The sampling settings generation_config.json states (SamplingParams names, values unchecked)."""
+        config = self.generation_config()
+        stated = {name: config[name] for name in ("temperature", "top_p", "top_k", "repetition_penalty")
+                  if name in config}
+        if config.get("do_sample") is False:
+            # Greedy: transformers then ignores the sampling filters; the repetition penalty still applies.
+            stated = {"temperature": 0.0, **{k: v for k, v in stated.items() if k == "repetition_penalty"}}
+        return stated
+
     def tokenizer_path(self) -> Path | None:
         p = self.root / "tokenizer.json"
         return p if p.is_file() else None
@@ -185,10 +253,9 @@ class HFSource:
         p = self.root / "tokenizer_config.json"
         return _read_json(p) if p.is_file() else {}
 
-    def chat_template_file(self) -> Path:
-        """The file the chat template comes from (named in template errors)."""
+    def chat_template_origin(self) -> str:
         jinja = self.root / "chat_template.jinja"
-        return jinja if jinja.is_file() else self.root / "tokenizer_config.json"
+        return str(jinja if jinja.is_file() else self.root / "tokenizer_config.json")
 
     def chat_template(self) -> str | None:
         jinja = self.root / "chat_template.jinja"

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import torch
 
-from nanochat.models.config import DENSE_ARCHS, HYBRID_ARCHS, MOE_ARCHS, ModelConfig
+from nanochat.models.config import ModelConfig
 from nanochat.models.errors import ModelLoadError, missing_path
+from nanochat.models.formats.weights import WeightSource
 
 
 @dataclass
 class LoadedModel:
-    source: object
+    source: WeightSource
     config: ModelConfig
     tokenizer: object          # models.tokenizer.Tokenizer
     chat_template: object      # models.chat_template.ChatTemplate
@@ -44,33 +45,18 @@ def open_source(model: str):
     raise missing_path(model, "no such file or folder")
 
 
-def load_tokenizer_and_template(source):
+def load_tokenizer_and_template(source, cache: bool = False):
+    """The source's tokenizer, chat template and end-of-reply ids. cache: keep what is slow to build (a GGUF's
+    SentencePiece merges) on disk for the next load."""
     from nanochat.models.text.chat_template import ChatTemplate, end_of_turn_token
-    from nanochat.models.text.tokenizer import Tokenizer, load_tokenizer
 
-    if hasattr(source, "root"):   # HF folder
-        tok_path = source.tokenizer_path()
-        if tok_path is None:
-            raise ModelLoadError(f"{source.root}: no tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(tok_path), source.tokenizer_config())
-    else:
-        try:
-            tokenizer = load_tokenizer(source.path, source.reader)   # reuses the parsed GGUF metadata
-        except Exception as e:   # bad tokenizer.ggml.* values: TypeError, IndexError, the tokenizers library's own
-            message = " ".join(str(e).split())
-            if isinstance(e, (ModelLoadError, OSError)) or (isinstance(e, ValueError) and str(source.path) in message):
-                raise
-            raise ModelLoadError(f"{source.path}: cannot build the tokenizer from its metadata "
-                                 f"({type(e).__name__}: {message[:200]})") from None
+    tokenizer = source.tokenizer(cache)
     _check_vocabulary(source, tokenizer)
-    origin = source.chat_template_file() if hasattr(source, "chat_template_file") else source.path
     template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
-                            eos_token=tokenizer.eos_token or "", origin=str(origin))
-    eos = set(source.config.eos_token_ids)
+                            eos_token=tokenizer.eos_token or "", origin=source.chat_template_origin())
+    eos = set(source.eos_ids())
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    if hasattr(source, "generation_eos_ids"):
-        eos.update(source.generation_eos_ids())
     eot = end_of_turn_token(template, tokenizer)
     if eot is not None and tokenizer.token_to_id(eot) is not None:
         eos.add(tokenizer.token_to_id(eot))
@@ -85,9 +71,10 @@ def _check_vocabulary(source, tokenizer) -> None:
                              f"{rows:,} rows; the tokenizer does not belong to these weights")
 
 
-def load(model: str) -> LoadedModel:
+def load(model: str, cache: bool = False) -> LoadedModel:
+    """The model's source, tokenizer and template (`cache`: see load_tokenizer_and_template)."""
     source = open_source(model)
-    tokenizer, template, eos = load_tokenizer_and_template(source)
+    tokenizer, template, eos = load_tokenizer_and_template(source, cache)
     return LoadedModel(source, source.config, tokenizer, template, eos)
 
 
@@ -102,7 +89,7 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
 
     cfg = source.config
     cache = None
-    if pack_cache and device.type == "cpu" and not dequantize and str(source.path).lower().endswith(".gguf"):
+    if pack_cache and device.type == "cpu" and not dequantize and source.kind == "gguf":
         from nanochat.kernels.notices import announce
         from nanochat.models.formats.pack_cache import REPACKING, PackCache, usable
         if usable():
@@ -110,20 +97,8 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
             if cache.missing:
                 announce(REPACKING)
     loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE)
-    model = _build(cfg, source, loader, block_size, max_positions)
+    model = source.family.model(cfg, loader, block_size, max_positions).eval()
     if cache is not None:
         cache.save()
     return model
 
-
-def _build(cfg, source, loader, block_size: int, max_positions: int):
-    from nanochat.models.families.dense import DenseForCausalLM
-    if cfg.arch in DENSE_ARCHS:
-        return DenseForCausalLM(cfg, loader, block_size, max_positions).eval()
-    if cfg.arch in MOE_ARCHS:
-        from nanochat.models.families.qwen3_moe import Qwen3MoeForCausalLM
-        return Qwen3MoeForCausalLM(cfg, loader, block_size, max_positions).eval()
-    if cfg.arch in HYBRID_ARCHS:
-        from nanochat.models.families.qwen3_next import Qwen3NextForCausalLM
-        return Qwen3NextForCausalLM(cfg, loader, block_size, max_positions).eval()
-    raise ModelLoadError(f"{source.path}: unsupported architecture {cfg.arch!r}")

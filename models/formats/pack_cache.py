@@ -1,5 +1,5 @@
 """Packed kernel weights of a model file, kept on disk so that the next load maps them instead of
-repacking them.
+repacking them; and beside them, other things a load is slow to build (read_cached / write_cached).
 
 The CPU kernels read weights repacked into 16-row tiles (kernels/cpu_qgemv.py). Repacking a 0.5B model
 takes seconds and holds a second copy in anonymous memory; llama.cpp maps its file and starts at once.
@@ -33,6 +33,9 @@ ALIGN = 64
 # The newest cache files are kept up to this many bytes in all (the file just written always stays);
 # older ones are deleted when a new one is written.
 KEEP_BYTES = 16 << 30
+# The same for the other cache files, per kind (file name suffix).
+KEEP_OTHER_BYTES = 256 << 20
+BLOB_MAGIC = b"NCBLOB01"
 # What a load says while it packs a file the cache does not hold yet (3.5 s for a 0.5B model on 2 cores).
 REPACKING = "repacking the weights for the CPU kernels (first load of this file, a few seconds)…"
 
@@ -141,15 +144,49 @@ class PackCache:
                     f.seek(start + index[name][0])
                     f.write(memoryview(t.contiguous().numpy()))
             os.replace(tmp, self.path)
-            self._prune()
+            _prune(self.root, "*.nc-packed", KEEP_BYTES)
         except OSError:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 
-    def _prune(self) -> None:
-        files = sorted(self.root.glob("*.nc-packed"), key=lambda p: p.stat().st_mtime, reverse=True)
-        total = 0
-        for i, f in enumerate(files):
-            total += f.stat().st_size
-            if i and total > KEEP_BYTES:
-                f.unlink(missing_ok=True)
+
+def _prune(root: Path, pattern: str, keep: int) -> None:
+    """Delete the oldest files matching `pattern` beyond `keep` bytes in all (the newest one always stays)."""
+    files = sorted(root.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+    total = 0
+    for i, f in enumerate(files):
+        total += f.stat().st_size
+        if i and total > keep:
+            f.unlink(missing_ok=True)
+
+
+def read_cached(name: str) -> bytes | None:
+    """What write_cached kept under `name` (a file name in cache_dir(): key + suffix), or None when there is
+    no such file or it is not whole (a damaged file reads as absent, so the caller builds anew)."""
+    path = cache_dir() / name
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head = len(BLOB_MAGIC) + 32
+    if blob[:len(BLOB_MAGIC)] != BLOB_MAGIC or hashlib.sha256(blob[head:]).digest() != blob[len(BLOB_MAGIC):head]:
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)   # recently used: kept by the pruning
+    return blob[head:]
+
+
+def write_cached(name: str, data: bytes) -> None:
+    """Keep `data` under `name` for read_cached: written whole or not at all (a temporary file renamed into
+    place), with a checksum. Best effort: a read-only or full disk only means the next load builds again."""
+    root = cache_dir()
+    path = root / name
+    tmp = path.with_name(f"{name}.tmp{os.getpid()}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(BLOB_MAGIC + hashlib.sha256(data).digest() + data)
+        os.replace(tmp, path)
+        _prune(root, "*" + path.suffix, KEEP_OTHER_BYTES)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

@@ -30,132 +30,24 @@ from __future__ import annotations
 import functools
 import json
 import os
-import struct
 from pathlib import Path
 
 import torch
 
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.models.config import DENSE_ARCHS
 from nanochat.models.errors import ModelLoadError
+from nanochat.models.formats.weights import dtype_name
 
 PLAN_FORMAT = "nanochat.weight-map"
 PLAN_VERSION = 1
 OPS = ("copy", "concat", "stack")
 DEFAULT_PLAN_NAME = "weights-map.json"
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                       "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _DENSE_DTYPES = {"float64", "float32", "float16", "bfloat16"}
 
 
-# ---------------------------------------------------------------------------------- source inventory
-def dtype_name(t) -> str:
-    """"float32" for a torch tensor, the GGML type name ("Q4_1") for a QuantWeight."""
-    if isinstance(t, QuantWeight):
-        return t.type_name
-    return str(t.dtype).removeprefix("torch.")
-
-
 def _shape(t) -> list[int]:
-    return [int(d) for d in (t.shape if isinstance(t, QuantWeight) else t.shape)]
-
-
-def _safetensors_header(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > os.path.getsize(path):
-                raise ValueError("header length past the end of the file")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise ModelLoadError(f"{path}: cannot read the safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    return header
-
-
-def _hf_inventory(source) -> dict[str, dict]:
-    """Shape, dtype and shard of every tensor from the safetensors headers (no tensor is read)."""
-    try:
-        from nanochat.models.formats.hf_source import canonical_name
-    except ImportError:   # older HFSource: stored names are our names
-        def canonical_name(name):
-            return name
-    root = Path(source.root)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-        allowed = lambda fname, name: weight_map.get(name) == fname   # noqa: E731
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-        allowed = lambda fname, name: True   # noqa: E731
-    out = {}
-    for fname in files:
-        for stored, meta in _safetensors_header(root / fname).items():
-            ours = canonical_name(stored)
-            if ours is None or not allowed(fname, stored):
-                continue
-            out[ours] = {"shape": [int(d) for d in meta["shape"]],
-                         "dtype": _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"].lower()), "file": fname}
-    return out
-
-
-def _gguf_name(source, hf_name: str) -> str | None:
-    """The GGUF tensor a GGUFSource serves under `hf_name` (inverting its arch's name tables)."""
-    spec = getattr(source, "spec", None)
-    if spec is None:
-        return None
-    module, _, kind = hf_name.rpartition(".")
-    candidates = []
-    for gguf_base, hf_module in spec.global_tensors.items():
-        if module == hf_module:
-            candidates.append(f"{gguf_base}.{kind}")
-    parts = module.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
-        for gguf_base, hf_module in spec.block_tensors.items():
-            if parts[3] == hf_module:
-                candidates.append(f"blk.{parts[2]}.{gguf_base}.{kind}")
-    present = set(source.gguf_tensor_names())
-    return next((c for c in candidates if c in present), None)
-
-
-def _gguf_inventory(source) -> dict[str, dict]:
-    out = {}
-    permute = bool(getattr(getattr(source, "spec", None), "permute_qk", False))
-    for name in source.tensor_names():
-        gname = _gguf_name(source, name)
-        # The stored tensor (a memmap view) has the served shape and type: the q/k un-permutation
-        # only reorders rows, and skipping it avoids copying those tensors.
-        t = source.get_gguf(gname) if gname is not None else source.get(name)
-        entry = {"shape": _shape(t), "dtype": dtype_name(t)}
-        if gname is not None:
-            entry["gguf_name"] = gname
-            if permute and gname.split(".")[-2] in ("attn_q", "attn_k"):
-                entry["transform"] = "unpermute_qk"
-        out[name] = entry
-    return out
-
-
-def source_inventory(source) -> tuple[dict, dict[str, dict]]:
-    """(description of the source, {tensor name: shape/dtype/...}) for an HF or GGUF WeightSource."""
-    cfg = source.config
-    if hasattr(source, "root"):
-        described = {"kind": "hf", "name": Path(source.root).name, "arch": cfg.arch, "dtype": cfg.torch_dtype}
-        tensors = _hf_inventory(source)
-        for name in source.tensor_names():   # anything the headers did not explain: ask the source
-            if name not in tensors:
-                t = source.get(name)
-                tensors[name] = {"shape": _shape(t), "dtype": dtype_name(t)}
-        tensors = {n: tensors[n] for n in source.tensor_names()}
-    else:
-        described = {"kind": "gguf", "name": os.path.basename(source.path), "arch": cfg.arch,
-                     "gguf_arch": getattr(source, "arch", cfg.arch)}
-        if hasattr(source, "quant_summary"):
-            described["file_type"] = source.quant_summary()
-        tensors = _gguf_inventory(source)
-    return described, tensors
+    return [int(d) for d in t.shape]
 
 
 # ---------------------------------------------------------------------------------- layout rules
@@ -186,12 +78,15 @@ def dense_layout(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
 
 
 def layout_for(cfg, names: set[str]) -> list[tuple[str, str, list[str]]]:
-    if cfg.arch in DENSE_ARCHS and cfg.norm_zero_centred:   # the loader adds 1 to those norms; a plan only copies
+    from nanochat.models.families import registry
+    from nanochat.models.families.dense import DenseForCausalLM
+
+    dense = sorted(f.name for f in registry.FAMILIES if f.model is DenseForCausalLM)
+    if cfg.arch in dense and cfg.norm_zero_centred:   # the loader adds 1 to those norms; a plan only copies
         raise ModelLoadError(f"no weight map for {cfg.arch!r} yet (its checkpoint stores RMSNorm scales as 1 + w)")
-    if cfg.arch in DENSE_ARCHS:
+    if cfg.arch in dense:
         return dense_layout(cfg, names)
-    raise ModelLoadError(f"no weight map for architecture {cfg.arch!r} yet "
-                         f"(supported: {', '.join(sorted(DENSE_ARCHS))})")
+    raise ModelLoadError(f"no weight map for architecture {cfg.arch!r} yet (supported: {', '.join(dense)})")
 
 
 def _is_quant(dtype: str) -> bool:
@@ -222,7 +117,7 @@ def _target_shape(op: str, shapes: list[list[int]], dim: int, target: str) -> li
 
 def build_plan(source) -> dict:
     """The weight map of a WeightSource (HFSource or GGUFSource)."""
-    described, tensors = source_inventory(source)
+    described, tensors = source.describe(), source.inventory()
     cfg = source.config
     targets = {}
     used: set[str] = set()

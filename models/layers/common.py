@@ -297,16 +297,11 @@ class GatedMLP(nn.Module):
         return self.down_proj(activation(self.act, gate, up))
 
 
-def _is_gguf(source) -> bool:
-    from nanochat.models.formats.gguf_source import GGUFSource
-    return isinstance(source, GGUFSource)
-
-
 @dataclass
 class WeightLoader:
     """Turns source tensors into device tensors or prepared quantized weights."""
 
-    source: object
+    source: object                 # a models.formats.weights.WeightSource
     device: torch.device
     dtype: torch.dtype
     dequantize: bool = False
@@ -379,7 +374,7 @@ class WeightLoader:
             return None
         if isinstance(w, QuantWeight):
             return w
-        if self.device.type == "cpu" and w.dim() == 2 and _is_gguf(self.source):
+        if self.device.type == "cpu" and w.dim() == 2 and self.source.kind == "gguf":
             from nanochat.kernels import cpu_qgemv
             from nanochat.kernels import gguf_quants as gq
             t = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}.get(w.dtype)
@@ -405,9 +400,8 @@ class WeightLoader:
             pw = prepare_quant_weight(QuantWeight(t, shape, data), self.device, self.dtype, tensor_name=name)
             if self.pack_cache is not None and pw.backend == "q8":
                 self.pack_cache.add(name, t, shape, pw.weight)
-        if _is_gguf(self.source):
-            for n in names:   # the file's pages of a packed tensor are not read again: drop them from memory
-                self.source.release(n)
+        for n in names:   # the source's copy of a packed tensor is not read again: let it go
+            self.source.release(n)
         return pw
 
     def shape(self, name: str) -> tuple[int, ...]:

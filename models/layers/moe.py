@@ -157,11 +157,9 @@ def _expert_names(prefix: str, e: int) -> list[str]:
 def host_expert_stacks(w: WeightLoader, prefix: str, num_experts: int) -> tuple[StackedWeight, ...]:
     """(gate, up, down) of every expert under `prefix` as [E, out, in] host tensors: the source's own
     3-D tensors when it has them (GGUF: views of the memory map), else the experts stacked."""
-    getter = getattr(w.source, "expert_stack", None)
-    if getter is not None:
-        stacks = tuple(getter(prefix, p) for p in ("gate", "up", "down"))
-        if all(s is not None for s in stacks):
-            return stacks
+    stacks = tuple(w.source.expert_stack(prefix, p) for p in ("gate", "up", "down"))
+    if all(s is not None for s in stacks):
+        return stacks
     if f"{prefix}.gate_up_proj" in w.names:          # HF Qwen3.5: fused dense [E, 2I, H]
         gu, down = w.source.get(f"{prefix}.gate_up_proj"), w.source.get(f"{prefix}.down_proj")
         half = gu.shape[1] // 2
@@ -195,12 +193,11 @@ def _device_expert_bytes(w: WeightLoader, cfg: ModelConfig) -> tuple[int, int]:
     elem = torch.empty((), dtype=w.dtype).element_size()
     dense = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem
     on_device = stored = 0
-    getter = getattr(w.source, "expert_stack", None)
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(i):
             continue
-        stacks = [getter(f"model.layers.{i}.mlp.experts", p) for p in ("gate", "up", "down")] if getter else []
-        if stacks and all(s is not None for s in stacks):
+        stacks = [w.source.expert_stack(f"model.layers.{i}.mlp.experts", p) for p in ("gate", "up", "down")]
+        if all(s is not None for s in stacks):
             size = sum(s.nbytes() for s in stacks)
             stored += size
             on_device += size if all(s.quantized for s in stacks) and not w.dequantize else dense
@@ -224,7 +221,7 @@ def use_host_experts(w: WeightLoader, cfg: ModelConfig) -> bool:
         decided = not w.dequantize and _experts_quantized(w, cfg)
     elif w.device.type == "cuda":
         experts, stored = _device_expert_bytes(w, cfg)
-        rest = max(0, getattr(w.source, "file_size", stored) - stored)   # attention, embeddings, ...
+        rest = max(0, w.source.file_size - stored)   # attention, embeddings, ...
         free, _ = torch.cuda.mem_get_info(w.device)
         decided = experts + rest + _GPU_HEADROOM > free
     else:

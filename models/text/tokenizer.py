@@ -266,8 +266,9 @@ class Tokenizer:
                    chat_template=_pick_chat_template(cfg.get("chat_template")), name=name)
 
     @classmethod
-    def from_gguf(cls, source, name: str = "") -> "Tokenizer":
-        """From GGUF metadata: a .gguf path, a GGUFFile, a gguf.GGUFReader, or a dict of its fields."""
+    def from_gguf(cls, source, name: str = "", cache: bool = False) -> "Tokenizer":
+        """From GGUF metadata: a .gguf path, a GGUFFile, a gguf.GGUFReader, or a dict of its fields. cache: keep
+        a SentencePiece vocabulary's merges on disk (models/text/tokenizer_spm.py)."""
         meta = _metadata_from(source)
         if not name:
             name = str(source) if isinstance(source, (str, os.PathLike)) else \
@@ -276,7 +277,7 @@ class Tokenizer:
         if model is None:
             raise UnsupportedTokenizerError(f"{name}: no tokenizer in GGUF metadata (tokenizer.ggml.model missing)")
         if model == "llama":
-            spm = build_spm(meta, name)
+            spm = build_spm(meta, name, cache)
             return cls(spm.backend, bos_token_id=spm.bos_token_id, eos_token_id=spm.eos_token_id,
                        pad_token_id=spm.pad_token_id, add_bos=spm.add_bos, add_eos=spm.add_eos,
                        chat_template=meta.get("tokenizer.chat_template"), name=name, decoder=spm.decode)
@@ -383,13 +384,14 @@ def _find_tokenizer_json(path: Path) -> Path | None:
     return None
 
 
-def load_tokenizer(path: str | os.PathLike, parsed: GGUFFile | None = None) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, parsed: GGUFFile | None = None, cache: bool = False) -> Tokenizer:
     """The tokenizer for a model path: a .gguf file or a folder with tokenizer.json.
 
     Overrides, strongest first: env NANO_VLLM_TOKENIZER_PATH (a tokenizer.json or a folder with
     one), then a tokenizer.json beside a .gguf file. With an override, BOS/EOS and the chat
     template come from the tokenizer_config.json beside it, else from the GGUF metadata.
     `parsed` is the GGUF at `path` when the caller has already parsed it (it is not read again).
+    cache: see Tokenizer.from_gguf.
     """
     path = Path(path)
     override = None
@@ -411,7 +413,7 @@ def load_tokenizer(path: str | os.PathLike, parsed: GGUFFile | None = None) -> T
                 cfg.setdefault(key, val)
         return Tokenizer.from_file(override, cfg)
     if is_gguf:
-        return Tokenizer.from_gguf(gguf_meta, name=str(path))
+        return Tokenizer.from_gguf(gguf_meta, name=str(path), cache=cache)
     found = _find_tokenizer_json(path)
     if found is None:
         raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with tokenizer.json")

@@ -9,6 +9,9 @@ place where the two can part: BPE orders them by rank, llama.cpp by position. Se
 vocabularies give their normal pieces distinct scores; among equal ones the longer left part ranks
 first, which reproduces llama.cpp's left-to-right growth of runs of one character (e.g. spaces).
 
+Building the merges is the slow part of loading a large vocabulary (Gemma 3's 262k entries); with `cache`,
+build_spm keeps them on disk beside the pack cache (models/formats/pack_cache.py) for the next load.
+
 Control, unknown and user-defined tokens are matched in the raw text first (llama.cpp's special-token
 partition), and every text piece after one, or at the start, gets the "▁" prefix when
 `tokenizer.ggml.add_space_prefix` is set (default true; Gemma files set it false).
@@ -16,7 +19,9 @@ partition), and every text piece after one, or at the start, gets the "▁" pref
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -38,8 +43,9 @@ class SpmVocab:
     add_eos: bool
 
 
-def build_spm(meta: Mapping[str, Any], name: str) -> SpmVocab:
-    """The tokenizer of a GGUF whose tokenizer.ggml.model is 'llama'. ValueError names what is wrong."""
+def build_spm(meta: Mapping[str, Any], name: str, cache: bool = False) -> SpmVocab:
+    """The tokenizer of a GGUF whose tokenizer.ggml.model is 'llama'. ValueError names what is wrong.
+    cache: read the merges from the on-disk cache, or write them there (see _cached_merges)."""
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"{name}: tokenizer.ggml.tokens is missing or not a list of strings")
@@ -74,7 +80,10 @@ def build_spm(meta: Mapping[str, Any], name: str) -> SpmVocab:
     # vocabularies: honouring it here would make ids differ from llama.cpp's for the same file.
     rstrip = _rstrip_specials(meta, tokens, types)
 
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges(vocab, scores), fuse_unk=True, byte_fallback=True,
+    ids = _cached_merges(tokens, vocab, scores) if cache else _merges(vocab, scores)
+    token = tokens.__getitem__
+    merges = list(zip(map(token, ids[:, 0].tolist()), map(token, ids[:, 1].tolist())))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                    unk_token=tokens[unk_id] if unk_id is not None else None, ignore_merges=False))
     escape = [normalizers.Replace(" ", SPACE)]
     backend.normalizer = normalizers.Sequence(escape + [normalizers.Prepend(SPACE)] if add_space_prefix else escape)
@@ -109,20 +118,43 @@ def _per_token(meta: Mapping[str, Any], key: str, n: int, name: str, dtype, defa
     return arr[:n]
 
 
-def _merges(vocab: dict[str, int], scores: np.ndarray) -> list[tuple[str, str]]:
-    """Every split of an entry into two entries, best entry score first (see the module docstring).
-    llama.cpp merges into any entry its text matches, whatever its type, so all types take part."""
+def _merges(vocab: dict[str, int], scores: np.ndarray) -> np.ndarray:
+    """Every split of an entry into two entries, best entry score first (see the module docstring), as the
+    [n, 2] ids of the two parts. llama.cpp merges into any entry its text matches, whatever its type, so all
+    types take part."""
     score = scores.tolist()
+    get = vocab.get
     ranked = []
     for tok, i in vocab.items():
         for k in range(1, len(tok)):
-            left = tok[:k]
-            if left in vocab:
-                right = tok[k:]
-                if right in vocab:
+            left = get(tok[:k])
+            if left is not None:
+                right = get(tok[k:])
+                if right is not None:
                     ranked.append((-score[i], -k, i, left, right))
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    return np.fromiter((x for r in ranked for x in r[3:]), dtype="<i4", count=2 * len(ranked)).reshape(-1, 2)
+
+
+def _cached_merges(tokens: list[str], vocab: dict[str, int], scores: np.ndarray) -> np.ndarray:
+    """_merges, kept on disk. The key covers all _merges reads (the entries and their scores) and this file's
+    code, so another vocabulary or another rule never reads stale merges; a file that is not whole or names
+    ids outside the vocabulary is built anew."""
+    from nanochat.models.formats import pack_cache
+
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    key.update(np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens)).tobytes())
+    key.update("".join(tokens).encode("utf-8", "surrogatepass"))
+    key.update(scores.astype("<f4").tobytes())
+    name = f"{key.hexdigest()[:24]}.nc-merges"
+    data = pack_cache.read_cached(name)
+    if data is not None and len(data) % 8 == 0:
+        ids = np.frombuffer(data, dtype="<i4").reshape(-1, 2)
+        if not ids.size or (ids.min() >= 0 and ids.max() < len(tokens)):
+            return ids
+    ids = _merges(vocab, scores)
+    pack_cache.write_cached(name, ids.tobytes())
+    return ids
 
 
 def _rstrip_specials(meta: Mapping[str, Any], tokens: list[str], types: np.ndarray) -> set[int]:
