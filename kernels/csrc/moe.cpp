@@ -28,12 +28,14 @@ namespace {
 enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_EXPERT_ID = 3 };
 constexpr int64_t GROUP = 16;                  // weight rows per work item
 constexpr int64_t MIN_PARALLEL_BYTES = 64 << 10;  // below this, a second thread costs more than it saves
-constexpr int64_t CHUNKS_PER_THREAD = 2;       // few large chunks: each thread streams its share of the rows
+// Chunks of work items per thread: few and large where every item costs alike (each thread streams its
+// share of the rows), more where the experts' token counts differ (phase 1 of a prefill), for balance.
+constexpr int64_t CHUNKS_PER_THREAD = 2, UNEVEN_CHUNKS_PER_THREAD = 8;
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
-int64_t chunk_of(int64_t items, int threads) {
-  return std::max<int64_t>(1, (items + threads * CHUNKS_PER_THREAD - 1) / (threads * CHUNKS_PER_THREAD));
+int64_t chunk_of(int64_t items, int threads, int64_t per_thread = CHUNKS_PER_THREAD) {
+  return std::max<int64_t>(1, (items + threads * per_thread - 1) / (threads * per_thread));
 }
 
 }  // namespace
@@ -109,14 +111,17 @@ int nc_moe_forward(const float* x, int64_t T, int64_t H, const int64_t* ids, con
   std::unique_ptr<std::atomic<int64_t>[]> groups_done(new std::atomic<int64_t>[n_active]);
   for (int64_t a = 0; a < n_active; ++a) groups_done[a].store(0, std::memory_order_relaxed);
   const int64_t gu_groups = 2 * I / GROUP;
-  parallel_for(n_active * gu_groups, chunk_of(n_active * gu_groups, nt), nt, [&](int64_t i0, int64_t i1) {
+  const int64_t gu_chunk = chunk_of(n_active * gu_groups, nt, max_tokens > 1 ? UNEVEN_CHUNKS_PER_THREAD : CHUNKS_PER_THREAD);
+  parallel_for(n_active * gu_groups, gu_chunk, nt, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t a = item / gu_groups, e = active[a], r0 = item % gu_groups * GROUP;
       const int64_t p0 = offs[e], n = offs[e + 1] - p0;
+      // gate rows or up rows; this chunk reads its matrix's rows up to pf_end next
       const NcMat* m = r0 < I ? gate : up;
-      const int64_t m0 = r0 < I ? r0 : r0 - I;
+      const int64_t end = (std::min(i1, (a + 1) * gu_groups) - a * gu_groups) * GROUP;
+      const int64_t m0 = r0 < I ? r0 : r0 - I, pf_end = r0 < I ? std::min(I, end) : end - I;
       matmul_rows(m->type, m->data + e * m->expert_stride, m->row_stride, m0, m0 + GROUP, xa, pair_tok.data() + p0,
-                  n, gu.data() + p0 * 2 * I + r0, 2 * I);
+                  n, gu.data() + p0 * 2 * I + r0, 2 * I, pf_end);
       if (groups_done[a].fetch_add(1, std::memory_order_acq_rel) + 1 == gu_groups) {
         for (int64_t p = p0; p < p0 + n; ++p) {  // silu(gate) * up over the gate half, then quantized
           float* g = gu.data() + p * 2 * I;
@@ -135,7 +140,7 @@ int nc_moe_forward(const float* x, int64_t T, int64_t H, const int64_t* ids, con
     for (int64_t e : active) {
       const int64_t p0 = offs[e], n = offs[e + 1] - p0;
       matmul_rows(down->type, down->data + e * down->expert_stride, down->row_stride, r0, r1, ha, pairs.data() + p0,
-                  n, y.data(), nr);
+                  n, y.data(), nr, r1);
       for (int64_t j = 0; j < n; ++j) {
         float* o = out + pair_tok[p0 + j] * H + r0;
         const float w = pair_w[p0 + j];

@@ -1204,23 +1204,38 @@ inline __m256 f16_lanes(const uint8_t* const b[8], int off) {
   return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
-// The 8 blocks' K-quant scales (and mins), one plane of 8 bytes per sub-block (Q4_K, Q5_K) or per half
-// of one (Q2_K, Q3_K, Q6_K): the values sub_scales gives.
+// fp16 values from two planes (low and high bytes) as fp32 lanes.
+inline __m256 f16_planes(const uint8_t lo[8], const uint8_t hi[8]) {
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi))));
+}
+
+// The 8 blocks' d and min (m: Q4_1, Q5_1, Q2_K, Q4_K, Q5_K), and their K-quant scales (and mins), one
+// plane of 8 bytes per sub-block (Q4_K, Q5_K) or per half of one (Q2_K, Q3_K, Q6_K): the values
+// sub_scales gives.
 template <int TYPE>
-__attribute__((always_inline)) inline void raw_scales8(const uint8_t* const b[8], uint8_t sc[16][8],
-                                                        uint8_t mn[16][8]) {
+__attribute__((always_inline)) inline void raw_scales8(const uint8_t* const b[8], __m256& d, __m256& m,
+                                                        uint8_t sc[16][8], uint8_t mn[16][8]) {
+  constexpr Fmt f = fmt_of(TYPE);
   alignas(16) uint8_t p[16][8];
   auto ld = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j])); };  // planes j, j + 1
   auto st = [](uint8_t* dst, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), v); };
   const __m128i m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48), m63 = _mm_set1_epi8(63);
-  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // as k_scales16: planes j = scale byte j
-    planes8(b, 4, p);
+  if constexpr (TYPE != Q4_K && TYPE != Q5_K && TYPE != Q3_K) {
+    d = f16_lanes(b, raw_d(TYPE));
+    if constexpr (f.m >= 0) m = f16_lanes(b, raw_m(TYPE));
+  }
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // d, dmin, then as k_scales16 (plane 4 + j: scale byte j)
+    planes8(b, 0, p);
+    d = f16_planes(p[0], p[1]);
+    m = f16_planes(p[2], p[3]);
+    auto s = [&](int j) { return ld(4 + j); };
     for (int j = 0; j < 4; j += 2) {
-      st(sc[j], _mm_and_si128(ld(j), m63));
-      st(mn[j], _mm_and_si128(ld(j + 4), m63));
-      st(sc[j + 4], _mm_or_si128(_mm_and_si128(ld(j + 8), m15), _mm_and_si128(_mm_srli_epi16(ld(j), 2), m48)));
-      st(mn[j + 4], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(ld(j + 8), 4), m15),
-                                 _mm_and_si128(_mm_srli_epi16(ld(j + 4), 2), m48)));
+      st(sc[j], _mm_and_si128(s(j), m63));
+      st(mn[j], _mm_and_si128(s(j + 4), m63));
+      st(sc[j + 4], _mm_or_si128(_mm_and_si128(s(j + 8), m15), _mm_and_si128(_mm_srli_epi16(s(j), 2), m48)));
+      st(mn[j + 4], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s(j + 8), 4), m15),
+                                 _mm_and_si128(_mm_srli_epi16(s(j + 4), 2), m48)));
     }
   } else if constexpr (TYPE == Q6_K) {  // int8 scales
     planes8(b, 192, sc);
@@ -1232,6 +1247,7 @@ __attribute__((always_inline)) inline void raw_scales8(const uint8_t* const b[8]
     }
   } else if constexpr (TYPE == Q3_K) {  // as q3k_scales16; bytes 94.. so as not to read past the block
     planes8(b, 94, p);
+    d = f16_planes(p[14], p[15]);
     auto s = [&](int k) { return ld(2 + k); };  // scale bytes k, k + 1
     for (int j = 0; j < 8; j += 2) {
       const __m128i hi_lo = j < 4 ? _mm_slli_epi16(s(8 + j), 4) : _mm_slli_epi16(s(8 + j - 4), 2);
@@ -1290,11 +1306,9 @@ void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Act
     for (int r = 0; r < 8; ++r) b[r] = rows[r] + kb * RAW;
     if (pf)
       for (int r = 0; r < 8; ++r) prefetch_lines<RAW / 64 + 1>(b[r] + pf);
-    const __m256 d = f16_lanes(b, raw_d(TYPE));
-    __m256 m = V::zerof();
-    if constexpr (f.m >= 0) m = f16_lanes(b, raw_m(TYPE));
+    __m256 d, m = V::zerof();
     alignas(16) uint8_t sc[16][8], mn[16][8];
-    if constexpr (SUBS > 1) raw_scales8<TYPE>(b, sc, mn);
+    raw_scales8<TYPE>(b, d, m, sc, mn);
     unroll<SUBS>([&](auto S_) {
       constexpr int S = S_;
       __m256i u[8];
@@ -1638,14 +1652,16 @@ int block_bytes(int type) {
 }
 
 void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int64_t r1, const Acts& a,
-                 const int64_t* idx, int64_t n, float* y, int64_t ldy) {
+                 const int64_t* idx, int64_t n, float* y, int64_t ldy, int64_t pf_end) {
   const Fmt& f = *find_fmt(type);
   const int64_t nblk = a.k / f.elems;
 #if NC_ISA >= NC_ISA_AVX2
   if (g_simd >= NC_ISA_AVX2) {
     const RawFn fn = pick_raw(type, a.q2 != nullptr, a.c16 != nullptr && n > 1, g_simd >= NC_ISA_AVX512);
-    // Prefetch the rows a few groups of 8 ahead: the next ones this thread reads when rows are contiguous.
-    const int64_t group = 8 * row_stride, pf = (PF_AHEAD + group - 1) / group * group;
+    // Prefetch the rows a few groups of 8 ahead (the next ones this thread reads when rows are contiguous),
+    // up to row pf_end.
+    const int64_t group = 8 * row_stride, ahead = (PF_AHEAD + group - 1) / group * 8, pf = ahead * row_stride;
+    pf_end = std::max(pf_end, r1);
     alignas(32) __m256 acc[RAW_TOKENS];
     alignas(32) float out[8];
     for (int64_t g = r0; g < r1; g += 8) {
@@ -1655,7 +1671,7 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
       for (int64_t t0 = 0; t0 < n; t0 += RAW_TOKENS) {
         const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
         for (int64_t t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
-        fn(rows, nblk, t0 == 0 ? pf : 0, a, idx, t0, nt, acc);
+        fn(rows, nblk, t0 == 0 && g + ahead < pf_end ? pf : 0, a, idx, t0, nt, acc);
         for (int64_t t = 0; t < nt; ++t) {
           _mm256_store_ps(out, acc[t]);
           std::memcpy(y + (t0 + t) * ldy + g - r0, out, nr * sizeof(float));
@@ -1826,7 +1842,8 @@ int nc_qg_matmul_rows(int type, const uint8_t* w, int64_t rows, int64_t k, int64
   quantize_rows(g_acts, x, 0, n, ldx, nt);
   const Acts a = g_acts.view();
   parallel_for(items, chunk_items(items, per_item * std::min<int64_t>(n, TMAX), nt), nt, [&](int64_t i0, int64_t i1) {
-    nc::qg::matmul_rows(type, w, row_stride, i0 * ROWS, std::min(rows, i1 * ROWS), a, nullptr, n, y + i0 * ROWS, ldy);
+    nc::qg::matmul_rows(type, w, row_stride, i0 * ROWS, std::min(rows, i1 * ROWS), a, nullptr, n, y + i0 * ROWS, ldy,
+                        std::min(rows, i1 * ROWS));
   });
   return OK;
 }

@@ -60,9 +60,10 @@ int block_bytes(int type);
 
 // Rows [r0, r1) of a weight in GGML's own layout (row r's blocks at w + r * row_stride) times n rows of
 // x: y[t * ldy + r - r0] = W[r] . x_hat_t, x_hat_t row idx[t] of a (row t when idx is null). The same
-// products, bit for bit, as nc_qg_matmul gives for the weight packed, on every code path.
+// products, bit for bit, as nc_qg_matmul gives for the weight packed, on every code path. Rows from
+// r1 up to pf_end are prefetched too: the caller reads them next.
 void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int64_t r1, const Acts& a,
-                 const int64_t* idx, int64_t n, float* y, int64_t ldy);
+                 const int64_t* idx, int64_t n, float* y, int64_t ldy, int64_t pf_end);
 
 // body(i0, i1) over [0, items) in chunks of `chunk` items on up to `threads` threads of the pool.
 template <class F>
