@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Never fails: without a compiler it says which kernels fall back to slower torch code.
-$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp)
+$(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
 	$(PY) -m nanochat.kernels.cpp_build
 	touch $(KERNELS)
 

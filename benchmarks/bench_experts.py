@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_experts.py [--threads 2] [--type Q4_K] [--experts 256]
                                                  [--hidden 2048] [--inter 512] [--top-k 8]
                                                  [--batches 1,8,64,512] [--seconds 3]
+                                                 [--isa native|avx2|scalar] [--act-levels 1|2]
 
 One synthetic MoE layer shaped like Qwen3.6-35B-A3B (256 experts, hidden 2048, expert dim 512, top-8)
 with random GGML blocks (the kernels' speed does not depend on the values): ~450 MB of Q4_K, far
@@ -16,6 +17,8 @@ DRAM as in real decoding.
 - Batches > 1 (prefill chunks): tokens per second; distinct experts touched per call are reported,
   since with many tokens almost every expert is read once per call and the kernel turns compute-bound.
 Times are medians over the sampling window (minimum in brackets); on a shared machine trust the minimum.
+--isa builds and uses the kernels for a lower ISA (cpu_qgemv.use_isa); --act-levels sets the activation
+levels (cpu_qgemv.set_activation_levels, default the library's: 2).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ import time
 import numpy as np
 import torch
 
+from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
-from nanochat.kernels import moe_cpu
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 
-_F16_FIELDS = {gq.Q8_0: (0,), gq.Q4_K: (0, 2), gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
+_F16_FIELDS = {gq.Q4_0: (0,), gq.Q5_0: (0,), gq.Q8_0: (0,), gq.Q2_K: (80, 82), gq.Q3_K: (108,), gq.Q4_K: (0, 2),
+               gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
 
 
 def random_stack(t: int, experts: int, out: int, inp: int, rng: np.random.Generator) -> StackedWeight:
@@ -70,19 +74,24 @@ def bandwidth(threads: int, seconds: float) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--type", default="Q4_K", choices=["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+    ap.add_argument("--type", default="Q4_K", choices=[gq.type_name(t) for t in _F16_FIELDS])
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--batches", default="1,8,64,512")
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--isa", default="native", choices=["native", *cpu_qgemv.ISA_FLAGS])
+    ap.add_argument("--act-levels", type=int, choices=[1, 2])
     args = ap.parse_args()
 
-    lib = moe_cpu.extension()
-    if lib is None:
-        raise SystemExit("the CPU expert kernels could not be built (g++ and ninja needed)")
-    t = {"Q4_K": gq.Q4_K, "Q5_K": gq.Q5_K, "Q6_K": gq.Q6_K, "Q8_0": gq.Q8_0}[args.type]
+    if cpu_qgemv.extension() is None:
+        raise SystemExit("the CPU kernels could not be built (g++ and ninja needed)")
+    if args.isa != "native":
+        cpu_qgemv.use_isa(args.isa)
+    if args.act_levels:
+        cpu_qgemv.set_activation_levels(args.act_levels)
+    t = next(t for t in _F16_FIELDS if gq.type_name(t) == args.type)
     rng = np.random.default_rng(0)
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     gate, up, down = random_stack(t, e, i, h, rng), random_stack(t, e, i, h, rng), random_stack(t, e, h, i, rng)
@@ -90,8 +99,8 @@ def main() -> None:
     per_expert = host.nbytes_per_expert()
     print(f"layer: {e} experts x (gate {i}x{h} + up {i}x{h} + down {h}x{i}) {args.type}, top-{k}: "
           f"{e * per_expert / 1e6:.0f} MB, {per_expert / 1e6:.2f} MB per expert; "
-          f"{args.threads} threads; SIMD {'AVX2' if lib.nc_has_simd() else 'off'}"
-          f"{' + AVX512-VNNI' if lib.nc_has_vnni() else ''}")
+          f"{args.threads} threads; kernels {cpu_qgemv.simd_level()}, "
+          f"{cpu_qgemv.activation_levels()}-level activations")
 
     bw = bandwidth(args.threads, args.seconds)
     print(f"bandwidth ({args.threads} threads): read-only sum {bw['read']:.1f} GB/s "

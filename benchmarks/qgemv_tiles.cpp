@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (const char* simd = std::getenv("QG_SIMD"))
-    nc_qg_set_simd(std::strcmp(simd, "scalar") == 0 ? SIMD_SCALAR : std::strcmp(simd, "avx2") == 0 ? SIMD_AVX2 : SIMD_AVX512);
+    nc_qg_set_simd(std::strcmp(simd, "scalar") == 0 ? NC_ISA_SCALAR : std::strcmp(simd, "avx2") == 0 ? NC_ISA_AVX2 : NC_ISA_AVX512);
   std::mt19937 rng(1);
   const int64_t nb = rows * (k / raw->elems);
   std::vector<uint8_t> blocks(nb * raw->bytes);

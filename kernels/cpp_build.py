@@ -1,8 +1,9 @@
 """Build the project's C++ kernels once per CPU, cached under nanochat's cache dir.
 
-Both host kernel libraries (cpu_qgemv, moe_cpu) are plain shared libraries loaded with ctypes; the
-build is keyed by the source and the CPU's feature flags, since -march=native code only runs on CPUs
-with the same features. Each module keeps its library in a `LazyLibrary`: built on first use, once.
+The host kernels (csrc/*.cpp, one library: kernels/cpu_qgemv.py loads it) are a plain shared library
+loaded with ctypes; the build is keyed by the sources, their headers and the CPU's feature flags, since
+-march=native code only runs on CPUs with the same features. The library lives in a `LazyLibrary`:
+built on first use, once.
 A build announces itself (kernels/notices.py): the front end says why this load is slow.
 
     python -m nanochat.kernels.cpp_build     builds them all ahead (the set-up step: `make venv`)
@@ -62,7 +63,10 @@ def build_library(sources: Path | list[Path], variants: list[tuple[str, list[str
     """Path of the shared library built from `sources` with the first (name, cflags, ldflags) variant
     the compiler accepts. Raises RuntimeError naming each variant's failure."""
     sources = [sources] if isinstance(sources, Path) else list(sources)
-    tag = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + cpu_fingerprint().encode()).hexdigest()[:16]
+    # The headers beside the sources are part of the build: an edit of one must rebuild.
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
+    tag = hashlib.sha256(b"".join(f.read_bytes() for f in [*sources, *headers])
+                         + cpu_fingerprint().encode()).hexdigest()[:16]
     build_dirs = [build_root() / f"{name}-{tag}" for name, _, _ in variants]
     for (name, _, _), build_dir in zip(variants, build_dirs):
         # Built before (the directory is keyed by the sources and the CPU): no need for torch's
@@ -123,14 +127,13 @@ class LazyLibrary:
 
 
 def build_all() -> list[str]:
-    """Build every host kernel library this CPU lacks; the warnings of those that could not be built
-    (each says what falls back to what)."""
-    from nanochat.kernels import cpu_qgemv, moe_cpu
+    """Build the host kernel library if this CPU lacks it; the warning if it could not be built (it says
+    what falls back to what)."""
+    from nanochat.kernels import cpu_qgemv
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        for module in (cpu_qgemv, moe_cpu):
-            module.extension()
+        cpu_qgemv.extension()
     return [str(w.message) for w in caught if str(w.message).startswith("nanochat:")]
 
 

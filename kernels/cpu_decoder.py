@@ -1,7 +1,7 @@
 """A whole model step of a dense decoder stack in one compiled call (csrc/decoder.cpp).
 
-Decode on the CPU is one row per sequence: the int8 matmuls take ~5 ms per SmolLM2 token, and the ~25
-small torch ops around them per layer took as long again. `FusedDecoder.forward` runs every layer
+Decode on the CPU is one row per sequence: beside the int8 matmuls, the ~25 small torch ops per layer
+around them took as long again. `FusedDecoder.forward` runs every layer
 (RMSNorm, fused qkv matmul + bias, q/k head norms, RoPE, paged KV store, causal softmax attention,
 o_proj, residuals (with Gemma 3's output norms), SwiGLU or GeGLU MLP) and the final norm inside the library
 of cpu_qgemv, on its thread pool, for any ragged batch: decode rows and prefill chunks (rows after cached keys

@@ -10,10 +10,9 @@ x_hat being x on the activation grid:
     levels=1 (llama.cpp's scheme):  err_b = amax_b(x) / 254      (int8 codes)
     levels=2 (the default):         err_b = amax_b(x) / 32512    (int8 codes + int8 residual codes)
 
-One level is 0.5-1% relative error per matmul on real activations, which over 30 layers moves
-SmolLM2's logits by ~6% of their max (llama.cpp shows the same); two levels run a second integer
-dot product on the residual x - d q (grid d / 256) against the same unpacked weights: ~15-bit
-activations, ~7% of the matmul time in decode (memory-bound), 1.3-1.7x the time for prefill.
+One level moves a model's logits visibly over its layers; two levels dot the residual x - d q (grid
+d / 256) with the same unpacked weights as well: ~15-bit activations, for little time in decode
+(memory-bound) and more in prefill (benchmarks/README.md).
 
 Dense weights are exact, and so is their maths: fp32 x (not quantized; `levels` does not apply),
 fp32 FMA accumulation, |y - x @ W^T| within fp32 rounding of sum_i |x_i| |W[o, i]|.
@@ -22,17 +21,15 @@ fp32 FMA accumulation, |y - x @ W^T| within fp32 rounding of sum_i |x_i| |W[o, i
 (plus the padding of the last tile to 16 rows), `pack_dense(t)` a float tensor; `matmul(x, packed,
 ...)` runs a call; `dequantize_rows(packed, ids)` reads rows back (an embedding lookup on a weight
 tied to the LM head: one copy). Outputs are bit-identical across the SIMD paths and independent of
-the other rows of the batch.
+the other rows of the batch. The routed MoE experts (kernels/moe_cpu.py) run on the same kernels
+straight from the raw rows, with the same products.
 
-The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja), cached under
-$NANOCHAT_KERNEL_DIR, else $NANOCHAT_HOME/cache or the platformdirs user cache dir (keyed by the
-source and the CPU's flags: it is compiled with -march=native), and called through ctypes (plain C
-ABI: no torch headers, a build takes 10-60 s). Threads: torch.get_num_threads() at call time unless
-`set_threads(n)`; the kernels run on a small pool of their own (not OpenMP), where the caller never
-waits for a worker that has not started yet: on a busy machine a call degrades to the 1-thread time instead of
-stalling a scheduler tick (4-8 ms) as an OpenMP fork/join does. Each thread streams large contiguous
-shares of the weight (2 per thread), prefetched in software, so a decode call (weights from DRAM) runs
-at about the memory bandwidth. When the compiler is missing,
+The library is built on first use (kernels/cpp_build.py: g++ and ninja, cached per source and CPU,
+-march=native) and called through ctypes (plain C ABI, no torch headers). Threads:
+torch.get_num_threads() at call time unless `set_threads(n)`; the kernels run on a small pool of
+their own (not OpenMP), where the caller never waits for a worker that has not started yet, so a call
+on a busy machine degrades to the 1-thread time instead of stalling for a scheduler tick. Each thread
+streams large contiguous shares of the weight, prefetched in software. When the compiler is missing,
 `available()` is False (after one warning) and callers fall back to the int4 backend.
 """
 
@@ -56,8 +53,9 @@ KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q2_K, 
                           *DENSE_TYPES})
 ROWS_PER_TILE = 16
 SIMD_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-# decoder.cpp (the fused decode step, kernels/cpu_decoder.py) shares this library and its thread pool.
-_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qgemv.cpp", "decoder.cpp")]
+# decoder.cpp (the fused decode step, kernels/cpu_decoder.py) and moe.cpp (routed experts,
+# kernels/moe_cpu.py) share this library and its thread pool.
+_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qgemv.cpp", "decoder.cpp", "moe.cpp")]
 _ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of the block size",
            3: "row id out of range"}
 
@@ -112,8 +110,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_qg_dequant_rows.argtypes = [c_int, p, i64, i64, p, i64, p]
     lib.nc_qg_set_simd.argtypes = [c_int]
     lib.nc_qg_set_simd.restype = None
-    lib.nc_qg_set_spin_us.argtypes = [c_int]
-    lib.nc_qg_set_spin_us.restype = None
+    lib.nc_qg_matmul_rows.argtypes = [c_int, p, i64, i64, i64, p, i64, i64, p, i64, c_int, c_int]
+    lib.nc_moe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, c_int, c_int]
     lib.nc_dec_forward.argtypes = [p, p, i64, p, p, i64, p, p, i64, p, c_int, c_int]
     lib.nc_dec_attention.argtypes = [p, i64, i64, i64, p, p, i64, p, p, p, c_int, i64, i64, i64, i64, ctypes.c_float,
                                      i64, p, c_int]
@@ -121,7 +119,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_gdn_recurrent.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, i64, i64, p, p, c_int]
     for fn in ("nc_dec_forward", "nc_dec_attention", "nc_dec_activation", "nc_gdn_recurrent", "nc_dec_header_fields",
                "nc_dec_layer_fields", "nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts",
-               "nc_qg_dequant_rows", "nc_qg_simd", "nc_qg_simd_compiled"):
+               "nc_qg_dequant_rows", "nc_qg_simd", "nc_qg_simd_compiled", "nc_qg_matmul_rows", "nc_moe_forward",
+               "nc_qg_last_threads"):
         getattr(lib, fn).restype = c_int
     return lib
 
@@ -129,8 +128,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def extension() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (after one warning) when they cannot be built."""
     return _kernels.get(_load_extension, "nanochat: the CPU int8 matmul kernels could not be built ({error}); "
-                        "quantized linears use torch's int4 kernel instead (slower decode). Install g++ and ninja "
-                        "to fix it.")
+                        "quantized linears use torch's int4 kernel instead, routed MoE experts dequantize + matmul "
+                        "in torch (slower). Install g++ and ninja to fix it.")
 
 
 def available() -> bool:
@@ -170,12 +169,6 @@ def set_activation_levels(levels: int) -> None:
 
 def activation_levels() -> int:
     return _levels
-
-
-def set_spin_us(us: int) -> None:
-    """How long idle worker threads poll for the next call before they sleep (default 300 us; the first
-    20 us with `pause`, then yielding the core to any other runnable thread). 0: sleep at once."""
-    _need().nc_qg_set_spin_us(max(0, int(us)))
 
 
 def set_threads(n: int | None) -> None:

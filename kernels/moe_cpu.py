@@ -7,22 +7,16 @@ the router's top-k ids / weights [T, k]:
     out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),   e = ids[t, j]
 
 Two backends:
-- "kernel": the compiled extension (kernels/csrc/moe_cpu.cpp) for Q4_K, Q5_K, Q6_K and Q8_0 weights.
-  Activations are quantized per row on the fly to int8 (blocks of 256 with an fp32 scale and
-  16-element sums for the K-quants, "Q8_K"; blocks of 32 for Q8_0), the dot products run in integer
-  arithmetic (AVX2, AVX-512 VNNI when the compiler targets it), and each selected expert's rows are
-  read once per call, unpacked once per 4 tokens routed to that expert. Error vs an fp32 matmul on
-  the dequantized weights: the activation rounding, at most amax/254 per element of a block (about
-  0.6% relative rms for Gaussian rows; 1-2% for a whole expert FFN, whose silu(gate)*up is rounded too).
+- "kernel": kernels/csrc/moe.cpp in the matmul library of kernels/cpu_qgemv.py, for the block types
+  it takes (Q4_0 .. Q8_0, Q2_K .. Q6_K): the same int8 activations (cpu_qgemv.activation_levels()
+  levels) and integer products as the dense layers' matmuls, on their thread pool, read from the raw
+  rows (no repacked copy). Results are those of cpu_qgemv.matmul on the weights packed, bit for bit,
+  on every code path, and a token's output does not depend on the other tokens of the call.
 - "torch": dequantizes the selected experts per call and uses fp32 matmuls (a loop over active
-  experts). Used for other weight types, dense experts, and when the extension cannot be built
-  (no compiler / ninja), with a one-time warning.
+  experts). Used for other weight types, dense experts, and when the library cannot be built.
 
-The extension is built on first use with torch.utils.cpp_extension.load (g++ and ninja needed),
-cached under $NANOCHAT_KERNEL_DIR, $NANOCHAT_HOME/cache or the platformdirs user cache dir, and called
-through ctypes (plain C ABI, so the build needs no torch headers and takes seconds). It runs an OpenMP
-team of `cpu_threads()` threads: the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them
-with `set_threads`, default half the logical CPUs (at least 1).
+Threads: `cpu_threads()`, the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them with
+`set_threads`, default half the logical CPUs (at least 1).
 """
 
 from __future__ import annotations
@@ -30,24 +24,21 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.cpu_decoder import activation
-from nanochat.kernels.cpp_build import LazyLibrary, build_library
 from nanochat.kernels.qweight import QuantWeight
 
-KERNEL_TYPES = frozenset({gq.Q8_0, gq.Q4_K, gq.Q5_K, gq.Q6_K})
 DENSE_TYPES = frozenset({gq.F32, gq.F16, gq.BF16})
-_SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
+KERNEL_TYPES = cpu_qgemv.KERNEL_TYPES - DENSE_TYPES
 _ERRORS = {1: "unsupported weight type", 2: "shapes do not match the block size", 3: "expert id out of range"}
 
 
 class _Mat(ctypes.Structure):
-    """Mirror of NcMat in moe_cpu.cpp: one projection of every expert."""
+    """Mirror of NcMat in moe.cpp: one projection of every expert."""
 
     _fields_ = [("type", ctypes.c_int32), ("reserved", ctypes.c_int32), ("data", ctypes.c_void_p),
                 ("expert_stride", ctypes.c_int64), ("row_stride", ctypes.c_int64),
@@ -131,42 +122,11 @@ def cpu_threads() -> int:
     return _threads or max(1, (os.cpu_count() or 2) // 2)
 
 
-# ---------------------------------------------------------------- the compiled extension
-
-_kernels = LazyLibrary()
-
-
-def _load_extension() -> ctypes.CDLL:
-    """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
-    # -march=native + OpenMP first; a plain build if the compiler rejects either.
-    variants = [("nanochat_moe_cpu", ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]),
-                ("nanochat_moe_cpu_plain", ["-O3"], [])]
-    return _bind(ctypes.CDLL(build_library(_SOURCE, variants)))
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.nc_moe_forward.argtypes = [p, i64, i64, p, p, i64, i64, ctypes.POINTER(_Mat), ctypes.POINTER(_Mat),
-                                   ctypes.POINTER(_Mat), p, c_int]
-    lib.nc_quant_matmul.argtypes = [c_int, p, i64, i64, i64, p, i64, p, c_int]
-    lib.nc_dequantized_acts.argtypes = [c_int, p, i64, i64, p]
-    lib.nc_omp_threads.argtypes = [c_int]
-    lib.nc_set_simd.argtypes = [c_int]
-    for fn in ("nc_moe_forward", "nc_quant_matmul", "nc_dequantized_acts", "nc_omp_threads", "nc_last_threads",
-               "nc_has_simd", "nc_has_vnni"):
-        getattr(lib, fn).restype = c_int
-    lib.nc_set_simd.restype = None
-    return lib
-
-
-def extension() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None (after one warning) when they cannot be built."""
-    return _kernels.get(_load_extension, "nanochat: the CPU expert kernels could not be built ({error}); routed "
-                        "experts fall back to dequantize + matmul in torch (slower). Install g++ and ninja to fix it.")
+# ---------------------------------------------------------------- the compiled library
 
 
 def available() -> bool:
-    return extension() is not None
+    return cpu_qgemv.available()
 
 
 def _check(rc: int, what: str) -> None:
@@ -174,29 +134,13 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
 
 
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
-# ---------------------------------------------------------------- single-matrix entry points (tests, tools)
-
-
-def dequantized_activations(ggml_type: int, x: torch.Tensor) -> torch.Tensor:
-    """x [n, K] as the kernels see it for weights of `ggml_type`: int8 values times their block scale."""
-    lib = extension()
+def quant_matmul(qw: QuantWeight, x: torch.Tensor, threads: int | None = None,
+                 levels: int | None = None) -> torch.Tensor:
+    """y [n, out] = x [n, in] @ W^T on W's raw blocks (a kernel type), as the experts compute it:
+    activations quantized with `levels` levels (default cpu_qgemv.activation_levels())."""
+    lib = cpu_qgemv.extension()
     if lib is None:
-        raise RuntimeError("the CPU expert kernels are not available")
-    x = x.detach().to(torch.float32).contiguous().cpu()
-    out = torch.empty_like(x)
-    _check(lib.nc_dequantized_acts(ggml_type, _ptr(x), x.shape[0], x.shape[1], _ptr(out)), "activations")
-    return out
-
-
-def quant_matmul(qw: QuantWeight, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """y [n, out] = x [n, in] @ W^T with W's raw blocks (a kernel type), activations quantized to int8."""
-    lib = extension()
-    if lib is None:
-        raise RuntimeError("the CPU expert kernels are not available")
+        raise RuntimeError("the CPU kernels are not available")
     if qw.ggml_type not in KERNEL_TYPES:
         raise ValueError(f"no CPU kernel for {qw.type_name} (have {sorted(gq.type_name(t) for t in KERNEL_TYPES)})")
     x = x.detach().to(torch.float32).contiguous().cpu()
@@ -206,8 +150,10 @@ def quant_matmul(qw: QuantWeight, x: torch.Tensor, threads: int | None = None) -
     if data.stride(-1) != 1:
         data = data.contiguous()
     y = torch.empty(x.shape[0], qw.out_features)
-    _check(lib.nc_quant_matmul(qw.ggml_type, _ptr(data), qw.out_features, qw.in_features, data.stride(0),
-                               _ptr(x), x.shape[0], _ptr(y), threads or cpu_threads()), f"{qw.type_name} matmul")
+    _check(lib.nc_qg_matmul_rows(qw.ggml_type, data.data_ptr(), qw.out_features, qw.in_features, data.stride(0),
+                                 x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), qw.out_features,
+                                 (levels or cpu_qgemv.activation_levels()) == 2, threads or cpu_threads()),
+           f"{qw.type_name} matmul")
     return y
 
 
@@ -238,7 +184,7 @@ class HostExperts:
         types = {gate.ggml_type, up.ggml_type, down.ggml_type}
         lib = None
         if backend != "torch" and types <= KERNEL_TYPES:
-            lib = extension()
+            lib = cpu_qgemv.extension()
         if backend == "kernel" and lib is None:
             raise RuntimeError(f"{name}: the CPU expert kernels are unavailable for "
                                f"{sorted(gq.type_name(t) for t in types)}")
@@ -270,8 +216,9 @@ class HostExperts:
             out = torch.empty(t, self.hidden_size, dtype=torch.float32)
         if self.backend == "kernel":
             g, u, d = self._mat_refs
-            rc = self._lib.nc_moe_forward(_ptr(x), t, self.hidden_size, _ptr(ids), _ptr(weights), k,
-                                          self.num_experts, g, u, d, _ptr(out), self.threads)
+            rc = self._lib.nc_moe_forward(x.data_ptr(), t, self.hidden_size, ids.data_ptr(), weights.data_ptr(), k,
+                                          self.num_experts, g, u, d, out.data_ptr(),
+                                          cpu_qgemv.activation_levels() == 2, self.threads)
             _check(rc, self.name)
             return out
         out.copy_(self._torch_forward(x, ids, weights))

@@ -31,7 +31,7 @@
   need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL).
 - "triton" (CUDA): fused dequant + matmul straight from the raw GGML blocks, see triton_gguf.py.
 
-The fp32 variant of the int4 kernel is scalar code (10-50x slower than bf16), so the int4 backend
+The fp32 variant of the int4 kernel is scalar code (far slower than bf16), so the int4 backend
 always computes in bf16 and casts the result back to x's dtype.
 """
 
@@ -194,7 +194,7 @@ def _torch_pack(q: torch.Tensor) -> torch.Tensor:
 def _fast_pack(q: torch.Tensor) -> torch.Tensor:
     """uint8 quants [n, k] (n % 64 == 0) -> the layout of _convert_weight_to_int4pack_for_cpu:
     per 64 rows, k-major bytes whose low nibble is row r and high nibble row r + 32. Doing it with
-    byte ops skips the int32 copy and torch's converter (3x faster load)."""
+    byte ops skips the int32 copy and torch's converter (a faster load)."""
     n, k = q.shape
     b = q.view(n // 64, 2, 32, k)
     return (b[:, 0] | (b[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
@@ -237,7 +237,7 @@ def _pack_int4(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
 
 def concat_out_features(qws: list[QuantWeight], tensor_name: str = "<fused>") -> QuantWeight:
     """Stack weights along the output dim (q|k|v, gate|up): GGML blocks never cross rows, so this is
-    a byte concatenation. One fused call saves ~1-2 us of dispatch per extra matmul on CPU decode."""
+    a byte concatenation. One fused call saves the dispatch of each extra matmul on CPU decode."""
     t, in_f = qws[0].ggml_type, qws[0].in_features
     for qw in qws:
         if qw.ggml_type != t or qw.in_features != in_f:
@@ -296,8 +296,8 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
     so does use_backend() for "auto" (the engine's quant_backend option, env NANOCHAT_QUANT_BACKEND).
 
     `prefill_min_rows` (q8 / int4, opt-in): also keep a dense bf16 copy and use it for calls with at
-    least that many rows, trading 16 extra bits per weight for prefill speed (int4: from ~8 rows on a
-    dense bf16 GEMM is faster, about 2.4x at 64 rows). Decode (few rows) keeps reading the quantized
+    least that many rows, trading 16 extra bits per weight for prefill speed (int4: from a few rows on a
+    dense bf16 GEMM is faster). Decode (few rows) keeps reading the quantized
     weight. Off by default: q8 needs no second copy."""
     device = torch.device(device)
     gq.check_supported(qw.ggml_type, tensor_name)

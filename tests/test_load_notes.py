@@ -60,9 +60,9 @@ def test_the_set_up_step_goes_on_without_a_compiler(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"nanochat: {COMPILING}")
     warnings = out.stderr.splitlines()
-    assert len(warnings) == 2 and "Traceback" not in out.stderr
+    assert len(warnings) == 1 and "Traceback" not in out.stderr   # one library for every kernel
     assert "int8 matmul kernels could not be built" in warnings[0] and "torch's int4 kernel instead" in warnings[0]
-    assert "expert kernels could not be built" in warnings[1]
+    assert "routed MoE experts dequantize + matmul in torch" in warnings[0]
 
 
 @pytest.fixture

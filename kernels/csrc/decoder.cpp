@@ -18,8 +18,8 @@
 // traffic of attention; K/V rounded to nearest even when stored, widened to fp32 when read) or
 // fp32, written and read in place.
 //
-// SIMD: the attention and elementwise kernels are written once over a vector of VL floats, AVX-512
-// (16 lanes) or AVX2 + FMA + F16C (8 lanes), with scalar loops in builds that have neither.
+// SIMD: the attention and elementwise kernels are written once over a vector of VL floats, 16 lanes in
+// AVX-512 builds and 8 in AVX2 builds (simd.h's NC_ISA), with scalar loops in builds that have neither.
 //
 // Batch invariance: a row's result depends only on that row (its values, position and cached K/V),
 // never on the other rows of the step, their number, or where a prompt's chunks start: every
@@ -34,22 +34,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__)
-#define DEC_VL 16
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define DEC_VL 8
-#else
-#define DEC_VL 0
-#endif
 
-extern "C" int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void* x, int x_bf16,
-                            int64_t n, int64_t ldx, void* y, int y_bf16, int64_t ldy, const float* bias, int x2,
-                            int threads);
-extern "C" void nc_qg_parallel_for(int64_t items, int64_t chunk, int threads,
-                                   void (*fn)(const void*, int64_t, int64_t), const void* ctx);
+#include "qgemv.h"
+#include "simd.h"
 
 namespace {
 
@@ -118,7 +105,7 @@ struct Batch {
 
 // ------------------------------------------------------------------ SIMD
 // vf: VL fp32 lanes. Loads and stores of uint16_t are fp16 (widened; rounded to nearest even).
-#if DEC_VL == 16
+#if NC_ISA >= NC_ISA_AVX512
 constexpr int VL = 16;
 using vf = __m512;
 inline vf vset(float a) { return _mm512_set1_ps(a); }
@@ -153,7 +140,7 @@ inline vf vkeep(vf v, int64_t k) { return _mm512_maskz_mov_ps(lanes(k), v); }
 inline vf vsmall(vf x, float t, vf a, vf b) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(x), vset(t), _CMP_LT_OQ), b, a);
 }
-#elif DEC_VL == 8
+#elif NC_ISA >= NC_ISA_AVX2
 constexpr int VL = 8;
 using vf = __m256;
 inline vf vset(float a) { return _mm256_set1_ps(a); }
@@ -196,7 +183,7 @@ inline vf vsmall(vf x, float t, vf a, vf b) {
 }
 #endif
 
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
 // Horizontal sums in one fixed order: (s0 + s2) + (s1 + s3) of s_l = a_l + a_{l+4}, a the 8 lanes of fold8.
 // vsum sums one vector, vsum8 eight at once with a transposing tree of the same additions, so an attention
 // score comes out the same whether its key is scored alone (decode) or beside others (prefill).
@@ -221,46 +208,8 @@ __attribute__((always_inline)) inline void vsum8(const vf v[8], float* out) {
 }
 #endif
 
-// One fp16 value <-> fp32, rounding to nearest even: F16C where compiled in, else the same in
-// software (as in F. Giesen's half_to_float / float_to_half_fast3_rtne).
-#if defined(__F16C__)
-inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-inline uint16_t f32_to_f16(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
-#else
-inline float as_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline uint32_t as_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float f16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent and mantissa in place
-  const uint32_t exp = u & (0x7c00u << 13);
-  u += (127u - 15u) << 23;
-  if (exp == 0x7c00u << 13)
-    u += (128u - 16u) << 23;                              // inf / nan: all exponent bits set
-  else if (exp == 0)
-    u = as_bits(as_float(u + (1u << 23)) - as_float(113u << 23));  // zero / subnormal: renormalized by fp32
-  return as_float(u | static_cast<uint32_t>(h & 0x8000u) << 16);
-}
-inline uint16_t f32_to_f16(float f) {
-  uint32_t u = as_bits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  u &= 0x7fffffffu;
-  uint32_t h;
-  if (u >= (127u + 16u) << 23)   // |f| >= 2^16, inf or nan: inf (nan stays a quiet nan)
-    h = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  else if (u < 113u << 23)       // below 2^-14: a subnormal, rounded by the fp32 add that aligns it
-    h = as_bits(as_float(u) + 0.5f) - as_bits(0.5f);
-  else                           // rebias, round the 13 dropped bits to nearest even (may carry to inf)
-    h = (u + ((15u - 127u) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
-  return static_cast<uint16_t>(h | sign);
-}
-#endif
+using nc::f16_to_f32;
+using nc::f32_to_f16;
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t h) { return f16_to_f32(h); }
@@ -269,7 +218,7 @@ inline float widen(uint16_t h) { return f16_to_f32(h); }
 inline const float* as_f32(const float* row, int64_t, float*) { return row; }
 inline const float* as_f32(const uint16_t* row, int64_t n, float* buf) {
   int64_t i = 0;
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   for (; i + VL <= n; i += VL) vstore(buf + i, vload(row + i));
 #endif
   for (; i < n; ++i) buf[i] = f16_to_f32(row[i]);
@@ -280,7 +229,7 @@ inline const float* as_f32(const uint16_t* row, int64_t n, float* buf) {
 inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   for (; i + VL <= n; i += VL) vstore(dst + i, vload(src + i));
 #endif
   for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
@@ -306,7 +255,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // else the scalar loops (fp16 widened into buf, d floats).
 template <int D, class T>
 inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   if constexpr (D > 0 && D % VL == 0) {
     vf acc = vmul(vload(a), vload(b));
     for (int c = 1; c < D / VL; ++c) acc = vfmadd(vload(a + VL * c), vload(b + VL * c), acc);
@@ -318,7 +267,7 @@ inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
 
 template <int D, class T>
 inline void head_axpy(float* o, float w, const T* b, int64_t d) {
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   if constexpr (D > 0 && D % VL == 0) {
     const vf wv = vset(w);
     for (int c = 0; c < D / VL; ++c) vstore(o + VL * c, vfmadd(wv, vload(b + VL * c), vload(o + VL * c)));
@@ -331,7 +280,7 @@ inline void head_axpy(float* o, float w, const T* b, int64_t d) {
 // s[c] = head_dot(q, k + c * d) for the 8 fp32 key rows from k: the same lanes and sums.
 template <int D>
 __attribute__((always_inline)) inline void head_dots8(const float* q, const float* k, int64_t d, float* s) {
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   if constexpr (D > 0 && D % VL == 0) {
     vf acc[8];
     const vf q0 = vload(q);
@@ -393,7 +342,7 @@ void prepare_qkv(const Model& m, const int64_t* L, const Batch& b, float* qkv) {
 // exp over an array (attention probabilities, SiLU): exp(x) = 2^n e^r with n = round(x / ln 2),
 // r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' degree-6 polynomial: within 2 ulp of std::exp
 // for x in [-87, 88]. std::exp in builds without SIMD.
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
 inline vf vexp(vf x) {
   x = vmin(vmax(x, vset(-87.3f)), vset(88.3f));   // so n is in [-126, 127]
   const vf n = vround(vmul(x, vset(1.44269504088896341f)));
@@ -411,7 +360,7 @@ inline vf vexp(vf x) {
 float max_of(const float* s, int64_t n) {
   int64_t i = 0;
   float mx = s[0];
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   if (n >= VL) {
     vf acc = vload(s);
     for (i = VL; i + VL <= n; i += VL) acc = vmax(acc, vload(s + i));
@@ -426,7 +375,7 @@ float max_of(const float* s, int64_t n) {
 float exp_shifted(float* s, int64_t n, float shift) {
   int64_t i = 0;
   float sum = 0.f;
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   vf acc = vset(0.f);
   const vf sh = vset(shift);
   for (; i + VL <= n; i += VL) {
@@ -449,7 +398,7 @@ float exp_shifted(float* s, int64_t n, float shift) {
 // out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u.
 void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   const vf one = vset(1.0f);
   for (; i + VL <= n; i += VL) {
     const vf x = vload(g + i);
@@ -474,7 +423,7 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
     return;
   }
   int64_t i = 0;
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   const vf one = vset(1.0f);
   auto f = [&](vf v) {
     if (op == 3) return vexp(v);
@@ -674,7 +623,7 @@ void merge_parts(AttnJob& j) {
   }
 }
 
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
 // Columns (of VL floats) of the output that weighted_values<D, NV> accumulates per pass over the
 // keys: NV x cols accumulators, at most 16 of AVX-512's 32 registers (one pass for the sizes used);
 // on AVX2 as many as fit its 16 beside the cols values and one broadcast weight (12 for NV = 6).
@@ -690,7 +639,7 @@ constexpr int pass_cols() {
 // pass serves them all. AVX2: 6 x 2 vectors of accumulators, 12 independent FMA chains (its 2 FMA units
 // x 4 cycles of latency need 8) in 15 of its 16 registers.
 template <int D>
-constexpr int values_per_pass() { return DEC_VL == 8 ? 6 : D > 64 ? 2 : 4; }
+constexpr int values_per_pass() { return NC_ISA == NC_ISA_AVX2 ? 6 : D > 64 ? 2 : 4; }
 
 // out[v][e] (+)= sum_p w[v][p] * vals[p][e] for NV query vectors over the same n keys, whose values
 // are fp32 rows of d in `vals`: each value row is loaded once per pass for all NV. accumulate: add to
@@ -698,7 +647,7 @@ constexpr int values_per_pass() { return DEC_VL == 8 ? 6 : D > 64 ? 2 : 4; }
 template <int D, int NV>
 void weighted_values(const float* const* w, int64_t n, const float* vals, int64_t d, bool accumulate,
                      float* const* out) {
-#if DEC_VL
+#if NC_ISA >= NC_ISA_AVX2
   if constexpr (D > 0 && D % VL == 0) {
     constexpr int CW = pass_cols<D, NV>();
     for (int c0 = 0; c0 < D / VL; c0 += CW) {

@@ -29,13 +29,14 @@
 // from DRAM, and the hardware prefetchers alone leave the K-quant kernels at a third to a half of the
 // memory bandwidth.
 //
-// Three code paths, picked at compile time (-march=native) with a runtime override for tests:
+// Three code paths, the best one the build has (simd.h's NC_ISA) with a runtime override for tests:
 // AVX-512 VNNI, AVX2 (+FMA, F16C) and scalar. All three perform the same fp32 operations in the
 // same order, so their outputs are bit-identical, and a row's output does not depend on the
 // other rows of the batch.
 //
-// nc_qg_dequant_rows reads rows back from the tiles (a tied embedding / LM head keeps one copy),
-// equal to gguf's dequantization of the raw rows bit for bit.
+// nc_qg_matmul_rows (and matmul_rows, for moe.cpp) computes the same products from weights left in
+// GGML's row layout (see "raw GGML rows"). nc_qg_dequant_rows reads rows back from the tiles (a tied
+// embedding / LM head keeps one copy), equal to gguf's dequantization of the raw rows bit for bit.
 //
 // Plain C ABI (ctypes). Parallel over tiles with a small pool of its own (see Pool): the caller
 // never waits for a worker that has not started, so a busy machine costs at most the 1-thread time.
@@ -50,22 +51,17 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QG_AVX2 1
-#else
-#define QG_AVX2 0
-#endif
-#if QG_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define QG_AVX512 1
-#else
-#define QG_AVX512 0
-#endif
+
+#include "qgemv.h"
+#include "simd.h"
 
 namespace {
+
+using nc::qg::Acts;
+using nc::qg::ActBuffer;
+using nc::qg::parallel_for;
 
 constexpr int ROWS = 16;  // output rows per tile
 constexpr int TMAX = 8;   // rows of x per pass over a tile
@@ -74,9 +70,8 @@ enum : int {
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30
 };
 enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_RANGE = 3 };
-enum : int { SIMD_SCALAR = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
 
-int g_simd = QG_AVX512 ? SIMD_AVX512 : (QG_AVX2 ? SIMD_AVX2 : SIMD_SCALAR);
+int g_simd = NC_ISA;
 
 // ------------------------------------------------------------------ formats
 // Per type: raw GGML block (elements, bytes) and the layout of one tile block (16 rows x 1 block).
@@ -117,6 +112,14 @@ constexpr Fmt FMTS[] = {
     {BF16, 1, 2, 32, -1, -1, -1, -1, -1, -1},
 };
 
+// Offsets inside a raw GGML block: the fp16 d, the fp16 min (Q4_1, Q5_1) or dmin (Q2_K, Q4_K, Q5_K), the
+// K-quants' scale bytes.
+constexpr int raw_d(int type) { return type == Q6_K ? 208 : type == Q2_K ? 80 : type == Q3_K ? 108 : 0; }
+constexpr int raw_m(int type) { return type == Q2_K ? 82 : 2; }
+constexpr int raw_sc(int type) { return type == Q3_K ? 96 : type == Q6_K ? 192 : type == Q2_K ? 0 : 4; }
+// Scale bytes of the K-quants: 16 (Q2_K, Q6_K) or 12 packed.
+constexpr int raw_sc_bytes(int type) { return type == Q6_K || type == Q2_K ? 16 : 12; }
+
 // Bit position of the Q2 fields in the code.
 constexpr int q2_shift(int type) { return type == Q6_K ? 4 : 0; }
 
@@ -153,43 +156,10 @@ __attribute__((always_inline)) inline void prefetch_lines(const uint8_t* p) {
   for (int i = 0; i < LINES; ++i) __builtin_prefetch(p + 64 * i, 0, 3);
 }
 
-inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    const float v = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -v : v;
-  }
-  bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-inline float rd_f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return f16_to_f32(h);
-}
-
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using nc::bf16_to_f32;
+using nc::f16_to_f32;
+using nc::f32_to_bf16;
+using nc::rd_f16;
 
 // Q4_K / Q5_K: scale and min j (0..7) of the 12 packed bytes.
 inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
@@ -277,13 +247,10 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
     raw_codes(f.type, b, q);
   }
   const int type = f.type;
-  const int d_src = type == Q6_K ? 208 : type == Q2_K ? 80 : type == Q3_K ? 108 : 0;
-  std::memcpy(t + f.d + 2 * r, b + d_src, 2);
-  if (f.m >= 0) std::memcpy(t + f.m + 2 * r, b + (type == Q2_K ? 82 : 2), 2);
-  if (type == Q4_K || type == Q5_K || type == Q3_K)
-    for (int k = 0; k < 12; ++k) t[f.sc + 16 * k + r] = b[(type == Q3_K ? 96 : 4) + k];
-  if (type == Q6_K || type == Q2_K)
-    for (int g = 0; g < 16; ++g) t[f.sc + 16 * g + r] = b[(type == Q6_K ? 192 : 0) + g];
+  std::memcpy(t + f.d + 2 * r, b + raw_d(type), 2);
+  if (f.m >= 0) std::memcpy(t + f.m + 2 * r, b + raw_m(type), 2);
+  if (f.sc >= 0)
+    for (int k = 0; k < raw_sc_bytes(type); ++k) t[f.sc + 16 * k + r] = b[raw_sc(type) + k];
   auto set_bit = [&](int off, int mask_index, int r_, int i, int bit) {
     if (bit) t[off + 8 * mask_index + (4 * r_ + i) / 8] |= static_cast<uint8_t>(1u << ((4 * r_ + i) % 8));
   };
@@ -317,21 +284,6 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
 }
 
 // ------------------------------------------------------------------ activations
-
-// x quantized per row: int8 codes q (and q2, the residual's, in two-level mode), the per-32 scale
-// of one unit of the combined code c = q (or 256 q + q2), the per-16 integer sums of c, and
-// scale * sum32(c). x_hat = d * c. For dense weights x itself, fp32 (row stride ldx).
-struct Acts {
-  const int8_t* q;
-  const int8_t* q2;
-  const int16_t* c16;  // two-level on AVX2: the combined codes 256 q + q2 (|c| <= 32639) as int16
-  const float* d;
-  const int32_t* s16;
-  const float* ds;
-  int64_t k;
-  const float* x;
-  int64_t ldx;
-};
 
 inline float load_x(const void* x, int bf16, int64_t i) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[i]) : static_cast<const float*>(x)[i];
@@ -370,7 +322,7 @@ void quantize_row(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, flo
   }
 }
 
-#if QG_AVX512
+#if NC_ISA >= NC_ISA_AVX512
 // quantize_row for float32 x with AVX-512: the same fp32 operations (cvtps rounds to nearest even
 // like nearbyint; products and differences are separate ops), so the codes are identical.
 inline __m512 load16(const void* x, int bf16, int64_t i) {  // 16 floats from float32 or bf16 input
@@ -411,7 +363,7 @@ void quantize_row_avx512(const void* x, int bf16, int64_t k, int8_t* q, int8_t* 
 }
 #endif
 
-#if QG_AVX2
+#if NC_ISA >= NC_ISA_AVX2
 // quantize_row with AVX2, for the same reason and with the same fp32 operations (identical codes): prefill
 // quantizes every row of x for each matmul, ~10% of an AVX2 prefill step when done in scalar code.
 inline __m256 load8(const void* x, int bf16, int64_t i) {  // 8 floats from float32 or bf16 input
@@ -476,11 +428,11 @@ void quantize_row_avx2(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2
 #endif
 
 void quantize_any(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, float* d, int32_t* s16, float* ds) {
-#if QG_AVX512
-  if (g_simd >= SIMD_AVX512) return quantize_row_avx512(x, bf16, k, q, q2, d, s16, ds);
+#if NC_ISA >= NC_ISA_AVX512
+  if (g_simd >= NC_ISA_AVX512) return quantize_row_avx512(x, bf16, k, q, q2, d, s16, ds);
 #endif
-#if QG_AVX2
-  if (g_simd >= SIMD_AVX2) return quantize_row_avx2(x, bf16, k, q, q2, d, s16, ds);
+#if NC_ISA >= NC_ISA_AVX2
+  if (g_simd >= NC_ISA_AVX2) return quantize_row_avx2(x, bf16, k, q, q2, d, s16, ds);
 #endif
   quantize_row(x, bf16, k, q, q2, d, s16, ds);
 }
@@ -530,14 +482,12 @@ inline int code(const Fmt& f, const uint8_t* b, int s, int r, int e) {
 
 int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
 
-// K-quants: row r's integer scale and min of the two 16-element halves of sub-block s (Q4_K / Q5_K
-// have one per 32: both halves alike).
-inline void sub_scales(const Fmt& f, const uint8_t* b, int r, int s, int sc[2], int mn[2]) {
-  uint8_t raw[16];
-  for (int k = 0; k < (f.type == Q6_K || f.type == Q2_K ? 16 : 12); ++k) raw[k] = b[f.sc + 16 * k + r];
+// K-quants: the integer scale and min of the two 16-element halves of sub-block s from the block's scale
+// bytes (Q4_K / Q5_K have one per 32: both halves alike).
+inline void sub_scales(int type, const uint8_t* raw, int s, int sc[2], int mn[2]) {
   for (int h = 0; h < 2; ++h) {
     mn[h] = 0;
-    switch (f.type) {
+    switch (type) {
       case Q4_K: case Q5_K: k_scale_min(raw, s, sc[h], mn[h]); break;
       case Q6_K: sc[h] = static_cast<int8_t>(raw[2 * s + h]); break;
       case Q3_K: sc[h] = q3_scale(raw, 2 * s + h); break;
@@ -546,64 +496,94 @@ inline void sub_scales(const Fmt& f, const uint8_t* b, int r, int s, int sc[2], 
   }
 }
 
+// One row's block as the scalar kernels read it: the codes, d, m (the min of Q4_1 / Q5_1, the dmin of
+// Q2_K / Q4_K / Q5_K), and the K-quants' integer scales and mins of each sub-block's 16-element halves.
+struct RowBlock {
+  int c[256];
+  float d, m;
+  int sc[8][2], mn[8][2];
+};
+
+// Row r of tile block b.
+void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
+  rb.d = rd_f16(b + f.d + 2 * r);
+  rb.m = f.m >= 0 ? rd_f16(b + f.m + 2 * r) : 0.0f;
+  uint8_t raw[16];
+  if (f.sc >= 0)
+    for (int k = 0; k < raw_sc_bytes(f.type); ++k) raw[k] = b[f.sc + 16 * k + r];
+  for (int s = 0; s < f.elems / 32; ++s) {
+    if (f.elems == 256) sub_scales(f.type, raw, s, rb.sc[s], rb.mn[s]);
+    for (int e = 0; e < 32; ++e) rb.c[32 * s + e] = code(f, b, s, r, e);
+  }
+}
+
+// A raw GGML block.
+void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
+  uint8_t q[256];
+  raw_codes(f.type, b, q);
+  for (int e = 0; e < f.elems; ++e) rb.c[e] = f.type == Q8_0 ? static_cast<int8_t>(q[e]) : q[e];
+  rb.d = rd_f16(b + raw_d(f.type));
+  rb.m = f.m >= 0 ? rd_f16(b + raw_m(f.type)) : 0.0f;
+  if (f.elems == 256)
+    for (int s = 0; s < 8; ++s) sub_scales(f.type, b + raw_sc(f.type), s, rb.sc[s], rb.mn[s]);
+}
+
+// y += block kb of a weight row (rb) times row `row` of x: the fp32 operations of the SIMD kernels, in
+// their order.
+void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, float& y) {
+  const int subs = f.elems / 32;
+  for (int s = 0; s < subs; ++s) {
+    const int* c = rb.c + 32 * s;
+    float dsc = rb.d, cm = rb.m;  // per sub-block weight scale and min (per 16 elements: dg, mg)
+    float dg[2] = {0, 0}, mg[2] = {0, 0};
+    if (f.elems == 256) {
+      for (int h = 0; h < 2; ++h) {
+        dg[h] = rb.d * static_cast<float>(rb.sc[s][h]);
+        mg[h] = rb.m * static_cast<float>(rb.mn[s][h]);
+      }
+      dsc = dg[0];
+      cm = mg[0];
+    }
+    const int64_t blk = kb * subs + s;
+    const int8_t* xq = a.q + row * a.k + 32 * blk;
+    const float dx = a.d[row * (a.k / 32) + blk];
+    const int32_t* s16 = a.s16 + row * (a.k / 16) + 2 * blk;
+    int isum[2] = {0, 0};
+    for (int e = 0; e < 32; ++e) isum[e / 16] += c[e] * xq[e];
+    if (a.q2) {
+      const int8_t* xq2 = a.q2 + row * a.k + 32 * blk;
+      int isum2[2] = {0, 0};
+      for (int e = 0; e < 32; ++e) isum2[e / 16] += c[e] * xq2[e];
+      for (int h = 0; h < 2; ++h) isum[h] = 256 * isum[h] + isum2[h];
+    }
+    if (f.type == Q6_K || f.type == Q3_K) {
+      const int off = f.type == Q6_K ? 32 : 4;
+      for (int h = 0; h < 2; ++h) y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - off * s16[h]), y);
+      continue;
+    }
+    if (f.type == Q2_K) {
+      for (int h = 0; h < 2; ++h) y = std::fma(dg[h] * dx, static_cast<float>(isum[h]), y);
+      for (int h = 0; h < 2; ++h) y = std::fma(-mg[h], dx * static_cast<float>(s16[h]), y);
+      continue;
+    }
+    const int off = int_offset(f.type);
+    const int total = isum[0] + isum[1] - off * (s16[0] + s16[1]);
+    y = std::fma(dsc * dx, static_cast<float>(total), y);
+    if (f.type == Q4_K || f.type == Q5_K)
+      y = std::fma(-cm, a.ds[row * (a.k / 32) + blk], y);
+    else if (f.m >= 0)
+      y = std::fma(cm, a.ds[row * (a.k / 32) + blk], y);
+  }
+}
+
 void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o,
                  int64_t row0) {
   float acc[TMAX][ROWS] = {};
-  const int subs = f.elems / 32;
+  RowBlock rb;
   for (int64_t kb = 0; kb < nblk; ++kb) {
-    const uint8_t* b = w + kb * f.tile_bytes;
     for (int r = 0; r < ROWS; ++r) {
-      const float d = rd_f16(b + f.d + 2 * r);
-      const float m = f.m >= 0 ? rd_f16(b + f.m + 2 * r) : 0.0f;
-      for (int s = 0; s < subs; ++s) {
-        int c[32];
-        for (int e = 0; e < 32; ++e) c[e] = code(f, b, s, r, e);
-        float dsc = d, cm = m;  // per sub-block weight scale and min (per 16 elements: dg, mg)
-        float dg[2] = {0, 0}, mg[2] = {0, 0};
-        if (f.elems == 256) {
-          int sc[2], mn[2];
-          sub_scales(f, b, r, s, sc, mn);
-          for (int h = 0; h < 2; ++h) {
-            dg[h] = d * static_cast<float>(sc[h]);
-            mg[h] = m * static_cast<float>(mn[h]);
-          }
-          dsc = dg[0];
-          cm = mg[0];
-        }
-        for (int t = 0; t < nt; ++t) {
-          const int64_t blk = kb * subs + s;
-          const int8_t* xq = a.q + (t0 + t) * a.k + 32 * blk;
-          const float dx = a.d[(t0 + t) * (a.k / 32) + blk];
-          const int32_t* s16 = a.s16 + (t0 + t) * (a.k / 16) + 2 * blk;
-          int isum[2] = {0, 0};
-          for (int e = 0; e < 32; ++e) isum[e / 16] += c[e] * xq[e];
-          if (a.q2) {
-            const int8_t* xq2 = a.q2 + (t0 + t) * a.k + 32 * blk;
-            int isum2[2] = {0, 0};
-            for (int e = 0; e < 32; ++e) isum2[e / 16] += c[e] * xq2[e];
-            for (int h = 0; h < 2; ++h) isum[h] = 256 * isum[h] + isum2[h];
-          }
-          float& y = acc[t][r];
-          if (f.type == Q6_K || f.type == Q3_K) {
-            const int off = f.type == Q6_K ? 32 : 4;
-            for (int h = 0; h < 2; ++h)
-              y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - off * s16[h]), y);
-            continue;
-          }
-          if (f.type == Q2_K) {
-            for (int h = 0; h < 2; ++h) y = std::fma(dg[h] * dx, static_cast<float>(isum[h]), y);
-            for (int h = 0; h < 2; ++h) y = std::fma(-mg[h], dx * static_cast<float>(s16[h]), y);
-            continue;
-          }
-          const int off = int_offset(f.type);
-          const int total = isum[0] + isum[1] - off * (s16[0] + s16[1]);
-          y = std::fma(dsc * dx, static_cast<float>(total), y);
-          if (f.type == Q4_K || f.type == Q5_K)
-            y = std::fma(-cm, a.ds[(t0 + t) * (a.k / 32) + blk], y);
-          else if (f.m >= 0)
-            y = std::fma(cm, a.ds[(t0 + t) * (a.k / 32) + blk], y);
-        }
-      }
+      tile_row_block(f, w + kb * f.tile_bytes, r, rb);
+      for (int t = 0; t < nt; ++t) scalar_block(f, rb, kb, a, t0 + t, acc[t][r]);
     }
   }
   for (int t = 0; t < nt; ++t) store_rows(o, t0 + t, row0, acc[t]);
@@ -612,7 +592,7 @@ void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, in
 // ------------------------------------------------------------------ SIMD kernels
 // One kernel body for AVX-512 (16 rows per vector) and AVX2 (8 rows per vector, two halves).
 
-#if QG_AVX2
+#if NC_ISA >= NC_ISA_AVX2
 struct V256 {
   static constexpr int L = 8, HALVES = 2;
   using I = __m256i;
@@ -711,7 +691,7 @@ struct V256 {
 };
 #endif
 
-#if QG_AVX512
+#if NC_ISA >= NC_ISA_AVX512
 struct V512 {
   static constexpr int L = 16, HALVES = 1;
   using I = __m512i;
@@ -768,7 +748,7 @@ struct V512 {
 };
 #endif
 
-#if QG_AVX2
+#if NC_ISA >= NC_ISA_AVX2
 // Q4_K / Q5_K: the 16 rows' 6-bit scales and mins of all 8 sub-blocks from the 12 byte planes.
 __attribute__((always_inline)) inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][16]) {
   __m128i p[12];
@@ -1018,7 +998,7 @@ void dense_scalar(const Fmt& f, const uint8_t* w, int64_t k, const Acts& a, int6
   for (int t = 0; t < nt; ++t) store_rows(o, t0 + t, row0, acc[t]);
 }
 
-#if QG_AVX2
+#if NC_ISA >= NC_ISA_AVX2
 template <class V, int TYPE>
 inline typename V::F dense_load(const uint8_t* p) {
   if constexpr (TYPE == F32) return V::loadf(p);
@@ -1076,7 +1056,7 @@ using TileFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int, cons
 
 template <class V>
 TileFn simd_fn(int type) {
-#if QG_AVX2
+#if NC_ISA >= NC_ISA_AVX2
   switch (type) {
     case Q4_0: return tile_any<V, Q4_0>;
     case Q4_1: return tile_any<V, Q4_1>;
@@ -1098,14 +1078,336 @@ TileFn simd_fn(int type) {
 }
 
 TileFn pick(int type) {
-#if QG_AVX512
-  if (g_simd >= SIMD_AVX512) return simd_fn<V512>(type);
+#if NC_ISA >= NC_ISA_AVX512
+  if (g_simd >= NC_ISA_AVX512) return simd_fn<V512>(type);
 #endif
-#if QG_AVX2
-  if (g_simd >= SIMD_AVX2) return simd_fn<V256>(type);
+#if NC_ISA >= NC_ISA_AVX2
+  if (g_simd >= NC_ISA_AVX2) return simd_fn<V256>(type);
 #endif
   return nullptr;
 }
+
+// ------------------------------------------------------------------ raw GGML rows
+// The same products for a weight left in GGML's row layout (a memory map's MoE experts: too many to
+// repack, each read about once per token). Per output row the integer sums of each 16 elements and the
+// fp32 operations on them are those of the tile kernels, in their order, so a row's result equals the
+// tiled matmul's bit for bit on every code path. The scalar path decodes a row's block at a time; the
+// SIMD path (raw_rows8) runs 8 rows with one vector lane per row for the fp32 work, as tile_simd's
+// lanes: each row's 32 codes of a sub-block are dotted with the activations in one vector, and the 8
+// rows' partial sums are folded into one vector (one per 16-element half) by horizontal adds.
+
+constexpr int RAW_TOKENS = 32;  // rows of x per pass over 8 weight rows: their activations stay in L2
+
+// y[t * ldy + r - r0] for rows [r0, r1) and rows t < n of x (row idx[t] of a, or t).
+void raw_scalar(const Fmt& f, const uint8_t* w, int64_t row_stride, int64_t r0, int64_t r1, int64_t nblk,
+                const Acts& a, const int64_t* idx, int64_t n, float* y, int64_t ldy) {
+  float acc[RAW_TOKENS];
+  RowBlock rb;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t t0 = 0; t0 < n; t0 += RAW_TOKENS) {
+      const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
+      std::fill(acc, acc + nt, 0.0f);
+      for (int64_t kb = 0; kb < nblk; ++kb) {
+        raw_row_block(f, w + r * row_stride + kb * f.raw_bytes, rb);
+        for (int64_t t = 0; t < nt; ++t) scalar_block(f, rb, kb, a, idx ? idx[t0 + t] : t0 + t, acc[t]);
+      }
+      for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r - r0] = acc[t];
+    }
+}
+
+#if NC_ISA >= NC_ISA_AVX2
+
+template <int N, class F>
+__attribute__((always_inline)) inline void unroll(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// `bit` in byte i where byte i of `mask` has `sel` set.
+inline __m256i bit_where(__m256i mask, int sel, int bit) {
+  const __m256i s = _mm256_set1_epi8(static_cast<char>(sel));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(mask, s), s), _mm256_set1_epi8(static_cast<char>(bit)));
+}
+
+// Codes of sub-block S of a raw block, element i in byte i: unsigned as in the tiles (raw_codes), Q8_0's int8.
+template <int TYPE, int S>
+__attribute__((always_inline)) inline __m256i raw_codes32(const uint8_t* b) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if constexpr (TYPE == Q8_0) {
+    return load32(b + 2);
+  } else if constexpr (fmt_of(TYPE).elems == 32) {  // low nibbles elements 0..15, high 16..31
+    constexpr int QS = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;
+    const __m128i q = load16(b + QS);
+    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+    if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {  // bit j of qh: bit 4 of element j
+      uint32_t qh;
+      std::memcpy(&qh, b + (TYPE == Q5_0 ? 2 : 4), 4);
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(qh)),
+          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+      const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+      u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel),
+                                              _mm256_set1_epi8(16)));
+    }
+    return u;
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // 32 bytes per two sub-blocks: low nibbles, then high
+    const __m256i q = load32(b + (TYPE == Q4_K ? 16 : 48) + 32 * (S / 2));
+    __m256i u = S % 2 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m4) : _mm256_and_si256(q, m4);
+    if constexpr (TYPE == Q5_K) u = _mm256_or_si256(u, bit_where(load32(b + 16), 1 << S, 16));  // qh bit S
+    return u;
+  } else if constexpr (TYPE == Q6_K) {  // per 128 elements: 64 bytes of nibbles, 32 of 2-bit fields
+    constexpr int H = S / 4, L = S % 4;
+    const __m256i ql = load32(b + 64 * H + 32 * (L % 2));
+    const __m256i lo = L >= 2 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
+    const __m256i qh = load32(b + 128 + 32 * H);
+    __m256i hi;  // bits 2L, 2L + 1 of qh to bits 4, 5
+    if constexpr (2 * L < 4) hi = _mm256_slli_epi16(qh, 4 - 2 * L);
+    else if constexpr (2 * L == 4) hi = qh;
+    else hi = _mm256_srli_epi16(qh, 2 * L - 4);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+  } else {  // Q2_K, Q3_K: per 128 elements 32 bytes of four 2-bit fields; Q3_K's bit 2 in hmask bit 4H + J
+    constexpr int H = S / 4, J = S % 4;
+    const __m256i q = load32(b + (TYPE == Q2_K ? 16 : 32) + 32 * H);
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * J), _mm256_set1_epi8(3));
+    if constexpr (TYPE == Q3_K) u = _mm256_or_si256(u, bit_where(load32(b), 1 << (4 * H + J), 4));
+    return u;
+  }
+}
+
+// Bytes [off, off + 16) of 8 blocks as 16 planes of 8 bytes: p[j][r] = byte off + j of block r.
+__attribute__((always_inline)) inline void planes8(const uint8_t* const b[8], int off, uint8_t p[16][8]) {
+  __m128i a[8], c[8];
+  for (int i = 0; i < 4; ++i) {  // bytes 0..7 (a[2i]) and 8..15 (a[2i + 1]) of rows 2i, 2i + 1 interleaved
+    const __m128i x = load16(b[2 * i] + off), y = load16(b[2 * i + 1] + off);
+    a[2 * i] = _mm_unpacklo_epi8(x, y);
+    a[2 * i + 1] = _mm_unpackhi_epi8(x, y);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3: bytes 0..3, 4..7, 8..11, 12..15 (4 bytes per byte index)
+    c[4 * h] = _mm_unpacklo_epi16(a[4 * h], a[4 * h + 2]);
+    c[4 * h + 1] = _mm_unpackhi_epi16(a[4 * h], a[4 * h + 2]);
+    c[4 * h + 2] = _mm_unpacklo_epi16(a[4 * h + 1], a[4 * h + 3]);
+    c[4 * h + 3] = _mm_unpackhi_epi16(a[4 * h + 1], a[4 * h + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // planes 4i .. 4i + 3
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p[4 * i]), _mm_unpacklo_epi32(c[i], c[4 + i]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p[4 * i + 2]), _mm_unpackhi_epi32(c[i], c[4 + i]));
+  }
+}
+
+// The fp16 at byte `off` of 8 blocks, as fp32 lanes.
+inline __m256 f16_lanes(const uint8_t* const b[8], int off) {
+  uint16_t h[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(&h[r], b[r] + off, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+}
+
+// fp16 values from two planes (low and high bytes) as fp32 lanes.
+inline __m256 f16_planes(const uint8_t lo[8], const uint8_t hi[8]) {
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi))));
+}
+
+// The 8 blocks' d and min (m: Q4_1, Q5_1, Q2_K, Q4_K, Q5_K), and their K-quant scales (and mins), one
+// plane of 8 bytes per sub-block (Q4_K, Q5_K) or per half of one (Q2_K, Q3_K, Q6_K): the values
+// sub_scales gives.
+template <int TYPE>
+__attribute__((always_inline)) inline void raw_scales8(const uint8_t* const b[8], __m256& d, __m256& m,
+                                                        uint8_t sc[16][8], uint8_t mn[16][8]) {
+  constexpr Fmt f = fmt_of(TYPE);
+  alignas(16) uint8_t p[16][8];
+  auto ld = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j])); };  // planes j, j + 1
+  auto st = [](uint8_t* dst, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), v); };
+  const __m128i m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48), m63 = _mm_set1_epi8(63);
+  if constexpr (TYPE != Q4_K && TYPE != Q5_K && TYPE != Q3_K) {
+    d = f16_lanes(b, raw_d(TYPE));
+    if constexpr (f.m >= 0) m = f16_lanes(b, raw_m(TYPE));
+  }
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // d, dmin, then as k_scales16 (plane 4 + j: scale byte j)
+    planes8(b, 0, p);
+    d = f16_planes(p[0], p[1]);
+    m = f16_planes(p[2], p[3]);
+    auto s = [&](int j) { return ld(4 + j); };
+    for (int j = 0; j < 4; j += 2) {
+      st(sc[j], _mm_and_si128(s(j), m63));
+      st(mn[j], _mm_and_si128(s(j + 4), m63));
+      st(sc[j + 4], _mm_or_si128(_mm_and_si128(s(j + 8), m15), _mm_and_si128(_mm_srli_epi16(s(j), 2), m48)));
+      st(mn[j + 4], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s(j + 8), 4), m15),
+                                 _mm_and_si128(_mm_srli_epi16(s(j + 4), 2), m48)));
+    }
+  } else if constexpr (TYPE == Q6_K) {  // int8 scales
+    planes8(b, 192, sc);
+  } else if constexpr (TYPE == Q2_K) {  // scale | min << 4
+    planes8(b, 0, p);
+    for (int j = 0; j < 16; j += 2) {
+      st(sc[j], _mm_and_si128(ld(j), m15));
+      st(mn[j], _mm_and_si128(_mm_srli_epi16(ld(j), 4), m15));
+    }
+  } else if constexpr (TYPE == Q3_K) {  // as q3k_scales16; bytes 94.. so as not to read past the block
+    planes8(b, 94, p);
+    d = f16_planes(p[14], p[15]);
+    auto s = [&](int k) { return ld(2 + k); };  // scale bytes k, k + 1
+    for (int j = 0; j < 8; j += 2) {
+      const __m128i hi_lo = j < 4 ? _mm_slli_epi16(s(8 + j), 4) : _mm_slli_epi16(s(8 + j - 4), 2);
+      const __m128i hi_hi = j < 4 ? s(8 + j) : _mm_srli_epi16(s(8 + j - 4), 2);
+      st(sc[j], _mm_sub_epi8(_mm_or_si128(_mm_and_si128(s(j), m15), _mm_and_si128(hi_lo, m48)), _mm_set1_epi8(32)));
+      st(sc[j + 8], _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(s(j), 4), m15), _mm_and_si128(hi_hi, m48)),
+                                 _mm_set1_epi8(32)));
+    }
+  }
+  (void)mn;
+}
+
+// 8 x int32 for one row: lanes 0..3 add up to the dot product of elements 0..15 of u and x, lanes 4..7 of
+// elements 16..31 (combined codes with two levels: 256 q + q2).
+template <int TYPE, bool X2, bool VNNI>
+__attribute__((always_inline)) inline __m256i raw_dot(__m256i u, __m256i q, __m256i q2) {
+  if constexpr (TYPE == Q8_0) {  // unsigned |w| times x with w's sign
+    q = _mm256_sign_epi8(q, u);
+    if constexpr (X2) q2 = _mm256_sign_epi8(q2, u);
+    u = _mm256_abs_epi8(u);
+  }
+#if NC_ISA >= NC_ISA_AVX512
+  if constexpr (VNNI) {
+    __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q);
+    if constexpr (X2) v = _mm256_dpbusd_epi32(_mm256_slli_epi32(v, 8), u, q2);
+    return v;
+  }
+#endif
+  // |u| <= 128 and |q| <= 127: maddubs's pair sums fit int16
+  const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(X2 ? 256 : 1));
+  if constexpr (!X2) return v;
+  else return _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q2), _mm256_set1_epi16(1)));
+}
+
+// v[r] of raw_dot for 8 rows -> lo (lane r: row r's sum of elements 0..15) and hi (16..31).
+__attribute__((always_inline)) inline void fold_rows8(const __m256i v[8], __m256i& lo, __m256i& hi) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  lo = _mm256_permute2x128_si256(a, b, 0x20);
+  hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+// acc[t] (8 rows' fp32 sums for row t0 + t of x) += blocks [0, nblk) of 8 weight rows (row r's blocks at
+// rows[r]) times x rows idx[t0 + t] (or t0 + t), t < n. WIDE: two-level dots on the combined int16 codes (AVX2, several rows
+// of x: the codes widened once per row serve them all). pf: prefetch distance (0: none).
+template <int TYPE, bool X2, bool WIDE, bool VNNI>
+void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Acts& a, const int64_t* idx, int64_t t0,
+               int64_t n, __m256* acc) {
+  using V = V256;
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int SUBS = f.elems / 32, RAW = f.raw_bytes;
+  constexpr int OFF = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0;
+  const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    const uint8_t* b[8];
+    for (int r = 0; r < 8; ++r) b[r] = rows[r] + kb * RAW;
+    if (pf)
+      for (int r = 0; r < 8; ++r) prefetch_lines<RAW / 64 + 1>(b[r] + pf);
+    __m256 d, m = V::zerof();
+    alignas(16) uint8_t sc[16][8], mn[16][8];
+    raw_scales8<TYPE>(b, d, m, sc, mn);
+    unroll<SUBS>([&](auto S_) {
+      constexpr int S = S_;
+      __m256i u[8];
+      for (int r = 0; r < 8; ++r) u[r] = raw_codes32<TYPE, S>(b[r]);
+      __m256 dsc = d, cm = m, dg0 = d, dg1 = d, cm0 = m, cm1 = m;
+      if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+        dsc = V::mul(d, V::u8f(sc[S]));
+        cm = V::mul(m, V::u8f(mn[S]));
+      } else if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+        dg0 = V::mul(d, V::s8f(sc[2 * S]));
+        dg1 = V::mul(d, V::s8f(sc[2 * S + 1]));
+      } else if constexpr (TYPE == Q2_K) {
+        dg0 = V::mul(d, V::u8f(sc[2 * S]));
+        dg1 = V::mul(d, V::u8f(sc[2 * S + 1]));
+        cm0 = V::mul(m, V::u8f(mn[2 * S]));
+        cm1 = V::mul(m, V::u8f(mn[2 * S + 1]));
+      }
+      [[maybe_unused]] __m256i wl[8], wh[8];  // WIDE: the codes as int16, elements 0..7 | 16..23 and 8..15 | 24..31
+      if constexpr (WIDE)
+        for (int r = 0; r < 8; ++r) {
+          const __m256i ext = TYPE == Q8_0 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), u[r]) : _mm256_setzero_si256();
+          wl[r] = _mm256_unpacklo_epi8(u[r], ext);
+          wh[r] = _mm256_unpackhi_epi8(u[r], ext);
+        }
+      const int64_t blk = kb * SUBS + S;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t row = idx ? idx[t0 + t] : t0 + t;
+        __m256i v[8];
+        if constexpr (WIDE) {
+          const int16_t* c = a.c16 + row * a.k + 32 * blk;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 16));
+          const __m256i ca = _mm256_permute2x128_si256(x0, x1, 0x20), cb = _mm256_permute2x128_si256(x0, x1, 0x31);
+          for (int r = 0; r < 8; ++r) v[r] = _mm256_add_epi32(_mm256_madd_epi16(wl[r], ca), _mm256_madd_epi16(wh[r], cb));
+        } else {
+          const __m256i q = load32(reinterpret_cast<const uint8_t*>(a.q + row * a.k + 32 * blk));
+          const __m256i q2 = X2 ? load32(reinterpret_cast<const uint8_t*>(a.q2 + row * a.k + 32 * blk)) : q;
+          for (int r = 0; r < 8; ++r) v[r] = raw_dot<TYPE, X2, VNNI>(u[r], q, q2);
+        }
+        __m256i lo, hi;
+        fold_rows8(v, lo, hi);
+        // from here on tile_simd's operations, lane for lane
+        const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+        const __m256 dx = V::set1f(a.d[row * kb32 + blk]);
+        __m256 y = acc[t];
+        if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+          constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
+          y = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(OFF16 * s16[0]))), y);
+          y = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(OFF16 * s16[1]))), y);
+        } else if constexpr (TYPE == Q2_K) {
+          const float dxs = a.d[row * kb32 + blk];
+          y = V::fma(V::mul(dg0, dx), V::cvt(lo), y);
+          y = V::fma(V::mul(dg1, dx), V::cvt(hi), y);
+          y = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), y);
+          y = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), y);
+        } else {
+          __m256i tot = V::add(lo, hi);
+          if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+          y = V::fma(V::mul(dsc, dx), V::cvt(tot), y);
+          if constexpr (TYPE == Q4_K || TYPE == Q5_K)
+            y = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+          else if constexpr (f.m >= 0)
+            y = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+        }
+        acc[t] = y;
+      }
+    });
+  }
+}
+
+using RawFn = void (*)(const uint8_t* const*, int64_t, int64_t, const Acts&, const int64_t*, int64_t, int64_t,
+                      __m256*);
+
+template <int TYPE>
+RawFn raw_fn(bool x2, bool wide, bool vnni) {
+#if NC_ISA >= NC_ISA_AVX512
+  if (vnni) return x2 ? raw_rows8<TYPE, true, false, true> : raw_rows8<TYPE, false, false, true>;
+#endif
+  (void)vnni;
+  if (!x2) return raw_rows8<TYPE, false, false, false>;
+  return wide ? raw_rows8<TYPE, true, true, false> : raw_rows8<TYPE, true, false, false>;
+}
+
+RawFn pick_raw(int type, bool x2, bool wide, bool vnni) {
+  switch (type) {
+    case Q4_0: return raw_fn<Q4_0>(x2, wide, vnni);
+    case Q4_1: return raw_fn<Q4_1>(x2, wide, vnni);
+    case Q5_0: return raw_fn<Q5_0>(x2, wide, vnni);
+    case Q5_1: return raw_fn<Q5_1>(x2, wide, vnni);
+    case Q8_0: return raw_fn<Q8_0>(x2, wide, vnni);
+    case Q2_K: return raw_fn<Q2_K>(x2, wide, vnni);
+    case Q3_K: return raw_fn<Q3_K>(x2, wide, vnni);
+    case Q4_K: return raw_fn<Q4_K>(x2, wide, vnni);
+    case Q5_K: return raw_fn<Q5_K>(x2, wide, vnni);
+    case Q6_K: return raw_fn<Q6_K>(x2, wide, vnni);
+  }
+  return nullptr;
+}
+#endif
 
 // ------------------------------------------------------------------ reading rows back
 
@@ -1118,13 +1420,14 @@ void dequant_row(const Fmt& f, const uint8_t* w, int64_t nblk, int r, float* out
       o[0] = dense_w(f.type, b + r * f.raw_bytes);
       continue;
     }
-    const float d = rd_f16(b + f.d + 2 * r);
-    const float m = f.m >= 0 ? rd_f16(b + f.m + 2 * r) : 0.0f;
+    RowBlock rb;
+    tile_row_block(f, b, r, rb);
+    const float d = rb.d, m = rb.m;
     for (int s = 0; s < f.elems / 32; ++s) {
-      int sc[2] = {0, 0}, mn[2] = {0, 0};
-      if (f.elems == 256) sub_scales(f, b, r, s, sc, mn);
+      const int* sc = rb.sc[s];
+      const int* mn = rb.mn[s];
       for (int e = 0; e < 32; ++e) {
-        const int c = code(f, b, s, r, e), h = e / 16;
+        const int c = rb.c[32 * s + e], h = e / 16;
         float v;
         switch (f.type) {
           case Q4_0: v = d * static_cast<float>(c - 8); break;
@@ -1165,20 +1468,21 @@ class Pool {
  public:
   static constexpr int64_t MAX_CHUNKS = 0xffff;
   // After a job a worker polls with `pause` for HOT, then with sched_yield (any other runnable thread,
-  // e.g. torch's OpenMP worker, gets the core at once) until spin_us, then sleeps.
-  static constexpr auto HOT = std::chrono::microseconds(20);
+  // e.g. torch's OpenMP worker, gets the core at once) until SPIN, then sleeps.
+  static constexpr auto HOT = std::chrono::microseconds(20), SPIN = std::chrono::microseconds(300);
+  std::atomic<int> last_threads{1};  // threads the last job could use (tests: the count reaches the pool)
 
   // Run fn over [0, items) in chunks of `chunk` items on up to `threads` threads (the caller included).
-  std::atomic<int> spin_us{300};  // how long idle workers poll before they sleep
-
   void run(int64_t items, int64_t chunk, int threads, RangeFn fn, const void* ctx) {
     chunk = std::max<int64_t>({chunk, 1, (items + MAX_CHUNKS - 1) / MAX_CHUNKS});
     const int64_t total = (items + chunk - 1) / chunk;
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
     if (threads <= 1 || total <= 1 || !lock.owns_lock()) {  // (a concurrent caller runs alone)
+      last_threads.store(1, std::memory_order_relaxed);
       fn(ctx, 0, items);
       return;
     }
+    last_threads.store(threads, std::memory_order_relaxed);
     grow(threads - 1);
     fn_ = fn;
     ctx_ = ctx;
@@ -1219,10 +1523,10 @@ class Pool {
         if (hot) {
           cpu_relax();
           if ((spins & 63) != 63) continue;
-          hot = std::chrono::steady_clock::now() - start < std::min(HOT, std::chrono::microseconds(spin_us.load()));
+          hot = std::chrono::steady_clock::now() - start < HOT;
         } else {
           std::this_thread::yield();
-          if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us.load())) {
+          if (std::chrono::steady_clock::now() - start > SPIN) {
             sleeping_.fetch_add(1);
             wake_.wait(seen);  // returns at once if a job was published meanwhile
             sleeping_.fetch_sub(1);
@@ -1262,20 +1566,8 @@ Pool* g_pool = new Pool;
 void reset_pool_in_child() { g_pool = new Pool; }
 const int g_atfork = pthread_atfork(nullptr, nullptr, reset_pool_in_child);
 
-template <class F>
-void parallel_for(int64_t items, int64_t chunk, int threads, const F& body) {
-  g_pool->run(items, chunk, threads,
-              [](const void* ctx, int64_t i0, int64_t i1) { (*static_cast<const F*>(ctx))(i0, i1); }, &body);
-}
-
-struct Scratch {  // per calling thread: the quantized activations (dense weights: bf16 x as fp32)
-  std::vector<int8_t> q, q2;
-  std::vector<int16_t> c16;
-  std::vector<float> d, ds, xf;
-  std::vector<int32_t> s16;
-};
-
-thread_local Scratch g_scratch;
+thread_local ActBuffer g_acts;     // per calling thread: the quantized activations
+thread_local std::vector<float> g_xf;  // dense weights' bf16 x as fp32
 
 constexpr int64_t MIN_PARALLEL_BYTES = 64 << 10;  // below this, a second thread costs more than it saves
 constexpr int64_t CHUNK_BYTES = 32 << 10;          // min weight bytes (times rows of x) per claimed chunk
@@ -1286,14 +1578,120 @@ constexpr int64_t CHUNK_BYTES = 32 << 10;          // min weight bytes (times ro
 // 2 still lets a faster (or less busy) core take a larger share of a prefill.
 constexpr int64_t CHUNKS_PER_THREAD = 2;
 
+// Threads for a call that reads `work` bytes of weights (times the rows of x, up to a tile pass's).
+int call_threads(int64_t work, int threads) { return work < MIN_PARALLEL_BYTES ? 1 : std::max(1, threads); }
+
+// Chunk size for `items` items of `per_item` bytes each on nt threads.
+int64_t chunk_items(int64_t items, int64_t per_item, int nt) {
+  const int64_t chunks = nt * CHUNKS_PER_THREAD;
+  return std::max<int64_t>({1, CHUNK_BYTES / std::max<int64_t>(1, per_item), (items + chunks - 1) / chunks});
+}
+
+// Quantize rows [0, n) of x (row stride ldx elements) into buf, on the pool when there are many.
+void quantize_rows(ActBuffer& buf, const void* x, int x_bf16, int64_t n, int64_t ldx, int nt) {
+  const size_t esz = x_bf16 ? 2 : 4;
+  parallel_for(n, n < 4 * TMAX ? n : TMAX, n < 4 * TMAX ? 1 : nt, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) buf.quantize(t, static_cast<const char*>(x) + t * ldx * esz, x_bf16);
+  });
+}
+
 }  // namespace
+
+namespace nc::qg {
+
+void ActBuffer::reserve(int64_t n, int64_t k_, bool x2_, bool wide_) {
+  k = k_;
+  x2 = x2_;
+  wide = x2_ && wide_;
+  auto grow = [](auto& v, int64_t size) {
+    if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+  };
+  grow(q, n * k);
+  if (x2) grow(q2, n * k);
+  if (wide) grow(c16, n * k);
+  grow(d, n * k / 32);
+  grow(ds, n * k / 32);
+  grow(s16, n * k / 16);
+}
+
+void ActBuffer::quantize(int64_t row, const void* x, int x_bf16) {
+  int8_t* qr = q.data() + row * k;
+  int8_t* q2r = x2 ? q2.data() + row * k : nullptr;
+  quantize_any(x, x_bf16, k, qr, q2r, d.data() + row * (k / 32), s16.data() + row * (k / 16), ds.data() + row * (k / 32));
+  if (wide)
+    for (int64_t i = 0; i < k; ++i) c16[row * k + i] = static_cast<int16_t>(256 * qr[i] + q2r[i]);
+}
+
+Acts ActBuffer::view() const {
+  Acts a{};
+  a.q = q.data();
+  a.q2 = x2 ? q2.data() : nullptr;
+  a.c16 = wide ? c16.data() : nullptr;
+  a.d = d.data();
+  a.s16 = s16.data();
+  a.ds = ds.data();
+  a.k = k;
+  return a;
+}
+
+bool wide_codes(int64_t rows) { return g_simd == NC_ISA_AVX2 && rows > 1; }
+
+bool raw_type(int type) {
+  const Fmt* f = find_fmt(type);
+  return f && f->elems > 1;
+}
+
+int block_elems(int type) {
+  const Fmt* f = find_fmt(type);
+  return f ? f->elems : 0;
+}
+
+int block_bytes(int type) {
+  const Fmt* f = find_fmt(type);
+  return f ? f->raw_bytes : 0;
+}
+
+void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int64_t r1, const Acts& a,
+                 const int64_t* idx, int64_t n, float* y, int64_t ldy, int64_t pf_end) {
+  const Fmt& f = *find_fmt(type);
+  const int64_t nblk = a.k / f.elems;
+#if NC_ISA >= NC_ISA_AVX2
+  if (g_simd >= NC_ISA_AVX2) {
+    const RawFn fn = pick_raw(type, a.q2 != nullptr, a.c16 != nullptr && n > 1, g_simd >= NC_ISA_AVX512);
+    // Prefetch the rows a few groups of 8 ahead (the next ones this thread reads when rows are contiguous),
+    // up to row pf_end.
+    const int64_t group = 8 * row_stride, ahead = (PF_AHEAD + group - 1) / group * 8, pf = ahead * row_stride;
+    pf_end = std::max(pf_end, r1);
+    alignas(32) __m256 acc[RAW_TOKENS];
+    alignas(32) float out[8];
+    for (int64_t g = r0; g < r1; g += 8) {
+      const int nr = static_cast<int>(std::min<int64_t>(8, r1 - g));
+      const uint8_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = w + (g + std::min(r, nr - 1)) * row_stride;
+      for (int64_t t0 = 0; t0 < n; t0 += RAW_TOKENS) {
+        const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
+        for (int64_t t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
+        fn(rows, nblk, t0 == 0 && g + ahead < pf_end ? pf : 0, a, idx, t0, nt, acc);
+        for (int64_t t = 0; t < nt; ++t) {
+          _mm256_store_ps(out, acc[t]);
+          std::memcpy(y + (t0 + t) * ldy + g - r0, out, nr * sizeof(float));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  raw_scalar(f, w, row_stride, r0, r1, nblk, a, idx, n, y, ldy);
+}
+
+}  // namespace nc::qg
 
 extern "C" {
 
-int nc_qg_simd_compiled() { return QG_AVX512 ? SIMD_AVX512 : (QG_AVX2 ? SIMD_AVX2 : SIMD_SCALAR); }
+int nc_qg_simd_compiled() { return NC_ISA; }
 int nc_qg_simd() { return g_simd; }
+int nc_qg_last_threads() { return g_pool->last_threads.load(std::memory_order_relaxed); }
 void nc_qg_set_simd(int level) { g_simd = std::max(0, std::min(level, nc_qg_simd_compiled())); }
-void nc_qg_set_spin_us(int us) { g_pool->spin_us.store(std::max(0, us)); }
 
 // The pool for other kernels of this library (decoder.cpp): fn over [0, items) in chunks.
 void nc_qg_parallel_for(int64_t items, int64_t chunk, int threads, void (*fn)(const void*, int64_t, int64_t),
@@ -1386,61 +1784,35 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const int64_t tile_stride = nblk * f->tile_bytes;
   const int64_t groups = (n + TMAX - 1) / TMAX, items = tiles * groups;
-  const int64_t work = tiles * tile_stride * std::min<int64_t>(n, TMAX);
-  const int nt = work < MIN_PARALLEL_BYTES ? 1 : std::max(1, threads);
-  const size_t esz = x_bf16 ? 2 : 4;
-  const auto x_row = [&](int64_t t) { return static_cast<const char*>(x) + t * ldx * esz; };
-  Scratch& sc = g_scratch;
+  const int64_t per_item = tile_stride * std::min<int64_t>(n, TMAX);
+  const int nt = call_threads(tiles * per_item, threads);
   Acts a{};
   a.k = k;
   if (dense && !x_bf16) {  // read in place
     a.x = static_cast<const float*>(x);
     a.ldx = ldx;
   } else if (dense) {  // bf16 converted once, exactly
-    if (static_cast<int64_t>(sc.xf.size()) < n * k) sc.xf.resize(n * k);
+    if (static_cast<int64_t>(g_xf.size()) < n * k) g_xf.resize(n * k);
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t i = 0; i < k; ++i) sc.xf[t * k + i] = load_x(x_row(t), 1, i);
-    a.x = sc.xf.data();
+      for (int64_t i = 0; i < k; ++i) g_xf[t * k + i] = load_x(static_cast<const uint16_t*>(x) + t * ldx, 1, i);
+    a.x = g_xf.data();
     a.ldx = k;
   } else {
-    if (static_cast<int64_t>(sc.q.size()) < n * k) sc.q.resize(n * k);
-    if (x2 && static_cast<int64_t>(sc.q2.size()) < n * k) sc.q2.resize(n * k);
-    if (static_cast<int64_t>(sc.d.size()) < n * k / 32) {
-      sc.d.resize(n * k / 32);
-      sc.ds.resize(n * k / 32);
-    }
-    if (static_cast<int64_t>(sc.s16.size()) < n * k / 16) sc.s16.resize(n * k / 16);
-    int8_t* q2 = x2 ? sc.q2.data() : nullptr;
     // The V256 kernels' widened passes read the combined codes (a pass has at most n rows).
-#if QG_AVX2
-    const bool wide = x2 && g_simd == SIMD_AVX2 && V256::widens(type, n);
+#if NC_ISA >= NC_ISA_AVX2
+    const bool wide = g_simd == NC_ISA_AVX2 && V256::widens(type, n);
 #else
     const bool wide = false;
 #endif
-    if (wide && static_cast<int64_t>(sc.c16.size()) < n * k) sc.c16.resize(n * k);
-    a.q = sc.q.data();
-    a.q2 = q2;
-    a.c16 = sc.c16.data();
-    a.d = sc.d.data();
-    a.s16 = sc.s16.data();
-    a.ds = sc.ds.data();
-    parallel_for(n, n < 4 * TMAX ? n : TMAX, n < 4 * TMAX ? 1 : nt, [&](int64_t r0, int64_t r1) {
-      for (int64_t t = r0; t < r1; ++t) {
-        quantize_any(x_row(t), x_bf16, k, sc.q.data() + t * k, q2 ? q2 + t * k : nullptr, sc.d.data() + t * (k / 32),
-                     sc.s16.data() + t * (k / 16), sc.ds.data() + t * (k / 32));
-        if (wide)
-          for (int64_t i = t * k; i < (t + 1) * k; ++i) sc.c16[i] = static_cast<int16_t>(256 * sc.q[i] + q2[i]);
-      }
-    });
+    g_acts.reserve(n, k, x2, wide);
+    quantize_rows(g_acts, x, x_bf16, n, ldx, nt);
+    a = g_acts.view();
   }
   const Out o{y, y_bf16, ldy, bias, rows};
   const TileFn fn = pick(type);
   const Fmt fm = *f;
   // Items are (tile, group of 8 rows of x), tile-major: a chunk's tile stays in cache across its groups.
-  const int64_t per_item = tile_stride * std::min<int64_t>(n, TMAX);
-  const int64_t chunks = nt * CHUNKS_PER_THREAD;
-  const int64_t chunk = std::max<int64_t>({1, CHUNK_BYTES / per_item, (items + chunks - 1) / chunks});
-  parallel_for(items, chunk, nt, [&](int64_t i0, int64_t i1) {
+  parallel_for(items, chunk_items(items, per_item, nt), nt, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t tile = it / groups, t0 = (it % groups) * TMAX;
       const int cnt_t = static_cast<int>(std::min<int64_t>(TMAX, n - t0));
@@ -1452,6 +1824,26 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
       else
         tile_scalar(fm, tw, nblk, a, t0, cnt_t, o, tile * ROWS);
     }
+  });
+  return OK;
+}
+
+// y [n, rows] (fp32, row stride ldy) = x [n, k] (fp32, row stride ldx) @ W^T for a block type's weight in
+// GGML's own layout (row r's blocks at w + r * row_stride): what nc_qg_matmul gives for it packed.
+int nc_qg_matmul_rows(int type, const uint8_t* w, int64_t rows, int64_t k, int64_t row_stride, const float* x,
+                      int64_t n, int64_t ldx, float* y, int64_t ldy, int x2, int threads) {
+  if (!nc::qg::raw_type(type)) return ERR_TYPE;
+  const Fmt* f = find_fmt(type);
+  if (k % f->elems || k % 32) return ERR_SHAPE;
+  if (n <= 0 || rows <= 0) return OK;
+  const int64_t items = (rows + ROWS - 1) / ROWS, per_item = ROWS * (k / f->elems) * f->raw_bytes;
+  const int nt = call_threads(items * per_item * std::min<int64_t>(n, TMAX), threads);
+  g_acts.reserve(n, k, x2, nc::qg::wide_codes(n));
+  quantize_rows(g_acts, x, 0, n, ldx, nt);
+  const Acts a = g_acts.view();
+  parallel_for(items, chunk_items(items, per_item * std::min<int64_t>(n, TMAX), nt), nt, [&](int64_t i0, int64_t i1) {
+    nc::qg::matmul_rows(type, w, row_stride, i0 * ROWS, std::min(rows, i1 * ROWS), a, nullptr, n, y + i0 * ROWS, ldy,
+                        std::min(rows, i1 * ROWS));
   });
   return OK;
 }

@@ -1,0 +1,96 @@
+// What every kernel source of the library shares: the one ISA selection and the number conversions.
+//
+// NC_ISA is fixed at compile time by the target flags (-march=native, or a test build's -m flags):
+//   NC_ISA_AVX512  AVX-512 F, BW, DQ, VL and VNNI (with everything below)
+//   NC_ISA_AVX2    AVX2, FMA and F16C
+//   NC_ISA_SCALAR  anything else (other x86 CPUs, ARM, ...): plain C++
+// The sources test NC_ISA (`#if NC_ISA >= NC_ISA_AVX2`), never the compiler's feature macros, so a
+// build's code paths are decided here, in one place.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define NC_ISA_SCALAR 0
+#define NC_ISA_AVX2 1
+#define NC_ISA_AVX512 2
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define NC_ISA NC_ISA_AVX512
+#else
+#define NC_ISA NC_ISA_AVX2
+#endif
+#else
+#define NC_ISA NC_ISA_SCALAR
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // also for _mm_pause in scalar builds
+#endif
+
+namespace nc {
+
+inline float as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t as_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// One fp16 value <-> fp32, rounding to nearest even: F16C where compiled in, else the same in software
+// (F. Giesen's half_to_float / float_to_half_fast3_rtne), so every build converts alike.
+#if NC_ISA >= NC_ISA_AVX2
+inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t f32_to_f16(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+#else
+inline float f16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent and mantissa in place
+  const uint32_t exp = u & (0x7c00u << 13);
+  u += (127u - 15u) << 23;
+  if (exp == 0x7c00u << 13)
+    u += (128u - 16u) << 23;                                       // inf / nan: all exponent bits set
+  else if (exp == 0)
+    u = as_bits(as_float(u + (1u << 23)) - as_float(113u << 23));  // zero / subnormal: renormalized by fp32
+  return as_float(u | static_cast<uint32_t>(h & 0x8000u) << 16);
+}
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u = as_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint32_t h;
+  if (u >= (127u + 16u) << 23)   // |f| >= 2^16, inf or nan: inf (nan stays a quiet nan)
+    h = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  else if (u < 113u << 23)       // below 2^-14: a subnormal, rounded by the fp32 add that aligns it
+    h = as_bits(as_float(u) + 0.5f) - as_bits(0.5f);
+  else                           // rebias, round the 13 dropped bits to nearest even (may carry to inf)
+    h = (u + ((15u - 127u) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  return static_cast<uint16_t>(h | sign);
+}
+#endif
+
+// An fp16 stored at p (any alignment), as fp32.
+inline float rd_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+inline float bf16_to_f32(uint16_t v) { return as_float(static_cast<uint32_t>(v) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t bits = as_bits(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace nc
