@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Never fails: without a compiler it says which kernels fall back to slower torch code.
 $(KERNELS): $(STAMP) $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
-	$(PY) -m nanochat.kernels.cpp_build
+	$(PY) -m nanochat.kernels.build
 	touch $(KERNELS)
 
 chat: $(KERNELS)

@@ -109,8 +109,7 @@ def main() -> None:
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cpu_qgemv.set_threads(args.threads)
+    torch.set_num_threads(args.threads)   # the kernels' default thread count
     if not args.skip_timing:
         timing(args.types.split(","), [int(n) for n in args.rows.split(",")], args.repeats)
     if not args.skip_accuracy:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels.options import KernelOptions
 from nanochat.kernels.quant_matmul import prepare_quant_weight, quant_linear
 from nanochat.kernels.qweight import QuantWeight
 
@@ -81,6 +82,7 @@ def bench(threads: list[int], rows: list[int], repeats: int) -> None:
     for name, out_f, in_f, t in SHAPES:
         qw = random_weight(t, out_f, in_f)
         q8 = prepare_quant_weight(qw, "cpu", torch.float32, backend="q8")
+        q8_1 = prepare_quant_weight(qw, "cpu", torch.float32, backend="q8", options=KernelOptions(act_levels=1))
         i4 = prepare_quant_weight(qw, "cpu", torch.float32, backend="int4")
         dense = gq.dequantize(qw).to(torch.bfloat16)
         nbytes = qw.data.numel()
@@ -89,9 +91,7 @@ def bench(threads: list[int], rows: list[int], repeats: int) -> None:
             for n in rows:
                 x = torch.randn(n, in_f)
                 tq = time_call(lambda: quant_linear(x, q8), repeats)
-                cpu_qgemv.set_activation_levels(1)
-                t1 = time_call(lambda: quant_linear(x, q8), repeats)
-                cpu_qgemv.set_activation_levels(2)
+                t1 = time_call(lambda: quant_linear(x, q8_1), repeats)
                 ti = time_call(lambda: quant_linear(x, i4), repeats)
                 td = time_call(lambda: F.linear(x.bfloat16(), dense).float(), repeats)
                 label = f"{name} {out_f}x{in_f} {gq.type_name(t)}"
@@ -102,7 +102,7 @@ def bench(threads: list[int], rows: list[int], repeats: int) -> None:
 def bench_types(names: list[str], out_f: int, in_f: int, threads: list[int], rows: list[int], repeats: int,
                 levels: list[int] | None = None) -> None:
     """cpu_qgemv per weight type on one shape: hot (cached) and cold (DRAM) weights, per activation levels
-    (default: activation_levels())."""
+    (default: cpu_qgemv.DEFAULT_LEVELS)."""
     ids = {v: k for k, v in gq.TYPE_NAMES.items()}
     print(f"simd: {cpu_qgemv.simd_level()}; {out_f}x{in_f}; us per call (min of {repeats}); GB/s = weight bytes / time")
     print(f"{'type':<6}{'MB':>7}{'thr':>4}{'rows':>6}{'lev':>4}{'hot':>10}{'cold':>10}{'hot GB/s':>10}{'cold GB/s':>10}")
@@ -115,7 +115,7 @@ def bench_types(names: list[str], out_f: int, in_f: int, threads: list[int], row
             torch.set_num_threads(th)
             for n in rows:
                 x = torch.randn(n, in_f)
-                for lev in ([2] if t in cpu_qgemv.DENSE_TYPES else levels or [cpu_qgemv.activation_levels()]):
+                for lev in ([2] if t in cpu_qgemv.DENSE_TYPES else levels or [cpu_qgemv.DEFAULT_LEVELS]):
                     hot = time_call(lambda: cpu_qgemv.linear(x, t, pw.data, out_f, levels=lev), repeats)
                     cycle = itertools.cycle(copies)
                     cold = time_call(lambda: cpu_qgemv.linear(x, t, next(cycle), out_f, levels=lev), repeats)

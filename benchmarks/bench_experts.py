@@ -18,7 +18,7 @@ DRAM as in real decoding.
   since with many tokens almost every expert is read once per call and the kernel turns compute-bound.
 Times are medians over the sampling window (minimum in brackets); on a shared machine trust the minimum.
 --isa builds and uses the kernels for a lower ISA (cpu_qgemv.use_isa); --act-levels sets the activation
-levels (cpu_qgemv.set_activation_levels, default the library's: 2).
+levels (KernelOptions.act_levels, default 2).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
+from nanochat.kernels.options import KernelOptions
 
 _F16_FIELDS = {gq.Q4_0: (0,), gq.Q5_0: (0,), gq.Q8_0: (0,), gq.Q2_K: (80, 82), gq.Q3_K: (108,), gq.Q4_K: (0, 2),
                gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
@@ -89,18 +90,17 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built (g++ and ninja needed)")
     if args.isa != "native":
         cpu_qgemv.use_isa(args.isa)
-    if args.act_levels:
-        cpu_qgemv.set_activation_levels(args.act_levels)
+    options = KernelOptions(act_levels=args.act_levels or cpu_qgemv.DEFAULT_LEVELS, expert_threads=args.threads)
     t = next(t for t in _F16_FIELDS if gq.type_name(t) == args.type)
     rng = np.random.default_rng(0)
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     gate, up, down = random_stack(t, e, i, h, rng), random_stack(t, e, i, h, rng), random_stack(t, e, h, i, rng)
-    host = HostExperts(gate, up, down, threads=args.threads)
+    host = HostExperts(gate, up, down, options)
     per_expert = host.nbytes_per_expert()
     print(f"layer: {e} experts x (gate {i}x{h} + up {i}x{h} + down {h}x{i}) {args.type}, top-{k}: "
           f"{e * per_expert / 1e6:.0f} MB, {per_expert / 1e6:.2f} MB per expert; "
           f"{args.threads} threads; kernels {cpu_qgemv.simd_level()}, "
-          f"{cpu_qgemv.activation_levels()}-level activations")
+          f"{options.act_levels}-level activations")
 
     bw = bandwidth(args.threads, args.seconds)
     print(f"bandwidth ({args.threads} threads): read-only sum {bw['read']:.1f} GB/s "

@@ -87,6 +87,10 @@ def valid_device(name) -> bool:
                                       or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit()))
 
 
+def default_cpu_threads() -> int:
+    return max(1, (os.cpu_count() or 2))
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
@@ -195,18 +199,17 @@ class Config:
         if self.act_levels not in (1, 2):
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 
-    def apply_kernel_switches(self) -> None:
-        """Set the process-wide switches of the kernels to this config: the quant backend, the q8
-        kernels' activation levels, the fused CPU forward, the host MoE kernels' threads. LLMEngine
-        calls it once, before the weights load (they are read then), so the last engine built in a
-        process sets them; code that builds layers without an engine sees what that engine set."""
-        from nanochat.kernels import cpu_qgemv, moe_cpu, quant_matmul
-        from nanochat.models.layers import fused_forward
+    def cpu_thread_count(self) -> int:
+        """The engine's CPU threads (torch's and the kernels'): cpu_threads, else this rank's share of the CPUs."""
+        return self.cpu_threads or max(1, default_cpu_threads() // self.tensor_parallel_size)
 
-        quant_matmul.use_backend(self.quant_backend)
-        cpu_qgemv.set_activation_levels(self.act_levels)
-        moe_cpu.set_threads(self.cpu_threads)
-        fused_forward.set_enabled(self.fused_forward)
+    def kernel_options(self):
+        """The options this engine hands its model and kernels (kernels/options.py): each engine its own."""
+        from nanochat.kernels.options import KernelOptions
+
+        return KernelOptions(quant_backend=self.quant_backend, act_levels=self.act_levels,
+                             threads=self.cpu_thread_count() if self.device == "cpu" else None,
+                             expert_threads=self.cpu_threads, fused_forward=self.fused_forward)
 
     def resolved_device(self) -> torch.device:
         import torch

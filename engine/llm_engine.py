@@ -14,7 +14,7 @@ import torch
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
-from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
+from nanochat.engine.model_runner import ModelRunner
 from nanochat.engine.output import (ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent,
                                    TokenLogprobs)
 from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs
@@ -83,13 +83,13 @@ class LLMEngine:
         config = config or Config.create(model, **kwargs)
         self.device = config.resolved_device()
         if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads or max(1, default_cpu_threads() // config.tensor_parallel_size))
+            torch.set_num_threads(config.cpu_thread_count())
             if config.cpu_isa != "auto":
                 from nanochat.kernels import cpu_qgemv
                 cpu_qgemv.use_isa(config.cpu_isa)
-        config.apply_kernel_switches()   # quant backend, activation levels, fused forward, MoE threads
         self.loaded = loaded or load(model, cache=config.pack_cache)
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
+        self.kernels = config.kernel_options()
         self.dtype = self.config.resolved_dtype(self.device)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
@@ -126,7 +126,7 @@ class LLMEngine:
         try:   # with tensor parallelism every rank builds its shard, and all agree before the first collective
             model = build_model(self.loaded.source, self.device, self.dtype, c.kvcache_block_size, c.max_model_len,
                                 c.dequantize, c.moe_offload, c.quantize, load_progress, c.pack_cache,
-                                tp=None if workers is None else workers.tp)
+                                tp=None if workers is None else workers.tp, kernels=self.kernels)
         except Exception as e:
             if workers is not None:
                 try:
@@ -215,6 +215,9 @@ class LLMEngine:
         if not chunks:
             return self._fail_unschedulable()
         t0 = time.perf_counter()
+        threads = self.kernels.threads
+        if threads and torch.get_num_threads() != threads:   # torch's count is per process: another engine's
+            torch.set_num_threads(threads)
         logits = self.runner.run(chunks)
         sampled = [c for c in chunks if c.samples]
         token_ids, logprobs = [], {}

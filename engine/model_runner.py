@@ -7,7 +7,6 @@ each step's inputs (StepInputs: plain lists) and has the workers run the same st
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +14,6 @@ import torch
 from nanochat.engine.config import Config
 from nanochat.engine.scheduler import ScheduledChunk
 from nanochat.models.layers.attention import AttnMetadata
-
-
-def default_cpu_threads() -> int:
-    # Physical cores are what matter for matmuls; os.cpu_count() counts logical CPUs.
-    return max(1, (os.cpu_count() or 2))
 
 
 @dataclass

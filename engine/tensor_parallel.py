@@ -214,7 +214,7 @@ def worker_device(config, rank: int) -> torch.device:
 
 def run_worker() -> int:
     """A worker rank: join, build this rank's shard of the model, then run rank 0's calls until exit."""
-    from nanochat.engine.model_runner import ModelRunner, default_cpu_threads
+    from nanochat.engine.model_runner import ModelRunner
     from nanochat.models.formats.loader import build_model, open_source
 
     _die_with_parent()
@@ -225,18 +225,17 @@ def run_worker() -> int:
     device = worker_device(config, rank)
     group.use_device(device)
     if device.type == "cpu":
-        torch.set_num_threads(config.cpu_threads or max(1, default_cpu_threads() // size))
+        torch.set_num_threads(config.cpu_thread_count())
         if config.cpu_isa != "auto":
             from nanochat.kernels import cpu_qgemv
             cpu_qgemv.use_isa(config.cpu_isa)
-    config.apply_kernel_switches()
     dtype = config.resolved_dtype(device)
     built, error = None, None
     try:
         source = open_source(model)
         built = build_model(source, device, dtype, config.kvcache_block_size, config.max_model_len,
                             config.dequantize, config.moe_offload, config.quantize, None, config.pack_cache,
-                            tp=group.tp)
+                            tp=group.tp, kernels=config.kernel_options())
     except Exception as e:
         error = one_line(e)
     try:

@@ -15,7 +15,6 @@ import ctypes
 import hashlib
 import os
 import platform
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -124,32 +123,3 @@ class LazyLibrary:
                 self.warned = True
                 warnings.warn(warning.format(error=self.error), RuntimeWarning, stacklevel=4)
             return self.lib
-
-
-def build_all() -> list[str]:
-    """Build the host kernel library if this CPU lacks it; the warning if it could not be built (it says
-    what falls back to what)."""
-    from nanochat.kernels import cpu_qgemv
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        cpu_qgemv.extension()
-    return [str(w.message) for w in caught if str(w.message).startswith("nanochat:")]
-
-
-def main() -> int:
-    """The set-up step: build the kernels now rather than in the first model load. Never fails the
-    set-up: without a compiler nanochat runs on its fallbacks, and says so."""
-    from nanochat.kernels import notices
-
-    with notices.listening(lambda text: print(f"nanochat: {text}", flush=True)):
-        failed = build_all()
-    for warning in failed:
-        print(warning, file=sys.stderr)
-    if not failed:
-        print(f"nanochat: CPU kernels ready in {build_root()}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -218,7 +218,7 @@ class FusedDecoder:
             raise ValueError("fused decoder: batch tensors have the wrong dtypes or shapes")
         rc = self.lib.nc_dec_forward(self._plan_ptr, x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), seqs,
                                      cu_seqlens_q.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                     context_lens.data_ptr(), (levels or cpu_qgemv.activation_levels()) == 2,
+                                     context_lens.data_ptr(), (levels or cpu_qgemv.DEFAULT_LEVELS) == 2,
                                      threads or cpu_qgemv.num_threads())
         if rc:
             raise RuntimeError(f"fused decoder: {_ERRORS.get(rc, f'error {rc}')}")

@@ -25,8 +25,8 @@ the other rows of the batch. The routed MoE experts (kernels/moe_cpu.py) run on 
 straight from the raw rows, with the same products.
 
 The library is built on first use (kernels/cpp_build.py: g++ and ninja, cached per source and CPU,
--march=native) and called through ctypes (plain C ABI, no torch headers). Threads:
-torch.get_num_threads() at call time unless `set_threads(n)`; the kernels run on a small pool of
+-march=native) and called through ctypes (plain C ABI, no torch headers). Threads: each call's
+`threads` (KernelOptions.threads), else torch.get_num_threads(); the kernels run on a small pool of
 their own (not OpenMP), where the caller never waits for a worker that has not started yet, so a call
 on a busy machine degrades to the 1-thread time instead of stalling for a scheduler tick. Each thread
 streams large contiguous shares of the weight, prefetched in software. When the compiler is missing,
@@ -63,8 +63,7 @@ _ERRORS = {1: "unsupported weight type", 2: "the input size is not a multiple of
 # ---------------------------------------------------------------- the compiled extension
 
 _kernels = LazyLibrary()
-_threads: int | None = None
-_levels = 2
+DEFAULT_LEVELS = 2   # activation quantization when a caller names none (KernelOptions.act_levels)
 
 
 # -ffp-contract=off: the scalar path must round like the SIMD paths (bit-identical outputs).
@@ -158,27 +157,6 @@ def set_simd_level(level: str | None) -> None:
     lib.nc_qg_set_simd(want)
 
 
-def set_activation_levels(levels: int) -> None:
-    """Default activation quantization: 2 (int8 + residual int8, the default) or 1 (int8, as llama.cpp).
-    The engine sets it at start-up from Config.act_levels (env NANOCHAT_ACT_LEVELS)."""
-    global _levels
-    if levels not in (1, 2):
-        raise ValueError(f"activation levels must be 1 or 2, got {levels}")
-    _levels = levels
-
-
-def activation_levels() -> int:
-    return _levels
-
-
-def set_threads(n: int | None) -> None:
-    """Threads per call; None (default) follows torch.get_num_threads() at call time."""
-    global _threads
-    if n is not None and n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    _threads = n
-
-
 def _check(rc: int, what: str) -> None:
     if rc:
         raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
@@ -265,27 +243,32 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- matmul
 
 
-def num_threads() -> int:
-    return _threads or torch.get_num_threads()
+def num_threads(threads: int | None = None) -> int:
+    """`threads`, else torch.get_num_threads() (the engine sets torch's count to its own)."""
+    return threads or torch.get_num_threads()
 
 
 def matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, levels: int | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, levels: int | None = None,
+           threads: int | None = None) -> torch.Tensor:
     """y [n, out] = x [n, in] @ W^T (+ bias); x float32 or bfloat16, y in out_dtype (float32 or
     bfloat16; default x's dtype, float32 for other input dtypes); `levels` of activation
-    quantization (1 or 2, default activation_levels(); dense weights take x unquantized)."""
+    quantization (1 or 2, default DEFAULT_LEVELS; dense weights take x unquantized); `threads` of the pool
+    (default torch.get_num_threads())."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8 matmul: input {list(x.shape)} does not fit the weight {list(w.shape)}")
     if levels not in (None, 1, 2):
         raise ValueError(f"activation levels must be 1 or 2, got {levels}")
-    return linear(x, w.ggml_type, w.data, w.out_features, bias, out_dtype, levels)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return linear(x, w.ggml_type, w.data, w.out_features, bias, out_dtype, levels, threads)
 
 
 def linear(x: torch.Tensor, ggml_type: int, data: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           levels: int | None = None) -> torch.Tensor:
+           levels: int | None = None, threads: int | None = None) -> torch.Tensor:
     """`matmul` on the fields of a PackedWeight, for the per-token hot path (x: [n, in], checked by the
-    caller). Runs torch.get_num_threads() threads unless set_threads() fixed a count."""
+    caller)."""
     lib = _kernels.lib or _need()
     if x.dtype not in _IO_DTYPES:
         x = x.float()
@@ -304,7 +287,7 @@ def linear(x: torch.Tensor, ggml_type: int, data: torch.Tensor, out_features: in
     args, ptr = _call_args()
     args[0:14] = array("q", (ggml_type, data.data_ptr(), out_features, k, x.data_ptr(), x.dtype == torch.bfloat16,
                              n, x.stride(0), y.data_ptr(), out_dtype == torch.bfloat16, out_features, bias_ptr,
-                             (levels or _levels) == 2, _threads or torch.get_num_threads()))
+                             (levels or DEFAULT_LEVELS) == 2, threads or torch.get_num_threads()))
     rc = lib.nc_qg_matmul_packed(ptr)
     if rc:
         _check(rc, f"{gq.type_name(ggml_type)} matmul")
@@ -330,7 +313,7 @@ def dequantized_activations(x: torch.Tensor, levels: int | None = None) -> torch
     lib = _need()
     x = x.detach().to(torch.float32).contiguous().cpu()
     out = torch.empty_like(x)
-    _check(lib.nc_qg_dequantized_acts(x.data_ptr(), x.shape[0], x.shape[1], (levels or _levels) == 2,
+    _check(lib.nc_qg_dequantized_acts(x.data_ptr(), x.shape[0], x.shape[1], (levels or DEFAULT_LEVELS) == 2,
                                       out.data_ptr()), "activations")
     return out
 

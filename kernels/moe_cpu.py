@@ -8,21 +8,20 @@ the router's top-k ids / weights [T, k]:
 
 Two backends:
 - "kernel": kernels/csrc/moe.cpp in the matmul library of kernels/cpu_qgemv.py, for the block types
-  it takes (Q4_0 .. Q8_0, Q2_K .. Q6_K): the same int8 activations (cpu_qgemv.activation_levels()
-  levels) and integer products as the dense layers' matmuls, on their thread pool, read from the raw
+  it takes (Q4_0 .. Q8_0, Q2_K .. Q6_K): the same int8 activations (KernelOptions.act_levels) and
+  integer products as the dense layers' matmuls, on their thread pool, read from the raw
   rows (no repacked copy). Results are those of cpu_qgemv.matmul on the weights packed, bit for bit,
   on every code path, and a token's output does not depend on the other tokens of the call.
 - "torch": dequantizes the selected experts per call and uses fp32 matmuls (a loop over active
   experts). Used for other weight types, dense experts, and when the library cannot be built.
 
-Threads: `cpu_threads()`, the engine's cpu_threads (env NANO_VLLM_CPU_THREADS) once it set them with
-`set_threads`, default half the logical CPUs (at least 1).
+Threads and activation levels: the engine's KernelOptions (expert_threads: its cpu_threads, default half
+the logical CPUs).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.cpu_decoder import activation
+from nanochat.kernels.options import DEFAULT, KernelOptions
 from nanochat.kernels.qweight import QuantWeight
 
 DENSE_TYPES = frozenset({gq.F32, gq.F16, gq.BF16})
@@ -102,26 +102,6 @@ class StackedWeight:
             raise ValueError(f"{name}: dense experts {list(self.shape)} got a tensor {list(self.data.shape)}")
 
 
-# ---------------------------------------------------------------- threads
-
-
-_threads: int | None = None
-
-
-def set_threads(n: int | None) -> None:
-    """Threads for the host expert kernels from now on; None: the default, half the logical CPUs. The
-    engine sets it at start-up from Config.cpu_threads (env NANO_VLLM_CPU_THREADS)."""
-    global _threads
-    if n is not None and n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    _threads = n
-
-
-def cpu_threads() -> int:
-    """Threads for the host expert kernels: as set_threads set them, else half the logical CPUs (>= 1)."""
-    return _threads or max(1, (os.cpu_count() or 2) // 2)
-
-
 # ---------------------------------------------------------------- the compiled library
 
 
@@ -137,7 +117,7 @@ def _check(rc: int, what: str) -> None:
 def quant_matmul(qw: QuantWeight, x: torch.Tensor, threads: int | None = None,
                  levels: int | None = None) -> torch.Tensor:
     """y [n, out] = x [n, in] @ W^T on W's raw blocks (a kernel type), as the experts compute it:
-    activations quantized with `levels` levels (default cpu_qgemv.activation_levels())."""
+    activations quantized with `levels` levels (default cpu_qgemv.DEFAULT_LEVELS)."""
     lib = cpu_qgemv.extension()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available")
@@ -152,7 +132,7 @@ def quant_matmul(qw: QuantWeight, x: torch.Tensor, threads: int | None = None,
     y = torch.empty(x.shape[0], qw.out_features)
     _check(lib.nc_qg_matmul_rows(qw.ggml_type, data.data_ptr(), qw.out_features, qw.in_features, data.stride(0),
                                  x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), qw.out_features,
-                                 (levels or cpu_qgemv.activation_levels()) == 2, threads or cpu_threads()),
+                                 (levels or cpu_qgemv.DEFAULT_LEVELS) == 2, threads or DEFAULT.expert_thread_count()),
            f"{qw.type_name} matmul")
     return y
 
@@ -167,7 +147,7 @@ class HostExperts:
     builds, else torch), "kernel" (require the kernels), "torch"."""
 
     def __init__(self, gate: StackedWeight, up: StackedWeight, down: StackedWeight,
-                 threads: int | None = None, backend: str = "auto", name: str = "experts"):
+                 options: KernelOptions = DEFAULT, backend: str = "auto", name: str = "experts"):
         if backend not in ("auto", "kernel", "torch"):
             raise ValueError(f"unknown host expert backend {backend!r} (auto, kernel, torch)")
         for w, what in ((gate, "gate"), (up, "up"), (down, "down")):
@@ -178,7 +158,7 @@ class HostExperts:
                              f"up {list(up.shape)}, down {list(down.shape)}")
         self.gate, self.up, self.down = gate, up, down
         self.num_experts, self.hidden_size, self.intermediate_size = e, hidden, inter
-        self.threads = threads or cpu_threads()
+        self.threads, self.levels = options.expert_thread_count(), options.act_levels
         self.name = name
         self.batch_invariant = False   # the torch backend's matmuls on the q8 kernels (Config.batch_invariant)
         types = {gate.ggml_type, up.ggml_type, down.ggml_type}
@@ -218,7 +198,7 @@ class HostExperts:
             g, u, d = self._mat_refs
             rc = self._lib.nc_moe_forward(x.data_ptr(), t, self.hidden_size, ids.data_ptr(), weights.data_ptr(), k,
                                           self.num_experts, g, u, d, out.data_ptr(),
-                                          cpu_qgemv.activation_levels() == 2, self.threads)
+                                          self.levels == 2, self.threads)
             _check(rc, self.name)
             return out
         out.copy_(self._torch_forward(x, ids, weights))
@@ -228,7 +208,7 @@ class HostExperts:
         """x @ w^T; batch_invariant: on the q8 kernels' dense tiles, each row of x summed in one order
         whatever the other rows (torch's GEMM blocks by the rows: a token's result would depend on how many
         share its expert)."""
-        return cpu_qgemv.matmul(x, cpu_qgemv.pack_dense(w)) if self.batch_invariant else x @ w.T
+        return cpu_qgemv.matmul(x, cpu_qgemv.pack_dense(w), threads=self.threads) if self.batch_invariant else x @ w.T
 
     def _torch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

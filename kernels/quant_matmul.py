@@ -7,7 +7,7 @@
   activations, not the int8 scheme below). The raw blocks are repacked once into tiles of 16 rows
   (same bytes; the last tile is padded to 16 rows); each call quantizes the rows of x per block of 32
   to int8 codes plus int8 codes of the residual (two levels; one level, as llama.cpp, with
-  cpu_qgemv.set_activation_levels(1)), runs integer dot products (AVX-512 VNNI / AVX2 / scalar) and
+  KernelOptions.act_levels=1), runs integer dot products (AVX-512 VNNI / AVX2 / scalar) and
   scales them per block in fp32. Any number of rows, one copy of the weight for decode and prefill,
   a row's output independent of the batch. Error vs x @ W^T: the activation grid, at most
   amax(block of x) / 32512 per element (two levels; / 254 with one), plus fp32 rounding.
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.gguf_quants import _bits32, _f16, _k_scale_min, _nibbles, _split_bits
+from nanochat.kernels.options import DEFAULT, KernelOptions
 from nanochat.kernels.qweight import QuantWeight
 
 GROUP = 32
@@ -76,6 +77,8 @@ class PreparedQuantWeight:
     spread16: bool = False
     prefill_weight: torch.Tensor | None = None  # opt-in bf16 copy for big batches (see prepare)
     prefill_min_rows: int = 0
+    levels: int = cpu_qgemv.DEFAULT_LEVELS      # q8: activation levels and threads (KernelOptions)
+    threads: int | None = None
 
     @property
     def out_features(self) -> int:
@@ -248,21 +251,6 @@ def concat_out_features(qws: list[QuantWeight], tensor_name: str = "<fused>") ->
 
 
 BACKENDS = ("auto", "q8", "int4", "dense", "triton")
-_backend = "auto"   # what backend="auto" means: see use_backend
-
-
-def use_backend(name: str) -> None:
-    """The backend `prepare_quant_weight(..., backend="auto")` uses from now on: "auto" (picked per
-    device and type) or one of q8, int4, dense, triton for every weight. The engine sets it at start-up
-    from Config.quant_backend (env NANOCHAT_QUANT_BACKEND)."""
-    global _backend
-    _check_backend(name)
-    _backend = name
-
-
-def current_backend() -> str:
-    """The backend set by use_backend ("auto" unless forced)."""
-    return _backend
 
 
 def _check_backend(name: str) -> None:
@@ -286,14 +274,16 @@ def _pick_backend(t: int, device: torch.device, compute_dtype: torch.dtype, back
     return "int4" if fast else "dense"
 
 
-def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, backend: str = "auto",
-                         tensor_name: str = "<tensor>", prefill_min_rows: int | None = None) -> PreparedQuantWeight:
+def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, backend: str | None = None,
+                         tensor_name: str = "<tensor>", prefill_min_rows: int | None = None,
+                         options: KernelOptions = DEFAULT) -> PreparedQuantWeight:
     """Make `qw` ready for `quant_linear` on `device`. Runs once at load time.
 
     `backend` "auto" picks, on CPU: q8 for its types when the extension builds, else int4 where the type
     maps (errors at bf16 level), dense otherwise (whatever compute_dtype is: weights stay quantized);
-    on CUDA: triton for the fused types, else dense. "q8" / "int4" / "dense" / "triton" force a backend;
-    so does use_backend() for "auto" (the engine's quant_backend option, env NANOCHAT_QUANT_BACKEND).
+    on CUDA: triton for the fused types, else dense. "q8" / "int4" / "dense" / "triton" force a backend.
+    None: options.quant_backend (the engine's quant_backend, env NANOCHAT_QUANT_BACKEND). The q8 weight
+    runs with options' activation levels and threads.
 
     `prefill_min_rows` (q8 / int4, opt-in): also keep a dense bf16 copy and use it for calls with at
     least that many rows, trading 16 extra bits per weight for prefill speed (int4: from a few rows on a
@@ -306,16 +296,15 @@ def prepare_quant_weight(qw: QuantWeight, device, compute_dtype=torch.bfloat16, 
     if tuple(qw.data.shape) != expected or qw.data.dtype != torch.uint8:
         raise ValueError(f"tensor {tensor_name!r}: {qw.type_name} {list(qw.shape)} needs uint8 data of shape "
                          f"{list(expected)}, got {qw.data.dtype} {list(qw.data.shape)}")
-    if backend == "auto":
-        backend = _backend
-    kind = _pick_backend(qw.ggml_type, device, compute_dtype, backend)
+    kind = _pick_backend(qw.ggml_type, device, compute_dtype, backend or options.quant_backend)
     base = dict(ggml_type=qw.ggml_type, shape=(out_f, in_f), compute_dtype=compute_dtype)
     if kind == "q8":
         if device.type != "cpu" or qw.ggml_type not in cpu_qgemv.KERNEL_TYPES or not cpu_qgemv.available():
             raise ValueError(f"tensor {tensor_name!r}: q8 backend needs the compiled CPU kernels (g++, ninja), a CPU "
                              f"device and one of {sorted(gq.type_name(t) for t in cpu_qgemv.KERNEL_TYPES)}, "
                              f"got {qw.type_name} on {device}")
-        pw = PreparedQuantWeight(backend="q8", weight=cpu_qgemv.pack(qw, tensor_name).data, **base)
+        pw = PreparedQuantWeight(backend="q8", weight=cpu_qgemv.pack(qw, tensor_name).data, levels=options.act_levels,
+                                 threads=options.threads, **base)
         _add_prefill_copy(pw, qw, prefill_min_rows, tensor_name)
         return pw
     if kind == "int4":
@@ -381,7 +370,7 @@ def _q8_linear(x: torch.Tensor, pw: PreparedQuantWeight, bias: torch.Tensor | No
         w = pw.prefill_weight
         return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
     # fp32 / bf16 in and out directly (the kernel converts); bias is added in the kernel.
-    y = cpu_qgemv.linear(x, pw.ggml_type, pw.weight, pw.out_features, bias)
+    y = cpu_qgemv.linear(x, pw.ggml_type, pw.weight, pw.out_features, bias, levels=pw.levels, threads=pw.threads)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
+def merge_text_config(cfg: dict) -> dict:
+    """A multimodal wrapper's config.json with its text model's config (`text_config`) merged in."""
+    if not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    text = cfg["text_config"]
+    outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    merged = {**outer, **text}
+    # The wrapper owns the output head and generation ids when it states them.
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key in outer:
+            merged[key] = outer[key]
+    merged["model_type"] = outer.get("model_type") or text.get("model_type", "")
+    return merged
+
+
 def layer_types_from_interval(num_layers: int, interval: int) -> tuple[str, ...]:
     """Hybrid layout: every `interval`-th layer is full attention, the others Gated DeltaNet."""
     return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
@@ -99,24 +114,9 @@ class ModelConfig:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, name: str = "") -> "ModelConfig":
-        """Build from a Hugging Face config.json dict of a registered family (models/families/registry.py);
-        multimodal wrappers keep the text model's config under `text_config`."""
-        if isinstance(cfg.get("text_config"), dict):
-            text = cfg["text_config"]
-            outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
-            merged = {**outer, **text}
-            # The wrapper owns the output head and generation ids when it states them.
-            for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-                if key in outer:
-                    merged[key] = outer[key]
-            merged["model_type"] = outer.get("model_type") or text.get("model_type", "")
-            cfg = merged
-        from nanochat.models.families.registry import by_hf_type   # here: the family files import this module
-
-        family = by_hf_type(cfg.get("model_type", ""))
-        if family is None:
-            raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported")
+    def from_hf_dict(cls, cfg: dict, family: FamilySpec, name: str = "") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (a wrapper's text_config merged: merge_text_config)
+        of `family` (models/families/registry.py `hf_config` finds it)."""
         arch = family.name
         cfg = {**family.defaults, **cfg}
         heads = cfg["num_attention_heads"]

@@ -87,17 +87,6 @@ def save_tiny(model, tok, out_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(autouse=True)
-def _default_kernel_switches():
-    """An engine sets process-wide kernel switches from its Config (Config.apply_kernel_switches: quant
-    backend, activation levels, fused forward, MoE threads); back to the defaults after each test, so a
-    test that forces one does not leak it into the next."""
-    yield
-    from nanochat.engine.config import Config
-
-    Config().apply_kernel_switches()
-
-
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

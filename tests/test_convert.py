@@ -101,13 +101,12 @@ def test_round_trip_gguf(tiny_gguf):
 def test_quantized_targets_match_the_loaders_quantized_weights(tiny_gguf):
     """Without dequantizing, fused targets are row-concatenated GGML blocks equal to what the loader
     prepares (read back through the exact dense backend)."""
-    from nanochat.kernels import quant_matmul
+    from nanochat.kernels.options import KernelOptions
 
-    quant_matmul.use_backend("dense")       # (reset after the test by conftest)
     source = open_source(str(tiny_gguf))
     plan = build_plan(source)
     built = apply_plan(plan, source)
-    model = build_model(source, CPU, torch.float32, 16, 64)
+    model = build_model(source, CPU, torch.float32, 16, 64, kernels=KernelOptions(quant_backend="dense"))
     modules = dict(model.named_modules())
     checked = 0
     for target, tensor in built.items():

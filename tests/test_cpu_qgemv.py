@@ -151,7 +151,7 @@ def test_vocab_sized_weight(t):
     if t in DENSE:
         _check_dense_bound(y, x, gq.dequantize(qw))
     else:
-        _check_bound(y, x, gq.dequantize(qw), cpu_qgemv.activation_levels())
+        _check_bound(y, x, gq.dequantize(qw), cpu_qgemv.DEFAULT_LEVELS)
 
 
 @pytest.mark.parametrize("levels", [1, 2])
@@ -194,13 +194,8 @@ def test_batch_invariant_and_thread_invariant(t):
     in_f = _in_sizes(t)[-1]
     pw = cpu_qgemv.pack(_weight(t, 1000, in_f, seed=3))  # big enough to run on several threads
     x = torch.randn(19, in_f)
-    try:
-        cpu_qgemv.set_threads(2)
-        full = cpu_qgemv.matmul(x, pw)
-        cpu_qgemv.set_threads(1)
-        assert torch.equal(cpu_qgemv.matmul(x, pw), full)
-    finally:
-        cpu_qgemv.set_threads(None)
+    full = cpu_qgemv.matmul(x, pw, threads=2)
+    assert torch.equal(cpu_qgemv.matmul(x, pw, threads=1), full)
     assert torch.equal(torch.cat([cpu_qgemv.matmul(x[i:i + 1], pw) for i in range(19)]), full)
     assert torch.equal(cpu_qgemv.matmul(x[5:12], pw), full[5:12])
 
@@ -228,12 +223,10 @@ def test_weight_ending_at_unmapped_memory(t):
     x = torch.randn(9, in_f)
     try:
         for threads in (1, 2):
-            cpu_qgemv.set_threads(threads)
             for n in (1, 9):
-                y = cpu_qgemv.linear(x[:n], t, data, 40)
+                y = cpu_qgemv.linear(x[:n], t, data, 40, threads=threads)
                 assert torch.equal(y, cpu_qgemv.matmul(x[:n], pw))
     finally:
-        cpu_qgemv.set_threads(None)
         libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), mmap.PROT_READ | mmap.PROT_WRITE)
         del data
 
@@ -279,7 +272,7 @@ def test_errors():
     with pytest.raises(ValueError, match="levels"):
         cpu_qgemv.matmul(torch.randn(2, 64), pw, levels=3)
     with pytest.raises(ValueError, match="threads"):
-        cpu_qgemv.set_threads(0)
+        cpu_qgemv.matmul(torch.randn(2, 64), pw, threads=0)
 
 
 # ---------------------------------------------------------------- other builds
@@ -382,7 +375,7 @@ def test_quant_linear_picks_q8(xdtype):
     y = quant_linear(x, pw, bias)
     assert y.shape == (2, 3, 40) and y.dtype == xdtype
     if xdtype == torch.float32:
-        _check_bound(y.view(6, 40), x.view(6, 512), gq.dequantize(qw), cpu_qgemv.activation_levels(), bias)
+        _check_bound(y.view(6, 40), x.view(6, 512), gq.dequantize(qw), cpu_qgemv.DEFAULT_LEVELS, bias)
     # types without a kernel keep their old backends; q8 can be forced only where it exists
     assert prepare_quant_weight(_weight(gq.Q2_K, 16, 256), "cpu").backend == "q8"
     assert prepare_quant_weight(_weight(gq.Q8_1, 16, 256), "cpu").backend == "int4"

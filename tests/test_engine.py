@@ -248,20 +248,35 @@ def test_config_bad_env_value_is_one_line_naming_the_variable(monkeypatch, env, 
     assert f"{env}={raw!r}" in message and "\n" not in message
 
 
-def test_engine_applies_the_kernel_switches(tiny_models, monkeypatch):
-    """LLMEngine sets the process-wide kernel switches from its Config before the weights load."""
-    from nanochat.kernels import cpu_qgemv, moe_cpu, quant_matmul
-    from nanochat.models.layers import fused_forward
+def test_two_engines_in_one_process_keep_their_own_kernel_options(tiny_models, tmp_path):
+    """Kernel options are arguments, not process-wide switches: building a second engine with another
+    quant backend, activation levels, fused forward and thread count changes nothing for the first."""
+    from test_families import tokenizer_metadata
+    from tests.gguf_writer import T, write_gguf_from_hf
 
-    monkeypatch.setenv("NANOCHAT_ACT_LEVELS", "1")
-    LLMEngine(str(tiny_models["qwen3"]), max_model_len=64, quant_backend="dense", fused_forward=False,
-              cpu_threads=2)
-    assert (quant_matmul.current_backend(), cpu_qgemv.activation_levels(), fused_forward.fused_forward_enabled(),
-            moe_cpu.cpu_threads()) == ("dense", 1, False, 2)
-    monkeypatch.delenv("NANOCHAT_ACT_LEVELS")
-    LLMEngine(str(tiny_models["qwen3"]), max_model_len=64)     # the next engine's defaults
-    assert (quant_matmul.current_backend(), cpu_qgemv.activation_levels(),
-            fused_forward.fused_forward_enabled()) == ("auto", 2, True)
+    folder = tiny_models["llama"]
+    path = str(write_gguf_from_hf(folder, tmp_path / "q8.gguf", "llama", T.Q8_0, output_qtype=T.F16,
+                                  tokenizer=tokenizer_metadata(folder)))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(llm):
+        events = [e for e in llm.stream([[3, 9, 14, 27, 5]], greedy) if e.token_id is not None]
+        return [e.token_id for e in events], [e.logprobs.logprob for e in events], torch.get_num_threads()
+
+    def weights(llm):
+        return [p for m in llm.engine.runner.model.modules() if hasattr(m, "quant_parts") for p in m.quant_parts() or ()]
+
+    a = LLM(path, max_model_len=64, act_levels=1, cpu_threads=1, pack_cache=False)
+    first = run(a)
+    b = LLM(path, max_model_len=64, act_levels=2, cpu_threads=2, quant_backend="dense", fused_forward=False,
+            pack_cache=False)
+    c = LLM(path, max_model_len=64, act_levels=2, cpu_threads=2, pack_cache=False)
+    assert run(a) == first and first[2] == 1             # a's tokens, log-probabilities and threads, as before
+    assert run(b)[2] == 2 and run(c)[2] == 2 and run(a) == first
+    assert run(c)[1] != first[1]                         # (the levels do move the numbers: the check can fail)
+    assert {(w.backend, w.levels, w.threads) for w in weights(a)} == {("q8", 1, 1)}
+    assert {w.backend for w in weights(b)} == {"dense"} and {(w.levels, w.threads) for w in weights(c)} == {(2, 2)}
+    assert a.engine.runner.model.fused.usable() and not b.engine.runner.model.fused.usable()
 
 
 def test_block_invariant_after_random_workload():

@@ -163,12 +163,12 @@ def test_per_layer_config(family_models):
 
 
 def test_windows_from_config_json_as_transformers_reads_them():
-    from nanochat.models.config import ModelConfig
+    from nanochat.models.families import registry
 
     base = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
 
     def windows(model_type, **cfg):
-        return ModelConfig.from_hf_dict({**base, "model_type": model_type, **cfg}).layer_windows
+        return registry.hf_config({**base, "model_type": model_type, **cfg}).layer_windows
 
     assert windows("smollm3", use_sliding_window=True, sliding_window=8) == (0, 0, 0, 8)   # on its NoPE layers
     assert windows("smollm3", sliding_window=8) == (0,) * 4

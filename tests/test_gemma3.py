@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanochat.engine import LLM, LLMEngine, SamplingParams
-from nanochat.models.config import ModelConfig
+from nanochat.models.families import registry
 from tests.conftest import build_tokenizer
 from tests.gguf_writer import T, write_gguf_from_hf
 from tests.test_families import (assert_chat_turns_replay, assert_logits_match, assert_refused, engine_for,
@@ -159,7 +159,7 @@ GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": 
 
 
 def test_config_of_a_multimodal_wrapper_with_transformers_defaults():
-    cfg = ModelConfig.from_hf_dict(GEMMA3_4B)
+    cfg = registry.hf_config(GEMMA3_4B)
     assert cfg.arch == "gemma3_text" and cfg.vocab_size == 262_208 and cfg.eos_token_ids == (1, 106)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 4, 256)
     assert cfg.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
@@ -172,9 +172,9 @@ def test_old_and_new_rope_keys_agree():
     rope_parameters per layer type and layer_types describe the same model."""
     base = dict(model_type="gemma3_text", vocab_size=320, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=8, num_attention_heads=4, head_dim=16, sliding_window=32)
-    old = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_local_base_freq": 2e4, "sliding_window_pattern": 4,
+    old = registry.hf_config({**base, "rope_theta": 5e5, "rope_local_base_freq": 2e4, "sliding_window_pattern": 4,
                                     "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
-    new = ModelConfig.from_hf_dict({**base, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]
+    new = registry.hf_config({**base, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]
                                     + ["sliding_attention"] * 3 + ["full_attention"],
                                     "rope_parameters": {
                                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},

@@ -61,14 +61,6 @@ def test_imports_flow_down_the_layers():
     assert not bad, "imports that flow up:\n" + "\n".join(bad)
 
 
-# Cycles in modules that other work owns right now (#31: the kernel stack, the rule table): each is
-# tolerated until that work removes it; any other cycle fails.
-KNOWN_CYCLES = [
-    {"nanochat.kernels.cpp_build", "nanochat.kernels.cpu_decoder", "nanochat.kernels.cpu_qgemv",
-     "nanochat.kernels.moe_cpu"},                                 # cpp_build.build_all imports the kernels
-]
-
-
 def module_graph() -> dict[str, set[str]]:
     """Every module of the package (tests and benchmarks aside) and the modules it imports, at any
     depth (in functions and TYPE_CHECKING blocks too). `from pkg import mod` imports pkg.mod, not pkg."""
@@ -122,7 +114,7 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_no_import_cycles():
     graph = module_graph()
     assert {"nanochat.app.tui.chat_screen", "nanochat.app.tui.chat_commands", "nanochat.engine"} <= set(graph)
-    new = [sorted(c) for c in cycles(graph) if c not in KNOWN_CYCLES]
+    new = [sorted(c) for c in cycles(graph)]
     assert not new, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in new)
 
 

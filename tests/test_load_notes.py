@@ -1,7 +1,7 @@
 """A model load says what makes it slow (kernels/notices.py): compiling the C++ kernels for this machine
 (kernels/cpp_build.py) and repacking a new GGUF file's weights into the pack cache (models/formats/pack_cache.py),
 from the engine process through the client's `status` callback to a one-shot's stderr on a terminal; and
-the set-up step (`python -m nanochat.kernels.cpp_build`) builds the kernels ahead without ever failing."""
+the set-up step (`python -m nanochat.kernels.build`) builds the kernels ahead without ever failing."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_kernel_build_says_so_and_a_built_one_says_nothing(tmp_path, monkeypat
 
 def test_the_set_up_step_goes_on_without_a_compiler(tmp_path):
     env = dict(os.environ, NANOCHAT_KERNEL_DIR=str(tmp_path / "kernels"), CXX="/bin/false")
-    out = subprocess.run([sys.executable, "-m", "nanochat.kernels.cpp_build"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "nanochat.kernels.build"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"nanochat: {COMPILING}")

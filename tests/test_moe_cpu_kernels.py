@@ -26,6 +26,7 @@ from nanochat.kernels import moe_cpu
 from nanochat.kernels.cpp_build import LazyLibrary
 from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
+from nanochat.kernels.options import KernelOptions
 from nanochat.kernels.qweight import QuantWeight
 
 KERNEL_CASES = [(t, 96 if gq.BLOCK_SIZES[t][0] == 32 else 512) for t in sorted(moe_cpu.KERNEL_TYPES)]
@@ -110,23 +111,18 @@ def test_matmul_each_type(lib, ggml_type, k):
 
 @pytest.mark.parametrize("levels", [1, 2])
 def test_activation_levels_are_the_dense_layers(lib, levels):
-    """The experts quantize activations as the dense layers do, with the levels set for those."""
+    """The experts quantize activations as the dense layers do, with the engine's levels."""
     rng = np.random.default_rng(2)
     qw = QuantWeight(gq.Q4_K, (64, 512), torch.from_numpy(random_rows(gq.Q4_K, 64, 512, rng)))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 4, 512)
     want = cpu_qgemv.matmul(x, cpu_qgemv.pack(qw), levels=levels)
-    before = cpu_qgemv.activation_levels()
-    cpu_qgemv.set_activation_levels(levels)
-    try:
-        assert torch.equal(moe_cpu.quant_matmul(qw, x), want)
-        g = StackedWeight(gq.Q4_K, (1, 64, 512), qw.data.unsqueeze(0))
-        d = StackedWeight(gq.Q8_0, (1, 512, 64), torch.from_numpy(random_rows(gq.Q8_0, 512, 64, rng)).unsqueeze(0))
-        ids, weights = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
-        h = activation("silu", want, want)
-        ref = cpu_qgemv.matmul(h, cpu_qgemv.pack(d.expert(0)), levels=levels)
-        assert rel(HostExperts(g, g, d)(x, ids, weights), ref) < EXACT
-    finally:
-        cpu_qgemv.set_activation_levels(before)
+    assert torch.equal(moe_cpu.quant_matmul(qw, x, levels=levels), want)
+    g = StackedWeight(gq.Q4_K, (1, 64, 512), qw.data.unsqueeze(0))
+    d = StackedWeight(gq.Q8_0, (1, 512, 64), torch.from_numpy(random_rows(gq.Q8_0, 512, 64, rng)).unsqueeze(0))
+    ids, weights = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    h = activation("silu", want, want)
+    ref = cpu_qgemv.matmul(h, cpu_qgemv.pack(d.expert(0)), levels=levels)
+    assert rel(HostExperts(g, g, d, KernelOptions(act_levels=levels))(x, ids, weights), ref) < EXACT
 
 
 @pytest.mark.parametrize("ggml_type,k", KERNEL_CASES, ids=lambda v: gq.type_name(v) if v in gq.TYPE_NAMES else str(v))
@@ -152,7 +148,7 @@ def test_other_builds_are_bit_identical(lib, other_builds):
     g, u, d = stack(gq.Q4_K, e, inter, hidden, rng), stack(gq.Q5_K, e, inter, hidden, rng), stack(gq.Q6_K, e, hidden, inter, rng)
     x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(4))
     ids, weights = routing(9, e, 2)
-    host = HostExperts(g, u, d, threads=2)
+    host = HostExperts(g, u, d, KernelOptions(expert_threads=2))
     want = host(x, ids, weights)
     for name, other in other_builds.items():
         host._lib = other
@@ -184,7 +180,7 @@ def test_expert_ffn_matches_reference(lib, case):
     g, u, d = stack(tg, e, inter, hidden, rng), stack(tu, e, inter, hidden, rng), stack(td, e, hidden, inter, rng)
     x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(3))
     ids, weights = routing(t, e, k)
-    host = HostExperts(g, u, d, threads=2)
+    host = HostExperts(g, u, d, KernelOptions(expert_threads=2))
     assert host.backend == "kernel"
     out = host(x, ids, weights)
     wg, wu, wd = dense(g), dense(u), dense(d)
@@ -218,10 +214,10 @@ def test_deterministic_and_thread_count(lib):
     g, u, d = stack(gq.Q4_K, 8, 256, 256, rng), stack(gq.Q4_K, 8, 256, 256, rng), stack(gq.Q6_K, 8, 256, 256, rng)
     x = torch.randn(12, 256, generator=torch.Generator().manual_seed(8))
     ids, weights = routing(12, 8, 3)
-    one = HostExperts(g, u, d, threads=1)
+    one = HostExperts(g, u, d, KernelOptions(expert_threads=1))
     y1 = one(x, ids, weights)
     assert lib.nc_qg_last_threads() == 1
-    two = HostExperts(g, u, d, threads=2)
+    two = HostExperts(g, u, d, KernelOptions(expert_threads=2))
     y2 = two(x, ids, weights)
     assert lib.nc_qg_last_threads() == 2          # the pool was given the asked threads
     assert torch.equal(y1, y2)                    # fixed per-element summation order
@@ -232,29 +228,25 @@ def test_deterministic_and_thread_count(lib):
 
 
 def test_cpu_threads_from_the_engine_config(monkeypatch):
-    """Config.cpu_threads (env NANO_VLLM_CPU_THREADS) reaches the host expert kernels at engine start-up."""
+    """Config.cpu_threads (env NANO_VLLM_CPU_THREADS) reaches the host expert kernels as the engine's kernel
+    options; the default is half the logical CPUs."""
     import os
 
     from nanochat.engine.config import Config
 
     default = max(1, (os.cpu_count() or 2) // 2)
-    monkeypatch.delenv("NANO_VLLM_CPU_THREADS", raising=False)
-    Config.create().apply_kernel_switches()
-    assert moe_cpu.cpu_threads() == default
-    monkeypatch.setenv("NANO_VLLM_CPU_THREADS", str(default + 2))
-    assert moe_cpu.cpu_threads() == default          # the environment is read by Config only
-    Config.create().apply_kernel_switches()
-    assert moe_cpu.cpu_threads() == default + 2
     rng = np.random.default_rng(9)
     s = stack(gq.Q8_0, 2, 32, 32, rng)
-    assert HostExperts(s, s, s).threads == default + 2
-    assert HostExperts(s, s, s, threads=1).threads == 1
+    monkeypatch.delenv("NANO_VLLM_CPU_THREADS", raising=False)
+    assert HostExperts(s, s, s, Config.create().kernel_options()).threads == default
+    monkeypatch.setenv("NANO_VLLM_CPU_THREADS", str(default + 2))
+    assert HostExperts(s, s, s).threads == default          # the environment is read by Config only
+    assert HostExperts(s, s, s, Config.create().kernel_options()).threads == default + 2
+    assert HostExperts(s, s, s, KernelOptions(expert_threads=1)).threads == 1
     for bad in ("0", "two"):
         monkeypatch.setenv("NANO_VLLM_CPU_THREADS", bad)
         with pytest.raises(ValueError, match="NANO_VLLM_CPU_THREADS"):
             Config.create()
-    with pytest.raises(ValueError, match=">= 1"):
-        moe_cpu.set_threads(0)
 
 
 def test_torch_fallback_when_the_extension_cannot_be_built(monkeypatch):

@@ -20,8 +20,9 @@ import torch
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels import triton_gguf  # import is guarded: works without triton
 from nanochat.kernels.qweight import QuantWeight
-from nanochat.kernels import cpu_qgemv, quant_matmul
+from nanochat.kernels import cpu_qgemv
 from nanochat.kernels.cpp_build import LazyLibrary
+from nanochat.kernels.options import KernelOptions
 from nanochat.kernels.quant_matmul import CPU_INT4_TYPES, prepare_quant_weight, quant_linear
 from tests.kquant_pack import quantize_k, random_rows
 
@@ -117,27 +118,26 @@ def test_cpu_int4_forced_for_fp32_model():
     y = quant_linear(x, pw)
     assert y.dtype == torch.float32
     _check(y, x, gq.dequantize(qw), INT4_TOL)
-    quant_matmul.use_backend("int4")       # what the engine does for quant_backend="int4"
-    assert quant_matmul.current_backend() == "int4"
-    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == "int4"
-    assert prepare_quant_weight(qw, "cpu", torch.float32, backend="dense").backend == "dense"   # explicit wins
+    int4 = KernelOptions(quant_backend="int4")   # what the engine passes for quant_backend="int4"
+    assert prepare_quant_weight(qw, "cpu", torch.float32, options=int4).backend == "int4"
+    assert prepare_quant_weight(qw, "cpu", torch.float32, backend="dense", options=int4).backend == "dense"   # explicit wins
     with pytest.raises(ValueError, match="unknown quant backend 'int3'"):
-        quant_matmul.use_backend("int3")
+        prepare_quant_weight(qw, "cpu", torch.float32, options=KernelOptions(quant_backend="int3"))
 
 
 def test_quant_backend_from_the_engine_config(monkeypatch):
-    """Config.quant_backend (env NANOCHAT_QUANT_BACKEND) reaches the kernels through the engine's start-up."""
+    """Config.quant_backend (env NANOCHAT_QUANT_BACKEND) reaches the kernels as the engine's kernel options."""
     from nanochat.engine.config import Config
 
     qw = _weight(gq.Q4_1, 32, 256, seed=8)
     monkeypatch.setenv("NANOCHAT_QUANT_BACKEND", "dense")
     cfg = Config.create()
-    assert cfg.quant_backend == "dense" and quant_matmul.current_backend() == "auto"   # nothing applied yet
-    cfg.apply_kernel_switches()
-    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == "dense"
+    assert cfg.quant_backend == "dense"
+    assert prepare_quant_weight(qw, "cpu", torch.float32, options=cfg.kernel_options()).backend == "dense"
+    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == _cpu_auto(gq.Q4_1)   # no process-wide switch
     assert Config.create(quant_backend="int4").quant_backend == "int4"    # an explicit option wins
-    Config.create(quant_backend="auto").apply_kernel_switches()
-    assert prepare_quant_weight(qw, "cpu", torch.float32).backend == _cpu_auto(gq.Q4_1)
+    auto = Config.create(quant_backend="auto").kernel_options()
+    assert prepare_quant_weight(qw, "cpu", torch.float32, options=auto).backend == _cpu_auto(gq.Q4_1)
     monkeypatch.setenv("NANOCHAT_QUANT_BACKEND", "fast")
     with pytest.raises(ValueError, match="NANOCHAT_QUANT_BACKEND='fast'.*quant_backend must be one of auto, q8"):
         Config.create()

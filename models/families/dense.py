@@ -133,7 +133,7 @@ class DenseForCausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(norm_weight(cfg, w, "model.norm.weight"), cfg.rms_norm_eps)
         self.softcap = cfg.final_logit_softcapping
-        self.fused = FusedForward(self)
+        self.fused = FusedForward(self, w.kernels)
 
     def layer_rotary(self, cfg: ModelConfig, i: int) -> RotaryEmbedding | None:
         if not cfg.layer_rope[i]:

@@ -3,6 +3,7 @@ the lookups read the list when called (a test may register a family for a while 
 
 from __future__ import annotations
 
+from nanochat.models.config import ModelConfig, merge_text_config
 from nanochat.models.families import gemma3, llama, phi3, qwen2, qwen3, qwen3_moe, qwen3_next, smollm3
 from nanochat.models.families.spec import FamilySpec
 
@@ -47,3 +48,12 @@ def hf_types() -> list[str]:
 def gguf_archs() -> list[str]:
     """Every GGUF general.architecture nanochat reads, sorted."""
     return sorted({f.gguf_arch for f in FAMILIES if f.gguf_arch is not None})
+
+
+def hf_config(cfg: dict, name: str = "") -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json dict (a multimodal wrapper's text model included)."""
+    cfg = merge_text_config(cfg)
+    found = by_hf_type(cfg.get("model_type", ""))
+    if found is None:
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported")
+    return ModelConfig.from_hf_dict(cfg, found, name)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanochat.models.config import ModelConfig, check_config, expected_shapes, fused_rows, required_tensors
+from nanochat.models.config import check_config, expected_shapes, fused_rows, required_tensors
 from nanochat.models.errors import ModelLoadError
 from nanochat.models.families import registry
 
@@ -72,7 +72,7 @@ class HFSource:
             raise ModelLoadError(f"{cfg_path}: unsupported architecture {arch!r} "
                                  f"(supported: {', '.join(supported)})")
         try:
-            self.config = ModelConfig.from_hf_dict(raw, name=root.name)
+            self.config = registry.hf_config(raw, name=root.name)
         except KeyError as e:
             raise ModelLoadError(f"{cfg_path}: missing key {e}") from None
         except (TypeError, ValueError, ZeroDivisionError) as e:

@@ -80,10 +80,12 @@ def load(model: str, cache: bool = False) -> LoadedModel:
 
 def build_model(source, device: torch.device, dtype: torch.dtype, block_size: int, max_positions: int,
                 dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None,
-                progress=None, pack_cache: bool = False, tp=None):
+                progress=None, pack_cache: bool = False, tp=None, kernels=None):
     """The model on `device`; `progress(done, total)` is called as its tensors are loaded. pack_cache: keep
     the CPU kernels' packed weights of a GGUF on disk (models/formats/pack_cache.py), so the next load maps them.
-    tp: this rank's models.parallel.TensorParallel (its shard of the model), None for the whole model."""
+    tp: this rank's models.parallel.TensorParallel (its shard of the model), None for the whole model.
+    kernels: the engine's kernels.options.KernelOptions (None: the defaults)."""
+    from nanochat.kernels.options import DEFAULT
     from nanochat.models.layers.common import WeightLoader
     from nanochat.models.parallel.sharding import SINGLE
 
@@ -92,11 +94,12 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
     if pack_cache and device.type == "cpu" and not dequantize and source.kind == "gguf":
         from nanochat.kernels.notices import announce
         from nanochat.models.formats.pack_cache import REPACKING, PackCache, usable
-        if usable():
+        if usable(kernels or DEFAULT):
             cache = PackCache(source.path)
             if cache.missing:
                 announce(REPACKING)
-    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE)
+    loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE,
+                          kernels or DEFAULT)
     model = source.family.model(cfg, loader, block_size, max_positions).eval()
     if cache is not None:
         cache.save()

@@ -49,10 +49,10 @@ def cache_dir() -> Path:
     return cache_root() / "packed"
 
 
-def usable() -> bool:
-    """Whether loads pack for the q8 kernels, the only tiles the cache holds."""
-    from nanochat.kernels import cpu_qgemv, quant_matmul
-    return quant_matmul.current_backend() in ("auto", "q8") and cpu_qgemv.available()
+def usable(options) -> bool:
+    """Whether a load with these KernelOptions packs for the q8 kernels, the only tiles the cache holds."""
+    from nanochat.kernels import cpu_qgemv
+    return options.quant_backend in ("auto", "q8") and cpu_qgemv.available()
 
 
 def _key(model_path: str) -> str:

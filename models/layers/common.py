@@ -12,6 +12,7 @@ from torch import nn
 
 from nanochat.kernels import cpu_qgemv
 from nanochat.kernels.cpu_decoder import activation
+from nanochat.kernels.options import DEFAULT, KernelOptions
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
 from nanochat.models.parallel.sharding import SINGLE, TensorParallel, column_units, split
@@ -310,6 +311,7 @@ class WeightLoader:
     progress: Callable[[int, int], None] | None = None   # (tensors loaded, of total): a load bar
     pack_cache: object | None = None   # models.pack_cache.PackCache: packed tiles kept across loads
     tp: TensorParallel = SINGLE        # this rank's slice of every split weight (models/parallel/sharding.py)
+    kernels: KernelOptions = DEFAULT   # the engine's kernel options, handed to every weight and kernel built
 
     def get(self, name: str):
         """The source tensor `name`, counted for `progress` (routed experts are left out of the count:
@@ -363,7 +365,7 @@ class WeightLoader:
             # Like a Q8_0 GGUF (the same blocks gguf would write): quantized kernels, the CPU fused path.
             from nanochat.kernels.gguf_quants import Q8_0, quantize_q8_0
             qw = QuantWeight(Q8_0, tuple(dense.shape), quantize_q8_0(dense).to(self.device))
-            return prepare_quant_weight(qw, self.device, self.dtype)
+            return prepare_quant_weight(qw, self.device, self.dtype, options=self.kernels)
         return dense
 
     def _file_weight(self, name: str):
@@ -393,11 +395,13 @@ class WeightLoader:
         shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         tiles = None if self.pack_cache is None else self.pack_cache.lookup(name, t, shape)
         if tiles is not None:
-            pw = PreparedQuantWeight(t, shape, "q8", self.dtype, tiles)
+            pw = PreparedQuantWeight(t, shape, "q8", self.dtype, tiles, levels=self.kernels.act_levels,
+                                     threads=self.kernels.threads)
         else:
             # Rows of GGML blocks are independent, so fusing is a row concatenation of raw bytes.
             data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
-            pw = prepare_quant_weight(QuantWeight(t, shape, data), self.device, self.dtype, tensor_name=name)
+            pw = prepare_quant_weight(QuantWeight(t, shape, data), self.device, self.dtype, tensor_name=name,
+                                      options=self.kernels)
             if self.pack_cache is not None and pw.backend == "q8":
                 self.pack_cache.add(name, t, shape, pw.weight)
         for n in names:   # the source's copy of a packed tensor is not read again: let it go

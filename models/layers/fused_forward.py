@@ -5,7 +5,7 @@ prefill chunks, mixes of both) when the model can run on kernels/cpu_decoder.py:
 float32, every linear on the q8 backend (each projection in the file's own type: q/k/v or gate/up of
 different types run as separate kernel calls inside the one compiled step). Anything else (dense or
 int4 weights, other dtypes, GPUs) runs the module forward, which also stays the reference the fused path is tested against.
-The engine's fused_forward=False (env NANOCHAT_FUSED_FORWARD=0) turns it off, through set_enabled.
+The engine's fused_forward=False (env NANOCHAT_FUSED_FORWARD=0, KernelOptions.fused_forward) turns it off.
 """
 
 from __future__ import annotations
@@ -14,21 +14,10 @@ import weakref
 
 import torch
 
+from nanochat.kernels.options import DEFAULT, KernelOptions
 from nanochat.models.layers.attention import AttnMetadata
 
-_enabled = True
 OFF_REASON = "turned off (fused_forward=False, NANOCHAT_FUSED_FORWARD=0)"
-
-
-def set_enabled(on: bool) -> None:
-    """Whether models built from now on use the fused forward where it applies (the engine sets it at
-    start-up from Config.fused_forward)."""
-    global _enabled
-    _enabled = bool(on)
-
-
-def fused_forward_enabled() -> bool:
-    return _enabled
 
 
 def _packed(linear) -> list | None:
@@ -55,16 +44,16 @@ class FusedForward:
     """Builds the fused decoder for a model on first use (after the KV cache exists) and rebuilds it if
     the cache is reallocated. `why_not` says why a model cannot use it (None when it can)."""
 
-    def __init__(self, model):
+    def __init__(self, model, options: KernelOptions = DEFAULT):
         # A weak reference: the model owns this object, and a cycle would keep a replaced model's memory
         # until a full garbage collection.
         self._model = weakref.ref(model)
+        self.options = options
         self.why_not = self._check(model)
         self._decoder = None
 
-    @staticmethod
-    def _check(model) -> str | None:
-        if not fused_forward_enabled():
+    def _check(self, model) -> str | None:
+        if not self.options.fused_forward:
             return OFF_REASON
         if model.tp.on:
             return "tensor parallel (the compiled step has no all-reduce between its layers)"
@@ -98,7 +87,7 @@ class FusedForward:
             self._decoder = self._build()
         x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
         return self._decoder.forward(x, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.block_tables,
-                                     meta.context_lens)
+                                     meta.context_lens, self.options.act_levels, self.options.threads)
 
     def _build(self):
         from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer, FusedDecoder

@@ -243,7 +243,7 @@ class HostOffloadedExperts(nn.Module):
             gate, up, down = (StackedWeight(s.ggml_type, (count, *s.shape[1:]), s.data[first:first + count])
                               for s in (gate, up, down))
             num_experts = count
-        self.host = HostExperts(gate, up, down, name=prefix)
+        self.host = HostExperts(gate, up, down, w.kernels, name=prefix)
         self.num_experts = num_experts
 
     def to_batch_invariant(self) -> None:
