@@ -40,7 +40,7 @@ from pathlib import Path
 
 from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, ChatError, Conversation, Message,
                                        as_history, exchanges, join_notes, latest_leaf)
-from nanochat.app.export import model_display_name, write_export
+from nanochat.app.export import model_name, write_export
 from nanochat.app.options import SAMPLING_RULES, TEMPLATE_SWITCHES, effective_sampling, template_variables
 from nanochat.app.reasoning import ThinkingSplitter, Thought, split_reasoning
 from nanochat.app.store import ChatStore, warn_on_stderr
@@ -325,7 +325,7 @@ class ChatController:
     def export(self, conv: Chat, folder: Path, tree: bool = False, target: str = "") -> Path:
         """The path shown as Markdown, or (`tree`) every branch as JSON, written to `target` or the exports
         `folder` (see write_export); ChatError when it cannot be written."""
-        label = model_display_name(self.client.model.model if self.client.model else None)
+        label = model_name(self.client.model.model if self.client.model else None)
         return write_export(conv, folder, label, tree, target)
 
     def last_ttft(self) -> float | None:

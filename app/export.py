@@ -15,7 +15,9 @@ from nanochat.app.reasoning import describe_thought
 from nanochat.engine.output import RequestStats
 
 
-def model_display_name(model: str | None) -> str:
+def model_name(model: str | None) -> str:
+    """How every front end names a model: the built-in one by its name, a file or folder by its own name,
+    a hub id as given."""
     if not model:
         return "no model"
     from nanochat.models.formats.catalog import EMBEDDED_FILE, EMBEDDED_NAME
@@ -37,7 +39,8 @@ def format_stats(stats: RequestStats | None, note: str = "") -> str:
             parts.append(f"{stats.decode_tok_s:.1f} tok/s")
         if stats.prompt_tokens:
             parts.append(f"cached {stats.cached_tokens}/{stats.prompt_tokens}")
-        ending = {"abort": "cancelled", "length": "context full" if stats.context_full else "max tokens",
+        full = f"context full ({stats.prompt_tokens + stats.completion_tokens} tokens)"
+        ending = {"abort": "cancelled", "length": full if stats.context_full else "max tokens",
                   "error": "error"}.get(stats.finish_reason or "")
         if ending and not (ending == "error" and INTERRUPTED_NOTE in note):   # the note says it better
             parts.append(ending)

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from nanochat.app.export import format_stats, model_name
 from nanochat.app.options import effective_sampling
 from nanochat.app.reasoning import CLOSE, OPEN, ThinkingSplitter, split_reasoning
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal, sanitize
@@ -124,30 +125,6 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
                 progress.stop()
 
 
-def format_stats(stats, extra: str = "") -> str:
-    """A RequestStats as `[12 tokens · 48 cached / 9 new · TTFT 0.05s · 80 tok/s]`."""
-    n = stats.completion_tokens
-    parts = [f"{n} token{'s' if n != 1 else ''}", f"{stats.cached_tokens} cached / {stats.prefilled_tokens} new"]
-    if stats.ttft is not None:
-        parts.append(f"TTFT {stats.ttft:.2f}s")
-    if stats.decode_tok_s:
-        parts.append(f"{stats.decode_tok_s:.1f} tok/s")
-    if extra:
-        parts.append(extra)
-    return "[" + " · ".join(parts) + "]"
-
-
-def length_note(stats) -> str:
-    """Why a reply that ended on length ended: its max_tokens, or the model's context filling up."""
-    if stats.context_full:
-        return f"context full ({stats.prompt_tokens + stats.completion_tokens} tokens)"
-    return "max tokens reached"
-
-
-def model_label(model: str) -> str:
-    return os.path.basename(model.rstrip("/")) or model
-
-
 # ---------------------------------------------------------------------------------- one-shot
 class ReplyPrinter:
     """Writes a streamed reply as it comes: its answer, and with `show_thinking` its thinking first,
@@ -202,7 +179,7 @@ def load_client(model: str, engine_config: dict, quiet: bool):
     t0 = time.perf_counter()
     client = EngineClient()
     try:
-        with loading_indicator(f"Loading {model_label(model)}", enabled=not quiet) as (progress, status):
+        with loading_indicator(f"Loading {model_name(model)}", enabled=not quiet) as (progress, status):
             client.load_model(model, progress=progress, status=status, **engine_config)
     except BaseException:
         client.shutdown()
@@ -270,11 +247,9 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err, prompt
             st = reply.final.stats
             if st is None or (reply.final.finish_reason == "error" and not reply.token_ids):
                 continue   # refused: the error line says why
-            extra = f"load {load_s:.1f}s" if n == 0 else ""
-            if reply.final.finish_reason == "length":
-                extra = " · ".join(x for x in (length_note(st), extra) if x)
             prefix = f"#{n + 1} " if len(replies) > 1 else ""
-            print(dim(prefix + format_stats(st, extra), terminal), file=err, flush=True)
+            line = format_stats(st, f"load {load_s:.1f}s" if n == 0 else "")
+            print(dim(f"{prefix}[{line}]", terminal), file=err, flush=True)
     if errors:
         print(for_terminal(f"nanochat: error: {one_line(errors[0])}", terminal), file=err, flush=True)
         return 1

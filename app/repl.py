@@ -22,7 +22,8 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from nanochat.app.oneshot import ReplyPrinter, format_stats, length_note, model_label
+from nanochat.app.export import format_stats, model_name
+from nanochat.app.oneshot import ReplyPrinter
 from nanochat.app.options import effective_sampling, on_off
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal
 
@@ -171,7 +172,7 @@ class Repl:
         except KeyboardInterrupt:     # Ctrl-C before the request was submitted
             return
         printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened, self.opts.show_thinking)
-        cancelled = self._stream(stream, printer)
+        self._stream(stream, printer)   # a cancel ends the reply with finish_reason "abort": its note says so
         reply = stream.result()
         final = reply.final
         if reply.token_ids:
@@ -185,10 +186,9 @@ class Repl:
             return
         self.term.newline()
         st = reply.stats
-        extra = "cancelled" if cancelled else (length_note(st) if final.finish_reason == "length" else "")
-        self.term.note(format_stats(st, extra))
+        self.term.note(f"[{format_stats(st)}]")
 
-    def _stream(self, stream, printer: ReplyPrinter) -> bool:
+    def _stream(self, stream, printer: ReplyPrinter) -> None:
         """Print deltas as they come; Ctrl-C cancels the request and waits for its final event."""
         cancelled = False
         while True:
@@ -196,7 +196,7 @@ class Repl:
                 for event in stream:
                     printer.add(event.text)
                 printer.finish()
-                return cancelled
+                return
             except KeyboardInterrupt:
                 if not cancelled:
                     stream.cancel()
@@ -293,7 +293,7 @@ def run_repl(opts: ReplOptions, quiet: bool = False, on_loaded=None) -> int:
             on_loaded()
         repl = Repl(opts, client, interactive)
         if interactive:
-            repl.term.note(f"nanochat · {model_label(opts.model)} · /help for commands, Ctrl-D to exit")
+            repl.term.note(f"nanochat · {model_name(opts.model)} · /help for commands, Ctrl-D to exit")
         return repl.run(_line_reader(opts, interactive))
     finally:
         client.shutdown()

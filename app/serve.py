@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from pathlib import Path
 
 from nanochat.app.errors import EXIT_OK, UsageError, run_guarded
 from nanochat.app.options import (Rule, add_engine_options, add_option, arg_type, engine_config, positive_int,
@@ -127,7 +128,7 @@ def run_server(app, sock: socket.socket) -> None:
 
 
 def _serve(args) -> int:
-    from nanochat.app.oneshot import load_client, model_label
+    from nanochat.app.oneshot import load_client
     from nanochat.app.openai_api import ServerConfig, build_app
     from nanochat.engine.serve.client import AsyncEngineClient
 
@@ -141,13 +142,14 @@ def _serve(args) -> int:
     given = getattr(args, "model", None) or settings.default_model
     client, _ = load_client(model, config, quiet)
     info = client.model
-    model_id = given or model_label(model)
+    file_name = Path(model.rstrip("/")).name or model   # the API's model id: the file or folder name
+    model_id = given or file_name
     url = url_of(sock, args.host)
     say(f"serving {model_id} ({info.arch}, {info.device}, {info.dtype}, context {info.max_model_len}) "
         f"at {url}/v1")
     if not is_loopback(args.host) and args.api_key is None:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can use the model")
-    server_config = ServerConfig(model_id=model_id, aliases=tuple({model, model_label(model)} - {model_id}),
+    server_config = ServerConfig(model_id=model_id, aliases=tuple({model, file_name} - {model_id}),
                                  api_key=args.api_key, max_queue=args.max_queue, log=None if quiet else say)
     aclient = AsyncEngineClient(client)
     try:

@@ -76,7 +76,7 @@ def test_json_schema_and_token_count(home, tiny):
     assert out["cached_tokens"] == 0
     assert out["ttft_s"] > 0 and out["decode_tok_s"] > 0
     assert out["model"] == tiny
-    assert "7 tokens" in r.stderr and "Traceback" not in r.stderr
+    assert "[7 tok · " in r.stderr and "Traceback" not in r.stderr   # the one stats line (app/export.format_stats)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_stdout_holds_only_the_reply(home, tiny):
     assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr + as_json.stderr
     text = json.loads(as_json.stdout)["text"]
     assert plain.stdout == text + "\n"
-    assert "tokens" in plain.stderr and "TTFT" in plain.stderr     # stats go to stderr
+    assert " tok · " in plain.stderr and "TTFT" in plain.stderr     # stats go to stderr
     assert as_json.stderr == ""                                     # --quiet: nothing at all
 
 

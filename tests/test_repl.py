@@ -15,7 +15,7 @@ pexpect = pytest.importorskip("pexpect")
 
 # prompt_toolkit draws "> " as ">" plus a cursor move on a real terminal.
 PROMPT = r">(?: |\x08\x1b\[2C)"
-STATS = r"\[(\d+) tokens? · (\d+) cached / (\d+) new[^\]]*\]"
+STATS = r"\[(\d+) tok · [^\]]*?cached (\d+)/(\d+)[^\]]*\]"   # tokens, cached / prompt (app/export.format_stats)
 READING_DONE = r"\x1b\[\?2004l"     # prompt_toolkit leaves bracketed paste: the line was accepted
 
 
@@ -39,9 +39,9 @@ def spawn(env, model, *extra, preexec_fn=None):
 def say(child, line):
     child.sendline(line)
     child.expect(STATS)
-    stats = tuple(int(x) for x in child.match.groups())
+    tokens, cached, prompt = (int(x) for x in child.match.groups())
     child.expect(PROMPT)
-    return stats
+    return tokens, cached, prompt - cached
 
 
 def test_two_turns_history_clear_help(env, tiny_models):

@@ -42,7 +42,7 @@ from textual.reactive import var
 from textual.timer import Timer
 
 from nanochat.app.controller import ChatController, EngineState
-from nanochat.app.export import model_display_name
+from nanochat.app.export import model_name
 from nanochat.app.options import sampling_options
 from nanochat.app.paths import Paths, get_paths
 from nanochat.app.settings import Settings
@@ -94,9 +94,9 @@ def engine_labels(controller: ChatController, note: str | None = None) -> tuple[
     """(model, detail, busy) for the gauges, from what the engine is doing; `note`: the slow work of the
     load or restart running (a kernel compile)."""
     state, info = controller.engine_state, controller.model
-    name = model_display_name(info.model if info is not None else None)
+    name = model_name(info.model if info is not None else None)
     if state is EngineState.LOADING:
-        loading = f"loading {model_display_name(controller.job_model)}"
+        loading = f"loading {model_name(controller.job_model)}"
         return name, f"{loading}: {note}" if note else f"{loading}…", True
     if state is EngineState.RESTARTING:
         return name, f"restarting the engine: {note}" if note else "restarting the engine…", True
@@ -304,7 +304,7 @@ class NanochatApp(App):
         if error is None:
             self.settings.remember_model(model)
             self._save_settings()
-            self.notify(f"Loaded {model_display_name(model)}")
+            self.notify(f"Loaded {model_name(model)}")
         await self.chat_screen.engine_ready(None if error is None else "the model did not load")
         return error
 

@@ -17,7 +17,7 @@ from textual.message import Message as TextualMessage
 
 from nanochat.app.controller import Chat, ChatController, describe_settings, setting_value
 from nanochat.app.conversation import ChatError, Message
-from nanochat.app.export import model_display_name
+from nanochat.app.export import model_name
 from nanochat.app.options import on_off
 from nanochat.app.tui import commands as slash
 from nanochat.app.tui.messages import LoadModel
@@ -189,7 +189,7 @@ class ChatCommands:
         self.screen.refresh_chat_status()
         said = {True: "Thinking on", False: "Thinking off", None: "Thinking: the model's default"}[on]
         if model is not None and not model.thinking_switch:
-            self.notify(f"{said} for this chat, but {model_display_name(model.model)}'s chat template has no thinking "
+            self.notify(f"{said} for this chat, but {model_name(model.model)}'s chat template has no thinking "
                         "switch (enable_thinking): nothing changes with this model", severity="warning", timeout=8)
         else:
             self.notify(f"{said} for this chat, from its next reply")
@@ -244,7 +244,7 @@ class ChatCommands:
         if isinstance(app.screen, ModelPicker):
             return
         current = self.controller.model
-        await app.push_screen(ModelPicker(self.discover, model_display_name(current.model if current else None)))
+        await app.push_screen(ModelPicker(self.discover, model_name(current.model if current else None)))
 
     async def bench(self, arg: str) -> None:
         tier = "fast"
