@@ -45,7 +45,7 @@ import torch
 
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.cpp_build import LazyLibrary, build_library
-from nanochat.kernels.qweight import QuantWeight
+from nanochat.kernels.qweight import QuantWeight, Shaped
 
 # dense weight types -> the torch dtype of their values
 DENSE_TYPES = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
@@ -166,20 +166,12 @@ def _check(rc: int, what: str) -> None:
 
 
 @dataclass
-class PackedWeight:
+class PackedWeight(Shaped):
     """A weight repacked for the kernels: uint8 `data` [ceil(out / 16), packed bytes per tile row]."""
 
     ggml_type: int
     shape: tuple[int, int]
     data: torch.Tensor
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
 
 
 def packed_bytes(ggml_type: int, out_features: int, in_features: int) -> int:

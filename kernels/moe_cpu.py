@@ -30,7 +30,7 @@ from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.cpu_decoder import activation
 from nanochat.kernels.options import DEFAULT, KernelOptions
-from nanochat.kernels.qweight import QuantWeight
+from nanochat.kernels.qweight import QuantWeight, Shaped
 
 DENSE_TYPES = frozenset({gq.F32, gq.F16, gq.BF16})
 KERNEL_TYPES = cpu_qgemv.KERNEL_TYPES - DENSE_TYPES
@@ -46,7 +46,7 @@ class _Mat(ctypes.Structure):
 
 
 @dataclass
-class StackedWeight:
+class StackedWeight(Shaped):
     """One projection of every expert: shape (experts, out_features, in_features), torch order.
 
     Quantized: `data` is uint8 [E, out, bytes_per_row] of raw GGML blocks; rows may be strided
@@ -60,14 +60,6 @@ class StackedWeight:
     @property
     def num_experts(self) -> int:
         return self.shape[0]
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[2]
 
     @property
     def quantized(self) -> bool:

@@ -47,7 +47,7 @@ from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.gguf_quants import _bits32, _f16, _k_scale_min, _nibbles, _split_bits
 from nanochat.kernels.options import DEFAULT, KernelOptions
-from nanochat.kernels.qweight import QuantWeight
+from nanochat.kernels.qweight import QuantWeight, Shaped
 
 GROUP = 32
 # torch >= 2.6 has the CPU int4 kernel; without it the CPU falls back to dense weights.
@@ -59,7 +59,7 @@ _SPREAD16_TYPES = frozenset({gq.Q2_K, gq.Q3_K})
 
 
 @dataclass
-class PreparedQuantWeight:
+class PreparedQuantWeight(Shaped):
     """A weight ready for `quant_linear` on its device. Fields by backend:
     q8:     weight = uint8 tiles [ceil(out / 16), tile row bytes] (cpu_qgemv.pack);
     int4:   weight = packed uint8 [out_pad, k_eff // 2], scale_zeros = [k_eff // 32, out_pad, 2] bf16,
@@ -79,14 +79,6 @@ class PreparedQuantWeight:
     prefill_min_rows: int = 0
     levels: int = cpu_qgemv.DEFAULT_LEVELS      # q8: activation levels and threads (KernelOptions)
     threads: int | None = None
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
 
     def nbytes(self) -> int:
         tensors = (self.weight, self.scale_zeros, self.prefill_weight)

@@ -7,8 +7,22 @@ from dataclasses import dataclass
 import torch
 
 
+class Shaped:
+    """out_features / in_features of a weight whose `shape` ends with [out, in] (torch order)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+
 @dataclass
-class QuantWeight:
+class QuantWeight(Shaped):
     """Raw GGML blocks of a 2-D weight [out_features, in_features] (torch order).
 
     `data` is a uint8 tensor of shape [out_features, bytes_per_row], where
@@ -19,14 +33,6 @@ class QuantWeight:
     ggml_type: int
     shape: tuple[int, int]
     data: torch.Tensor
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
 
     @property
     def type_name(self) -> str:
