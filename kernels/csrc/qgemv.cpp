@@ -180,9 +180,11 @@ inline int q3_scale(const uint8_t* s, int j) {
 }
 
 // ------------------------------------------------------------------ repacking
-// Decode one raw block's codes into `q` (unsigned as in the tiles; Q8_0 as int8).
+// Decode one raw block's codes into `q` (unsigned as in the tiles; Q8_0's int8 as its bytes in uint8_t,
+// as values in int16_t).
 
-void raw_codes(int type, const uint8_t* b, uint8_t* q) {
+template <class T>
+void raw_codes(int type, const uint8_t* b, T* q) {
   switch (type) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
       const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
@@ -198,7 +200,7 @@ void raw_codes(int type, const uint8_t* b, uint8_t* q) {
       break;
     }
     case Q8_0:
-      std::memcpy(q, b + 2, 32);
+      for (int j = 0; j < 32; ++j) q[j] = static_cast<T>(static_cast<int8_t>(b[2 + j]));
       break;
     case Q4_K: case Q5_K: {
       const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
@@ -502,7 +504,22 @@ struct RowBlock {
   int16_t c[256];  // (int16: the dot loops below vectorize, e.g. NEON or SSE2 in portable builds)
   float d, m;
   int sc[8][2], mn[8][2];
+  float dg[8][2], mg[8][2];  // d * sc and m * mn (32-element blocks: d and m), the kernels' fp32 products
 };
+
+// RowBlock's scale products, from d, m, sc and mn.
+inline void scale_products(const Fmt& f, RowBlock& rb) {
+  if (f.elems != 256) {
+    rb.dg[0][0] = rb.d;
+    rb.mg[0][0] = rb.m;
+    return;
+  }
+  for (int s = 0; s < 8; ++s)
+    for (int h = 0; h < 2; ++h) {
+      rb.dg[s][h] = rb.d * static_cast<float>(rb.sc[s][h]);
+      rb.mg[s][h] = rb.m * static_cast<float>(rb.mn[s][h]);
+    }
+}
 
 // Integer dot products of codes with activation codes, written in the vector extensions of GCC and
 // Clang: the compilers do not vectorize them as loops inside the block loops, and they are the portable
@@ -552,17 +569,17 @@ void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
     if (f.elems == 256) sub_scales(f.type, raw, s, rb.sc[s], rb.mn[s]);
     for (int e = 0; e < 32; ++e) rb.c[32 * s + e] = static_cast<int16_t>(code(f, b, s, r, e));
   }
+  scale_products(f, rb);
 }
 
 // A raw GGML block.
 void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
-  uint8_t q[256];
-  raw_codes(f.type, b, q);
-  for (int e = 0; e < f.elems; ++e) rb.c[e] = f.type == Q8_0 ? static_cast<int8_t>(q[e]) : q[e];
+  raw_codes(f.type, b, rb.c);
   rb.d = rd_f16(b + raw_d(f.type));
   rb.m = f.m >= 0 ? rd_f16(b + raw_m(f.type)) : 0.0f;
   if (f.elems == 256)
     for (int s = 0; s < 8; ++s) sub_scales(f.type, b + raw_sc(f.type), s, rb.sc[s], rb.mn[s]);
+  scale_products(f, rb);
 }
 
 // y += block kb of a weight row (rb) times row `row` of x: the fp32 operations of the SIMD kernels, in
@@ -573,16 +590,10 @@ void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, i
   dot_halves(rb.c, a.q + row * a.k + kb * f.elems, a.q2 ? a.q2 + row * a.k + kb * f.elems : nullptr, 2 * subs,
              sums);
   for (int s = 0; s < subs; ++s) {
-    float dsc = rb.d, cm = rb.m;  // per sub-block weight scale and min (per 16 elements: dg, mg)
-    float dg[2] = {0, 0}, mg[2] = {0, 0};
-    if (f.elems == 256) {
-      for (int h = 0; h < 2; ++h) {
-        dg[h] = rb.d * static_cast<float>(rb.sc[s][h]);
-        mg[h] = rb.m * static_cast<float>(rb.mn[s][h]);
-      }
-      dsc = dg[0];
-      cm = mg[0];
-    }
+    // the sub-block's weight scale and min (per 16 elements: dg, mg)
+    const float* dg = rb.dg[s];
+    const float* mg = rb.mg[s];
+    const float dsc = dg[0], cm = mg[0];
     const int64_t blk = kb * subs + s;
     const float dx = a.d[row * (a.k / 32) + blk];
     const int32_t* s16 = a.s16 + row * (a.k / 16) + 2 * blk;
