@@ -180,9 +180,11 @@ inline int q3_scale(const uint8_t* s, int j) {
 }
 
 // ------------------------------------------------------------------ repacking
-// Decode one raw block's codes into `q` (unsigned as in the tiles; Q8_0 as int8).
+// Decode one raw block's codes into `q` (unsigned as in the tiles; Q8_0's int8 as its bytes in uint8_t,
+// as values in int16_t).
 
-void raw_codes(int type, const uint8_t* b, uint8_t* q) {
+template <class T>
+void raw_codes(int type, const uint8_t* b, T* q) {
   switch (type) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
       const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
@@ -198,7 +200,7 @@ void raw_codes(int type, const uint8_t* b, uint8_t* q) {
       break;
     }
     case Q8_0:
-      std::memcpy(q, b + 2, 32);
+      for (int j = 0; j < 32; ++j) q[j] = static_cast<T>(static_cast<int8_t>(b[2 + j]));
       break;
     case Q4_K: case Q5_K: {
       const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
@@ -499,10 +501,62 @@ inline void sub_scales(int type, const uint8_t* raw, int s, int sc[2], int mn[2]
 // One row's block as the scalar kernels read it: the codes, d, m (the min of Q4_1 / Q5_1, the dmin of
 // Q2_K / Q4_K / Q5_K), and the K-quants' integer scales and mins of each sub-block's 16-element halves.
 struct RowBlock {
-  int c[256];
+  int16_t c[256];  // (int16: the dot loops below vectorize, e.g. NEON or SSE2 in portable builds)
   float d, m;
   int sc[8][2], mn[8][2];
+  float dg[8][2], mg[8][2];  // d * sc and m * mn (32-element blocks: d and m), the kernels' fp32 products
 };
+
+// RowBlock's scale products, from d, m, sc and mn.
+inline void scale_products(const Fmt& f, RowBlock& rb) {
+  if (f.elems != 256) {
+    rb.dg[0][0] = rb.d;
+    rb.mg[0][0] = rb.m;
+    return;
+  }
+  for (int s = 0; s < 8; ++s)
+    for (int h = 0; h < 2; ++h) {
+      rb.dg[s][h] = rb.d * static_cast<float>(rb.sc[s][h]);
+      rb.mg[s][h] = rb.m * static_cast<float>(rb.mn[s][h]);
+    }
+}
+
+// Integer dot products of codes with activation codes, written in the vector extensions of GCC and
+// Clang: the compilers do not vectorize them as loops inside the block loops, and they are the portable
+// build's hot loop (SSE2, NEON). |code| <= 128 and |x| <= 127: a product, and the sum of two, fit int16.
+typedef int16_t i16x8 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// 4 lanes that add up to the dot product of 16 codes with 16 activation codes.
+inline i32x4 dot16_parts(const int16_t* c, const int8_t* x) {
+  i16x16 cv;
+  i8x16 xv;
+  std::memcpy(&cv, c, sizeof cv);
+  std::memcpy(&xv, x, sizeof xv);
+  const i16x16 p = cv * __builtin_convertvector(xv, i16x16);
+  const i16x8 pairs = __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+  const i32x8 w = __builtin_convertvector(pairs, i32x8);
+  return __builtin_shufflevector(w, w, 0, 1, 2, 3) + __builtin_shufflevector(w, w, 4, 5, 6, 7);
+}
+
+// isum[h] for the `halves` (an even number) 16-element halves of a block: the dot products of the
+// codes with the activation codes x (with x2: 256 x + x2, the combined codes of two levels).
+inline void dot_halves(const int16_t* c, const int8_t* x, const int8_t* x2, int halves, int* isum) {
+  for (int h = 0; h < halves; h += 2) {
+    i32x4 a = dot16_parts(c + 16 * h, x + 16 * h), b = dot16_parts(c + 16 * h + 16, x + 16 * h + 16);
+    if (x2) {
+      a = a * 256 + dot16_parts(c + 16 * h, x2 + 16 * h);
+      b = b * 256 + dot16_parts(c + 16 * h + 16, x2 + 16 * h + 16);
+    }
+    const i32x4 t = __builtin_shufflevector(a, b, 0, 4, 1, 5) + __builtin_shufflevector(a, b, 2, 6, 3, 7);
+    isum[h] = t[0] + t[2];
+    isum[h + 1] = t[1] + t[3];
+  }
+}
 
 // Row r of tile block b.
 void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
@@ -513,49 +567,37 @@ void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
     for (int k = 0; k < raw_sc_bytes(f.type); ++k) raw[k] = b[f.sc + 16 * k + r];
   for (int s = 0; s < f.elems / 32; ++s) {
     if (f.elems == 256) sub_scales(f.type, raw, s, rb.sc[s], rb.mn[s]);
-    for (int e = 0; e < 32; ++e) rb.c[32 * s + e] = code(f, b, s, r, e);
+    for (int e = 0; e < 32; ++e) rb.c[32 * s + e] = static_cast<int16_t>(code(f, b, s, r, e));
   }
+  scale_products(f, rb);
 }
 
 // A raw GGML block.
 void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
-  uint8_t q[256];
-  raw_codes(f.type, b, q);
-  for (int e = 0; e < f.elems; ++e) rb.c[e] = f.type == Q8_0 ? static_cast<int8_t>(q[e]) : q[e];
+  raw_codes(f.type, b, rb.c);
   rb.d = rd_f16(b + raw_d(f.type));
   rb.m = f.m >= 0 ? rd_f16(b + raw_m(f.type)) : 0.0f;
   if (f.elems == 256)
     for (int s = 0; s < 8; ++s) sub_scales(f.type, b + raw_sc(f.type), s, rb.sc[s], rb.mn[s]);
+  scale_products(f, rb);
 }
 
 // y += block kb of a weight row (rb) times row `row` of x: the fp32 operations of the SIMD kernels, in
 // their order.
 void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, float& y) {
   const int subs = f.elems / 32;
+  int sums[16];
+  dot_halves(rb.c, a.q + row * a.k + kb * f.elems, a.q2 ? a.q2 + row * a.k + kb * f.elems : nullptr, 2 * subs,
+             sums);
   for (int s = 0; s < subs; ++s) {
-    const int* c = rb.c + 32 * s;
-    float dsc = rb.d, cm = rb.m;  // per sub-block weight scale and min (per 16 elements: dg, mg)
-    float dg[2] = {0, 0}, mg[2] = {0, 0};
-    if (f.elems == 256) {
-      for (int h = 0; h < 2; ++h) {
-        dg[h] = rb.d * static_cast<float>(rb.sc[s][h]);
-        mg[h] = rb.m * static_cast<float>(rb.mn[s][h]);
-      }
-      dsc = dg[0];
-      cm = mg[0];
-    }
+    // the sub-block's weight scale and min (per 16 elements: dg, mg)
+    const float* dg = rb.dg[s];
+    const float* mg = rb.mg[s];
+    const float dsc = dg[0], cm = mg[0];
     const int64_t blk = kb * subs + s;
-    const int8_t* xq = a.q + row * a.k + 32 * blk;
     const float dx = a.d[row * (a.k / 32) + blk];
     const int32_t* s16 = a.s16 + row * (a.k / 16) + 2 * blk;
-    int isum[2] = {0, 0};
-    for (int e = 0; e < 32; ++e) isum[e / 16] += c[e] * xq[e];
-    if (a.q2) {
-      const int8_t* xq2 = a.q2 + row * a.k + 32 * blk;
-      int isum2[2] = {0, 0};
-      for (int e = 0; e < 32; ++e) isum2[e / 16] += c[e] * xq2[e];
-      for (int h = 0; h < 2; ++h) isum[h] = 256 * isum[h] + isum2[h];
-    }
+    const int* isum = sums + 2 * s;
     if (f.type == Q6_K || f.type == Q3_K) {
       const int off = f.type == Q6_K ? 32 : 4;
       for (int h = 0; h < 2; ++h) y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - off * s16[h]), y);
@@ -1108,7 +1150,10 @@ void raw_scalar(const Fmt& f, const uint8_t* w, int64_t row_stride, int64_t r0, 
       const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
       std::fill(acc, acc + nt, 0.0f);
       for (int64_t kb = 0; kb < nblk; ++kb) {
-        raw_row_block(f, w + r * row_stride + kb * f.raw_bytes, rb);
+        const uint8_t* b = w + r * row_stride + kb * f.raw_bytes;
+        if (t0 == 0)  // the same block a few rows on (prefetches never fault)
+          for (int i = 0; i < f.raw_bytes; i += 64) __builtin_prefetch(b + 4 * row_stride + i, 0, 3);
+        raw_row_block(f, b, rb);
         for (int64_t t = 0; t < nt; ++t) scalar_block(f, rb, kb, a, idx ? idx[t0 + t] : t0 + t, acc[t]);
       }
       for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r - r0] = acc[t];
@@ -1292,11 +1337,15 @@ __attribute__((always_inline)) inline void fold_rows8(const __m256i v[8], __m256
 
 // acc[t] (8 rows' fp32 sums for row t0 + t of x) += blocks [0, nblk) of 8 weight rows (row r's blocks at
 // rows[r]) times x rows idx[t0 + t] (or t0 + t), t < n. WIDE: two-level dots on the combined int16 codes (AVX2, several rows
-// of x: the codes widened once per row serve them all). pf: prefetch distance (0: none).
-template <int TYPE, bool X2, bool WIDE, bool VNNI>
+// of x: the codes widened once per row serve them all). pf: prefetch distance (0: none). NT = 1: n is 1, and
+// its sums stay in a register (in memory, each sub-block's fp32 chain waits on a store and a load).
+template <int TYPE, bool X2, bool WIDE, bool VNNI, int NT>
 void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Acts& a, const int64_t* idx, int64_t t0,
-               int64_t n, __m256* acc) {
+               int64_t n, __m256* acc_out) {
   using V = V256;
+  __m256 acc_reg = acc_out[0];
+  __m256* acc = NT == 1 ? &acc_reg : acc_out;
+  if constexpr (NT == 1) n = 1;
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32, RAW = f.raw_bytes;
   constexpr int OFF = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0;
@@ -1377,33 +1426,36 @@ void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Act
       }
     });
   }
+  if constexpr (NT == 1) acc_out[0] = acc_reg;
 }
 
 using RawFn = void (*)(const uint8_t* const*, int64_t, int64_t, const Acts&, const int64_t*, int64_t, int64_t,
                       __m256*);
 
 template <int TYPE>
-RawFn raw_fn(bool x2, bool wide, bool vnni) {
+RawFn raw_fn(bool x2, bool wide, bool vnni, bool one) {
 #if NC_ISA >= NC_ISA_AVX512
-  if (vnni) return x2 ? raw_rows8<TYPE, true, false, true> : raw_rows8<TYPE, false, false, true>;
+  if (vnni && one) return x2 ? raw_rows8<TYPE, true, false, true, 1> : raw_rows8<TYPE, false, false, true, 1>;
+  if (vnni) return x2 ? raw_rows8<TYPE, true, false, true, 0> : raw_rows8<TYPE, false, false, true, 0>;
 #endif
   (void)vnni;
-  if (!x2) return raw_rows8<TYPE, false, false, false>;
-  return wide ? raw_rows8<TYPE, true, true, false> : raw_rows8<TYPE, true, false, false>;
+  if (one) return x2 ? raw_rows8<TYPE, true, false, false, 1> : raw_rows8<TYPE, false, false, false, 1>;
+  if (!x2) return raw_rows8<TYPE, false, false, false, 0>;
+  return wide ? raw_rows8<TYPE, true, true, false, 0> : raw_rows8<TYPE, true, false, false, 0>;
 }
 
-RawFn pick_raw(int type, bool x2, bool wide, bool vnni) {
+RawFn pick_raw(int type, bool x2, bool wide, bool vnni, bool one) {
   switch (type) {
-    case Q4_0: return raw_fn<Q4_0>(x2, wide, vnni);
-    case Q4_1: return raw_fn<Q4_1>(x2, wide, vnni);
-    case Q5_0: return raw_fn<Q5_0>(x2, wide, vnni);
-    case Q5_1: return raw_fn<Q5_1>(x2, wide, vnni);
-    case Q8_0: return raw_fn<Q8_0>(x2, wide, vnni);
-    case Q2_K: return raw_fn<Q2_K>(x2, wide, vnni);
-    case Q3_K: return raw_fn<Q3_K>(x2, wide, vnni);
-    case Q4_K: return raw_fn<Q4_K>(x2, wide, vnni);
-    case Q5_K: return raw_fn<Q5_K>(x2, wide, vnni);
-    case Q6_K: return raw_fn<Q6_K>(x2, wide, vnni);
+    case Q4_0: return raw_fn<Q4_0>(x2, wide, vnni, one);
+    case Q4_1: return raw_fn<Q4_1>(x2, wide, vnni, one);
+    case Q5_0: return raw_fn<Q5_0>(x2, wide, vnni, one);
+    case Q5_1: return raw_fn<Q5_1>(x2, wide, vnni, one);
+    case Q8_0: return raw_fn<Q8_0>(x2, wide, vnni, one);
+    case Q2_K: return raw_fn<Q2_K>(x2, wide, vnni, one);
+    case Q3_K: return raw_fn<Q3_K>(x2, wide, vnni, one);
+    case Q4_K: return raw_fn<Q4_K>(x2, wide, vnni, one);
+    case Q5_K: return raw_fn<Q5_K>(x2, wide, vnni, one);
+    case Q6_K: return raw_fn<Q6_K>(x2, wide, vnni, one);
   }
   return nullptr;
 }
@@ -1657,7 +1709,7 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
   const int64_t nblk = a.k / f.elems;
 #if NC_ISA >= NC_ISA_AVX2
   if (g_simd >= NC_ISA_AVX2) {
-    const RawFn fn = pick_raw(type, a.q2 != nullptr, a.c16 != nullptr && n > 1, g_simd >= NC_ISA_AVX512);
+    const RawFn fn = pick_raw(type, a.q2 != nullptr, a.c16 != nullptr && n > 1, g_simd >= NC_ISA_AVX512, n == 1);
     // Prefetch the rows a few groups of 8 ahead (the next ones this thread reads when rows are contiguous),
     // up to row pf_end.
     const int64_t group = 8 * row_stride, ahead = (PF_AHEAD + group - 1) / group * 8, pf = ahead * row_stride;
