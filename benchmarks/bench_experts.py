@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -34,6 +33,8 @@ from nanochat.kernels import cpu_qgemv
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
 from nanochat.kernels.options import KernelOptions
+
+from bench_quant_matmul import timeit   # beside this script
 
 _F16_FIELDS = {gq.Q4_0: (0,), gq.Q5_0: (0,), gq.Q8_0: (0,), gq.Q2_K: (80, 82), gq.Q3_K: (108,), gq.Q4_K: (0, 2),
                gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
@@ -51,14 +52,9 @@ def random_stack(t: int, experts: int, out: int, inp: int, rng: np.random.Genera
 
 
 def timed(fn, seconds: float) -> tuple[float, float]:
-    fn()
-    times = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds or len(times) < 5:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), min(times)
+    """(median, minimum) seconds per call."""
+    med, best = timeit(fn, seconds)
+    return med / 1e6, best / 1e6
 
 
 def bandwidth(threads: int, seconds: float) -> dict[str, float]:

@@ -19,20 +19,12 @@ import torch.nn.functional as F
 
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels import moe_cpu
-from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
+from nanochat.kernels.moe_cpu import HostExperts
 from nanochat.kernels.qweight import QuantWeight
 
-_F16_FIELDS = {gq.Q8_0: (0,), gq.Q4_K: (0, 2), gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
+from bench_experts import random_stack   # beside this script
+
 TYPES = {"Q4_K": gq.Q4_K, "Q5_K": gq.Q5_K, "Q6_K": gq.Q6_K, "Q8_0": gq.Q8_0}
-
-
-def random_stack(t: int, experts: int, out: int, inp: int, rng: np.random.Generator) -> StackedWeight:
-    elems, nbytes = gq.BLOCK_SIZES[t]
-    blocks = rng.integers(0, 256, size=(experts * out * inp // elems, nbytes), dtype=np.uint8)
-    for off in _F16_FIELDS[t]:
-        scales = rng.uniform(1e-3, 0.05, blocks.shape[0]).astype(np.float16)
-        blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return StackedWeight(t, (experts, out, inp), torch.from_numpy(blocks.reshape(experts, out, inp // elems * nbytes)))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
