@@ -243,6 +243,13 @@ def _dense_writer(arch: str, name: str, s: dict, h: int, ff: int, nh: int, nkv: 
     return w
 
 
+def _qk_norm_attention(p: str, h: int, hd: int, nh: int, nkv: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One layer's attention tensors with q/k norms (Qwen3, Gemma 3), in llama.cpp's names and order."""
+    return [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (nh * hd, h)), (p + "attn_k.weight", (nkv * hd, h)),
+            (p + "attn_v.weight", (nkv * hd, h)), (p + "attn_output.weight", (h, nh * hd)),
+            (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
+
+
 def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02, **shape) -> Path:
     """A qwen3 GGUF with random weights (F16 matrices, F32 norms), streamed tensor by tensor."""
     s = {**QWEN3_0_6B, **shape}
@@ -250,11 +257,9 @@ def write_qwen3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h))]
     for i in range(s["layers"]):
         p = f"blk.{i}."
-        tensors += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (nh * hd, h)),
-                    (p + "attn_k.weight", (nkv * hd, h)), (p + "attn_v.weight", (nkv * hd, h)),
-                    (p + "attn_output.weight", (h, nh * hd)), (p + "attn_q_norm.weight", (hd,)),
-                    (p + "attn_k_norm.weight", (hd,)), (p + "ffn_norm.weight", (h,)),
-                    (p + "ffn_gate.weight", (ff, h)), (p + "ffn_up.weight", (ff, h)), (p + "ffn_down.weight", (h, ff))]
+        tensors += _qk_norm_attention(p, h, hd, nh, nkv) + [
+            (p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (ff, h)), (p + "ffn_up.weight", (ff, h)),
+            (p + "ffn_down.weight", (h, ff))]
     tensors.append(("output_norm.weight", (h,)))   # tied embeddings: no output.weight
 
     w = _dense_writer("qwen3", "Qwen3-0.6B-shaped random weights (nanochat benchmarks)", s, h, ff, nh, nkv, hd)
@@ -482,12 +487,9 @@ def write_gemma3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.0
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s["vocab"], h))]
     for i in range(s["layers"]):
         p = f"blk.{i}."
-        tensors += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (nh * hd, h)),
-                    (p + "attn_k.weight", (nkv * hd, h)), (p + "attn_v.weight", (nkv * hd, h)),
-                    (p + "attn_output.weight", (h, nh * hd)), (p + "attn_q_norm.weight", (hd,)),
-                    (p + "attn_k_norm.weight", (hd,)), (p + "post_attention_norm.weight", (h,)),
-                    (p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (ff, h)), (p + "ffn_up.weight", (ff, h)),
-                    (p + "ffn_down.weight", (h, ff)), (p + "post_ffw_norm.weight", (h,))]
+        tensors += _qk_norm_attention(p, h, hd, nh, nkv) + [
+            (p + "post_attention_norm.weight", (h,)), (p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (ff, h)),
+            (p + "ffn_up.weight", (ff, h)), (p + "ffn_down.weight", (h, ff)), (p + "post_ffw_norm.weight", (h,))]
     tensors.append(("output_norm.weight", (h,)))
 
     w = _dense_writer("gemma3", "Gemma-3-1B-shaped random weights (nanochat benchmarks)", s, h, ff, nh, nkv, hd)
