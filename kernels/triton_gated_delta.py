@@ -55,20 +55,16 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _recurrent_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, fresh_ptr,
-        s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_bn, s_on, s_oh, s_ss, s_sh,
-        scale,
-        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        L2: tl.constexpr, HAS_FRESH: tl.constexpr,
-    ):
+    def _sequence_state(state_ptr, cu_ptr, slot_ptr, fresh_ptr, s_ss, s_sh, GROUP: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_FRESH: tl.constexpr):
+        """This program's sequence (its token range), head, key/value lanes and state tile, loaded (zero
+        for a fresh sequence)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         start = tl.load(cu_ptr + b).to(tl.int64)
         end = tl.load(cu_ptr + b + 1).to(tl.int64)
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        hk = h // GROUP
         rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
         k_ok = rk < DK
@@ -79,6 +75,19 @@ if triton is not None:
         if HAS_FRESH:
             fresh = tl.load(fresh_ptr + b)
             s = tl.where(fresh != 0, 0.0, s)
+        return start, end, h // GROUP, rk, rv, k_ok, v_ok, s_ptrs, s_mask, s
+
+    @triton.jit
+    def _recurrent_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, fresh_ptr,
+        s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_gn, s_bn, s_on, s_oh, s_ss, s_sh,
+        scale,
+        GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        L2: tl.constexpr, HAS_FRESH: tl.constexpr,
+    ):
+        h = tl.program_id(1)
+        start, end, hk, rk, rv, k_ok, v_ok, s_ptrs, s_mask, s = _sequence_state(
+            state_ptr, cu_ptr, slot_ptr, fresh_ptr, s_ss, s_sh, GROUP, DK, DV, BK, BV, HAS_FRESH)
         for t in range(start, end):
             q = tl.load(q_ptr + t * s_qn + hk * s_qh + rk, mask=k_ok, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + t * s_kn + hk * s_kh + rk, mask=k_ok, other=0.0).to(tl.float32)
@@ -104,24 +113,10 @@ if triton is not None:
         GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         CHUNK: tl.constexpr, L2: tl.constexpr, HAS_FRESH: tl.constexpr,
     ):
-        b = tl.program_id(0)
         h = tl.program_id(1)
-        vb = tl.program_id(2)
-        start = tl.load(cu_ptr + b).to(tl.int64)
-        end = tl.load(cu_ptr + b + 1).to(tl.int64)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        hk = h // GROUP
-        rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
+        start, end, hk, rk, rv, k_ok, v_ok, s_ptrs, s_mask, s = _sequence_state(
+            state_ptr, cu_ptr, slot_ptr, fresh_ptr, s_ss, s_sh, GROUP, DK, DV, BK, BV, HAS_FRESH)
         rc = tl.arange(0, CHUNK)
-        k_ok = rk < DK
-        v_ok = rv < DV
-        s_ptrs = state_ptr + slot * s_ss + h * s_sh + rk[:, None] * DV + rv[None, :]
-        s_mask = k_ok[:, None] & v_ok[None, :]
-        s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
-        if HAS_FRESH:
-            fresh = tl.load(fresh_ptr + b)
-            s = tl.where(fresh != 0, 0.0, s)
         causal = rc[:, None] >= rc[None, :]
         strict = rc[:, None] > rc[None, :]
         eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
