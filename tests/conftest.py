@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -146,3 +147,26 @@ def gone(pid: int, within: float = 10.0) -> bool:
             pass
         time.sleep(0.05)
     return False
+
+
+@contextlib.contextmanager
+def before_a_guard_page(src: torch.Tensor):
+    """A copy of `src` (uint8, any shape) whose last byte sits just before an inaccessible page: a kernel
+    that reads past it faults. The page is made accessible again on exit."""
+    import ctypes
+    import mmap
+
+    nbytes, page = src.numel(), mmap.PAGESIZE
+    pages = -(-nbytes // page)
+    buf = mmap.mmap(-1, (pages + 4) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    guard = base + (pages + 1) * page
+    assert libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), 0) == 0  # PROT_NONE
+    data = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=guard - base - nbytes)
+    data.copy_(src.reshape(-1))
+    try:
+        yield data.view(src.shape)
+    finally:
+        libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), mmap.PROT_READ | mmap.PROT_WRITE)
+        del data

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import before_a_guard_page
 import torch
 
 from nanochat.kernels import cpu_qgemv
@@ -205,30 +207,14 @@ def test_weight_ending_at_unmapped_memory(t):
     """The kernels prefetch the weight stream ahead of the block they read, past the end of the weight on
     the last tiles: prefetches must stay prefetches (never fault). The weight here ends where an
     inaccessible page begins."""
-    import ctypes
-    import mmap
-
     in_f = 1024 if t in DENSE else 512  # a tile of 16 rows: 4-32 KB, so prefetches reach the guard page
     pw = cpu_qgemv.pack(_weight(t, 40, in_f, seed=6))
-    nbytes, page = pw.data.numel(), mmap.PAGESIZE
-    pages = -(-nbytes // page)
-    buf = mmap.mmap(-1, (pages + 4) * page)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
-    guard = base + (pages + 1) * page
-    assert libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), 0) == 0  # PROT_NONE
-    data = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=guard - base - nbytes)
-    data.copy_(pw.data.view(-1))
-    data = data.view(pw.data.shape)
     x = torch.randn(9, in_f)
-    try:
+    with before_a_guard_page(pw.data) as data:
         for threads in (1, 2):
             for n in (1, 9):
                 y = cpu_qgemv.linear(x[:n], t, data, 40, threads=threads)
                 assert torch.equal(y, cpu_qgemv.matmul(x[:n], pw))
-    finally:
-        libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), mmap.PROT_READ | mmap.PROT_WRITE)
-        del data
 
 
 def test_bf16_and_strided_io():

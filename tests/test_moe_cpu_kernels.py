@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from conftest import before_a_guard_page
 import torch
 import torch.nn.functional as F
 
@@ -114,33 +116,20 @@ def test_rows_ending_at_unmapped_memory(lib, ggml_type, k):
     """A memory map's last expert ends where the file does: the kernels read no byte past a row's last
     block (their prefetches may run on; they never fault). The rows here end where an inaccessible page
     begins, on every code path."""
-    import ctypes
-    import mmap
-
     rows = 24
     raw = torch.from_numpy(random_rows(ggml_type, rows, k, np.random.default_rng(ggml_type + 2)))
     qw = QuantWeight(ggml_type, (rows, k), raw)
-    nbytes, page = raw.numel(), mmap.PAGESIZE
-    pages = -(-nbytes // page)
-    buf = mmap.mmap(-1, (pages + 4) * page)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
-    guard = base + (pages + 1) * page
-    assert libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), 0) == 0  # PROT_NONE
-    data = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=guard - base - nbytes)
-    data.copy_(raw.view(-1))
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
     names = list(cpu_qgemv.SIMD_LEVELS.values())
-    try:
-        for level in names[:names.index(cpu_qgemv.simd_level()) + 1]:
-            cpu_qgemv.set_simd_level(level)
-            for n in (1, 5):
-                y = moe_cpu.quant_matmul(QuantWeight(ggml_type, (rows, k), data.view(raw.shape)), x[:n])
-                assert torch.equal(y, moe_cpu.quant_matmul(qw, x[:n])), level
-    finally:
-        cpu_qgemv.set_simd_level(None)
-        libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(3 * page), mmap.PROT_READ | mmap.PROT_WRITE)
-        del data
+    with before_a_guard_page(raw) as data:
+        try:
+            for level in names[:names.index(cpu_qgemv.simd_level()) + 1]:
+                cpu_qgemv.set_simd_level(level)
+                for n in (1, 5):
+                    y = moe_cpu.quant_matmul(QuantWeight(ggml_type, (rows, k), data), x[:n])
+                    assert torch.equal(y, moe_cpu.quant_matmul(qw, x[:n])), level
+        finally:
+            cpu_qgemv.set_simd_level(None)
 
 
 @pytest.mark.parametrize("levels", [1, 2])
