@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from nanochat.engine.rules import FRACTION, KV_CACHE_GIB, POSITIVE_INT, THREADS, TP_SIZE, check, shown
+from nanochat.kernels.options import ACT_LEVELS
 
 if TYPE_CHECKING:
     import torch
@@ -85,10 +86,6 @@ def valid_device(name) -> bool:
     """cpu, cuda, cuda:N (N digits) or auto."""
     return isinstance(name, str) and (name in ("cpu", "cuda", "auto")
                                       or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit()))
-
-
-def default_cpu_threads() -> int:
-    return max(1, (os.cpu_count() or 2))
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -196,12 +193,12 @@ class Config:
         if self.device == "cpu" and (local or self.tensor_parallel_size) > cpus:
             raise ValueError(f"tensor_parallel_size must be at most {cpus} on the CPU (this machine's CPUs: each "
                              f"rank needs one), got {self.tensor_parallel_size}")
-        if self.act_levels not in (1, 2):
+        if self.act_levels not in ACT_LEVELS:
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 
     def cpu_thread_count(self) -> int:
         """The engine's CPU threads (torch's and the kernels'): cpu_threads, else this rank's share of the CPUs."""
-        return self.cpu_threads or max(1, default_cpu_threads() // self.tensor_parallel_size)
+        return self.cpu_threads or max(1, (os.cpu_count() or 2) // self.tensor_parallel_size)
 
     def kernel_options(self):
         """The options this engine hands its model and kernels (kernels/options.py): each engine its own."""
