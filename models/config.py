@@ -94,6 +94,14 @@ class ModelConfig:
     attention_scale: float = 0.0
     local_rope_theta: float = 0.0
     final_logit_softcapping: float = 0.0
+    # gpt-oss: a learned per-head logit in every attention softmax (attention sinks); the router's top-k taken
+    # on its logits, then softmax over the chosen ("topk_softmax"; else softmax, then top-k); the experts'
+    # clamped SwiGLU ("swiglu_oai": (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)).
+    attention_sinks: bool = False
+    moe_router: str = "softmax_topk"
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -171,7 +179,9 @@ class ModelConfig:
             name=name,
             num_experts=num_experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
+            # gpt-oss and Mixtral name the experts' width intermediate_size
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") or 0
+                                                                       if num_experts else 0),
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             norm_topk_prob=norm_topk,
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
@@ -257,6 +267,9 @@ def _family_options(cfg: dict, family: FamilySpec, per_type: dict | None) -> dic
         raise ValueError("attn_logit_softcapping (Gemma 2's soft-capped attention scores) is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an embedding model, not a causal LM) is not supported")
+    if family.moe_router != "softmax_topk" or family.expert_act != "silu" or family.attention_sinks:
+        out.update(attention_sinks=family.attention_sinks, moe_router=family.moe_router, expert_act=family.expert_act,
+                   swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     if family.logit_softcapping and cfg.get("final_logit_softcapping") is not None:
         cap = cfg["final_logit_softcapping"]
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
@@ -287,7 +300,7 @@ MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
 
 # RoPE scaling types models/layers/common.py implements.
-ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors", "longrope")
+ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 MAX_CONTEXT = 2**30
 
 
@@ -385,7 +398,7 @@ def _check_rope_scaling(c: _Checker) -> None:
     if kind not in ROPE_SCALING_TYPES:
         c.fail("rope_scaling", f"supported RoPE scaling types: {', '.join(ROPE_SCALING_TYPES)}", value=kind)
     factor = scaling.get("factor")
-    if kind in ("linear", "llama3") and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+    if kind in ("linear", "llama3", "yarn") and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
         c.fail("rope_scaling", "its factor must be a finite positive number", value=factor)
     if kind == "longrope":
         half = c.cfg.rotary_dim // 2
@@ -399,6 +412,14 @@ def _check_rope_scaling(c: _Checker) -> None:
         attention = scaling.get("attention_factor")
         if isinstance(attention, bool) or not isinstance(attention, (int, float)) or not 0 < attention < math.inf:
             c.fail("rope_scaling", "its attention_factor must be a finite positive number", value=attention)
+    if kind == "yarn":
+        orig = scaling.get("original_max_position_embeddings")
+        if isinstance(orig, bool) or not isinstance(orig, (int, float)) or not 1 < orig < math.inf:
+            c.fail("rope_scaling", "its original_max_position_embeddings must be a number above 1", value=orig)
+        for key in ("beta_fast", "beta_slow", "attention_factor"):
+            v = scaling.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                c.fail("rope_scaling", f"its {key} must be a finite positive number", value=v)
     if kind == "freq_factors":
         factors = scaling.get("freq_factors") or []
         if len(factors) != c.cfg.rotary_dim // 2:
@@ -463,6 +484,8 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, Shapes]:
         "v_proj.weight": (((kv, h),), f"{kv_why}, by hidden_size {h}"),
         "o_proj.weight": (((h, q),), f"hidden_size {h} by {q_why.replace(' x 2 (output gate)', '')}"),
         "q_proj.bias": (((q * gate,),), q_why),
+        "o_proj.bias": (((h,),), f"hidden_size {h}"),
+        "sinks.weight": (((cfg.num_attention_heads,),), f"num_attention_heads {cfg.num_attention_heads}"),
         "k_proj.bias": (((kv,),), kv_why),
         "v_proj.bias": (((kv,),), kv_why),
         "q_norm.weight": (((hd,),), f"head_dim {hd}"),
@@ -508,6 +531,10 @@ def _mlp_shapes(cfg: ModelConfig, layer: int, rest: str) -> Shapes | None:
         shape = (h, i) if m.group(2) == "down" else (i, h)
         return (shape,), f"moe_intermediate_size {i} and hidden_size {h}"
     return {"gate.weight": (((e, h),), f"num_experts {e} by hidden_size {h}"),
+            "gate.bias": (((e,),), f"num_experts {e}"),
+            "experts.gate_proj.bias": (((e, i),), f"num_experts {e} by moe_intermediate_size {i}"),
+            "experts.up_proj.bias": (((e, i),), f"num_experts {e} by moe_intermediate_size {i}"),
+            "experts.down_proj.bias": (((e, h),), f"num_experts {e} by hidden_size {h}"),
             "experts.gate_up_proj": (((e, 2 * i, h),),
                                      f"num_experts {e}, 2 x moe_intermediate_size {i}, hidden_size {h}"),
             "experts.down_proj": (((e, h, i),), f"num_experts {e}, hidden_size {h}, moe_intermediate_size {i}"),
@@ -541,6 +568,8 @@ def required_tensors(cfg: ModelConfig, names: Collection[str]) -> Iterator[str]:
                 yield from (f"{a}.{x}_norm.weight" for x in "qk")
             if cfg.attention_bias:
                 yield from (f"{a}.{x}_proj.bias" for x in "qkv")
+            if cfg.attention_sinks:
+                yield f"{a}.sinks.weight"
         m = f"{p}.mlp"
         if not cfg.is_moe_layer(i):
             yield from (f"{m}.{x}_proj.weight" for x in ("gate", "up", "down"))

@@ -89,7 +89,11 @@ _HYBRID_BLOCK = {
     "linear_attn.out_proj": "ssm_out",
 }
 HYBRID_ARCHS = ("qwen3next", "qwen35moe", "qwen35")
-MOE_ARCHS = ("qwen3moe", "qwen3next", "qwen35moe")
+MOE_ARCHS = ("qwen3moe", "qwen3next", "qwen35moe", "gpt-oss")
+# gpt-oss (GptOssModel): its router and sinks, post_attention_norm before the MLP; experts in their own layout
+# (convert_moe_state).
+_GPT_OSS_BLOCK = {**_MOE_BLOCK, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp",
+                  "self_attn.sinks": "attn_sinks"}
 _KEEP_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
 
 
@@ -497,7 +501,12 @@ def _add_moe_metadata(w: gguf.GGUFWriter, cfg: dict, arch: str, head_dim: int) -
     if arch in MOE_ARCHS:
         w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        if arch == "gpt-oss":   # GptOssModel: the window (every second layer, llama.cpp's rule), YaRN's betas
+            w.add_sliding_window(int(cfg["sliding_window"]))
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            w.add_rope_scaling_yarn_beta_fast(float(rope.get("beta_fast", 32.0)))
+            w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow", 1.0)))
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         if arch == "qwen3moe" and cfg.get("norm_topk_prob") is not None:
@@ -530,7 +539,7 @@ def _moe_qtype(gname: str, x: np.ndarray, linears: T, experts: T | None) -> T:
     """llama.cpp-like choices: experts as asked, routers / conv / vectors F32, others `linears`."""
     base = gname.split(".")[-2] if gname.startswith("blk.") else gname.split(".")[0]
     qtype = (experts or linears) if base.endswith("_exps") else linears
-    if x.ndim == 1 or base in _KEEP_F32:
+    if x.ndim == 1 or base in _KEEP_F32 or gname.endswith(".bias"):   # gpt-oss's expert biases are 2-D
         return T.F32
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     return qtype if x.shape[-1] % block == 0 else T.F32
@@ -546,7 +555,7 @@ def _tile_heads(x: np.ndarray, axis: int, nk: int, r: int, head: int) -> np.ndar
 def convert_moe_state(state: Mapping[str, torch.Tensor], cfg: dict, arch: str) -> dict[str, np.ndarray]:
     """HF tensors -> GGUF tensors (float32, torch order), transformed like llama.cpp's converter."""
     hybrid = arch in HYBRID_ARCHS
-    table = _HYBRID_BLOCK if hybrid else _MOE_BLOCK
+    table = _HYBRID_BLOCK if hybrid else _GPT_OSS_BLOCK if arch == "gpt-oss" else _MOE_BLOCK
     nk, nv = cfg.get("linear_num_key_heads") or 0, cfg.get("linear_num_value_heads") or 0
     dk, dv = cfg.get("linear_key_head_dim") or 0, cfg.get("linear_value_head_dim") or 0
     tile = arch in ("qwen35moe", "qwen35") and nk and nv != nk
@@ -568,6 +577,21 @@ def convert_moe_state(state: Mapping[str, torch.Tensor], cfg: dict, arch: str) -
         if len(parts) < 4 or parts[:2] != ["model", "layers"]:
             continue
         blk, rest = f"blk.{parts[2]}", parts[3]
+        if arch == "gpt-oss" and rest.startswith("mlp.experts."):
+            # [E, in, out] with gate|up interleaved along out (even gate, odd up); biases [E, out]
+            if rest == "mlp.experts.gate_up_proj":
+                x = np.ascontiguousarray(x.transpose(0, 2, 1))
+                out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = x[:, 0::2], x[:, 1::2]
+            elif rest == "mlp.experts.down_proj":
+                out[f"{blk}.ffn_down_exps.weight"] = np.ascontiguousarray(x.transpose(0, 2, 1))
+            elif rest == "mlp.experts.gate_up_proj_bias":
+                out[f"{blk}.ffn_gate_exps.bias"], out[f"{blk}.ffn_up_exps.bias"] = x[:, 0::2], x[:, 1::2]
+            elif rest == "mlp.experts.down_proj_bias":
+                out[f"{blk}.ffn_down_exps.bias"] = x
+            continue
+        if arch == "gpt-oss" and rest == "self_attn.sinks":
+            out[f"{blk}.attn_sinks.weight"] = x
+            continue
         if rest == "mlp.experts.gate_up_proj":          # fused [E, 2I, H]: gate = first I rows
             half = x.shape[1] // 2
             out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = x[:, :half], x[:, half:]

@@ -46,7 +46,16 @@ class DenseAttention(nn.Module):
             bias = torch.cat([w.dense(f"{prefix}.{p}_proj.bias", rows=r)
                               for p, r in zip("qkv", rows or [None] * 3)])
         self.qkv_proj = Linear(w.linear_weight(names, rows), bias)
-        self.o_proj = Linear(w.linear_weight([o_name], cols=cols), reduce=w.tp if w.tp.on else None)
+        # An output bias (gpt-oss, Llama's attention_bias) is added before the ranks' partial sums are reduced:
+        # rank 0's alone carries it.
+        o_bias = f"{prefix}.o_proj.bias"
+        o_bias = w.dense(o_bias) if o_bias in w.names and w.tp.rank == 0 else None
+        self.o_proj = Linear(w.linear_weight([o_name], cols=cols), o_bias, reduce=w.tp if w.tp.on else None)
+        # gpt-oss's per-head sink logits (fp32, this rank's query heads)
+        self.sinks = None
+        if cfg.attention_sinks:
+            sinks = w.dense(f"{prefix}.sinks.weight", torch.float32)
+            self.sinks = sinks[shard.q_start:shard.q_start + self.num_heads].contiguous()
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
@@ -73,7 +82,7 @@ class DenseAttention(nn.Module):
             q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:qk_size].view(n, self.num_kv_heads, self.head_dim)
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, sinks=self.sinks)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

@@ -1,6 +1,8 @@
 """Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3 attention (q/k norm, NeoX RoPE) with sparse MoE MLPs.
 
-Layers listed in mlp_only_layers, or off the decoder_sparse_step grid, keep a dense MLP.
+Layers listed in mlp_only_layers, or off the decoder_sparse_step grid, keep a dense MLP. The same decoder
+serves gpt-oss (models/families/gpt_oss.py): its differences are options of the attention (windows, sinks,
+biases) and of the MoE block (router, expert activation, biases).
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ def load_mlp(cfg: ModelConfig, w: WeightLoader, i: int) -> nn.Module:
     return SparseMoeBlock(cfg, w, prefix) if cfg.is_moe_layer(i) else GatedMLP(w, prefix)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, i: int, backend, rotary):
         super().__init__()
         p = f"model.layers.{i}"
         self.input_layernorm = RMSNorm(w.dense(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
-        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary)
+        self.self_attn = DenseAttention(cfg, w, f"{p}.self_attn", backend, rotary, cfg.layer_windows[i])
         self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp = load_mlp(cfg, w, i)
 
@@ -35,7 +37,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class MoeForCausalLM(nn.Module):
     is_hybrid = False
 
     def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
@@ -44,7 +46,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.backend = AttentionBackend(w.device, block_size)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim, max_positions, w.device)
         self.embed_tokens, self.lm_head = embedding_and_head(cfg, w)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, w, i, self.backend, self.rotary)
+        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, w, i, self.backend, self.rotary)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
 
@@ -63,5 +65,5 @@ class Qwen3MoeForCausalLM(nn.Module):
 
 # transformers' default: no renormalisation of the routing weights for Qwen3-MoE (GGUF files: llama.cpp's default,
 # on, unless the file says otherwise).
-QWEN3_MOE = FamilySpec("qwen3_moe", Qwen3MoeForCausalLM, gguf_arch="qwen3moe", moe=True, qk_norm=True,
+QWEN3_MOE = FamilySpec("qwen3_moe", MoeForCausalLM, gguf_arch="qwen3moe", moe=True, qk_norm=True,
                        sliding_window="none", norm_topk_prob=False, block_tensors=MOE_BLOCK_TENSORS)

@@ -4,7 +4,7 @@ is Llama's. Each family has its own file under models/families/; models/families
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,11 @@ class FamilySpec:
     # whether that default is the rule whatever the file says (Qwen3.5 MoE).
     norm_topk_prob: bool = True
     norm_topk_fixed: bool = False
+    # gpt-oss: attention sinks, top-k before the router's softmax, the experts' clamped SwiGLU (ModelConfig's
+    # fields of the same names).
+    attention_sinks: bool = False
+    moe_router: str = "softmax_topk"
+    expert_act: str = "silu"
 
     # --- config.json only
     norm_zero_centred: bool = False   # RMSNorm weights w scale by 1 + w (GGUF converters store 1 + w)
@@ -80,6 +85,9 @@ class FamilySpec:
     rope_theta: float = 10000.0
     # Checkpoint tensors holding several of Llama's, in row order (module names inside a layer): Phi-3's.
     hf_fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Checkpoint tensors stored in another layout than the one the model reads (gpt-oss's interleaved, transposed
+    # or MXFP4 experts): (stored names, the ModelConfig) -> {our name: (stored names read, function of them)}.
+    hf_views: Callable[[Collection[str], Any], dict[str, tuple[tuple[str, ...], Callable]]] | None = None
 
     # --- GGUF only
     block_tensors: Mapping[str, str] = field(default_factory=lambda: DENSE_BLOCK_TENSORS)

@@ -603,8 +603,8 @@ class GGUFSource:
 
     def _dense_layers(self, head_dim: int, rope_dim: int | None) -> dict[str, Any]:
         """Per-layer attention windows and RoPE flags, partial RoPE, and the family's options (as llama.cpp
-        reads them) of the dense archs."""
-        if self.family.moe or self.family.hybrid:
+        reads them) of the attention-only archs (dense and MoE)."""
+        if self.family.hybrid:
             return {}
         n = self._num_layers()
         window = self._int("attention.sliding_window", 0, minimum=0) or 0
@@ -624,6 +624,8 @@ class GGUFSource:
             out["local_rope_theta"] = self._float("rope.freq_base_swa", 10000.0)
         if family.logit_softcapping:
             out["final_logit_softcapping"] = self._float("final_logit_softcapping", 0.0)
+        # gpt-oss; llama.cpp fixes its SwiGLU's alpha and limit in code (ModelConfig's defaults)
+        out.update(attention_sinks=family.attention_sinks, moe_router=family.moe_router, expert_act=family.expert_act)
         return out
 
     def _swa_layers(self, n: int) -> tuple[bool, ...]:
@@ -752,6 +754,8 @@ class GGUFSource:
             v = self._number(f"{self.arch}.{key}", self._arch_meta(key), integer=False)
             if v is not None:
                 out[hf_key] = v
+        if kind == "yarn":
+            out["truncate"] = True   # ggml_rope_yarn_corr_dims rounds the correction range out, always
         return out
 
     # ---- tokenizer side ----

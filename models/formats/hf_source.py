@@ -83,6 +83,11 @@ class HFSource:
         self._where = self._index_tensors(root)
         self.file_size = sum(f.stat().st_size for f in {f for f, _ in self._where.values()})
         self._parts = self._split_fused()
+        # A family's views of tensors stored in another layout (gpt-oss's experts): the stored ones are read
+        # through them only, a few kept while a layer's experts are read one by one.
+        self._views = self.family.hf_views(self._where.keys(), self.config) if self.family.hf_views else {}
+        self._hidden = {s for stored, _ in self._views.values() for s in stored}
+        self._recent: dict[str, torch.Tensor] = {}
         self._handles: dict[Path, object] = {}
         self._check_tensors(cfg_path)
 
@@ -98,13 +103,13 @@ class HFSource:
         """Every tensor the model reads is present, a float type, and of the shape config.json implies
         (read from the safetensors headers: no tensor data is touched)."""
         cfg = self.config
-        have = self._where.keys() | self._parts.keys()
+        have = set(self.tensor_names())
         missing = next((n for n in required_tensors(cfg, have) if n not in have), None)
         if missing is not None:
             raise ModelLoadError(f"{self.root}: tensor {missing} is missing; a {cfg.arch} model with "
                                  f"{cfg.num_hidden_layers} layers needs it (incomplete checkpoint?)")
         for name, (f, stored) in self._where.items():
-            expected = expected_shapes(cfg, name)
+            expected = None if name in self._hidden else expected_shapes(cfg, name)
             if expected is None:
                 continue
             try:
@@ -165,9 +170,12 @@ class HFSource:
         return parts
 
     def tensor_names(self) -> list[str]:
-        return [*self._where, *self._parts]
+        return [*(n for n in self._where if n not in self._hidden), *self._parts, *self._views]
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._views:
+            stored, view = self._views[name]
+            return view(*(self._stored(n) for n in stored))
         if name in self._parts:
             fused, start, rows = self._parts[name]
             f, stored = self._where[fused]
@@ -182,11 +190,24 @@ class HFSource:
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
+    def _stored(self, name: str) -> torch.Tensor:
+        """A tensor behind a view, the last few kept (a layer's experts are read one at a time)."""
+        if name not in self._recent:
+            layer = re.match(r"model\.layers\.\d+\.|", name).group()
+            if len(self._recent) >= 8 or any(not n.startswith(layer) for n in self._recent):
+                self._recent.clear()   # another layer's: the views read a layer's tensors together
+            f, stored = self._where[name]
+            try:
+                self._recent[name] = self._handle(f).get_tensor(stored)
+            except Exception as e:
+                raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
+        return self._recent[name]
+
     def inventory(self) -> dict[str, dict]:
-        """Shape, dtype and shard of every tensor, from the safetensors headers (no tensor is read); a part of
-        a fused tensor has no shard of its own."""
+        """Shape, dtype and shard of every stored tensor, from the safetensors headers (no tensor is read); a
+        part of a fused tensor has no shard of its own."""
         out = {}
-        for name in self.tensor_names():
+        for name in [*self._where, *self._parts]:
             if name in self._parts:
                 fused, _, rows = self._parts[name]
                 stored = self._header(fused)
@@ -212,7 +233,8 @@ class HFSource:
         return None
 
     def release(self, name: str) -> None:
-        """Nothing to drop: safetensors tensors are read into memory, not served from a kept map."""
+        """Nothing to drop: safetensors tensors are read into memory, not served from a kept map (the few kept
+        for views go when the views of another layer are read)."""
 
     def describe(self) -> dict:
         return {"kind": self.kind, "name": self.root.name, "arch": self.config.arch, "dtype": self.config.torch_dtype}

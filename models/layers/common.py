@@ -56,9 +56,44 @@ def rope_inv_freq(config: ModelConfig, rotary_dim: int) -> torch.Tensor:
         inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(config, rotary_dim, scaling)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling type {kind!r}")
     return inv_freq.float()
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's factor on cos and sin: the stated one, else 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    stated = scaling.get("attention_factor")
+    if stated is not None:
+        return float(stated)
+    factor = scaling["factor"]
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(config: ModelConfig, rotary_dim: int, scaling: dict) -> torch.Tensor:
+    """YaRN (gpt-oss): interpolated (divided by factor) below the correction range's low end, extrapolated
+    (kept) above its high end, a linear ramp between, as transformers' _compute_yarn_parameters and ggml's
+    rope_yarn. `truncate` (transformers' default, and llama.cpp's only rule) rounds the range out to whole
+    dimensions; gpt-oss's config.json turns it off."""
+    base, factor = config.rope_theta, scaling["factor"]
+    orig = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001   # as transformers: no division by zero
+    # In float32, as both references compute it.
+    extrapolation = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return (extrapolation / factor * (1 - keep) + extrapolation * keep).double()
 
 
 def rope_tables(config: ModelConfig, rotary_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +105,12 @@ def rope_tables(config: ModelConfig, rotary_dim: int, max_positions: int) -> tup
     by prefixes cannot do in place (a token's rotation here depends on its position alone)."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     scaling = config.rope_scaling or {}
-    if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind != "longrope":
         freqs = torch.outer(positions, rope_inv_freq(config, rotary_dim))
+        if kind == "yarn":
+            attention = yarn_attention_factor(scaling)
+            return freqs.cos() * attention, freqs.sin() * attention
         return freqs.cos(), freqs.sin()
     # As transformers computes them, in float32.
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim

@@ -30,13 +30,15 @@ two ranks (384) would not fall on the K-quants' 256-element blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanochat.kernels import gguf_quants as gq
 from nanochat.kernels.cpu_decoder import activation
-from nanochat.kernels.moe_cpu import HostExperts, StackedWeight
+from nanochat.kernels.moe_cpu import HostExperts, StackedWeight, clamped_swiglu
 from nanochat.kernels.qweight import QuantWeight
 from nanochat.models.config import ModelConfig
 from nanochat.models.layers.common import GatedMLP, Linear, WeightLoader
@@ -47,8 +49,13 @@ _DENSE_IDS = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.B
 _GPU_HEADROOM = 1 << 30   # KV cache and activations need room beside the weights
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k])."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          mode: str = "softmax_topk") -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]). "topk_softmax" (gpt-oss): the top k
+    logits, then a softmax over them (weights sum to 1 by construction)."""
+    if mode == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -56,12 +63,48 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+@dataclass(frozen=True)
+class ExpertMLP:
+    """What an expert computes besides its three matmuls: its activation of (gate, up), and per-expert biases
+    on gate, up and down (gpt-oss; None elsewhere), fp32 [E, I], [E, I], [E, H] for the experts held."""
+
+    act: str = "silu"                  # "silu" | "swiglu_oai" (ModelConfig.expert_act)
+    alpha: float = 1.702
+    limit: float = 7.0
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    @classmethod
+    def load(cls, cfg: ModelConfig, w: WeightLoader, prefix: str, first: int, count: int) -> "ExpertMLP":
+        """`prefix`: the layer's "....mlp.experts"; the biases of experts [first, first + count) when the
+        checkpoint has them."""
+        biases = []
+        for p in ("gate", "up", "down"):
+            name = f"{prefix}.{p}_proj.bias"
+            biases.append(w.dense(name, torch.float32, rows=[(first, count)]).contiguous() if name in w.names else None)
+        return cls(cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit, *biases)
+
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor, e: int | torch.Tensor) -> torch.Tensor:
+        """The down projection's input from gate and up rows of expert(s) e (an index, or one per row)."""
+        if self.gate_bias is not None:
+            gate, up = gate + self.gate_bias[e].to(gate.dtype), up + self.up_bias[e].to(up.dtype)
+        if self.act == "swiglu_oai":
+            return clamped_swiglu(gate, up, self.alpha, self.limit)
+        return activation("silu", gate, up)
+
+    def out(self, y: torch.Tensor, e: int | torch.Tensor) -> torch.Tensor:
+        return y if self.down_bias is None else y + self.down_bias[e].to(y.dtype)
+
+
 class Experts(nn.Module):
     """Experts [first, first + num_experts) of the layer (all of them without tensor parallelism)."""
 
-    def __init__(self, w: WeightLoader, prefix: str, num_experts: int, first: int = 0):
+    def __init__(self, w: WeightLoader, prefix: str, num_experts: int, first: int = 0,
+                 mlp: ExpertMLP = ExpertMLP()):
         super().__init__()
         self.num_experts = num_experts
+        self.mlp = mlp
         self.w13 = self.w2 = None          # dense: [E, 2I, H], [E, H, I]
         self.quant = None                  # quantized: nn.ModuleList of (gate_up, down) per expert
         fused = f"{prefix}.gate_up_proj"
@@ -102,14 +145,18 @@ class Experts(nn.Module):
         if self.quant is not None:
             gate_up, down = self.quant[e]
             gate, up = gate_up(x).chunk(2, dim=-1)
-            return down(activation("silu", gate, up))
+            return self.mlp.out(down(self.mlp.hidden(gate, up, e)), e)
         gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-        return F.linear(activation("silu", gate, up), self.w2[e])
+        return self.mlp.out(F.linear(self.mlp.hidden(gate, up, e), self.w2[e]), e)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        rows = torch.repeat_interleave(torch.arange(self.num_experts, device=xs.device), counts,
+                                       output_size=xs.shape[0])   # each row's expert
+        h = self.mlp.hidden(gate, up, rows) if self.mlp.act != "silu" or self.mlp.gate_bias is not None \
+            else F.silu(gate) * up
+        return self.mlp.out(torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs), rows)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> [T, H]."""
@@ -234,7 +281,8 @@ class HostOffloadedExperts(nn.Module):
     """Routed experts computed on the host by kernels.moe_cpu; same call as `Experts`. Holds experts
     [first, first + count) of the layer's num_experts (count None: all)."""
 
-    def __init__(self, w: WeightLoader, prefix: str, num_experts: int, first: int = 0, count: int | None = None):
+    def __init__(self, w: WeightLoader, prefix: str, num_experts: int, first: int = 0, count: int | None = None,
+                 mlp: ExpertMLP = ExpertMLP()):
         super().__init__()
         gate, up, down = host_expert_stacks(w, prefix, num_experts)
         if gate.num_experts != num_experts:
@@ -243,7 +291,9 @@ class HostOffloadedExperts(nn.Module):
             gate, up, down = (StackedWeight(s.ggml_type, (count, *s.shape[1:]), s.data[first:first + count])
                               for s in (gate, up, down))
             num_experts = count
-        self.host = HostExperts(gate, up, down, w.kernels, name=prefix)
+        self.host = HostExperts(gate, up, down, w.kernels, name=prefix, activation=mlp.act, alpha=mlp.alpha,
+                                limit=mlp.limit, gate_bias=mlp.gate_bias, up_bias=mlp.up_bias,
+                                down_bias=mlp.down_bias)
         self.num_experts = num_experts
 
     def to_batch_invariant(self) -> None:
@@ -280,22 +330,24 @@ class HostOffloadedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str):
         super().__init__()
-        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.top_k, self.renormalize, self.router = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.moe_router
         self.tp = w.tp
         # Router logits in the model dtype (as the reference), softmax in fp32. On the CPU the router and the
         # shared expert's gate run on the q8 kernels' dense tiles (exact; cheap at their size): a token's
         # experts and weights must not depend on the tokens beside it (see Linear.to_batch_invariant).
-        self.gate = Linear(w.dense(f"{prefix}.gate.weight"))
+        bias = f"{prefix}.gate.bias"
+        self.gate = Linear(w.dense(f"{prefix}.gate.weight"), w.dense(bias) if bias in w.names else None)
         self.gate.to_batch_invariant()
         self.offloaded = use_host_experts(w, cfg)
         self.first, count = split(cfg.num_experts, w.tp.size, w.tp.rank)
         if w.tp.on and count == 0:
             raise ValueError(f"{prefix}: {cfg.num_experts} experts cannot be split over {w.tp.size} ranks")
+        mlp = ExpertMLP.load(cfg, w, f"{prefix}.experts", self.first, count)
         if self.offloaded:
             self.experts = HostOffloadedExperts(w, f"{prefix}.experts", cfg.num_experts, self.first,
-                                                count if w.tp.on else None)
+                                                count if w.tp.on else None, mlp)
         else:
-            self.experts = Experts(w, f"{prefix}.experts", count, self.first)
+            self.experts = Experts(w, f"{prefix}.experts", count, self.first, mlp)
             self.experts.use_grouped_mm = grouped_mm_usable(w.device, w.dtype)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -309,7 +361,7 @@ class SparseMoeBlock(nn.Module):
         return activation("sigmoid", self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.router)
         if self.tp.on:
             y = self._local_experts(x, ids, weights)
             shared = self._shared(x)
