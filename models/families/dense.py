@@ -53,6 +53,7 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.backend, self.rotary, self.window = backend, rotary, window   # rotary None: no RoPE (NoPE layer)
         self.k_cache = self.v_cache = None   # assigned by the model runner
+        self.sinks: torch.Tensor | None = None   # fp32 [heads] attention sinks, set by families that have them
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -73,7 +74,7 @@ class DenseAttention(nn.Module):
             q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:qk_size].view(n, self.num_kv_heads, self.head_dim)
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        o = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, self.sinks)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
