@@ -33,9 +33,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:n_blocks]].flatten(0, 1)[:length]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, h, d] at the LAST Lq positions of k/v [Lk, kvh, d]; returns [Lq, h, d]. window: 0 = all earlier
-    keys, else W (the query at position p sees keys p - W + 1 .. p)."""
+    keys, else W (the query at position p sees keys p - W + 1 .. p). sinks: fp32 [h], one learned logit per
+    query head in the softmax's denominator with no value (gpt-oss), or None."""
     lq, lk = q.shape[0], k.shape[0]
     if window and lk - lq - window + 1 > 0:   # keys before the first query's window: never seen
         drop = lk - lq - window + 1
@@ -47,7 +49,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     if lq == 1:
-        return _decode_attention(q, k, v, scale)
+        return _decode_attention(q, k, v, scale, sinks)
+    if sinks is not None:
+        return _sink_attention(qt, kt, vt, scale, window, sinks, gqa)[0].transpose(0, 1)
     if window and lk > window:   # the last rows' windows start after key 0: both bounds masked
         rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
         cols = torch.arange(lk, device=q.device).unsqueeze(0)
@@ -63,13 +67,37 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out[0].transpose(0, 1)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _sink_attention(qt, kt, vt, scale: float, window: int, sinks: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """SDPA with attention sinks ([1, heads, L, d] inputs): SDPA has none, so each sink is one more key column,
+    a zero key (score 0) plus an additive mask of the sink's value, with a zero value: exactly
+    exp(sink) in the softmax's denominator and nothing in its numerator."""
+    lq, lk = qt.shape[2], kt.shape[2]
+    zero = kt.new_zeros(1, kt.shape[1], 1, kt.shape[3])
+    kt, vt = torch.cat([kt, zero], 2), torch.cat([vt, zero], 2)
+    rows = torch.arange(lq, device=qt.device).unsqueeze(1) + (lk - lq)
+    cols = torch.arange(lk, device=qt.device).unsqueeze(0)
+    visible = cols <= rows
+    if window:
+        visible &= cols > rows - window
+    bias = torch.zeros(lq, lk, dtype=qt.dtype, device=qt.device).masked_fill_(~visible, float("-inf"))
+    bias = torch.cat([bias.expand(qt.shape[1], lq, lk),
+                      sinks.to(qt.dtype).view(-1, 1, 1).expand(-1, lq, 1)], 2).unsqueeze(0)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale, enable_gqa=gqa)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token: two small matmuls per KV-head group. (SDPA's GQA path on CPU falls back to
-    its math kernel, which is far slower for a single query.)"""
+    its math kernel, which is far slower for a single query.) Sinks: one more score column per head,
+    dropped after the softmax."""
     heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
     qg = q.view(kv_heads, heads // kv_heads, d).float()
     scores = torch.matmul(qg, k.float().permute(1, 2, 0)).mul_(scale)       # [kvh, group, L]
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(kv_heads, heads // kv_heads, 1)], -1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.float().transpose(0, 1))                    # [kvh, group, d]
     return out.view(1, heads, d).to(q.dtype)
 
@@ -77,8 +105,10 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float,
-                    host_lists: tuple[list[int], list[int]] | None = None, window: int = 0) -> torch.Tensor:
-    """Causal attention of ragged query rows over each sequence's paged KV (window as causal_attention).
+                    host_lists: tuple[list[int], list[int]] | None = None, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ragged query rows over each sequence's paged KV (window and sinks as
+    causal_attention).
 
     host_lists: (cu_seqlens_q, context_lens) as Python lists, when the caller already has them, so
     every layer of a step does not read the same small tensors back again."""
@@ -88,5 +118,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lo, hi = starts[b], starts[b + 1]
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
-        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale, window).to(out.dtype)
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale, window, sinks).to(out.dtype)
     return out

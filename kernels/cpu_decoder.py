@@ -63,7 +63,9 @@ class DecoderLayer:
     norms and the qkv bias (all segments') fp32. rope: False leaves the layer without RoPE (SmolLM3's
     NoPE layers); cos / sin: the layer's own RoPE table (else the decoder's). window: 0 = full attention,
     else W (a query at position p sees keys p - W + 1 .. p). attn_out_norm / mlp_out_norm: RMSNorm weights
-    (fp32) on the attention and MLP outputs before their residual adds (Gemma 3), or None."""
+    (fp32) on the attention and MLP outputs before their residual adds (Gemma 3), or None. sinks: the attention
+    sinks (fp32 [heads]: one logit per query head that joins the softmax's denominator and has no value, gpt-oss),
+    or None."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -82,6 +84,7 @@ class DecoderLayer:
     window: int = 0
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
 
 def _bits(v: float) -> int:
@@ -139,11 +142,14 @@ class FusedDecoder:
 
     def _layer_fields(self, i: int, layer: DecoderLayer) -> list[int]:
         d = self.dims
-        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
+        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm",
+                     "sinks"):
             self._keep.append(_fp32(getattr(layer, name), f"layer {i} {name}"))
         for name in ("attn_out_norm", "mlp_out_norm"):
             if getattr(layer, name) is not None and getattr(layer, name).shape != (d.hidden,):
                 raise ValueError(f"fused decoder: layer {i} {name} must have {d.hidden} values")
+        if layer.sinks is not None and layer.sinks.shape != (d.heads,):
+            raise ValueError(f"fused decoder: layer {i} sinks must have {d.heads} values (one per query head)")
         cache_shape = (d.block_size, d.kv_heads, d.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
@@ -171,7 +177,7 @@ class FusedDecoder:
         rope = (_ptr(cos), _ptr(sin)) if layer.rope else (0, 0)
         return [_ptr(layer.input_norm), _ptr(layer.post_norm), *qkv, _ptr(layer.qkv_bias), _ptr(layer.q_norm),
                 _ptr(layer.k_norm), *o, *gate_up, *down, _ptr(layer.k_cache), _ptr(layer.v_cache), *rope,
-                layer.window, _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm)]
+                layer.window, _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), _ptr(layer.sinks)]
 
     def _weight(self, i: int, name: str, w: cpu_qgemv.PackedWeight, rows: int, cols: int) -> list[int]:
         """(type, tiles) of a packed [rows, cols] weight, kept alive by the plan."""
@@ -256,18 +262,23 @@ def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fused step's attention on its own (the module path on the CPU): q [n, heads, head_dim] of the
     rows of each sequence (cu_seqlens_q, the last at context_lens - 1), whose K/V are in the paged caches
     [num_blocks, block_size, kv_heads, head_dim] already; returns float32 [n, heads, head_dim]. The same
     arithmetic as the fused step (a query's output depends only on it, its position and the cache). window: 0 =
-    full attention, else W (a query at position p sees keys p - W + 1 .. p)."""
+    full attention, else W (a query at position p sees keys p - W + 1 .. p). sinks: float32 [heads], a logit per
+    query head in the softmax's denominator only, or None."""
     lib = cpu_qgemv.extension()
     n, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if heads % kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape \
             or v_cache.dtype != k_cache.dtype:
         raise ValueError("paged attention: q and the caches do not fit together")
+    if sinks is not None:
+        if sinks.shape != (heads,):
+            raise ValueError(f"paged attention: sinks must have {heads} values (one per query head)")
+        sinks = sinks.to(torch.float32).contiguous()
     q2 = q.reshape(n, heads * head_dim)
     if q2.dtype != torch.float32 or q2.stride(-1) != 1:
         q2 = q2.float().contiguous()
@@ -279,7 +290,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = lib.nc_dec_attention(q2.data_ptr(), q2.stride(0), n, lens.shape[0], cu.data_ptr(), tables.data_ptr(),
                               tables.stride(0), lens.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                               int(k_cache.dtype == torch.float16), heads, kv_heads, head_dim, k_cache.shape[1], scale,
-                              window, out.data_ptr(), cpu_qgemv.num_threads())
+                              window, _ptr(sinks), out.data_ptr(), cpu_qgemv.num_threads())
     if rc:
         raise RuntimeError(f"paged attention: {_ERRORS.get(rc, f'error {rc}')}")
     return out

@@ -113,7 +113,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_moe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, c_int, c_int]
     lib.nc_dec_forward.argtypes = [p, p, i64, p, p, i64, p, p, i64, p, c_int, c_int]
     lib.nc_dec_attention.argtypes = [p, i64, i64, i64, p, p, i64, p, p, p, c_int, i64, i64, i64, i64, ctypes.c_float,
-                                     i64, p, c_int]
+                                     i64, p, p, c_int]
     lib.nc_dec_activation.argtypes = [c_int, p, i64, p, i64, i64, i64, p, i64, c_int]
     lib.nc_gdn_recurrent.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, i64, i64, p, p, c_int]
     for fn in ("nc_dec_forward", "nc_dec_attention", "nc_dec_activation", "nc_gdn_recurrent", "nc_dec_header_fields",

@@ -2,7 +2,7 @@
 
 Mirrors nanochat.kernels.attention (the torch reference) argument for argument:
   store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
-  paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+  paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window, sinks)
 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged layout).
 Query rows are packed ragged; sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1], and its query
@@ -17,6 +17,8 @@ Attention design (flash-attention style online softmax, fp32 accumulation):
   exits if its tile is past the end. The grid depends only on shapes, so it is CUDA-graph safe.
 - Decode batches too small to fill the GPU split the KV range (flash-decoding): each split writes an
   unnormalised partial (acc, max, sum) and a second kernel merges them.
+- Attention sinks (one logit per query head in the softmax's denominator, no value): the online softmax
+  starts from the sink (running max = sink, sum = 1); with split KV the merge adds it once instead.
 
 The triton import is guarded: importing this module without triton works, calling a function raises.
 """
@@ -110,7 +112,7 @@ if triton is not None:
     @triton.jit
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        cu_ptr, ctx_ptr, bt_ptr,
+        cu_ptr, ctx_ptr, bt_ptr, sinks_ptr,
         scale_log2, num_seqs, num_heads, window,
         s_qn, s_qh, s_qd,
         s_kb, s_kt, s_kh, s_kd,
@@ -121,6 +123,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -167,6 +170,9 @@ if triton is not None:
         # with no visible key gets exp2(-inf - floor) = 0 rather than NaN.
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS and NUM_SPLITS == 1:   # the sink as the first "key": exp2(sink - sink) = 1, value 0
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i += 1.0
         acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * s_bt
         for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -207,10 +213,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(
-        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, sinks_ptr,
         num_heads, s_on, s_oh, s_od,
         HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -223,8 +229,14 @@ if triton is not None:
         l = tl.load(part_l_ptr + part, mask=sp_ok, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
                       mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-        w = tl.exp2(m - tl.max(m, 0))  # empty splits carry the floor max, so weigh ~0
+        top = tl.max(m, 0)
+        if HAS_SINKS:   # the sink's term, once: exp2(sink - top) in the denominator, nothing in the sum of values
+            sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(top, sink)
+        w = tl.exp2(m - top)  # empty splits carry the floor max, so weigh ~0
         denom = tl.sum(w * l, 0)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - top)
         denom = tl.where(denom > 0, denom, 1.0)
         o = tl.sum(acc * w[:, None], 0) / denom
         tl.store(out_ptr + n * s_on + h * s_oh + d * s_od, o.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -333,8 +345,8 @@ def _pick_tiles(head_p2: int, dtype: torch.dtype, decode: bool) -> _Tiles:
     return _Tiles(64, 64, 4 if head_p2 <= 64 else 8, 2)
 
 
-def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window: int = 0, *,
-                          block_m: int | None = None, block_n: int | None = None,
+def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window: int = 0,
+                          sinks: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
                           num_splits: int | None = None) -> torch.Tensor:
     """paged_attention_triton with the tiling knobs exposed (tests use them to cover every path)."""
     _require_triton()
@@ -355,6 +367,11 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block
         raise ValueError(f"cu_seqlens_q must be [B+1] and block_tables [B, max_blocks] for B={n_seqs}; got "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(block_tables.shape)}")
     _check_device(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
+    if sinks is not None:
+        if sinks.shape != (n_heads,):
+            raise ValueError(f"sinks must be [{n_heads}] (one per query head); got {tuple(sinks.shape)}")
+        _check_device(q, sinks)
+        sinks = sinks.to(torch.float32).contiguous()
 
     out = torch.empty_like(q)
     if n_tok == 0 or n_seqs == 0:
@@ -383,29 +400,32 @@ def _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block
     grid = (n_tok // block_q + n_seqs, kvh, num_splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        cu_seqlens_q, context_lens, block_tables,
+        cu_seqlens_q, context_lens, block_tables, out if sinks is None else sinks,
         float(scale) * _LOG2E, n_seqs, n_heads, int(window),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_P2=head_p2, GROUP=group, GROUP_P2=group_p2,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        UPCAST=q.dtype == torch.bfloat16 and _interpreting(),
+        UPCAST=q.dtype == torch.bfloat16 and _interpreting(), HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n_tok, n_heads)](
-            part_acc, part_m, part_l, out, n_heads, *out.stride(),
+            part_acc, part_m, part_l, out, out if sinks is None else sinks, n_heads, *out.stride(),
             HEAD_DIM=head_dim, HEAD_P2=head_p2, NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits),
+            HAS_SINKS=sinks is not None,
         )
     return out
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                           block_tables: torch.Tensor, scale: float, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ragged query rows over each sequence's paged KV (decode and prefill alike); window:
-    0 = full, else W (the query at position p sees keys p - W + 1 .. p)."""
+    0 = full, else W (the query at position p sees keys p - W + 1 .. p); sinks: fp32 [heads], a logit per query
+    head in the softmax's denominator only (gpt-oss), or None."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be 0 (full attention) or a positive integer; got {window!r}")
-    return _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window)
+    return _paged_attention_impl(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window, sinks)

@@ -35,9 +35,9 @@ def ref_store(key, value, k_cache, v_cache, slot_mapping):
             v_cache[slot // bs, slot % bs] = value[i].to(v_cache.dtype)
 
 
-def ref_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window=0):
+def ref_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window=0, sinks=None):
     """Token-by-token gather, explicit causal mask with offset (and the sliding window: keys p - window + 1 .. p),
-    float64 softmax."""
+    float64 softmax; sinks: one more score column per head (the sink's logit) with no value."""
     bs = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
@@ -52,7 +52,12 @@ def ref_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
         pos = torch.arange(hi - lo).unsqueeze(1) + (ctx - (hi - lo))
         keys = torch.arange(ctx).unsqueeze(0)
         s = s.masked_fill((keys > pos) | ((keys <= pos - window) if window else False), float("-inf"))
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+        if sinks is not None:
+            sink_col = sinks.double().view(-1, 1, 1).expand(-1, hi - lo, 1)
+            p = torch.cat([s, sink_col], -1).softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
     return out
 
 
@@ -220,6 +225,44 @@ def test_sliding_window(window, num_splits):
         torch.testing.assert_close(cpu_decoder.paged_attention(*args, 0.2, window), expected, atol=ATOL, rtol=0)
 
 
+def _sinks(h, seed=0):
+    """Sinks of the size of the scores here (|score| ~ 1-3), so they take a real share of each softmax."""
+    return (torch.randn(h, generator=torch.Generator().manual_seed(seed)) * 2).float()
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("block_m,block_n,num_splits", [(None, None, None), (16, 16, 1), (16, 32, 3)])
+def test_attention_sinks(window, block_m, block_n, num_splits):
+    """Sinks in decode rows, prefill from scratch and chunks after cached keys, windowed or not, with the KV range
+    split (the merge kernel adds the sink) or not; GQA of 2."""
+    args = make_batch([1, 19, 7, 1], [60, 19, 40, 9], seed=10 + window)
+    sinks = _sinks(args[0].shape[1])
+    out = ta._paged_attention_impl(*args, 0.2, window, sinks, block_m=block_m, block_n=block_n,
+                                   num_splits=num_splits)
+    expected = ref_attention(*args, 0.2, window, sinks)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert (expected - ref_attention(*args, 0.2, window)).abs().max() > 1e-2   # the sinks changed something
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 1), (6, 2), (2, 2)])
+def test_attention_sinks_gqa_and_decode_splits(h, kvh):
+    args = make_batch([1, 1, 1], [3, 33, 70], h=h, kvh=kvh, seed=11)
+    sinks = _sinks(h, seed=1)
+    expected = ref_attention(*args, 0.25, 0, sinks)
+    for splits in (1, 4):
+        out = ta._paged_attention_impl(*args, 0.25, 0, sinks, num_splits=splits)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ta.paged_attention_triton(*args, 0.25, sinks=sinks), expected, atol=ATOL, rtol=0)
+
+
+def test_attention_sinks_half_precision():
+    args = make_batch(*MIXED, dtype=torch.float16, seed=12)
+    sinks = _sinks(args[0].shape[1], seed=2)
+    out = ta.paged_attention_triton(*args, 0.25, sinks=sinks)
+    f32 = [t.float() if t.is_floating_point() else t for t in args]
+    torch.testing.assert_close(out.float(), ref_attention(*f32, 0.25, 0, sinks), atol=3e-3, rtol=0)
+
+
 def test_bad_inputs_raise_value_error():
     q, k_cache, v_cache, cu, ctx, bt = make_batch([2], [4])
     with pytest.raises(ValueError, match="q must be"):
@@ -228,6 +271,8 @@ def test_bad_inputs_raise_value_error():
         ta.paged_attention_triton(q[:, :3], k_cache, v_cache, cu, ctx, bt, 1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         ta.paged_attention_triton(q, k_cache, v_cache, cu[:1], ctx, bt, 1.0)
+    with pytest.raises(ValueError, match="sinks must be"):
+        ta.paged_attention_triton(q, k_cache, v_cache, cu, ctx, bt, 1.0, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="slot_mapping"):
         ta.store_kvcache_triton(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(2))
 
@@ -264,10 +309,16 @@ _AOT = textwrap.dedent("""
     attn = {p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     attn.update({p: "*fp32" for p in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     attn.update({p: "*i32" for p in ("cu_ptr", "ctx_ptr", "bt_ptr")})
-    build(ta._paged_attn_kernel, attn, dict(HEAD_DIM=128, HEAD_P2=128, GROUP=4, GROUP_P2=4, BLOCK_Q=16,
-          BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, NUM_SPLITS=4, IEEE=False, UPCAST=False), floats=("scale_log2",))
-    build(ta._merge_splits_kernel, {p: "*fp32" for p in ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr")},
-          dict(HEAD_DIM=128, HEAD_P2=128, NUM_SPLITS=4, SPLITS_P2=4))
+    attn["sinks_ptr"] = "*fp32"
+    for splits in (1, 4):
+        for sinks in (False, True):
+            build(ta._paged_attn_kernel, attn, dict(HEAD_DIM=128, HEAD_P2=128, GROUP=4, GROUP_P2=4, BLOCK_Q=16,
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_SIZE=16, NUM_SPLITS=splits, IEEE=False, UPCAST=False,
+                  HAS_SINKS=sinks), floats=("scale_log2",))
+    for sinks in (False, True):
+        build(ta._merge_splits_kernel, {p: "*fp32" for p in ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr",
+                                                             "sinks_ptr")},
+              dict(HEAD_DIM=128, HEAD_P2=128, NUM_SPLITS=4, SPLITS_P2=4, HAS_SINKS=sinks))
     build(ta._store_kv_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
           "slot_ptr": "*i64"}, dict(NUM_KV_HEADS=8, HEAD_DIM=128, KVH_P2=8, HEAD_P2=128, BLOCK_SIZE=256))
     print("compiled")

@@ -48,7 +48,8 @@ namespace {
 // table (L_COS, L_SIN: [max_pos, rot_dim / 2], 0 = no RoPE on that layer) and its attention window (L_WINDOW:
 // 0 = full, else W: a query at position p sees the keys at positions p - W + 1 .. p), and RMSNorms on the attention
 // and MLP outputs before their residual adds (L_ATTN_OUT_NORM, L_MLP_OUT_NORM: 0 = none; Gemma 3). H_ACT: the gated
-// MLP's activation (ACT_SILU, ACT_GELU_TANH); H_SCALE_BITS: the attention scale (a double's bits).
+// MLP's activation (ACT_SILU, ACT_GELU_TANH); H_SCALE_BITS: the attention scale (a double's bits). L_SINKS: the
+// layer's attention sinks (fp32 [heads], one logit per query head in the softmax's denominator, gpt-oss), 0 = none.
 constexpr int SEG_FIELDS = 3, QKV_SEGS = 3, GU_SEGS = 2;
 enum Header : int {
   H_LAYERS, H_HIDDEN, H_HEADS, H_KV_HEADS, H_HEAD_DIM, H_INTER, H_ROT_DIM, H_BLOCK_SIZE, H_MAX_POS,
@@ -57,7 +58,7 @@ enum Header : int {
 enum Layer : int {
   L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS = L_QKV + QKV_SEGS * SEG_FIELDS, L_Q_NORM, L_K_NORM, L_O_TYPE,
   L_O_W, L_GU, L_DOWN_TYPE = L_GU + GU_SEGS * SEG_FIELDS, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_COS, L_SIN, L_WINDOW,
-  L_ATTN_OUT_NORM, L_MLP_OUT_NORM, L_FIELDS
+  L_ATTN_OUT_NORM, L_MLP_OUT_NORM, L_SINKS, L_FIELDS
 };
 enum : int { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5 };
@@ -507,6 +508,7 @@ struct AttnJob {
   float* out;                       // [n, heads * head_dim]
   float scale;
   int64_t window;                   // 0: full attention, else the window W (keys p - W + 1 .. p)
+  const float* sinks;               // [heads]: a logit per query head in the denominator only, or null
   std::vector<Item> items;
   std::vector<int64_t> first_part;  // [seqs + 1]: parts of sequence t (one-row sequences only)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
@@ -518,7 +520,7 @@ struct AttnJob {
   float* key_rows(int64_t t, int64_t g) { return &keys[keys_at[t] + g * b->context_lens[t] * m->head_dim]; }
 
   void bind(const Model& model, const Batch& batch, const float* q, int64_t q_stride, float q_scale, const void* kc,
-            const void* vc, float* dst, int64_t win) {
+            const void* vc, float* dst, int64_t win, const float* sink_logits) {
     m = &model;
     b = &batch;
     qkv = q;
@@ -528,7 +530,13 @@ struct AttnJob {
     out = dst;
     scale = q_scale;
     window = win;
+    sinks = sink_logits;
   }
+  // Where a query vector of head h starts its merge: the largest m of its parts is at least its sink, and
+  // the sum of exp(m - top) l starts from exp(sink - top) (the sink's term, which has no value). Decode and
+  // prefill both start this way, so they add the same terms in the same order.
+  float top_start(int64_t h) const { return sinks ? sinks[h] : -INFINITY; }
+  float l_start(int64_t h, float top) const { return sinks ? std::exp(sinks[h] - top) : 0.f; }
   // The first key position a query at position p sees.
   int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
   // Flat cache slot of key position p of sequence t.
@@ -546,8 +554,8 @@ struct Local {
   std::vector<const float*> queries;
 };
 
-// One part of a query vector's merge: dst (+)= exp(m - top) o, l_sum += exp(m - top) l. dst and l_sum
-// start at 0; merge_end divides by l_sum.
+// One part of a query vector's merge: dst (+)= exp(m - top) o, l_sum += exp(m - top) l. dst starts at 0,
+// l_sum at the sink's term (AttnJob::l_start); merge_end divides by l_sum.
 inline void merge_part(float* dst, float& l_sum, float top, float m, float l, const float* o, int64_t d) {
   const float w = std::exp(m - top);
   l_sum += w * l;
@@ -610,9 +618,10 @@ void merge_parts(AttnJob& j) {
   for (int64_t t = 0; t < j.b->seqs; ++t) {
     if (j.first_part[t + 1] == j.first_part[t]) continue;
     for (int64_t h = 0; h < H; ++h) {
-      float top = -INFINITY, l_sum = 0.f;
+      float top = j.top_start(h);
       for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
         top = std::max(top, j.ml[(part * H + h) * 2]);
+      float l_sum = j.l_start(h, top);
       float* dst = j.out + j.b->cu_q[t] * m.q_size() + h * d;
       std::fill(dst, dst + d, 0.f);
       for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
@@ -710,8 +719,9 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   std::vector<float>& scores = local.scores;
   scores.resize(nq * keys);
   local.ml.resize(nq * parts * 2);
-  local.l_sum.assign(nq, 0.f);
-  local.top.assign(nq, -INFINITY);
+  local.l_sum.resize(nq);
+  local.top.resize(nq);
+  for (int64_t i = 0; i < nq; ++i) local.top[i] = j.top_start(g * group + i % group);
   std::vector<const float*>& query = local.queries;
   query.resize(nq);
   for (int64_t i = 0; i < nq; ++i) query[i] = j.qkv + (it.lo + i / group) * j.ldq + (g * group + i % group) * d;
@@ -741,6 +751,7 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
       ml[1] = exp_shifted(s + lo, hi - lo, ml[0]);
       local.top[i] = std::max(local.top[i], ml[0]);
     }
+    local.l_sum[i] = j.l_start(g * group + i % group, local.top[i]);
     std::fill(s + k_first, s + f, 0.f);
     std::fill(s + n, s + keys, 0.f);
     float* dst = out_row(i);
@@ -944,7 +955,7 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   else
     prepare_qkv<float>(m, L, b, s.qkv.data());
   s.attn_job.bind(m, b, s.qkv.data(), qkv_w, m.scale, ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]),
-                  s.attn.data(), L[L_WINDOW]);
+                  s.attn.data(), L[L_WINDOW], ptr<const float>(L[L_SINKS]));
   attention(s.attn_job, mm.threads);
   if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
   add_normed(x, s.proj.data(), ptr<const float>(L[L_ATTN_OUT_NORM]), n, H, m.eps);
@@ -999,11 +1010,13 @@ int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* posi
 // Attention alone (the module-by-module forward): out [n, heads * head_dim] = softmax(q k^T * scale) v of each
 // row over its sequence's cached keys (this step's K/V already stored), rows as in Batch, the row positions
 // implied (a sequence's rows end at its context length). q: fp32 rows of heads * head_dim at stride ldq;
-// caches [num_blocks, block_size, kv_heads, head_dim], fp16 (kv_f16) or fp32; window as L_WINDOW.
+// caches [num_blocks, block_size, kv_heads, head_dim], fp16 (kv_f16) or fp32; window as L_WINDOW, sinks as
+// L_SINKS (null: none).
 int nc_dec_attention(const float* q, int64_t ldq, int64_t n, int64_t seqs, const int32_t* cu_q,
                      const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
                      const void* k_cache, const void* v_cache, int kv_f16, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int64_t window, float* out, int threads) {
+                     int64_t head_dim, int64_t block_size, float scale, int64_t window, const float* sinks,
+                     float* out, int threads) {
   if (seqs < 1 || cu_q[0] != 0 || cu_q[seqs] != n || window < 0) return ERR_BATCH;
   std::vector<int64_t> positions(n);
   for (int64_t t = 0; t < seqs; ++t) {
@@ -1018,7 +1031,7 @@ int nc_dec_attention(const float* q, int64_t ldq, int64_t n, int64_t seqs, const
   m.kv_f16 = kv_f16 != 0;
   const Batch b{n, positions.data(), nullptr, seqs, cu_q, block_tables, table_stride, context_lens};
   AttnJob& job = g_scratch.attn_job;
-  job.bind(m, b, q, ldq, scale, k_cache, v_cache, out, window);
+  job.bind(m, b, q, ldq, scale, k_cache, v_cache, out, window, sinks);
   attention(job, threads);
   return OK;
 }

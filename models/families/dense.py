@@ -62,6 +62,7 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.backend, self.rotary, self.window = backend, rotary, window   # rotary None: no RoPE (NoPE layer)
         self.k_cache = self.v_cache = None   # assigned by the model runner
+        self.sinks: torch.Tensor | None = None   # fp32 [heads] attention sinks, set by families that have them
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n = x.shape[0]

@@ -3,7 +3,8 @@
 CPU: the fused step's attention kernel (kernels/cpu_decoder.paged_attention: a query's output depends
 only on it, its position and the cache, never on the batch around it), torch (gather by block table +
 SDPA) for caches it does not take or without the compiled kernels. CUDA: flash-attn when installed and
-the block size suits it, else the Triton paged-attention kernel.
+the block size suits it (flash-attn has no attention sinks: layers with sinks take the Triton kernel), else the
+Triton paged-attention kernel.
 """
 
 from __future__ import annotations
@@ -51,21 +52,24 @@ class AttentionBackend:
         if device.type == "cuda":
             self.kind = "flash" if flash_attn_available() and block_size % 256 == 0 else "triton"
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int = 0) -> torch.Tensor:
-        """window: 0 = full causal attention, else W (a query at position p sees keys p - W + 1 .. p)."""
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """window: 0 = full causal attention, else W (a query at position p sees keys p - W + 1 .. p). sinks: fp32
+        [heads], one learned logit per query head that joins the softmax's denominator and has no value
+        (gpt-oss), or None."""
         if self.kind == "torch":
             torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, may_skip=False)
             if cpu_decoder.attention_usable(q, k_cache):
                 return cpu_decoder.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                                   meta.block_tables, scale, window).to(q.dtype)
-            return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                              meta.context_lens, meta.block_tables, scale, meta.host_lists, window)
+                                                   meta.block_tables, scale, window, sinks).to(q.dtype)
+            return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                              meta.block_tables, scale, meta.host_lists, window, sinks)
         from nanochat.kernels import triton_attention as tri
         tri.store_kvcache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self.kind == "flash":
+        if self.kind == "flash" and sinks is None:
             return _flash_paged(q, k_cache, v_cache, meta, scale, window)
         return tri.paged_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                          meta.context_lens, meta.block_tables, scale, window)
+                                          meta.context_lens, meta.block_tables, scale, window, sinks)
 
 
 def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int) -> torch.Tensor:

@@ -113,5 +113,6 @@ class FusedForward:
                 cos=None if a.rotary in (None, model.rotary) else a.rotary.cos,
                 sin=None if a.rotary in (None, model.rotary) else a.rotary.sin, window=a.window,
                 attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight.data,
-                mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight.data))
+                mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight.data,
+                sinks=None if a.sinks is None else a.sinks.detach().float().contiguous()))
         return FusedDecoder(dims, layers, model.rotary.cos, model.rotary.sin, model.norm.weight.data)
