@@ -52,7 +52,7 @@ class DenseAttention(nn.Module):
         o_bias = w.dense(o_bias) if o_bias in w.names and w.tp.rank == 0 else None
         self.o_proj = Linear(w.linear_weight([o_name], cols=cols), o_bias, reduce=w.tp if w.tp.on else None)
         # gpt-oss's per-head sink logits (fp32, this rank's query heads)
-        self.sinks = None
+        self.sinks: torch.Tensor | None = None
         if cfg.attention_sinks:
             sinks = w.dense(f"{prefix}.sinks.weight", torch.float32)
             self.sinks = sinks[shard.q_start:shard.q_start + self.num_heads].contiguous()
@@ -62,7 +62,6 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(norm_weight(cfg, w, f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
         self.backend, self.rotary, self.window = backend, rotary, window   # rotary None: no RoPE (NoPE layer)
         self.k_cache = self.v_cache = None   # assigned by the model runner
-        self.sinks: torch.Tensor | None = None   # fp32 [heads] attention sinks, set by families that have them
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n = x.shape[0]
