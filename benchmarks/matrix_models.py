@@ -22,6 +22,11 @@ Families:
                 (spm_vocab: <unk> <s> </s>, the 256 <0xNN> byte-fallback tokens, pieces with scores, then
                 Phi-3's added tokens <|endoftext|> ... <|user|> from id 32000 and [PADn]), Phi-3's chat
                 template; F16 (7.6 GB), then Q4_K_M by llama.cpp.
+  gpt-oss-20b-mxfp4  a gpt-oss file with gpt-oss-20b's shapes (hidden 2880, 24 layers, 64 heads and 8 KV heads of
+                64, 32 experts of width 2880 with 4 used, window 128 on every other layer, YaRN) and random
+                weights in the published file's types (experts MXFP4, other matrices Q8_0; 12 GB), written
+                here directly; a made-up 201,088-token byte-level BPE with harmony's special tokens. Not in
+                --matrix: ask for it by name.
   gemma3-1b-*   a gemma3 checkpoint with Gemma 3 1B's shapes (hidden 1152, 26 layers, 4 heads and 1 KV head
                 of 256, FFN 6912, window 512 on 5 layers of every 6, rope bases 1e4 local / 1e6 global,
                 query_pre_attn_scalar 256, four norms per layer and q/k norms, tied embeddings, context
@@ -62,7 +67,10 @@ QUANTS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")
 
 # family -> (file stem, the quantizations made from its source)
 FAMILIES = {"smollm2": ("SmolLM2-135M-Instruct", QUANTS), "qwen3-0.6b": ("Qwen3-0.6B-random", QUANTS),
-            "phi3-mini": ("Phi-3-mini-4k-random", ("q4_k_m",)), "gemma3-1b": ("Gemma-3-1B-random", ("q4_k_m",))}
+            "phi3-mini": ("Phi-3-mini-4k-random", ("q4_k_m",)), "gemma3-1b": ("Gemma-3-1B-random", ("q4_k_m",)),
+            "gpt-oss-20b": ("gpt-oss-20b-random", ())}
+# Families written in their final types (no F16 source, no llama.cpp quantization): gpt-oss as published.
+WRITTEN_AS_IS = {"gpt-oss-20b": "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -81,15 +89,16 @@ def _specs() -> dict[str, ModelSpec]:
     out = {}
     for family, (_, quants) in FAMILIES.items():
         # SmolLM2's source is the built-in Q4_1 file; the random-weight families are written at F16
-        src = f"{family}-q4_1" if family == "smollm2" else f"{family}-f16"
+        src = f"{family}-q4_1" if family == "smollm2" else f"{family}-{WRITTEN_AS_IS.get(family, 'f16')}"
         out[src] = ModelSpec(src, family, src.rpartition("-")[2], None)
         out.update({f"{family}-{q}": ModelSpec(f"{family}-{q}", family, q, src) for q in quants})
     return out
 
 
 MODELS = _specs()
-# --matrix: every model but the F16 sources (1.2-7.6 GB, not a format anyone chats with on a CPU)
-MATRIX = [n for n in MODELS if MODELS[n].quant != "f16"]
+# --matrix: every model but the F16 sources (1.2-7.6 GB, not a format anyone chats with on a CPU) and gpt-oss-20b
+# (12 GB; --models gpt-oss-20b)
+MATRIX = [n for n in MODELS if MODELS[n].quant != "f16" and MODELS[n].family not in WRITTEN_AS_IS]
 
 
 def default_models_dir() -> Path:
@@ -195,7 +204,9 @@ def bpe_vocab(vocab_size: int, first_special: int, specials: list[str]) -> tuple
         for b in chars:
             merges.append(f"{a} {b}")
             tokens.append(a + b)
-    top = chars[:45]
+    top = chars[:45]   # enough triples for Qwen's vocabulary; more for larger ones (o200k)
+    while len(top) ** 3 < budget - len(merges) and len(top) < len(chars):
+        top = chars[:len(top) + 1]
     done = False
     for a in top:
         for b in top:
@@ -499,9 +510,114 @@ def write_gemma3_random(path: str | os.PathLike, seed: int = 0, std: float = 0.0
     return write_random_tensors(w, path, tensors, seed, std)
 
 
-# family -> (writer of its F16 source, whose shapes)
+GPT_OSS_20B = dict(hidden=2880, layers=24, heads=64, kv_heads=8, head_dim=64, experts=32, experts_used=4,
+                   expert_width=2880, vocab=201_088, window=128, context=131_072, rope_theta=150_000.0,
+                   rope_factor=32.0, rope_original_context=4096, rms_eps=1e-5)
+# o200k_harmony's special tokens from id 199,998 (the rest of the ids up to the vocabulary size are reserved)
+HARMONY_SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>",
+                   "<|constrain|>", "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+                   "<|reserved_200009|>", "<|reserved_200010|>", "<|reserved_200011|>", "<|call|>"]
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def _random_blocks(rng, qtype: int, shape: tuple[int, ...], std: float):
+    """Random GGML blocks of `shape` (the last dim in values) as uint8 rows: Q8_0 (int8 values, one f16 scale
+    a block) or MXFP4 (random E2M1 nibbles, one E8M0 exponent a block), values of about `std`."""
+    import gguf
+    import numpy as np
+
+    n_blocks = int(np.prod(shape)) // 32
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        d = np.full((n_blocks, 1), np.float16(std / 73.0)).view(np.uint8)   # uniform int8: rms 73
+        qs = rng.integers(-127, 128, size=(n_blocks, 32), dtype=np.int8).view(np.uint8)
+    else:   # MXFP4: E2M1 magnitudes have rms 2.9 at exponent 0 (e = 127)
+        e = 127 + int(round(np.log2(std / 2.9)))
+        d = np.full((n_blocks, 1), e, dtype=np.uint8)
+        qs = rng.integers(0, 256, size=(n_blocks, 16), dtype=np.uint8)
+    return np.concatenate([d, qs], axis=1).reshape(*shape[:-1], -1)
+
+
+def write_gpt_oss_random(path: str | os.PathLike, seed: int = 0, std: float = 0.02) -> Path:
+    """A gpt-oss GGUF with gpt-oss-20b's shapes and random weights, in the published file's types: the routed
+    experts MXFP4, the other matrices Q8_0, the router, norms, biases and sinks F32; llama.cpp's converter's
+    names and keys (GptOssModel). A made-up 201,088-token byte-level BPE with harmony's special tokens."""
+    import gguf
+    import numpy as np
+
+    s, Q = GPT_OSS_20B, gguf.GGMLQuantizationType
+    h, hd, nh, nkv, e, ff = s["hidden"], s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["expert_width"]
+    tensors: list[tuple[str, tuple[int, ...], int]] = [("token_embd.weight", (s["vocab"], h), Q.Q8_0)]
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", (h,), Q.F32)]
+        for name, rows in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
+            tensors += [(p + name + ".weight", (rows, h), Q.Q8_0), (p + name + ".bias", (rows,), Q.F32)]
+        tensors += [(p + "attn_output.weight", (h, nh * hd), Q.Q8_0), (p + "attn_output.bias", (h,), Q.F32),
+                    (p + "attn_sinks.weight", (nh,), Q.F32), (p + "post_attention_norm.weight", (h,), Q.F32),
+                    (p + "ffn_gate_inp.weight", (e, h), Q.F32), (p + "ffn_gate_inp.bias", (e,), Q.F32)]
+        for name, shape in (("ffn_gate_exps", (e, ff, h)), ("ffn_up_exps", (e, ff, h)), ("ffn_down_exps", (e, h, ff))):
+            tensors += [(p + name + ".weight", shape, Q.MXFP4), (p + name + ".bias", shape[:2], Q.F32)]
+    tensors += [("output_norm.weight", (h,), Q.F32), ("output.weight", (s["vocab"], h), Q.Q8_0)]
+
+    w = gguf.GGUFWriter(None, "gpt-oss")
+    w.add_name("gpt-oss-20b-shaped random weights (nanochat benchmarks)")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE))
+    w.add_context_length(s["context"])
+    w.add_embedding_length(h)
+    w.add_block_count(s["layers"])
+    w.add_feed_forward_length(ff)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(s["rope_theta"])
+    w.add_layer_norm_rms_eps(s["rms_eps"])
+    w.add_expert_count(e)
+    w.add_expert_used_count(s["experts_used"])
+    w.add_expert_feed_forward_length(ff)
+    w.add_sliding_window(s["window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(s["rope_factor"])
+    w.add_rope_scaling_orig_ctx_len(s["rope_original_context"])
+    first_special = 199_998
+    tokens, merges, types = bpe_vocab(s["vocab"], first_special, HARMONY_SPECIAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(first_special)
+    w.add_eos_token_id(first_special + HARMONY_SPECIAL.index("<|return|>"))
+    w.add_pad_token_id(first_special + HARMONY_SPECIAL.index("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(HARMONY_TEMPLATE)
+
+    for name, shp, qtype in tensors:
+        if qtype == Q.F32:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+        else:
+            elems, size = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shp[:-1], shp[-1] // elems * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file(Path(path))
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shp, qtype in tensors:
+        if qtype != Q.F32:
+            w.write_tensor_data(_random_blocks(rng, qtype, shp, std))
+        elif name.endswith("norm.weight"):
+            w.write_tensor_data(np.ones(shp, dtype=np.float32))
+        else:   # router, biases, sinks
+            w.write_tensor_data((rng.standard_normal(shp, dtype=np.float32) * std).astype(np.float32))
+    w.close()
+    return Path(path)
+
+
+# family -> (writer of its source file, whose shapes)
 RANDOM_WRITERS = {"qwen3-0.6b": (write_qwen3_random, "Qwen3-0.6B"), "phi3-mini": (write_phi3_random, "Phi-3-mini-4k"),
-                  "gemma3-1b": (write_gemma3_random, "Gemma 3 1B")}
+                  "gemma3-1b": (write_gemma3_random, "Gemma 3 1B"), "gpt-oss-20b": (write_gpt_oss_random, "gpt-oss-20b")}
 
 
 # ---------------------------------------------------------------------------------- load checks
