@@ -27,8 +27,9 @@
   the output is rounded to bf16; accumulation is fp32 inside the kernel.
 - "dense": dequantized once to `compute_dtype`, then F.linear (fp32-exact results when compute_dtype
   is float32). Used for F32/F16/BF16, whenever `backend="dense"` is asked (the engine's
-  dequantize=True), and on CPU for Q6_K and MXFP4 (a lookup table, not affine) without the extension (six bits with 16-wide scales would
-  need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL).
+  dequantize=True), and on CPU without the extension for Q6_K (six bits with 16-wide scales would
+  need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL) and MXFP4 (its values come
+  from a table, not affine in the codes).
 - "triton" (CUDA): fused dequant + matmul straight from the raw GGML blocks, see triton_gguf.py.
 
 The fp32 variant of the int4 kernel is scalar code (far slower than bf16), so the int4 backend
