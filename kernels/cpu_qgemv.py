@@ -1,7 +1,7 @@
 """Linear layers on the CPU for GGML weights: the compiled kernels of csrc/qgemv.cpp.
 
-y = x @ W^T (+ bias) for W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-or dense (F32, F16, BF16). For the block types each row of x is quantized per call to int8 blocks of
+y = x @ W^T (+ bias) for W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+MXFP4) or dense (F32, F16, BF16). For the block types each row of x is quantized per call to int8 blocks of
 32 (scale d = amax / 127), the dot products run in integer arithmetic (AVX-512 VNNI, AVX2, or scalar
 C++) and are scaled per block in fp32. The result is x_hat @ W^T to fp32 rounding (~1e-6 relative),
 x_hat being x on the activation grid:
@@ -50,7 +50,7 @@ from nanochat.kernels.qweight import QuantWeight, Shaped
 # dense weight types -> the torch dtype of their values
 DENSE_TYPES = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
 KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K,
-                          *DENSE_TYPES})
+                          gq.MXFP4, *DENSE_TYPES})
 ROWS_PER_TILE = 16
 SIMD_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 # decoder.cpp (the fused decode step, kernels/cpu_decoder.py) and moe.cpp (routed experts,
@@ -110,7 +110,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_qg_set_simd.argtypes = [c_int]
     lib.nc_qg_set_simd.restype = None
     lib.nc_qg_matmul_rows.argtypes = [c_int, p, i64, i64, i64, p, i64, i64, p, i64, c_int, c_int]
-    lib.nc_moe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, c_int, c_int]
+    lib.nc_moe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, c_int, ctypes.c_float, ctypes.c_float,
+                                   p, p, p, c_int, c_int]
     lib.nc_dec_forward.argtypes = [p, p, i64, p, p, i64, p, p, i64, p, c_int, c_int]
     lib.nc_dec_attention.argtypes = [p, i64, i64, i64, p, p, i64, p, p, p, c_int, i64, i64, i64, i64, ctypes.c_float,
                                      i64, p, p, c_int]

@@ -14,11 +14,12 @@ from nanochat.kernels.qweight import QuantWeight
 # ggml_type ids (gguf.GGMLQuantizationType values), spelled out so this module needs no gguf import.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 = 0, 1, 2, 3, 6, 7, 8, 9
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+MXFP4 = 39
 
 TYPE_NAMES: dict[int, str] = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
     Q5_1: "Q5_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K",
-    Q5_K: "Q5_K", Q6_K: "Q6_K",
+    Q5_K: "Q5_K", Q6_K: "Q6_K", MXFP4: "MXFP4",
 }
 
 QK_K = 256
@@ -28,7 +29,10 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     F32: (1, 4), F16: (1, 2), BF16: (1, 2),
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q8_1: (32, 36),
     Q2_K: (QK_K, 84), Q3_K: (QK_K, 110), Q4_K: (QK_K, 144), Q5_K: (QK_K, 176), Q6_K: (QK_K, 210),
+    MXFP4: (32, 17),
 }
+# MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): integers, so the kernels dot them exactly.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 SUPPORTED_TYPES: frozenset[int] = frozenset(BLOCK_SIZES)
 
 
@@ -191,6 +195,19 @@ def _q6_k(b):
     return (d * q).view(n, QK_K)
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes -> 2^(e - 128) as float32 (half the scale: the values are doubled), by its bits as
+    ggml's ggml_e8m0_to_fp32_half: e < 2 are the subnormals 2^-128, 2^-127; e = 255 is 2^127, not NaN."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b):
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    return e8m0_half(b[:, 0:1]) * table[_nibbles(b[:, 1:17]).long()]
+
+
 def _f32(b):
     return b.contiguous().view(torch.float32)
 
@@ -206,7 +223,7 @@ def _bf16(b):
 _DECODERS = {
     F32: _f32, F16: _f16_plain, BF16: _bf16,
     Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q8_1: _q8_1,
-    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, MXFP4: _mxfp4,
 }
 
 # Rows decoded per chunk: bounds the int/float temporaries to a few MiB-ish per step.
@@ -278,3 +295,20 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     q = torch.sign(v) * (floored + (2 * (a - floored)).floor())   # gguf's np_roundf, operation by operation
     out = torch.cat([d.to(torch.float16).view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1)
     return out.reshape(rows, k // 32 * 34)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> torch.Tensor:
+    """Dense [rows, k] (k a multiple of 32) -> raw MXFP4 blocks uint8 [rows, k / 32 * 17], as ggml's
+    quantize_row_mxfp4_ref (and gguf.quants.quantize): e = floor(log2(amax)) - 2 + 127 (0 for an all-zero
+    block), each value the nearest of the 16 doubled E2M1 values times 2^(e - 128), the first on a tie."""
+    rows, k = w.shape
+    if k % 32:
+        raise ValueError(f"MXFP4 needs rows that are a multiple of 32 long, got {k}")
+    blocks = w.detach().to(torch.float32).reshape(-1, 32)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax)).to(torch.uint8)
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=w.device)
+    err = (e8m0_half(e).unsqueeze(-1) * table - blocks.unsqueeze(-1)).abs()   # [n, 32, 16]
+    q = err.argmin(dim=-1).to(torch.uint8)   # argmin: the first minimum, as ggml's strict `<` scan
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([e, qs], dim=1).reshape(rows, k // 32 * 17)

@@ -4,11 +4,14 @@
 [experts, out, in], quantized rows as raw uint8 blocks) and computes, for hidden states x [T, H] and
 the router's top-k ids / weights [T, k]:
 
-    out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),   e = ids[t, j]
+    out[t] = sum_j weights[t, j] * (down_e act(gate_e x_t + bg_e, up_e x_t + bu_e) + bd_e),   e = ids[t, j]
+
+act "silu": silu(g) * u (most MoE models); "swiglu_oai": gpt-oss's clamped variant, `clamped_swiglu`. The
+per-expert biases bg, bu [E, I] and bd [E, H] (gpt-oss) are optional: absent, they are zero.
 
 Two backends:
 - "kernel": kernels/csrc/moe.cpp in the matmul library of kernels/cpu_qgemv.py, for the block types
-  it takes (Q4_0 .. Q8_0, Q2_K .. Q6_K): the same int8 activations (KernelOptions.act_levels) and
+  it takes (Q4_0 .. Q8_0, Q2_K .. Q6_K, MXFP4): the same int8 activations (KernelOptions.act_levels) and
   integer products as the dense layers' matmuls, on their thread pool, read from the raw
   rows (no repacked copy). Results are those of cpu_qgemv.matmul on the weights packed, bit for bit,
   on every code path, and a token's output does not depend on the other tokens of the call.
@@ -34,7 +37,18 @@ from nanochat.kernels.qweight import QuantWeight, Shaped
 
 DENSE_TYPES = frozenset({gq.F32, gq.F16, gq.BF16})
 KERNEL_TYPES = cpu_qgemv.KERNEL_TYPES - DENSE_TYPES
-_ERRORS = {1: "unsupported weight type", 2: "shapes do not match the block size", 3: "expert id out of range"}
+_ERRORS = {1: "unsupported weight type", 2: "shapes do not match the block size", 3: "expert id out of range",
+           4: "unknown activation"}
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}   # csrc/moe.cpp ACT_*
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) for float32 gate / up:
+    g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * (g * sigmoid(g * alpha)). The sigmoid is
+    cpu_decoder.activation's (per element, whatever the batch, on the CPU); the rest is exact per element."""
+    g = gate.clamp(max=limit)
+    u = up.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * activation("sigmoid", g * alpha))
 
 
 class _Mat(ctypes.Structure):
@@ -136,12 +150,18 @@ class HostExperts:
     """The routed experts of one MoE layer, computed on the host (see the module docstring).
 
     backend: "auto" (compiled kernels when every projection is a kernel type and the extension
-    builds, else torch), "kernel" (require the kernels), "torch"."""
+    builds, else torch), "kernel" (require the kernels), "torch". activation: "silu" or "swiglu_oai"
+    (with alpha and limit); gate_bias / up_bias [E, I], down_bias [E, H]: float tensors, or None."""
 
     def __init__(self, gate: StackedWeight, up: StackedWeight, down: StackedWeight,
-                 options: KernelOptions = DEFAULT, backend: str = "auto", name: str = "experts"):
+                 options: KernelOptions = DEFAULT, backend: str = "auto", name: str = "experts", *,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
         if backend not in ("auto", "kernel", "torch"):
             raise ValueError(f"unknown host expert backend {backend!r} (auto, kernel, torch)")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: unknown expert activation {activation!r} ({', '.join(ACTIVATIONS)})")
         for w, what in ((gate, "gate"), (up, "up"), (down, "down")):
             w.check(f"{name}.{what}")
         e, inter, hidden = gate.shape
@@ -150,6 +170,10 @@ class HostExperts:
                              f"up {list(up.shape)}, down {list(down.shape)}")
         self.gate, self.up, self.down = gate, up, down
         self.num_experts, self.hidden_size, self.intermediate_size = e, hidden, inter
+        self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
+        self.gate_bias, self.up_bias, self.down_bias = (
+            self._bias(b, (e, n), f"{name}.{what}_bias")
+            for b, n, what in ((gate_bias, inter, "gate"), (up_bias, inter, "up"), (down_bias, hidden, "down")))
         self.threads, self.levels = options.expert_thread_count(), options.act_levels
         self.name = name
         self.batch_invariant = False   # the torch backend's matmuls on the q8 kernels (Config.batch_invariant)
@@ -165,6 +189,16 @@ class HostExperts:
         if lib is not None:
             self._mats = [self._mat(w) for w in (gate, up, down)]
             self._mat_refs = tuple(ctypes.byref(m) for m in self._mats)
+
+    @staticmethod
+    def _bias(b: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
+        """A bias as the kernel reads it: float32, contiguous, on the host; None stays None."""
+        if b is None:
+            return None
+        if not isinstance(b, torch.Tensor) or not b.is_floating_point() or tuple(b.shape) != shape:
+            got = f"{b.dtype} {list(b.shape)}" if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{name}: expert biases need a float tensor {list(shape)}, got {got}")
+        return b.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
     @staticmethod
     def _mat(w: StackedWeight) -> _Mat:
@@ -188,9 +222,10 @@ class HostExperts:
             out = torch.empty(t, self.hidden_size, dtype=torch.float32)
         if self.backend == "kernel":
             g, u, d = self._mat_refs
+            bg, bu, bd = (None if b is None else b.data_ptr() for b in (self.gate_bias, self.up_bias, self.down_bias))
             rc = self._lib.nc_moe_forward(x.data_ptr(), t, self.hidden_size, ids.data_ptr(), weights.data_ptr(), k,
-                                          self.num_experts, g, u, d, out.data_ptr(),
-                                          self.levels == 2, self.threads)
+                                          self.num_experts, g, u, d, out.data_ptr(), ACTIVATIONS[self.activation],
+                                          self.alpha, self.limit, bg, bu, bd, self.levels == 2, self.threads)
             _check(rc, self.name)
             return out
         out.copy_(self._torch_forward(x, ids, weights))
@@ -219,7 +254,17 @@ class HostExperts:
             rows = sel // k
             xs = x.index_select(0, rows)
             gate, up = self._matmul(xs, self.gate.dense_expert(e)), self._matmul(xs, self.up.dense_expert(e))
-            h = activation("silu", gate, up)
-            y = self._matmul(h, self.down.dense_expert(e)) * weights.reshape(-1)[sel].unsqueeze(1)
+            if self.gate_bias is not None:
+                gate = gate + self.gate_bias[e]
+            if self.up_bias is not None:
+                up = up + self.up_bias[e]
+            if self.activation == "silu":
+                h = activation("silu", gate, up)
+            else:
+                h = clamped_swiglu(gate, up, self.alpha, self.limit)
+            y = self._matmul(h, self.down.dense_expert(e))
+            if self.down_bias is not None:
+                y = y + self.down_bias[e]
+            y = y * weights.reshape(-1)[sel].unsqueeze(1)
             out.index_add_(0, rows, y)
         return out

@@ -3,7 +3,7 @@
 `prepare_quant_weight` runs once at load and picks a backend:
 
 - "q8"     (CPU, the default where the extension builds): the compiled kernels of cpu_qgemv.py for Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, and F16 / BF16 / F32 matrices (read exactly, with fp32
+  Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4, and F16 / BF16 / F32 matrices (read exactly, with fp32
   activations, not the int8 scheme below). The raw blocks are repacked once into tiles of 16 rows
   (same bytes; the last tile is padded to 16 rows); each call quantizes the rows of x per block of 32
   to int8 codes plus int8 codes of the residual (two levels; one level, as llama.cpp, with
@@ -27,8 +27,9 @@
   the output is rounded to bf16; accumulation is fp32 inside the kernel.
 - "dense": dequantized once to `compute_dtype`, then F.linear (fp32-exact results when compute_dtype
   is float32). Used for F32/F16/BF16, whenever `backend="dense"` is asked (the engine's
-  dequantize=True), and on CPU for Q6_K without the extension (six bits with 16-wide scales would
-  need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL).
+  dequantize=True), and on CPU without the extension for Q6_K (six bits with 16-wide scales would
+  need 4 int4 nibbles per weight: no smaller than bf16, and slower than MKL) and MXFP4 (its values come
+  from a table, not affine in the codes).
 - "triton" (CUDA): fused dequant + matmul straight from the raw GGML blocks, see triton_gguf.py.
 
 The fp32 variant of the int4 kernel is scalar code (far slower than bf16), so the int4 backend

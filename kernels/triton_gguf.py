@@ -7,7 +7,7 @@ scale bytes and its quant bits by address arithmetic; neighbouring elements shar
 cache serves), and accumulates tl.dot in fp32. When the output tiles are too few to fill the GPU
 (decode on narrow layers), K is split over extra programs whose fp32 partial sums torch reduces.
 
-Fused types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. The per-element
+Fused types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4. The per-element
 formulas are the ones in gguf_quants.py (same operation order; on GPUs the compiler may fuse a
 multiply-add, which changes the last bit only). Other types fall back to a dense weight at load.
 
@@ -33,7 +33,7 @@ except Exception as exc:  # ImportError, or a broken install raising something e
     _TRITON_IMPORT_ERROR = exc
 
 FUSED_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q8_1,
-                         gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K})
+                         gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K, gq.MXFP4})
 
 
 def available() -> bool:
@@ -139,6 +139,17 @@ if triton is not None:
             hi = (_byte(blk + 16 + j % 32, mask) >> (j // 32)) & 1
             q = lo | (hi << 4)
             w = (_f16(blk, mask) * sc) * q.to(tl.float32) - _f16(blk + 2, mask) * mn
+        elif QTYPE == 39:  # MXFP4: E8M0 e, 16 B nibbles of E2M1 indices
+            blk = row + (ks // 32) * 17
+            j = ks % 32
+            q = (_byte(blk + 1 + j % 16, mask) >> ((j // 16) * 4)) & 15
+            # gq.MXFP4_VALUES by arithmetic: magnitude m = q & 7 is m (m < 4), else (2 or 3) << (m // 2 - 1)
+            m = q & 7
+            mag = tl.where(m < 4, m, (2 + (m & 1)) << (m // 2 - 1))
+            v = tl.where(q >= 8, -mag, mag).to(tl.float32)
+            e = _byte(blk, mask)
+            d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # gq.e8m0_half
+            w = d * v
         else:  # QTYPE == 14, Q6_K: 128 B low nibbles, 64 B high 2 bits, 16 x i8 scales, d
             blk = row + (ks // 256) * 210
             j = ks % 256

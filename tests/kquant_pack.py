@@ -1,7 +1,7 @@
 """Test helper: build GGML blocks that gguf-py cannot make itself.
 
 - `random_blocks(t, n, rng)`: random bytes for any supported type, with sane f16 scale fields
-  (no inf/nan, moderate magnitude), so every bit pattern of the quants gets exercised.
+  (no inf/nan, moderate magnitude; MXFP4: a moderate E8M0 exponent), so every bit pattern of the quants gets exercised.
 - `quantize_k(t, x)`: a simple (not llama.cpp-optimal) packer from float rows to Q2_K..Q6_K
   blocks, for fixtures that need K-quant weights close to given values.
 Layouts follow the block tables in /work/shared/REFERENCE.md; gguf.quants.dequantize checks them.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from nanochat.kernels.gguf_quants import (
-    BF16, BLOCK_SIZES, F16, F32, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, QK_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
+    BF16, BLOCK_SIZES, F16, F32, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, QK_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
 )
 
 # Byte offsets of the f16 fields inside each block type.
@@ -39,6 +39,9 @@ def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np
             raw = (x.view(np.uint32) >> 16).astype(np.uint16)
         return raw.view(np.uint8).reshape(n_blocks, nbytes)
     blocks = rng.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
+    if ggml_type == MXFP4:  # the E8M0 byte: scales 2^-13 .. 2^-1 (values up to 6 * 2^0)
+        blocks[:, 0] = rng.integers(115, 128, n_blocks, dtype=np.uint8)
+        return blocks
     for off in _F16_FIELDS[ggml_type]:
         mag = rng.uniform(1e-3, 0.1, n_blocks)
         sign = rng.choice([-1.0, 1.0], n_blocks)

@@ -190,7 +190,7 @@ def test_simd_paths_are_bit_identical(t):
     assert cpu_qgemv.simd_level() == best
 
 
-@pytest.mark.parametrize("t", [gq.Q4_1, gq.Q8_0, gq.Q6_K, gq.Q3_K, gq.F16], ids=NAMES)
+@pytest.mark.parametrize("t", [gq.Q4_1, gq.Q8_0, gq.Q6_K, gq.Q3_K, gq.MXFP4, gq.F16], ids=NAMES)
 def test_batch_invariant_and_thread_invariant(t):
     """A row's output does not depend on the rest of the batch or the thread count (greedy invariance)."""
     in_f = _in_sizes(t)[-1]
@@ -202,7 +202,7 @@ def test_batch_invariant_and_thread_invariant(t):
     assert torch.equal(cpu_qgemv.matmul(x[5:12], pw), full[5:12])
 
 
-@pytest.mark.parametrize("t", [gq.Q4_0, gq.Q8_0, gq.Q4_K, gq.Q6_K, gq.F16], ids=NAMES)
+@pytest.mark.parametrize("t", [gq.Q4_0, gq.Q8_0, gq.Q4_K, gq.Q6_K, gq.MXFP4, gq.F16], ids=NAMES)
 def test_weight_ending_at_unmapped_memory(t):
     """The kernels prefetch the weight stream ahead of the block they read, past the end of the weight on
     the last tiles: prefetches must stay prefetches (never fault). The weight here ends where an
@@ -246,6 +246,19 @@ def test_realistic_k_quants():
         qw = QuantWeight(t, (24, 512), torch.from_numpy(quantize_k(t, w)))
         x = torch.randn(3, 512)
         _check_bound(cpu_qgemv.matmul(x, cpu_qgemv.pack(qw)), x, gq.dequantize(qw), 2)
+
+
+def test_mxfp4_scale_edge_cases():
+    """MXFP4 weights quantized by ggml's rule (quantize_mxfp4), and blocks whose E8M0 byte is 0, 1 (subnormal
+    scales) or 2: the kernels scale them as gguf's dequantization does (the bound holds with the tiny scales)."""
+    w = torch.randn(24, 512) * torch.logspace(-4, 2, 24).unsqueeze(1)
+    raw = gq.quantize_mxfp4(w)
+    raw.view(-1, 17)[:3, 0] = torch.tensor([0, 1, 2], dtype=torch.uint8)
+    qw = QuantWeight(gq.MXFP4, (24, 512), raw)
+    x = torch.randn(5, 512)
+    for levels in (1, 2):
+        _check_bound(cpu_qgemv.matmul(x, cpu_qgemv.pack(qw), levels=levels), x, gq.dequantize(qw), levels)
+    assert torch.equal(cpu_qgemv.dequantize_rows(cpu_qgemv.pack(qw), torch.arange(24)), _gguf_dequantize(qw))
 
 
 def test_errors():
@@ -442,7 +455,7 @@ def test_the_kernel_benchmark_builds_and_reproduces_across_code_paths(tmp_path):
         assert f"{threads} thread(s)" in r.stdout and f"{simd}, " in r.stdout
         return r.stdout.rsplit("checksum", 1)[1].strip()
 
-    for name, levels in (("Q4_K", "2"), ("Q6_K", "2"), ("Q8_0", "1")):
+    for name, levels in (("Q4_K", "2"), ("Q6_K", "2"), ("Q8_0", "1"), ("MXFP4", "2")):
         shape = (name, "32", "512", "3", levels)
         native = checksum(*shape)
         assert checksum(*shape, simd="scalar") == native

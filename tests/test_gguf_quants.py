@@ -13,9 +13,9 @@ from nanochat.kernels.qweight import QuantWeight
 from tests.kquant_pack import quantize_k, random_rows
 
 REF_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-             T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+             T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-SMALL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+SMALL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 
 
 def _gguf_ref(t, raw: np.ndarray) -> np.ndarray:
@@ -70,6 +70,51 @@ def test_k_packer_roundtrip(t):
     # Error per element is about half a quant step of the group (range / 2**bits), plus scale rounding.
     rel = np.abs(ref - x).mean() / np.abs(x).mean()
     assert rel < 1.5 / 2 ** bits, rel
+
+
+def _mxfp4_numpy(raw: np.ndarray) -> np.ndarray:
+    """ggml's block_mxfp4 read byte by byte: e (E8M0), then 16 bytes whose low nibbles are elements 0..15 and
+    high nibbles 16..31, value = kvalues_mxfp4[q] * 2^(e - 128) (a double, exact, rounded once to float32)."""
+    kvalues = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    out = []
+    for block in raw.reshape(-1, 17):
+        scale = 2.0 ** (int(block[0]) - 128)
+        codes = [b & 15 for b in block[1:]] + [b >> 4 for b in block[1:]]
+        out += [kvalues[q] * scale for q in codes]
+    with np.errstate(over="ignore"):
+        return np.array(out, dtype=np.float64).astype(np.float32)
+
+
+def test_mxfp4_against_the_byte_layout():
+    """Every nibble, the subnormal scales (e = 0, 1), e = 2 and the largest (e = 255: 12 * 2^127 overflows
+    to inf, as in ggml), against the block layout of ggml-common.h read independently of gguf-py."""
+    raw = random_rows(gq.MXFP4, 6, 128, np.random.default_rng(6))
+    raw.reshape(-1, 17)[:5, 0] = [0, 1, 2, 254, 255]
+    raw.reshape(-1, 17)[0, 1:] = np.arange(16, dtype=np.uint8) * 17   # nibble q in both halves
+    ours = gq.dequantize_raw(gq.MXFP4, torch.from_numpy(raw), (6, 128))
+    ref = _mxfp4_numpy(raw).reshape(6, 128)
+    _assert_exact(ours, ref)
+    assert np.isinf(ref).any() and (ref[0, :16] == ref[0, 16:32]).all()
+    with np.errstate(over="ignore"):
+        _assert_exact(ours, gguf.quants.dequantize(raw, T.MXFP4))
+
+
+def test_mxfp4_quantize_matches_ggml():
+    """quantize_mxfp4 gives gguf-py's bytes (ggml's quantize_row_mxfp4_ref): the shared exponent, the
+    nearest value (the first on a tie), all-zero blocks."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 256)).astype(np.float32) * np.logspace(-6, 3, 16, dtype=np.float32)[:, None]
+    x[0, :32] = 0
+    x[1, :32] = np.array([0.25, 0.75, -1.25, 6, 3, -0.5] + [0] * 26, dtype=np.float32)   # ties and exact values
+    ours = gq.quantize_mxfp4(torch.from_numpy(x))
+    assert np.array_equal(ours.numpy(), gguf.quants.quantize(x, T.MXFP4))
+    back = gq.dequantize_raw(gq.MXFP4, ours, x.shape).numpy()
+    amax = np.abs(x).reshape(-1, 32).max(-1, keepdims=True)
+    # amax in [2^f, 2^(f+1)) gets the scale 2^(f-3): half the widest step (8 -> 12) is 2^(f-2), values above
+    # the largest (12 * 2^(f-3)) clamp to it, off by less than 2^(f-1) <= amax / 2
+    assert (np.abs(back - x).reshape(-1, 32) <= amax / 2).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gq.quantize_mxfp4(torch.zeros(2, 48))
 
 
 def _q8_1_numpy(raw: np.ndarray) -> np.ndarray:

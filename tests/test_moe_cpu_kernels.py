@@ -70,18 +70,23 @@ def routing(t: int, e: int, k: int, seed: int = 0):
     return ids, torch.rand(t, k, generator=g)
 
 
-def ffn_reference(x, ids, weights, wg, wu, wd, quant=False):
-    """sum_k w * down(silu(gate x) * up x) per token, float64; `quant` applies the kernels' activation
-    rounding at the same two places."""
+def ffn_reference(x, ids, weights, wg, wu, wd, quant=False, act="silu", alpha=1.702, limit=7.0, biases=None):
+    """sum_k w * (down act(gate x + bg, up x + bu) + bd) per token, float64 sums (the activation in float32);
+    `quant` applies the kernels' activation rounding at the same two places. biases: (bg, bu, bd), each may be
+    None."""
+    bg, bu, bd = biases or (None, None, None)
     xs = cpu_qgemv.dequantized_activations(x) if quant else x
     out = torch.zeros(x.shape[0], wd.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            h = (F.silu(wg[e].float() @ xs[t]) * (wu[e].float() @ xs[t])).unsqueeze(0)
+            g, u = wg[e].float() @ xs[t], wu[e].float() @ xs[t]
+            g, u = g if bg is None else g + bg[e], u if bu is None else u + bu[e]
+            h = (F.silu(g) * u if act == "silu" else moe_cpu.clamped_swiglu(g, u, alpha, limit)).unsqueeze(0)
             if quant:
                 h = cpu_qgemv.dequantized_activations(h)
-            out[t] += float(weights[t, j]) * (wd[e] @ h[0].double())
+            y = wd[e] @ h[0].double() + (0 if bd is None else bd[e].double())
+            out[t] += float(weights[t, j]) * y
     return out
 
 
@@ -323,3 +328,111 @@ def test_bad_inputs_are_clear_errors(lib):
         HostExperts(g, g, g)
     with pytest.raises(ValueError, match="need uint8 rows"):
         StackedWeight(gq.Q8_0, (4, 64, 32), g.data[:, :, :10]).check()
+
+
+# ----------------------------------------------------------------------------- gpt-oss experts
+
+
+def test_clamped_swiglu_is_transformers_gpt_oss():
+    """moe_cpu.clamped_swiglu against GptOssExperts._apply_gate (gate and up interleaved there), on values
+    around and beyond the clamp limit."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    g = torch.Generator().manual_seed(20)
+    gate, up = torch.randn(5, 64, generator=g) * 6, torch.randn(5, 64, generator=g) * 6
+    gate_up = torch.stack([gate, up], dim=-1).reshape(5, 128)
+    want = GptOssExperts._apply_gate(SimpleNamespace(alpha=1.702, limit=7.0), gate_up)
+    assert (gate > 7).any() and (up < -7).any() and (up > 7).any()
+    torch.testing.assert_close(moe_cpu.clamped_swiglu(gate, up, 1.702, 7.0), want, rtol=1e-6, atol=1e-6)
+
+
+def _gpt_oss_host(types, e, hidden, inter, rng, with_bias, threads=2, act="swiglu_oai"):
+    g, u, d = (stack(types[0], e, inter, hidden, rng), stack(types[1], e, inter, hidden, rng),
+               stack(types[2], e, hidden, inter, rng))
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    biases = ((torch.randn(e, inter, generator=gen), torch.randn(e, inter, generator=gen),
+               torch.randn(e, hidden, generator=gen)) if with_bias else (None, None, None))
+    host = HostExperts(g, u, d, KernelOptions(expert_threads=threads), activation=act, alpha=1.702, limit=7.0,
+                       gate_bias=biases[0], up_bias=biases[1], down_bias=biases[2])
+    return host, (g, u, d), biases
+
+
+# (gate, up, down types), hidden, expert dim, experts
+OAI_CASES = {
+    "mxfp4": ((gq.MXFP4, gq.MXFP4, gq.MXFP4), 96, 64, 5),
+    "mxfp4-q8_0-down": ((gq.MXFP4, gq.MXFP4, gq.Q8_0), 64, 96, 4),
+    "q4k-q4k-q6k": ((gq.Q4_K, gq.Q4_K, gq.Q6_K), 256, 256, 4),
+}
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("case", list(OAI_CASES))
+def test_gpt_oss_experts_match_reference(lib, case, with_bias, act):
+    """The kernel's expert FFN with the clamped SwiGLU (and SiLU) and biases against the formula on the
+    dequantized weights: on the kernels' activation grid (EXACT), in plain fp32 (FFN_TOL); the torch backend
+    too; 1, 5 and 40 tokens (more than a pass of 32 over an expert), 1 and 2 threads; a token's result is
+    its own."""
+    types, hidden, inter, e = OAI_CASES[case]
+    rng = np.random.default_rng(len(case) + 100 * with_bias)
+    host, (g, u, d), biases = _gpt_oss_host(types, e, hidden, inter, rng, with_bias, act=act)
+    assert host.backend == "kernel"
+    one = _gpt_oss_host(types, e, hidden, inter, np.random.default_rng(len(case) + 100 * with_bias), with_bias,
+                        threads=1, act=act)[0]
+    wg, wu, wd = dense(g), dense(u), dense(d)
+    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(21))
+    # x scaled to gate / up pre-activations of std 5, as a trained model's: the clamps at 7 are reached
+    x = x * (5 / torch.einsum("eih,th->tei", wg.float(), x).std())
+    ids, weights = routing(40, e, 2, seed=3)
+    pre = torch.einsum("eih,th->tei", wg.float(), x)
+    assert 0.05 < (pre > 7).float().mean() < 0.3
+    for n in (1, 5, 40):
+        out = host(x[:n], ids[:n], weights[:n])
+        assert torch.equal(out, one(x[:n], ids[:n], weights[:n]))        # thread count
+        assert torch.equal(out[n - 1:], host(x[n - 1:n], ids[n - 1:n], weights[n - 1:n]))   # batch
+        kw = dict(act=act, alpha=1.702, limit=7.0, biases=biases)
+        assert rel(out, ffn_reference(x[:n], ids[:n], weights[:n], wg, wu, wd, quant=True, **kw)) < EXACT
+        ref = ffn_reference(x[:n], ids[:n], weights[:n], wg, wu, wd, **kw)
+        assert rel(out, ref) < FFN_TOL
+        torch_host = HostExperts(g, u, d, backend="torch", activation=act, alpha=1.702, limit=7.0,
+                                 gate_bias=biases[0], up_bias=biases[1], down_bias=biases[2])
+        assert rel(torch_host(x[:n], ids[:n], weights[:n]), ref) < EXACT
+
+
+def test_gpt_oss_experts_bit_identical_across_isa(lib, other_builds):
+    """MXFP4 experts with the clamped SwiGLU and biases: the AVX2 and scalar builds, and the native build's
+    lower code paths, give the native bits."""
+    rng = np.random.default_rng(22)
+    host, _, _ = _gpt_oss_host((gq.MXFP4, gq.MXFP4, gq.MXFP4), 6, 128, 96, rng, True)
+    x = torch.randn(37, 128, generator=torch.Generator().manual_seed(22)) * 0.5   # pre-activations of std ~5
+    ids, weights = routing(37, 6, 3, seed=4)
+    for levels in (1, 2):
+        host.levels = levels
+        host._lib = lib
+        want = host(x, ids, weights)
+        for name, other in other_builds.items():
+            host._lib = other
+            assert torch.equal(host(x, ids, weights), want), (name, levels)
+        host._lib = lib
+        names = list(cpu_qgemv.SIMD_LEVELS.values())
+        for level in names[:names.index(cpu_qgemv.simd_level())]:
+            cpu_qgemv.set_simd_level(level)
+            try:
+                assert torch.equal(host(x, ids, weights), want), level
+            finally:
+                cpu_qgemv.set_simd_level(None)
+
+
+def test_gpt_oss_expert_arguments_are_checked(lib):
+    rng = np.random.default_rng(23)
+    s = stack(gq.MXFP4, 2, 32, 32, rng)
+    with pytest.raises(ValueError, match="unknown expert activation 'gelu'"):
+        HostExperts(s, s, s, activation="gelu")
+    with pytest.raises(ValueError, match=r"experts.up_bias: expert biases need a float tensor \[2, 32\]"):
+        HostExperts(s, s, s, up_bias=torch.zeros(2, 31))
+    with pytest.raises(ValueError, match="down_bias"):
+        HostExperts(s, s, s, down_bias=torch.zeros(2, 32, dtype=torch.long))
+    host = HostExperts(s, s, s, activation="swiglu_oai", down_bias=torch.zeros(2, 32, dtype=torch.float64))
+    assert host.down_bias.dtype == torch.float32 and host.gate_bias is None

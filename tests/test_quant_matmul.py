@@ -26,7 +26,8 @@ from nanochat.kernels.options import KernelOptions
 from nanochat.kernels.quant_matmul import CPU_INT4_TYPES, prepare_quant_weight, quant_linear
 from tests.kquant_pack import quantize_k, random_rows
 
-ALL_QUANT = [gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q8_1, gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K]
+ALL_QUANT = [gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q8_1, gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K,
+             gq.MXFP4]
 NAMES = gq.TYPE_NAMES.get
 # int4 backend: bf16 activations, bf16 scale/zero and bf16 output, fp32 accumulation. Each of
 # those roundings is <= 2^-9 relative, so 4 ulps of the sum of |terms| bounds the error.
@@ -267,7 +268,7 @@ def test_triton_fused_matmul(t):
 
 
 @needs_triton
-@pytest.mark.parametrize("t", [gq.Q4_1, gq.Q5_0, gq.Q8_0], ids=NAMES)
+@pytest.mark.parametrize("t", [gq.Q4_1, gq.Q5_0, gq.Q8_0, gq.MXFP4], ids=NAMES)
 @pytest.mark.parametrize("in_f", [96, 224])
 def test_triton_ragged_tiles(t, in_f):
     """in % BLOCK_K (64) != 0 and out = 20 not a multiple of BLOCK_N: masking must hold, also in the
@@ -275,6 +276,20 @@ def test_triton_ragged_tiles(t, in_f):
     qw = _weight(t, 20, in_f, seed=20 + t)
     x = torch.randn(5, in_f)
     _check(triton_gguf.gguf_linear(x, qw.data, t, 20, in_f), x, gq.dequantize(qw), TRITON_TOL)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the interpreter's numpy: 12 * 2^127
+def test_triton_mxfp4_scale_edge_cases():
+    """Every E2M1 index and the E8M0 bytes 0, 1 (subnormal scales), 2 and 255 (12 * 2^127 is inf): decoded as
+    gguf_quants does, bit for bit."""
+    raw = torch.from_numpy(random_rows(gq.MXFP4, 4, 128, np.random.default_rng(3)))
+    blocks = raw.view(-1, 17)
+    blocks[:5, 0] = torch.tensor([0, 1, 2, 254, 255], dtype=torch.uint8)
+    blocks[0, 1:] = torch.arange(16, dtype=torch.uint8) * 17
+    want = gq.dequantize_raw(gq.MXFP4, raw, (4, 128))
+    assert torch.isinf(want).any()
+    assert torch.equal(triton_gguf.gguf_dequantize(raw, gq.MXFP4, 4, 128), want)
 
 
 def test_split_k_choice():
@@ -307,7 +322,7 @@ def test_triton_compiles_for_sm90():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from nanochat.kernels import triton_gguf as tg
-        for qtype, xdt, dot_fp32 in ((12, "*bf16", False), (3, "*fp32", True)):
+        for qtype, xdt, dot_fp32 in ((12, "*bf16", False), (3, "*fp32", True), (39, "*bf16", False)):
             sig = dict(x_ptr=xdt, w_ptr="*u8", y_ptr=xdt, M="i32", N="i32", K="i32", row_bytes="i32",
                        stride_xm="i32", stride_ym="i32", stride_ys="i32", k_per_split="i32",
                        QTYPE="constexpr", BLOCK_M="constexpr",

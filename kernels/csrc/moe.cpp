@@ -1,14 +1,18 @@
 // Routed MoE experts on the CPU, computed from their GGML blocks where they lie (a GGUF memory map):
 //
-//   out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),   e = ids[t, j]
+//   out[t] = sum_j weights[t, j] * (down_e act(gate_e x_t + bg_e, up_e x_t + bu_e) + bd_e),   e = ids[t, j]
+//
+// with the biases optional (absent: zero) and act one of
+//   ACT_SILU        silu(g) * u                                           (the SwiGLU of most MoE models)
+//   ACT_SWIGLU_OAI  (clamp(u, -limit, limit) + 1) * (g' * sigmoid(alpha g')),  g' = min(g, limit)   (gpt-oss)
 //
 // on the matmul library's raw-row kernels and thread pool (qgemv.h): activations quantized as for every
 // other matmul (one or two levels), each token once; each selected expert's rows read once per call for
 // all the tokens routed to it. Two jobs on the pool, each over all active experts at once:
 //   1. gate|up rows of each expert x its tokens -> gu [pairs, 2I]; whoever completes an expert's last rows
-//      forms silu(gate) * up for its tokens and quantizes it for the down projection;
-//   2. down rows in groups: each group walks the experts in ascending order and adds weight x result into
-//      out, so every output element sums its experts in one fixed order.
+//      adds the biases, forms act(gate, up) for its tokens and quantizes it for the down projection;
+//   2. down rows in groups: each group walks the experts in ascending order and adds weight x (result +
+//      down bias) into out, so every output element sums its experts in one fixed order.
 // A token's result depends on that token alone (its x, experts and weights): the same in any batch, on
 // any number of threads, and on every code path (the kernels are bit-identical across them).
 
@@ -25,7 +29,8 @@
 
 namespace {
 
-enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_EXPERT_ID = 3 };
+enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_EXPERT_ID = 3, ERR_ACTIVATION = 4 };
+enum : int { ACT_SILU = 0, ACT_SWIGLU_OAI = 1 };
 constexpr int64_t GROUP = 16;                  // weight rows per work item
 constexpr int64_t MIN_PARALLEL_BYTES = 64 << 10;  // below this, a second thread costs more than it saves
 // Chunks of work items per thread: few and large where every item costs alike (each thread streams its
@@ -33,6 +38,15 @@ constexpr int64_t MIN_PARALLEL_BYTES = 64 << 10;  // below this, a second thread
 constexpr int64_t CHUNKS_PER_THREAD = 2, UNEVEN_CHUNKS_PER_THREAD = 8;
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// gpt-oss's clamped SwiGLU, in the operation order of transformers' GptOssExperts (and moe_cpu.clamped_swiglu):
+// glu = g * sigmoid(g * alpha), (u + 1) * glu.
+inline float swiglu_oai(float g, float u, float alpha, float limit) {
+  g = std::min(g, limit);
+  u = std::min(std::max(u, -limit), limit);
+  const float glu = g * (1.0f / (1.0f + std::exp(-(g * alpha))));
+  return (u + 1.0f) * glu;
+}
 
 int64_t chunk_of(int64_t items, int threads, int64_t per_thread = CHUNKS_PER_THREAD) {
   return std::max<int64_t>(1, (items + threads * per_thread - 1) / (threads * per_thread));
@@ -53,11 +67,15 @@ struct NcMat {
   int64_t cols;
 };
 
-// out [T, H] as above for x [T, H], ids / weights [T, k] (experts [0, E)); x2: two-level activations.
+// out [T, H] as above for x [T, H], ids / weights [T, k] (experts [0, E)); act (ACT_*) with alpha and limit
+// (ACT_SWIGLU_OAI); biases gate_bias / up_bias [E, I] and down_bias [E, H], each may be null; x2: two-level
+// activations.
 int nc_moe_forward(const float* x, int64_t T, int64_t H, const int64_t* ids, const float* weights, int64_t k,
-                   int64_t E, const NcMat* gate, const NcMat* up, const NcMat* down, float* out, int x2,
+                   int64_t E, const NcMat* gate, const NcMat* up, const NcMat* down, float* out, int act, float alpha,
+                   float limit, const float* gate_bias, const float* up_bias, const float* down_bias, int x2,
                    int threads) {
   using namespace nc::qg;
+  if (act != ACT_SILU && act != ACT_SWIGLU_OAI) return ERR_ACTIVATION;
   for (const NcMat* m : {gate, up, down})
     if (!raw_type(m->type)) return ERR_TYPE;
   const int64_t I = gate->rows;
@@ -123,9 +141,19 @@ int nc_moe_forward(const float* x, int64_t T, int64_t H, const int64_t* ids, con
       matmul_rows(m->type, m->data + e * m->expert_stride, m->row_stride, m0, m0 + GROUP, xa, pair_tok.data() + p0,
                   n, gu.data() + p0 * 2 * I + r0, 2 * I, pf_end);
       if (groups_done[a].fetch_add(1, std::memory_order_acq_rel) + 1 == gu_groups) {
-        for (int64_t p = p0; p < p0 + n; ++p) {  // silu(gate) * up over the gate half, then quantized
+        const float* bg = gate_bias ? gate_bias + e * I : nullptr;
+        const float* bu = up_bias ? up_bias + e * I : nullptr;
+        for (int64_t p = p0; p < p0 + n; ++p) {  // act(gate, up) over the gate half, then quantized
           float* g = gu.data() + p * 2 * I;
-          for (int64_t i = 0; i < I; ++i) g[i] = silu(g[i]) * g[I + i];
+          float* u = g + I;
+          if (bg)
+            for (int64_t i = 0; i < I; ++i) g[i] += bg[i];
+          if (bu)
+            for (int64_t i = 0; i < I; ++i) u[i] += bu[i];
+          if (act == ACT_SILU)
+            for (int64_t i = 0; i < I; ++i) g[i] = silu(g[i]) * u[i];
+          else
+            for (int64_t i = 0; i < I; ++i) g[i] = swiglu_oai(g[i], u[i], alpha, limit);
           hq.quantize(p, g);
         }
       }
@@ -141,10 +169,14 @@ int nc_moe_forward(const float* x, int64_t T, int64_t H, const int64_t* ids, con
       const int64_t p0 = offs[e], n = offs[e + 1] - p0;
       matmul_rows(down->type, down->data + e * down->expert_stride, down->row_stride, r0, r1, ha, pairs.data() + p0,
                   n, y.data(), nr, r1);
+      const float* bd = down_bias ? down_bias + e * H + r0 : nullptr;
       for (int64_t j = 0; j < n; ++j) {
         float* o = out + pair_tok[p0 + j] * H + r0;
         const float w = pair_w[p0 + j];
-        for (int64_t r = 0; r < nr; ++r) o[r] += w * y[j * nr + r];
+        if (bd)
+          for (int64_t r = 0; r < nr; ++r) o[r] += w * (y[j * nr + r] + bd[r]);
+        else
+          for (int64_t r = 0; r < nr; ++r) o[r] += w * y[j * nr + r];
       }
     }
   });

@@ -1,5 +1,5 @@
 // Linear layers on the CPU: y = x @ W^T (+ bias) with W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or dense (F32, F16, BF16), for decode (a few rows of x) and prefill.
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4) or dense (F32, F16, BF16), for decode (a few rows of x) and prefill.
 //
 // Scheme for the quantized types (as llama.cpp does it): each row of x is quantized once per call to
 // int8 blocks of 32 (fp32 scale d = amax / 127, integer sums of every 16), so the inner products are
@@ -67,7 +67,7 @@ constexpr int ROWS = 16;  // output rows per tile
 constexpr int TMAX = 8;   // rows of x per pass over a tile
 enum : int {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39
 };
 enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_RANGE = 3 };
 
@@ -76,7 +76,7 @@ int g_simd = NC_ISA;
 // ------------------------------------------------------------------ formats
 // Per type: raw GGML block (elements, bytes) and the layout of one tile block (16 rows x 1 block).
 // Offsets inside a tile block:
-//   D     16 x f16 d                     M   16 x f16 m (Q4_1, Q5_1) or dmin (Q2_K, Q4_K, Q5_K)
+//   D     16 x f16 d (MXFP4: 16 E8M0 bytes)   M   16 x f16 m (Q4_1, Q5_1) or dmin (Q2_K, Q4_K, Q5_K)
 //   SC    K-quants: Q3_K/Q4_K/Q5_K the 12 packed scale bytes as 12 planes of 16 (plane k = byte k of
 //         each row); Q2_K 16 planes of its scale bytes (scale | min << 4); Q6_K 16 planes of 16
 //         int8 scales
@@ -89,7 +89,8 @@ int g_simd = NC_ISA;
 //         of chunk G = element 4G+i
 //   Q2    2-bit fields: per 4 sub-blocks 8 chunks of 64 bytes, bits 2k..2k+1 of byte 4r+i of
 //         chunk G = element 4G+i of sub-block 4c+k; Q6_K's code bits 4..5, Q2_K's and Q3_K's 0..1
-// Codes are unsigned: Q2_K 0..3, Q3_K 0..7 (q + 4), Q4 0..15, Q5 0..31, Q6_K 0..63 (q + 32).
+// Codes are unsigned: Q2_K 0..3, Q3_K 0..7 (q + 4), Q4 0..15, Q5 0..31, Q6_K 0..63 (q + 32). MXFP4's
+// tiles hold its 4-bit indices as Q4_0's; the kernels look them up as MX_CODES (the doubled E2M1 value + 12).
 // Dense types (elems 1): a tile block is one column, the 16 rows' values side by side.
 struct Fmt {
   int type, elems, raw_bytes, tile_bytes;
@@ -107,6 +108,7 @@ constexpr Fmt FMTS[] = {
     {Q4_K, 256, 144, 2304, 0, 32, 64, -1, 256, -1},
     {Q5_K, 256, 176, 2816, 0, 32, 64, 256, 768, -1},
     {Q6_K, 256, 210, 3360, 0, -1, 32, -1, 288, 2336},
+    {MXFP4, 32, 17, 272, 0, -1, -1, -1, 16, -1},
     {F32, 1, 4, 64, -1, -1, -1, -1, -1, -1},
     {F16, 1, 2, 32, -1, -1, -1, -1, -1, -1},
     {BF16, 1, 2, 32, -1, -1, -1, -1, -1, -1},
@@ -119,6 +121,21 @@ constexpr int raw_m(int type) { return type == Q2_K ? 82 : 2; }
 constexpr int raw_sc(int type) { return type == Q3_K ? 96 : type == Q6_K ? 192 : type == Q2_K ? 0 : 4; }
 // Scale bytes of the K-quants: 16 (Q2_K, Q6_K) or 12 packed.
 constexpr int raw_sc_bytes(int type) { return type == Q6_K || type == Q2_K ? 16 : 12; }
+
+// Bytes of the block scale d: an fp16, or MXFP4's E8M0 exponent.
+constexpr int d_bytes(int type) { return type == MXFP4 ? 1 : 2; }
+
+// MXFP4: ggml's kvalues_mxfp4 (E2M1 values doubled, integers in [-12, 12]) + 12 per 4-bit index, so the codes
+// are unsigned as the other types' (the kernels subtract 12 times the activation sums, as Q4_0's 8); the
+// block's scale is then 2^(e - 128), half the E8M0 scale. Integer codes make the int8 dot products exact.
+constexpr int MX_OFF = 12;
+alignas(16) constexpr int8_t MX_CODES[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// 2^(e - 128) by its bits, as ggml_e8m0_to_fp32_half: e = 0, 1 the subnormals 2^-128, 2^-127.
+inline float e8m0_half(uint8_t e) { return nc::as_float(e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23); }
+
+// A block's scale d at p (an fp16, or MXFP4's E8M0 byte) as fp32.
+inline float rd_scale(int type, const uint8_t* p) { return type == MXFP4 ? e8m0_half(*p) : nc::rd_f16(p); }
 
 // Bit position of the Q2 fields in the code.
 constexpr int q2_shift(int type) { return type == Q6_K ? 4 : 0; }
@@ -181,13 +198,13 @@ inline int q3_scale(const uint8_t* s, int j) {
 
 // ------------------------------------------------------------------ repacking
 // Decode one raw block's codes into `q` (unsigned as in the tiles; Q8_0's int8 as its bytes in uint8_t,
-// as values in int16_t).
+// as values in int16_t; MXFP4's 4-bit indices).
 
 template <class T>
 void raw_codes(int type, const uint8_t* b, T* q) {
   switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
-      const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case MXFP4: {
+      const int qs = type == MXFP4 ? 1 : type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
       for (int j = 0; j < 16; ++j) {
         q[j] = b[qs + j] & 15;
         q[j + 16] = b[qs + j] >> 4;
@@ -249,7 +266,7 @@ void pack_row(const Fmt& f, const uint8_t* b, int r, uint8_t* t) {
     raw_codes(f.type, b, q);
   }
   const int type = f.type;
-  std::memcpy(t + f.d + 2 * r, b + raw_d(type), 2);
+  std::memcpy(t + f.d + d_bytes(type) * r, b + raw_d(type), d_bytes(type));
   if (f.m >= 0) std::memcpy(t + f.m + 2 * r, b + raw_m(type), 2);
   if (f.sc >= 0)
     for (int k = 0; k < raw_sc_bytes(type); ++k) t[f.sc + 16 * k + r] = b[raw_sc(type) + k];
@@ -482,7 +499,7 @@ inline int code(const Fmt& f, const uint8_t* b, int s, int r, int e) {
   return v;
 }
 
-int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == MXFP4 ? MX_OFF : 0; }
 
 // K-quants: the integer scale and min of the two 16-element halves of sub-block s from the block's scale
 // bytes (Q4_K / Q5_K have one per 32: both halves alike).
@@ -507,8 +524,10 @@ struct RowBlock {
   float dg[8][2], mg[8][2];  // d * sc and m * mn (32-element blocks: d and m), the kernels' fp32 products
 };
 
-// RowBlock's scale products, from d, m, sc and mn.
+// RowBlock's scale products, from d, m, sc and mn (and MXFP4's indices looked up as its codes).
 inline void scale_products(const Fmt& f, RowBlock& rb) {
+  if (f.type == MXFP4)
+    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
   if (f.elems != 256) {
     rb.dg[0][0] = rb.d;
     rb.mg[0][0] = rb.m;
@@ -560,7 +579,7 @@ inline void dot_halves(const int16_t* c, const int8_t* x, const int8_t* x2, int 
 
 // Row r of tile block b.
 void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
-  rb.d = rd_f16(b + f.d + 2 * r);
+  rb.d = rd_scale(f.type, b + f.d + d_bytes(f.type) * r);
   rb.m = f.m >= 0 ? rd_f16(b + f.m + 2 * r) : 0.0f;
   uint8_t raw[16];
   if (f.sc >= 0)
@@ -575,7 +594,7 @@ void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
 // A raw GGML block.
 void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
   raw_codes(f.type, b, rb.c);
-  rb.d = rd_f16(b + raw_d(f.type));
+  rb.d = rd_scale(f.type, b + raw_d(f.type));
   rb.m = f.m >= 0 ? rd_f16(b + raw_m(f.type)) : 0.0f;
   if (f.elems == 256)
     for (int s = 0; s < 8; ++s) sub_scales(f.type, b + raw_sc(f.type), s, rb.sc[s], rb.mn[s]);
@@ -635,6 +654,14 @@ void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, in
 // One kernel body for AVX-512 (16 rows per vector) and AVX2 (8 rows per vector, two halves).
 
 #if NC_ISA >= NC_ISA_AVX2
+// The 8 E8M0 bytes in the low half of e as fp32 lanes: e8m0_half's bits.
+inline __m256 e8m0_lanes(__m128i e) {
+  const __m256i v = _mm256_cvtepu8_epi32(e);
+  const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+  const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v)));
+}
+
 struct V256 {
   static constexpr int L = 8, HALVES = 2;
   using I = __m256i;
@@ -715,6 +742,10 @@ struct V256 {
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I shl8(I a) { return _mm256_slli_epi32(a, 8); }
   static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F e8m0(const uint8_t* p) { return e8m0_lanes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I mx_codes(I v) {  // MXFP4's indices (0..15) -> MX_CODES
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(MX_CODES))), v);
+  }
   static F bf16(const uint8_t* p) {
     const I v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -772,6 +803,15 @@ struct V512 {
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I shl8(I a) { return _mm512_slli_epi32(a, 8); }
   static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F e8m0(const uint8_t* p) {  // e8m0_half of 16 bytes
+    const I v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const I norm = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+    const I sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), v);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(v, _mm512_set1_epi32(2)), norm, sub));
+  }
+  static I mx_codes(I v) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(MX_CODES))), v);
+  }
   static F bf16(const uint8_t* p) {
     const I v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -851,6 +891,8 @@ inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
     }
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1)
       for (int g = 0; g < 8; ++g) u[g] = V::template setbit<4>(u[g], b + f.qh + 8 * g, h);
+    if constexpr (TYPE == MXFP4)
+      for (int g = 0; g < 8; ++g) u[g] = V::mx_codes(u[g]);
   } else {
     if constexpr (f.qs >= 0) {
       const uint8_t* q = b + f.qs + 512 * (s / 2) + B * h;
@@ -900,7 +942,7 @@ template <class V, int TYPE, int T, bool X2>
 inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32;
-  constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : (TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0);
+  constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : (TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == MXFP4 ? MX_OFF : 0);
   constexpr bool WIDE = [] {
     if constexpr (X2 && V::WIDE_X2) return V::widens(TYPE, T);
     return false;
@@ -912,7 +954,9 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
     for (int t = 0; t < T; ++t) acc[t] = V::zerof();
     for (int64_t kb = 0; kb < nblk; ++kb) {
       const uint8_t* b = w + kb * f.tile_bytes;
-      const typename V::F d = V::f16(b + f.d + 2 * V::L * h);
+      typename V::F d;
+      if constexpr (TYPE == MXFP4) d = V::e8m0(b + f.d + V::L * h);
+      else d = V::f16(b + f.d + 2 * V::L * h);
       typename V::F m = V::zerof();
       if constexpr (f.m >= 0) m = V::f16(b + f.m + 2 * V::L * h);
       alignas(16) uint8_t sc[16][16], mn[16][16];  // K-quants: the 16 rows' scales (and mins) decoded
@@ -1110,6 +1154,7 @@ TileFn simd_fn(int type) {
     case Q4_K: return tile_any<V, Q4_K>;
     case Q5_K: return tile_any<V, Q5_K>;
     case Q6_K: return tile_any<V, Q6_K>;
+    case MXFP4: return tile_any<V, MXFP4>;
     case F32: return dense_any<V, F32>;
     case F16: return dense_any<V, F16>;
     case BF16: return dense_any<V, BF16>;
@@ -1184,7 +1229,7 @@ __attribute__((always_inline)) inline __m256i raw_codes32(const uint8_t* b) {
   if constexpr (TYPE == Q8_0) {
     return load32(b + 2);
   } else if constexpr (fmt_of(TYPE).elems == 32) {  // low nibbles elements 0..15, high 16..31
-    constexpr int QS = TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;
+    constexpr int QS = TYPE == MXFP4 ? 1 : TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;
     const __m128i q = load16(b + QS);
     __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {  // bit j of qh: bit 4 of element j
@@ -1197,6 +1242,7 @@ __attribute__((always_inline)) inline __m256i raw_codes32(const uint8_t* b) {
       u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel),
                                               _mm256_set1_epi8(16)));
     }
+    if constexpr (TYPE == MXFP4) u = V256::mx_codes(u);
     return u;
   } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // 32 bytes per two sub-blocks: low nibbles, then high
     const __m256i q = load32(b + (TYPE == Q4_K ? 16 : 48) + 32 * (S / 2));
@@ -1266,7 +1312,11 @@ __attribute__((always_inline)) inline void raw_scales8(const uint8_t* const b[8]
   auto ld = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j])); };  // planes j, j + 1
   auto st = [](uint8_t* dst, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), v); };
   const __m128i m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48), m63 = _mm_set1_epi8(63);
-  if constexpr (TYPE != Q4_K && TYPE != Q5_K && TYPE != Q3_K) {
+  if constexpr (TYPE == MXFP4) {
+    uint8_t e[16] = {};
+    for (int r = 0; r < 8; ++r) e[r] = b[r][0];
+    d = e8m0_lanes(load16(e));
+  } else if constexpr (TYPE != Q4_K && TYPE != Q5_K && TYPE != Q3_K) {
     d = f16_lanes(b, raw_d(TYPE));
     if constexpr (f.m >= 0) m = f16_lanes(b, raw_m(TYPE));
   }
@@ -1348,7 +1398,7 @@ void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Act
   if constexpr (NT == 1) n = 1;
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32, RAW = f.raw_bytes;
-  constexpr int OFF = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0;
+  constexpr int OFF = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == MXFP4 ? MX_OFF : 0;
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const uint8_t* b[8];
@@ -1456,6 +1506,7 @@ RawFn pick_raw(int type, bool x2, bool wide, bool vnni, bool one) {
     case Q4_K: return raw_fn<Q4_K>(x2, wide, vnni, one);
     case Q5_K: return raw_fn<Q5_K>(x2, wide, vnni, one);
     case Q6_K: return raw_fn<Q6_K>(x2, wide, vnni, one);
+    case MXFP4: return raw_fn<MXFP4>(x2, wide, vnni, one);
   }
   return nullptr;
 }
@@ -1486,6 +1537,7 @@ void dequant_row(const Fmt& f, const uint8_t* w, int64_t nblk, int r, float* out
           case Q5_0: v = d * static_cast<float>(c - 16); break;
           case Q4_1: case Q5_1: v = d * static_cast<float>(c) + m; break;
           case Q8_0: v = static_cast<float>(c) * d; break;
+          case MXFP4: v = static_cast<float>(c - MX_OFF) * d; break;  // ggml: kvalue * d
           case Q6_K: v = d * static_cast<float>(sc[h]) * static_cast<float>(c - 32); break;
           case Q3_K: v = d * static_cast<float>(sc[h]) * static_cast<float>(c - 4); break;
           default:  // Q2_K, Q4_K, Q5_K
