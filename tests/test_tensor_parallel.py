@@ -68,6 +68,15 @@ class Zoo:
         out.mkdir(parents=True, exist_ok=True)
         if kind == "hf" and arch in self.tiny:
             return self.tiny[arch]
+        if kind == "hf" and arch == "gpt_oss":         # sinks, biases, windows, YaRN: as in test_gpt_oss
+            from test_gpt_oss import make_gpt_oss
+            return make_gpt_oss(out)
+        if kind == "gguf-moe-quant" and arch == "gpt-oss-mxfp4":   # MXFP4 experts on the host, Q8_0 linears
+            from test_families import tokenizer_metadata
+            src = self.get("hf:gpt_oss")
+            write_gguf_from_hf(src, out / "model.gguf", "gpt-oss", T.Q8_0, expert_qtype=T.MXFP4,
+                               tokenizer=tokenizer_metadata(Path(src)))
+            return out / "model.gguf"
         if kind == "hf":                               # Qwen3-MoE and the hybrids, as in test_moe_models
             from test_moe_models import _build
             _build(arch, out, build_tokenizer(320))
@@ -111,7 +120,8 @@ def _k_mix(x, name=None):
 ALL = (["hf:llama", "hf:llama_tied", "hf:qwen2", "hf:qwen3", "hf:qwen3_moe", "hf:qwen3_next", "hf:qwen3_5_moe",
         "hf:qwen3_5", "gguf:llama", "gguf:qwen2", "gguf:qwen3", "gguf-moe:qwen3_moe", "gguf-moe:qwen3_next",
         "gguf-moe:qwen3_5_moe", "gguf-moe:qwen3_5", "gguf-moe-quant:qwen3moe-q8_0-attn-q8_0",
-        "gguf-moe-quant:qwen35moe-q4k-q6k-attn-q8_0", "gguf-kquant:qwen3",
+        "gguf-moe-quant:qwen35moe-q4k-q6k-attn-q8_0", "gguf-kquant:qwen3", "hf:gpt_oss",
+        "gguf-moe-quant:gpt-oss-mxfp4",
         "shape:kv1", "shape:kv3", "shape:vocab321"])
 
 
@@ -194,7 +204,7 @@ ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_dtype="float32", cpu_
 # every architecture, from safetensors and from GGUF
 THROUGH_THE_ENGINE = ["hf:llama", "hf:qwen2", "hf:qwen3", "hf:qwen3_moe", "hf:qwen3_next", "hf:qwen3_5_moe",
                       "gguf:llama", "gguf:qwen2", "gguf:qwen3", "gguf-moe:qwen3_moe", "gguf-moe:qwen3_next",
-                      "gguf-moe:qwen3_5_moe"]
+                      "gguf-moe:qwen3_5_moe", "hf:gpt_oss"]
 
 
 def two_turns(engine: LLMEngine) -> list[tuple[list[int], int]]:

@@ -60,10 +60,8 @@ T = gguf.GGMLQuantizationType
 from nanochat.models.errors import ModelLoadError, missing_path  # noqa: E402  (re-exported for callers)
 
 
-DENSE_TYPES = {T.F32, T.F16, T.BF16}
-QUANT_TYPES = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_1,
-               T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
-SUPPORTED_TYPES = DENSE_TYPES | QUANT_TYPES
+# The types the kernels read (kernels/gguf_quants.py's one table).
+SUPPORTED_TYPES = frozenset(T(t) for t in gq.SUPPORTED_TYPES)
 
 # GGUF block tensors whose HF name is not module + ".weight"/".bias" (hybrid archs).
 HYBRID_SPECIAL = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
