@@ -204,8 +204,8 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
     try:
         for text in opts.prompts:
             if opts.chat_template:
-                streams.append(client.submit_turn(client.open_session(opts.system), text, sp,
-                                                  template_kwargs=opts.template_kwargs))
+                variables = {"template_kwargs": opts.template_kwargs} if opts.template_kwargs else {}
+                streams.append(client.submit_turn(client.open_session(opts.system), text, sp, **variables))
             else:
                 streams.append(client.submit(text, sp))
         _print_in_order(streams, None if opts.json else out, prompted, opts.show_thinking, model)
