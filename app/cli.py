@@ -21,8 +21,8 @@ from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_U
                                  debug_enabled, one_line, report)
 from nanochat.app.terminal_text import for_stream
 from nanochat.app.options import (add_engine_options, add_option, argv_text, engine_config, pick, positive_int,
-                                  penalty_float, repetition_penalty_float, resolve_model, sampling_options, seed_int,
-                                  temperature_float, top_k_int, top_p_float)
+                                  penalty_float, reasoning_effort_word, repetition_penalty_float, resolve_model,
+                                  sampling_options, seed_int, temperature_float, top_k_int, top_p_float)
 
 
 class Parser(argparse.ArgumentParser):
@@ -78,6 +78,9 @@ def add_oneshot_options(parser, suppress: bool = False) -> None:
 def add_thinking_option(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--show-thinking", action="store_true",
                help="print a reasoning model's thinking (<think>...</think>) before its answer (default: the answer only)")
+    add_option(parser, suppress, "--reasoning-effort", type=reasoning_effort_word, metavar="LEVEL",
+               help="low, medium or high: how long gpt-oss reasons (its chat template's reasoning_effort; "
+                    "default: the template's, medium)")
 
 
 def build_parser(argv: list[str] | None = None) -> Parser:
@@ -180,11 +183,18 @@ def cmd_oneshot(args, settings, piped: str) -> int:
     opts = OneShotOptions(model=resolve_model(args, settings), prompts=prompts,
                           engine_config=engine_config(args, settings), sampling=sampling_options(args, settings),
                           system=system, chat_template=not args.no_chat_template, json=bool(args.json),
-                          quiet=bool(args.quiet), show_thinking=bool(args.show_thinking))
+                          quiet=bool(args.quiet), show_thinking=bool(args.show_thinking),
+                          template_kwargs=_template_kwargs(args))
     code = run_oneshot(opts)
     if code == EXIT_OK:
         _remember(args, settings)
     return code
+
+
+def _template_kwargs(args) -> dict | None:
+    """The chat template variables the flags set (--reasoning-effort); None: none."""
+    effort = getattr(args, "reasoning_effort", None)
+    return {"reasoning_effort": effort} if effort else None
 
 
 def cmd_repl(args, settings) -> int:
@@ -194,7 +204,8 @@ def cmd_repl(args, settings) -> int:
     opts = ReplOptions(model=resolve_model(args, settings), engine_config=engine_config(args, settings),
                        sampling=sampling_options(args, settings), system=pick(args, "system", settings.system_prompt),
                        history_file=str(get_paths().repl_history),
-                       show_thinking=bool(getattr(args, "show_thinking", False)))
+                       show_thinking=bool(getattr(args, "show_thinking", False)),
+                       template_kwargs=_template_kwargs(args))
     return run_repl(opts, quiet=bool(getattr(args, "quiet", False)), on_loaded=lambda: _remember(args, settings))
 
 

@@ -41,8 +41,9 @@ from pathlib import Path
 from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, ChatError, Conversation, Message,
                                        as_history, exchanges, join_notes, latest_leaf)
 from nanochat.app.export import model_name, write_export
-from nanochat.app.options import SAMPLING_RULES, TEMPLATE_SWITCHES, effective_sampling, template_variables
-from nanochat.app.reasoning import ThinkingSplitter, Thought, split_reasoning
+from nanochat.app.options import (SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES, effective_sampling,
+                                  template_variables)
+from nanochat.app.reasoning import ThinkingSplitter, Thought, reply_splitter, split_reply
 from nanochat.app.store import ChatStore, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ from nanochat.engine.serve.protocol import EngineError, ModelInfo, one_line
 
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
 MAX_BRANCH_SESSIONS = 4   # engine sessions kept per conversation (the branch shown and recent others)
-CHAT_SETTINGS = tuple(SAMPLING_RULES)   # what /set may change
+CHAT_SETTINGS = (*SAMPLING_RULES, *TEMPLATE_RULES)   # what /set may change: sampling, and template variables
 
 
 # ---------------------------------------------------------------------------------- chats
@@ -117,6 +118,8 @@ class Turn:
 def setting_value(name: str, raw: str):
     """A /set value typed as text, as the setting's type (ValueError with one line when it is not; the
     value itself is checked by set_setting, with the others)."""
+    if name in TEMPLATE_RULES:   # a word: set_setting checks it
+        return raw.lower()
     if name not in SAMPLING_RULES:
         raise ValueError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
     cast = SAMPLING_RULES[name].cast
@@ -140,6 +143,10 @@ def describe_settings(sampling: dict, own: dict | None = None) -> str:
         if name not in own and (value is None or value == NEUTRAL_SETTINGS.get(name, object())
                                 or (name == "top_k" and value == 0)):
             continue
+        if name in TEMPLATE_RULES and value is None:
+            value = own.get(name)
+            if value is None:
+                continue
         text = f"{value:g}" if isinstance(value, float) else str(value)
         parts.append(f"{name} {text}{'*' if name in own else ''}")
     parts += [f"{name} {'on' if own[name] else 'off'}*" for name in TEMPLATE_SWITCHES if isinstance(own.get(name), bool)]
@@ -358,7 +365,7 @@ class ChatController:
         # whether the prompt opens the thinking block itself (the reply then starts inside it)
         prompted = variables.get("enable_thinking") in self.client.model.thinking_opened
         turn = Turn(conv, user, Message("assistant", "", streaming=True), new_user=new_user, edit_of=edit_of,
-                    shown_before=conv.leaf, splitter=ThinkingSplitter(prompted))
+                    shown_before=conv.leaf, splitter=reply_splitter(self.client.model, prompted))
         try:
             turn.stream = conv.sessions.submit_turn(session, (user, turn.reply), user.content, sampling,
                                                     on_event=partial(self._on_event, turn),
@@ -512,7 +519,7 @@ class ChatController:
         finally:
             self.client.close_session(session)
         prompted = variables.get("enable_thinking") in self.client.model.thinking_opened
-        summary = split_reasoning(reply.text, prompted).answer.strip()   # the answer, not the thinking
+        summary = split_reply(reply.text, self.client.model, prompted).answer.strip()   # the answer, not the thinking
         if reply.final is None or reply.final.finish_reason == "error" or not summary:
             raise ChatError(f"no summary: {reply.final.error if reply.final is not None else 'no reply'}")
         return summary
@@ -540,12 +547,26 @@ class ChatController:
         settings = {k: v for k, v in conv.settings.items() if k != name}
         if value is not None:
             settings[name] = value
+        if name in TEMPLATE_RULES:
+            self._check_template_setting(name, value)
         try:
-            SamplingParams(**{**self.sampling_for(conv), **settings})
+            SamplingParams(**{**self.sampling_for(conv), **{k: v for k, v in settings.items() if k in SAMPLING_RULES}})
         except (TypeError, ValueError) as e:
             raise ChatError(one_line(e)) from None
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
+
+    def _check_template_setting(self, name: str, value) -> None:
+        """A template variable's value (None: the default again) against its rule, and, with a model
+        loaded, against the values its chat template reads; ChatError (one line) when it is refused."""
+        if value is None:
+            return
+        rule = TEMPLATE_RULES[name]
+        if not (isinstance(value, str) and rule.ok(value)):
+            raise ChatError(f"{name} must be {rule.text}, got {value!r}")
+        model = self.client.model
+        if model is not None and value not in model.reasoning_efforts:
+            raise ChatError(f"this model's chat template does not read {name}: it changes nothing")
 
     def set_thinking(self, conv: Chat, on: bool | None) -> None:
         """Turn the chat's thinking on or off (None: the template's default) from its next turn: the chat
@@ -640,7 +661,7 @@ class ChatController:
             return
         reply = turn.reply
         if reply.thought is None:
-            reply.thought = Thought("", prompted=splitter.prompted)
+            reply.thought = Thought("", prompted=splitter.prompted, harmony=not isinstance(splitter, ThinkingSplitter))
         thought = reply.thought
         thought.text = splitter.reasoning
         if event.token_id is not None and (splitter.thinking or splitter.closed != was_closed):

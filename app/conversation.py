@@ -43,7 +43,9 @@ class Message:
         """The text as the model wrote it, thinking and all: what it sees again in the chat's history
         (as a live session keeps the ids it generated; the template decides what earlier turns keep)."""
         t = self.thought
-        return self.content if t is None else join_reasoning(t.text, self.content, t.closed, t.prompted)
+        if t is None or t.harmony:   # harmony's template drops an answered turn's analysis
+            return self.content
+        return join_reasoning(t.text, self.content, t.closed, t.prompted)
 
 
 @dataclass(eq=False)

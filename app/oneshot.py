@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from nanochat.app.export import format_stats, model_name
 from nanochat.app.options import effective_sampling
-from nanochat.app.reasoning import CLOSE, OPEN, ThinkingSplitter, split_reasoning
+from nanochat.app.reasoning import CLOSE, OPEN, reply_splitter, split_reply
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal, sanitize
 from nanochat.models.errors import one_line
 
@@ -41,6 +41,7 @@ class OneShotOptions:
     json: bool = False
     quiet: bool = False
     show_thinking: bool = False
+    template_kwargs: dict | None = None   # chat template variables (reasoning_effort)
 
 
 # ---------------------------------------------------------------------------------- shared helpers
@@ -129,11 +130,12 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
 class ReplyPrinter:
     """Writes a streamed reply as it comes: its answer, and with `show_thinking` its thinking first,
     between <think> and </think>, dim on a terminal (an empty block is left out). On a terminal the text
-    passes the sanitizer. `prompted`: the prompt opened the thinking block (see app/reasoning.py)."""
+    passes the sanitizer. `prompted`: the prompt opened the thinking block; `model`: the ModelInfo, whose
+reply format picks the splitter (see app/reasoning.py)."""
 
-    def __init__(self, out, prompted: bool = False, show_thinking: bool = False, before: str = ""):
+    def __init__(self, out, prompted: bool = False, show_thinking: bool = False, before: str = "", model=None):
         self.out, self.terminal = out, is_terminal(out)
-        self.splitter = ThinkingSplitter(prompted)
+        self.splitter = reply_splitter(model, prompted)
         self.show_thinking = show_thinking
         self.before = before            # written before the reply's first text (a blank line between replies)
         self.printed = False
@@ -197,14 +199,16 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
     sp = SamplingParams(**effective_sampling(opts.sampling, client.model.sampling_defaults))
     # a template that opens the thinking block itself: the replies start inside it (raw prompts never do)
     prompted = opts.chat_template and None in client.model.thinking_opened
+    model = client.model if opts.chat_template else None   # raw prompts: no reply format to split
     streams = []
     try:
         for text in opts.prompts:
             if opts.chat_template:
-                streams.append(client.submit_turn(client.open_session(opts.system), text, sp))
+                variables = {"template_kwargs": opts.template_kwargs} if opts.template_kwargs else {}
+                streams.append(client.submit_turn(client.open_session(opts.system), text, sp, **variables))
             else:
                 streams.append(client.submit(text, sp))
-        _print_in_order(streams, None if opts.json else out, prompted, opts.show_thinking)
+        _print_in_order(streams, None if opts.json else out, prompted, opts.show_thinking, model)
         for stream in streams:
             stream.done.wait()
     except KeyboardInterrupt:
@@ -214,17 +218,17 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
         raise
     finally:
         client.shutdown()
-    return _report(opts, [s.reply for s in streams], load_s, out, err, prompted)
+    return _report(opts, [s.reply for s in streams], load_s, out, err, prompted, model)
 
 
-def _print_in_order(streams: list, out, prompted: bool = False, show_thinking: bool = False) -> None:
+def _print_in_order(streams: list, out, prompted: bool = False, show_thinking: bool = False, model=None) -> None:
     """Print the replies in prompt order as they arrive: the earliest unfinished one streams live,
     the later ones (generated in the same batch) come out of their buffers when their turn comes."""
     if out is None:
         return
     for n, stream in enumerate(streams):
         # a blank line between the replies of several prompts
-        printer = ReplyPrinter(out, prompted, show_thinking, before="\n" if n > 0 else "")
+        printer = ReplyPrinter(out, prompted, show_thinking, before="\n" if n > 0 else "", model=model)
         for event in stream:
             printer.add(event.text)
         printer.finish()
@@ -233,13 +237,13 @@ def _print_in_order(streams: list, out, prompted: bool = False, show_thinking: b
             out.flush()
 
 
-def _report(opts: OneShotOptions, replies: list, load_s: float, out, err, prompted: bool = False) -> int:
+def _report(opts: OneShotOptions, replies: list, load_s: float, out, err, prompted: bool = False, model=None) -> int:
     errors = [r.final.error or "generation failed" for r in replies if r.final.finish_reason == "error"]
     if opts.json:
         # JSON escapes C0 controls; on a terminal ensure_ascii escapes C1 and bidi too (the same text)
         ascii_only = is_terminal(out)
         for reply in replies:
-            out.write(json.dumps(_as_json(reply, opts.model, prompted), ensure_ascii=ascii_only) + "\n")
+            out.write(json.dumps(_as_json(reply, opts.model, prompted, model), ensure_ascii=ascii_only) + "\n")
         out.flush()
     terminal = is_terminal(err)
     if not opts.quiet:
@@ -256,12 +260,12 @@ def _report(opts: OneShotOptions, replies: list, load_s: float, out, err, prompt
     return 0
 
 
-def _as_json(reply, model: str, prompted: bool = False) -> dict:
+def _as_json(reply, model: str, prompted: bool = False, info=None) -> dict:
     """One reply: "text" is its answer, "reasoning" its thinking (null: none; the tags and the whitespace
     around them dropped), "token_ids" all it generated."""
     final = reply.final
     st = final.stats
-    split = split_reasoning(reply.text, prompted)
+    split = split_reply(reply.text, info, prompted)
     return {
         "text": split.answer,
         "reasoning": split.reasoning,

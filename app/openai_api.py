@@ -47,6 +47,7 @@ from starlette.routing import Route
 
 from nanochat.app.metrics import Metrics
 from nanochat.app.tool_calls import ToolCallParser
+from nanochat.engine.serve.protocol import HarmonySplitter, split_harmony
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.output import TokenEvent, TokenLogprobs
 from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, Rule, accepts
@@ -112,6 +113,7 @@ class Generation:
     prompt: str | list[int] | None = None               # the raw prompt (completions)
     n: int = 1                                          # choices: sequences of the same prompt
     tools: list[dict] | None = None                     # for the chat template; calls are parsed from replies
+    harmony: bool = False                               # replies in harmony's channels (gpt-oss): split them
 
     @property
     def template_kwargs(self) -> dict | None:
@@ -135,6 +137,8 @@ class Choice:
     seen: float | None = None               # when its latest token events arrived (/metrics)
     text_offset: int = 0                    # chars of its streamed tokens' texts (completions' logprobs)
     tool_calls: ToolCallParser | None = None   # a streamed reply's calls (a request with tools)
+    harmony: HarmonySplitter | None = None     # a streamed harmony reply's channels (chat with a harmony model)
+    sent: tuple[int, int, int] = (0, 0, 0)     # its answer, reasoning and calls streamed so far
 
 
 def _type_error(name: str, wanted: str, value) -> ApiError:
@@ -380,12 +384,28 @@ def _view(message: dict):
     whitespace around the calls, which the reply's content loses."""
     if message["role"] != "assistant":
         return message
+    if "<|channel|>" in message["content"]:   # a harmony reply as its session holds it: the client sees its answer
+        split = split_harmony(message["content"])
+        message = {**message, "content": split.answer, "tool_calls": split.calls + (message.get("tool_calls") or [])}
     content, calls = split_tool_calls(message["content"])
     calls += message.get("tool_calls") or []
     if not calls:
         return ["assistant", message["content"]]
     return ["assistant", content.strip(), [[c["function"]["name"], _arguments(c["function"]["arguments"])]
                                            for c in calls]]
+
+
+def _harmony_delta(c: Choice, text: str) -> tuple[str, str, list[dict]]:
+    """What a harmony reply's new text adds: (answer, reasoning, calls with their index)."""
+    splitter = c.harmony
+    splitter.feed(text)
+    if c.final is not None:
+        splitter.finish()
+    answered, reasoned, called = c.sent
+    reasoning = splitter.reasoning or ""
+    c.sent = (len(splitter.answer), len(reasoning), len(splitter.calls))
+    calls = [{"index": called + k, **call} for k, call in enumerate(splitter.calls[called:])]
+    return splitter.answer[answered:], reasoning[reasoned:], calls
 
 
 class Conversations:
@@ -688,6 +708,7 @@ class Api:
         if chat:
             gen.system, gen.history, gen.turn = parse_messages(body.get("messages"), self.config.max_messages)
             gen.tools = parse_tools(body, bool(model and model.tools))
+            gen.harmony = bool(model and model.harmony)
             if not (model and model.tools) and any(m["role"] == "tool" or m.get("tool_calls")
                                                    for m in gen.history + gen.turn):
                 raise ApiError(400, "this model's chat template does not render tools: it cannot take their calls "
@@ -713,7 +734,15 @@ class Api:
                       chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, 0)}
             if chat:
                 choice["message"] = message = {"role": "assistant", "content": c.astream.reply.text}
-                if gen.tools:
+                if gen.harmony:   # content: the final channel; reasoning_content: the analysis (vLLM's name)
+                    split = split_harmony(message["content"])
+                    message["content"] = split.answer if split.answer or not split.calls else None
+                    if split.reasoning is not None:
+                        message["reasoning_content"] = split.reasoning
+                    if split.calls:
+                        message["tool_calls"] = split.calls
+                        choice["finish_reason"] = self._finish_reason(c.final, split.calls)
+                elif gen.tools:
                     content, calls = split_tool_calls(message["content"])
                     if calls:
                         message["content"] = content.strip() or None
@@ -733,9 +762,11 @@ class Api:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(index: int, text: str | None, finish: str | None = None, first: bool = False,
-                  logprobs: dict | None = None, calls: list[dict] | None = None) -> bytes:
+                  logprobs: dict | None = None, calls: list[dict] | None = None, reasoning: str = "") -> bytes:
             if chat:
                 delta = {} if text is None else {"content": text}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if first:
                     delta["role"] = "assistant"
                 if calls:
@@ -751,11 +782,14 @@ class Api:
             if chat:
                 for c in choices:
                     yield chunk(c.index, "", first=True)
-                    c.tool_calls = ToolCallParser() if gen.tools else None
+                    c.harmony = HarmonySplitter() if gen.harmony else None
+                    c.tool_calls = ToolCallParser() if gen.tools and not gen.harmony else None
             async for c, events in arrivals:
                 text = "".join(e.text for e in events)
-                calls = None
-                if c.tool_calls is not None:
+                calls, reasoning = None, ""
+                if c.harmony is not None:
+                    text, reasoning, calls = _harmony_delta(c, text)
+                elif c.tool_calls is not None:
                     text, found = c.tool_calls.feed(text)
                     if c.final is not None:
                         text += c.tool_calls.finish()
@@ -766,13 +800,14 @@ class Api:
                 if items:
                     logprobs = chat_logprobs(items) if chat else completion_logprobs(items, c.text_offset)
                     c.text_offset += sum(len(t.token) for t in items)
-                if text or items or calls:
-                    yield chunk(c.index, text, logprobs=logprobs, calls=calls)
+                if text or items or calls or reasoning:
+                    yield chunk(c.index, text, logprobs=logprobs, calls=calls, reasoning=reasoning)
                 if c.final is not None:
                     if c.final.finish_reason not in ("stop", "length"):
                         failed = c
                         break
-                    yield chunk(c.index, None, self._finish_reason(c.final, c.tool_calls and c.tool_calls.calls))
+                    found = c.harmony.calls if c.harmony is not None else c.tool_calls and c.tool_calls.calls
+                    yield chunk(c.index, None, self._finish_reason(c.final, found))
             if failed is None:
                 if gen.include_usage:
                     yield _sse({"id": ident, "object": kind, "created": created, "model": self.config.model_id,

@@ -20,8 +20,9 @@ import argparse
 
 from nanochat.app.errors import UsageError
 from nanochat.engine.config import DEVICES, DTYPES, Config, valid_device
-from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REPETITION_PENALTY,
-                                   SAMPLING_RULES, SEED, TEMPERATURE, THREADS, TOP_K, TOP_P, Rule, shown)
+from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REASONING_EFFORT,
+                                   REPETITION_PENALTY, SAMPLING_RULES, SEED, TEMPERATURE, TEMPLATE_RULES, THREADS,
+                                   TOP_K, TOP_P, Rule, accepts, shown)
 from nanochat.engine.sampling_params import SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
@@ -35,7 +36,7 @@ BENCH_WARMUP = Rule(int, lambda v: 0 <= v <= 2 ** 16, "from 0 to 65536")
 
 def arg_type(rule: Rule):
     """An argparse `type=` for `rule`: a bad value is a usage error naming the flag."""
-    label = "an integer" if rule.cast is int else "a number"
+    label = {int: "an integer", str: "a word"}.get(rule.cast, "a number")
 
     def parse(raw: str):
         try:
@@ -63,6 +64,7 @@ threads_int = arg_type(THREADS)
 bench_tokens_int = arg_type(BENCH_TOKENS)
 bench_count_int = arg_type(BENCH_COUNT)
 bench_warmup_int = arg_type(BENCH_WARMUP)
+reasoning_effort_word = arg_type(REASONING_EFFORT)
 
 
 def device_name(raw: str) -> str:
@@ -171,10 +173,12 @@ def on_off(raw: str) -> bool:
 
 
 def template_variables(settings: dict) -> dict:
-    """The chat template variables a chat's settings set (switches stored as anything but a bool are
-    ignored: a damaged settings value)."""
-    return {variable: settings[name] for name, variable in TEMPLATE_SWITCHES.items()
-            if isinstance(settings.get(name), bool)}
+    """The chat template variables a chat's settings set: its switches (/think) and its TEMPLATE_RULES
+    settings (/set reasoning_effort). A value its rule refuses is ignored: a damaged settings value."""
+    switches = {variable: settings[name] for name, variable in TEMPLATE_SWITCHES.items()
+                if isinstance(settings.get(name), bool)}
+    return {**switches, **{name: settings[name] for name, rule in TEMPLATE_RULES.items()
+                           if name in settings and accepts(rule, settings[name])}}
 
 
 def sampling_options(args, settings) -> dict:

@@ -8,11 +8,17 @@ a <think> later in the answer is text. A template that opens the block in the pr
 then writes only the body and </think>) starts the splitter inside it (`prompted`). The whitespace
 around the thinking ("<think>\\n", "\\n</think>\\n\\n") is dropped; a reply without thinking is its
 answer, exactly.
+
+gpt-oss replies are in the harmony format instead (channels, not tags): `reply_splitter` is the one
+place that picks the splitter for a model, and HarmonySplitter (models/text/harmony.py) has the same
+surface (reasoning, answer, closed, thinking, prompted; feed, finish), plus the tool calls it found.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+
+from nanochat.engine.serve.protocol import HarmonySplitter
 
 # The tags as the models write them (models/text/chat_template.py has its own copy: app/ cannot import it).
 OPEN, CLOSE = "<think>", "</think>"
@@ -103,6 +109,20 @@ def split_reasoning(text: str, prompted: bool = False) -> Split:
     return Split(splitter.reasoning, splitter.answer, splitter.closed)
 
 
+def reply_splitter(model=None, prompted: bool = False):
+    """A new splitter for a reply of `model` (a ModelInfo; None: no model): harmony channels for a
+    harmony model, else <think> blocks (`prompted`: the prompt opened the block)."""
+    return HarmonySplitter() if getattr(model, "harmony", False) else ThinkingSplitter(prompted)
+
+
+def split_reply(text: str, model=None, prompted: bool = False) -> Split:
+    """A whole reply's thinking and answer, split as `model` writes them (see reply_splitter)."""
+    splitter = reply_splitter(model, prompted)
+    splitter.feed(text)
+    splitter.finish()
+    return Split(splitter.reasoning, splitter.answer, splitter.closed)
+
+
 def join_reasoning(reasoning: str, answer: str, closed: bool = True, prompted: bool = False) -> str:
     """The reply as the model wrote it, tags and all (what it sees again in the chat's history); the
     inverse of split_reasoning. `prompted`: the prompt opened the block, so the reply does not."""
@@ -119,6 +139,7 @@ class Thought:
     seconds: float | None = None   # from the message sent to </think> (or the reply's end); None: unknown
     closed: bool = True            # False: cut off (token limit, cancel, crash) before </think>
     prompted: bool = False         # the prompt opened the block (the model wrote no <think>)
+    harmony: bool = False          # written on harmony's analysis channel (gpt-oss), which the history drops
 
     def meta(self) -> dict:
         """Everything but the text (stored beside it)."""

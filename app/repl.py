@@ -47,6 +47,7 @@ class ReplOptions:
     system: str | None = None
     history_file: str | None = None                  # prompt_toolkit FileHistory path
     show_thinking: bool = False                      # print a reply's thinking before its answer
+    template_kwargs: dict | None = None              # chat template variables from flags (reasoning_effort)
 
 
 class _Terminal:
@@ -167,11 +168,13 @@ class Repl:
         try:
             if not self.client.alive:
                 self.term.note("restarting the engine…")
-            variables = None if self.think is None else {"enable_thinking": self.think}
+            variables = {**(self.opts.template_kwargs or {}),
+                         **({} if self.think is None else {"enable_thinking": self.think})} or None
             stream = self.client.submit_turn(self.session, text, self.sp, template_kwargs=variables)
         except KeyboardInterrupt:     # Ctrl-C before the request was submitted
             return
-        printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened, self.opts.show_thinking)
+        printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened, self.opts.show_thinking,
+                               model=self.client.model)
         self._stream(stream, printer)   # a cancel ends the reply with finish_reason "abort": its note says so
         reply = stream.result()
         final = reply.final

@@ -16,7 +16,7 @@ def shown(value, limit: int = 60) -> str:
 
 
 class Rule(NamedTuple):
-    """A number's type (int or float), its range check and the range in words."""
+    """A value's type (int, float, or str for a word from a list), its check and the allowed values in words."""
     cast: type
     ok: Callable[[float], bool]
     text: str
@@ -25,7 +25,7 @@ class Rule(NamedTuple):
 def accepts(rule: Rule, value) -> bool:
     """Whether a value (from Python or JSON) satisfies `rule`: an int where the rule wants an int, no
     bools, no NaN."""
-    kinds = (int,) if rule.cast is int else (int, float)
+    kinds = (int,) if rule.cast is int else (str,) if rule.cast is str else (int, float)
     return isinstance(value, kinds) and not isinstance(value, bool) and bool(rule.ok(value))
 
 
@@ -62,3 +62,9 @@ FRACTION = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
 SAMPLING_RULES = {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
                   "max_tokens": POSITIVE_INT, "repetition_penalty": REPETITION_PENALTY,
                   "presence_penalty": PENALTY, "frequency_penalty": PENALTY}
+
+# Chat settings that are chat template variables, not sampling (a chat's /set, a one-shot's flag):
+# reasoning_effort is what gpt-oss's harmony template writes into its system message ("Reasoning: high").
+REASONING_EFFORTS = ("low", "medium", "high")
+REASONING_EFFORT = Rule(str, lambda v: v in REASONING_EFFORTS, "low, medium or high")
+TEMPLATE_RULES = {"reasoning_effort": REASONING_EFFORT}

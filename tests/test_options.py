@@ -209,3 +209,17 @@ def test_imports_read_no_knobs_and_load_no_torch_for_the_command_line():
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_reasoning_effort_is_a_template_variable_with_one_rule():
+    import argparse
+
+    from nanochat.app.controller import setting_value
+    from nanochat.app.options import reasoning_effort_word, template_variables
+
+    assert template_variables({"reasoning_effort": "high", "temperature": 0.5}) == {"reasoning_effort": "high"}
+    assert template_variables({"reasoning_effort": "extreme"}) == {}   # a damaged stored value is ignored
+    assert reasoning_effort_word("low") == "low"
+    with pytest.raises(argparse.ArgumentTypeError, match="must be low, medium or high, got 'max'"):
+        reasoning_effort_word("max")
+    assert setting_value("reasoning_effort", "HIGH") == "high"

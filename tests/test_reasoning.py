@@ -15,6 +15,7 @@ import time
 import pytest
 
 from nanochat.app.controller import ChatController, describe_settings
+from nanochat.app.conversation import ChatError
 from nanochat.app.export import export_markdown, tree_json
 from nanochat.app.paths import get_paths
 from nanochat.app.reasoning import Thought, ThinkingSplitter, describe_thought, split_reasoning
@@ -300,3 +301,53 @@ async def test_think_switches_the_chat_and_says_when_the_template_has_no_switch(
         assert json.loads(store._conn.execute("SELECT settings FROM conversations WHERE id = ?",
                                               (screen.current.id,)).fetchone()[0]) == {}
         store.close()
+
+
+# ---------------------------------------------------------------------------------- harmony (gpt-oss)
+HARMONY_REPLY = ["<|channel|>", "analysis", "<|message|>", "The user", " greets me", ".", "<|end|>",
+                 "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hello", "!"]
+
+
+def harmony_client(efforts=("low", "medium", "high")) -> ScriptedClient:
+    client = ScriptedClient(HARMONY_REPLY, delay=0.01, switch=False)
+    client.model = ModelInfo(model="scripted", arch="gpt-oss", device="cpu", dtype="float32", max_model_len=4096,
+                             load_seconds=0.0, harmony=True, reasoning_efforts=efforts)
+    return client
+
+
+def test_a_harmony_turn_shows_its_analysis_as_thinking_and_sets_reasoning_effort(tmp_path):
+    client = harmony_client()
+    store = ChatStore(tmp_path / "chats.db")
+    controller = ChatController(client, store, sampling={"max_tokens": 50})
+    conv = next(iter(controller.conversations.values()))
+    reply = controller.wait(controller.send(conv, "hi")).reply
+    assert reply.content == "Hello!" and reply.thought.text == "The user greets me."
+    assert reply.thought.closed and reply.thought.tokens == 5 and reply.thought.harmony   # <|message|> to <|end|>
+    assert reply.spoken == "Hello!"   # the template drops an answered turn's analysis
+    controller.set_setting(conv, "reasoning_effort", "high")
+    assert "reasoning_effort" not in controller.sampling_for(conv)   # a template variable, not sampling
+    assert describe_settings(controller.sampling_for(conv), conv.settings).endswith("reasoning_effort high*")
+    controller.wait(controller.send(conv, "again"))
+    assert client.variables[-1] == {"reasoning_effort": "high"}
+    with pytest.raises(ChatError, match="reasoning_effort must be low, medium or high, got 'extreme'"):
+        controller.set_setting(conv, "reasoning_effort", "extreme")
+    controller.close()
+    store.close()
+    store = ChatStore(tmp_path / "chats.db")   # saved per chat, with the thought's format
+    again = ChatController(client, store)
+    loaded = again.conversations[conv.id]
+    assert loaded.settings == {"reasoning_effort": "high"} and loaded.path[1].thought == reply.thought
+    again.close()
+    store.close()
+
+
+def test_reasoning_effort_is_refused_where_the_template_does_not_read_it(tmp_path):
+    client = harmony_client(efforts=())
+    store = ChatStore(tmp_path / "chats.db")
+    controller = ChatController(client, store)
+    conv = next(iter(controller.conversations.values()))
+    with pytest.raises(ChatError, match="does not read reasoning_effort"):
+        controller.set_setting(conv, "reasoning_effort", "low")
+    assert conv.settings == {}
+    controller.close()
+    store.close()

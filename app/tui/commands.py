@@ -7,6 +7,7 @@ import difflib
 from dataclasses import dataclass
 
 from nanochat.app.controller import CHAT_SETTINGS
+from nanochat.app.options import TEMPLATE_RULES
 
 
 @dataclass(frozen=True)
@@ -74,22 +75,24 @@ def unknown_message(name: str) -> str:
     return f"Unknown command /{name}.{hint} Type /help for the list."
 
 
-def completions(theme_names: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """(text to insert, description) for every command and the arguments worth completing."""
+def completions(theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(text to insert, description) for every command and the arguments worth completing;
+    `reasoning_efforts`: the values the model's chat template reads (none: /set reasoning_effort is not offered)."""
     out = [(f"/{c.name}", c.help) for c in SLASH_COMMANDS]
     out += [(f"/bench {t}", f"bench, {t} tier") for t in BENCH_TIERS]
     out += [(f"/theme {t}", "theme") for t in theme_names]
     out += [("/copy code", "copy the last code block of the last reply")]
     out += [("/export json", "every branch of this conversation as JSON")]
-    out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS]
+    out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS if name not in TEMPLATE_RULES]
+    out += [(f"/set reasoning_effort {v}", "this chat's reasoning effort (gpt-oss)") for v in reasoning_efforts]
     out += [("/think on", "this chat's replies think first"), ("/think off", "this chat's replies answer at once")]
     return out
 
 
-def matching(prefix: str, theme_names: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+def matching(prefix: str, theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     if not prefix.startswith("/") or "\n" in prefix:
         return []
-    items = completions(theme_names)
+    items = completions(theme_names, reasoning_efforts)
     if " " not in prefix:   # first word: only the commands themselves
         items = [i for i in items if " " not in i[0]]
     return [i for i in items if i[0].startswith(prefix.lower()) and i[0] != prefix]

@@ -187,7 +187,9 @@ class EngineCore:
                          load_seconds=engine.load_seconds, sampling_defaults=engine.sampling_defaults,
                          tensor_parallel_size=engine.config.tensor_parallel_size,
                          thinking_switch=thinking_switch, thinking_opened=thinking_opened,
-                         tools=engine.loaded.chat_template.takes_tools())
+                         tools=engine.loaded.chat_template.takes_tools(),
+                         harmony=engine.loaded.chat_template.harmony,
+                         reasoning_efforts=engine.loaded.chat_template.reasoning_efforts())
 
     def _engine(self):
         if self.engine is None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanochat.models.errors import one_line  # noqa: F401 (front ends import it from here, with the errors)
+# The reply format of harmony models crosses the boundary as text; front ends split it with the engine's parser.
+from nanochat.models.text.harmony import HarmonySplitter, split_harmony  # noqa: F401
 
 STATS_INTERVAL = 0.25     # seconds between engine-stats reports while busy
 # Seconds token events wait to share one message with later steps' (a step can take a few ms): fewer
@@ -50,6 +52,8 @@ class ModelInfo:
     # the model then writes only the thinking's body and </think>.
     thinking_opened: frozenset = frozenset()
     tools: bool = False             # the chat template renders a `tools` list (function calling)
+    harmony: bool = False           # replies are in the harmony format (gpt-oss): channels, not <think>
+    reasoning_efforts: tuple = ()   # the reasoning_effort values the chat template reads (gpt-oss: low, medium, high)
 
 
 class EngineError(RuntimeError):

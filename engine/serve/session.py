@@ -330,10 +330,14 @@ class ChatSession:
 
     # ------------------------------------------------------------------ template helpers
     def _end_of_turn_id(self) -> int | None:
-        from nanochat.models.text.chat_template import end_of_turn_token
+        from nanochat.models.text.chat_template import history_end_token
 
-        tok = end_of_turn_token(self.template, self.tokenizer)
+        tok = history_end_token(self.template, self.tokenizer)
         return self.tokenizer.token_to_id(tok) if tok else self.tokenizer.eos_token_id
+
+    @property
+    def _harmony(self) -> bool:
+        return bool(getattr(self.template, "harmony", False))
 
     def _head(self) -> list[dict]:
         return [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -350,6 +354,8 @@ class ChatSession:
 
     def _render_next(self, messages: list[dict], variables: dict) -> str:
         """Text that follows an earlier assistant turn's end-of-turn token, up to the new generation prompt."""
+        if self._harmony and messages and messages[0]["role"] == "tool":
+            return self._render_harmony_results(messages, variables)
         past = self._head() + [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}]
         full = self.template.render(past + messages, add_generation_prompt=True, **variables)
         at = full.rindex(_MARK) + len(_MARK)
@@ -358,10 +364,51 @@ class ChatSession:
             at += len(eot_text)
         return full[at:]
 
+    def _render_harmony_results(self, messages: list[dict], variables: dict) -> str:
+        """Tool results after a harmony tool call (which ends with <|call|>, no end-of-turn token): the
+        template names the function they answer after the last call's, so the past it renders them after
+        is a call to the same function."""
+        from nanochat.models.text.harmony import split_harmony
+
+        calls = split_harmony(self.transcript_messages[-1]["content"]).calls if self.transcript_messages else []
+        if not calls:
+            raise ValueError("tool results must answer a tool call of the previous reply")
+        call = {"type": "function", "function": {"name": calls[-1]["function"]["name"], "arguments": {}}}
+        past = self._head() + [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "", "tool_calls": [call]}]
+        before = self.template.render(past, **variables)
+        full = self.template.render(past + messages, add_generation_prompt=True, **variables)
+        if not full.startswith(before):
+            raise ValueError("the chat template does not render tool results after a call")
+        return full[len(before):]
+
+    def _harmony_reply(self, text: str) -> tuple[str, bool]:
+        """A harmony reply as the template keeps it in the history: (its text after the generation prompt,
+        whether it is a tool call). An answer keeps only its final message (the template drops the
+        analysis of answered turns); a tool call is kept as the model wrote it (the template keeps the
+        analysis before a call until an answer follows)."""
+        from nanochat.models.text.harmony import MESSAGE, split_harmony
+
+        split = split_harmony(text) if MESSAGE in text else None
+        if split is not None and split.calls:
+            return text, True
+        answer = split.answer if split is not None else text
+        asked = self._head() + [{"role": "user", "content": _MARK}]
+        opened = self.template.render(asked, add_generation_prompt=True)
+        answered = self.template.render(asked + [{"role": "assistant", "content": answer},
+                                                 {"role": "user", "content": _MARK}])
+        eot_text = self._eot_text()
+        end = answered.find(eot_text, len(opened)) if eot_text and answered.startswith(opened) else -1
+        if end < 0:
+            raise ValueError("the chat template does not render an assistant's answer after its prompt")
+        return answered[len(opened):end], False
+
     def _reply_text(self, message: dict) -> str:
         """An assistant message as the model would have written it after the generation prompt: its text,
         or, where its calls come as structured tool_calls (a client built it), the template's own
         rendering of them, cut between the assistant's header and its end of turn."""
+        if self._harmony and not message.get("tool_calls"):
+            return self._harmony_reply(message["content"])[0]
         if not message.get("tool_calls"):
             return message["content"]
         asked = self._head() + [{"role": "user", "content": _MARK}]
@@ -394,14 +441,32 @@ class ChatSession:
         return list(self.token_ids)
 
     def complete_turn(self, reply_text: str, generated_ids: list[int]) -> None:
-        """Record the reply; its ids go into the history verbatim, closed by the end-of-turn token."""
+        """Record the reply; its ids go into the history verbatim, closed by the end-of-turn token.
+
+        Harmony replies are the exception: the template drops an answered turn's analysis from the
+        history, so the reply is kept as the template renders it (its final message) and the next turn's
+        prompt diverges from this turn's KV right after the generation prompt (`<|channel|>` is shared,
+        `analysis` is not). Reuse is decided by the block manager's prefix cache, which serves the shared
+        prefix and re-prefills the rest: the final message, then the new turn. A tool call is kept as
+        written and ends with <|call|>, as the template ends it."""
         ids = list(generated_ids)
-        if self._eot is not None and (not ids or ids[-1] != self._eot):
+        if self._harmony:
+            ids = self._harmony_ids(reply_text, ids)
+        elif self._eot is not None and (not ids or ids[-1] != self._eot):
             ids.append(self._eot)
         self.token_ids.extend(ids)
         self.turn_starts.append(self._history_len)
         self.transcript_messages += [*self._pending, {"role": "assistant", "content": reply_text}]
         self._pending = None
+
+    def _harmony_ids(self, reply_text: str, ids: list[int]) -> list[int]:
+        from nanochat.models.text.chat_template import HARMONY_REPLY_ENDS
+
+        text, called = self._harmony_reply(reply_text)
+        if called:
+            call_id = self.tokenizer.token_to_id(HARMONY_REPLY_ENDS[1])
+            return ids if not ids or ids[-1] == call_id or call_id is None else ids + [call_id]
+        return self._encode(text) + ([self._eot] if self._eot is not None else [])
 
     def abandon_turn(self) -> None:
         """Forget a turn that produced nothing (it failed before any token): history as before it."""

@@ -51,6 +51,14 @@ _PROBE = "\u2063nanochat-probe\u2063"   # a user message no template changes
 # End-of-turn markers by template family, most specific first.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
+# gpt-oss's harmony format (models/text/harmony.py): a reply ends with <|return|> (its final answer) or
+# <|call|> (a tool call); <|end|> ends each message inside it (its analysis) and every turn in the history.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|return|>")
+HARMONY_REPLY_ENDS = ("<|return|>", "<|call|>")
+HARMONY_TURN_END = "<|end|>"
+# The values of `reasoning_effort` probed (the harmony template writes "Reasoning: <value>").
+REASONING_EFFORTS = ("low", "medium", "high")
+
 
 class ChatTemplateError(ValueError):
     """A template failed to compile or render (including its own raise_exception calls)."""
@@ -682,6 +690,27 @@ class ChatTemplate:
         return switch, frozenset(v for v, p in prompts.items() if p.rfind(THINK_OPEN) > p.rfind(THINK_CLOSE))
 
 
+    @property
+    def harmony(self) -> bool:
+        """Whether replies under this template are in the harmony format (gpt-oss)."""
+        return is_harmony(self.source)
+
+    def reasoning_efforts(self) -> tuple[str, ...]:
+        """The values of `reasoning_effort` the template reads (each gives its own prompt, and none fails;
+        gpt-oss's: low, medium, high); () for a template that ignores it."""
+        prompts = {}
+        for value in (None, *REASONING_EFFORTS):
+            extra = {} if value is None else {"reasoning_effort": value}
+            try:
+                prompts[value] = self.render([{"role": "user", "content": _PROBE}], add_generation_prompt=True,
+                                             strftime_now=_fixed_date, **extra)
+            except ChatTemplateError:
+                continue
+        values = [v for v in REASONING_EFFORTS if v in prompts]
+        if len({prompts[v] for v in values}) < 2:
+            return ()
+        return tuple(v for v in values if sum(p == prompts[v] for k, p in prompts.items() if k is not None) == 1)
+
     def takes_tools(self) -> bool:
         """Whether the template renders a `tools` list into the prompt (Qwen2.5's and Qwen3's do)."""
         probe = [{"type": "function", "function": {"name": _PROBE, "description": "", "parameters": {}}}]
@@ -692,14 +721,37 @@ class ChatTemplate:
         return _PROBE in prompt
 
 
+def _fixed_date(fmt: str) -> str:
+    """strftime_now for probes: two renders across midnight must not differ by their date."""
+    return datetime(2024, 1, 1).strftime(fmt)
+
+
+def is_harmony(template) -> bool:
+    """Whether a template (a ChatTemplate or its source) writes the harmony format."""
+    source = template.source if isinstance(template, ChatTemplate) else (template or "")
+    return all(marker in source for marker in HARMONY_MARKERS)
+
+
 def end_of_turn_token(template, tokenizer=None) -> str | None:
-    """The token that closes an assistant turn under this template, for the engine's stop set.
+    """The token that closes an assistant reply under this template, for the engine's stop set.
 
     `template` is a ChatTemplate or template source. The token must appear in the template and,
-    when a tokenizer is given, be a single token of its vocabulary.
+    when a tokenizer is given, be a single token of its vocabulary. Under harmony it is <|return|>:
+    its <|end|> closes the reasoning inside a reply, so stopping there would cut every reply after
+    its analysis (<|call|>, the other end of a reply, is in the model's own end-of-reply ids).
     """
     source = template.source if isinstance(template, ChatTemplate) else (template or "")
-    for tok in END_OF_TURN_TOKENS:
+    tokens = HARMONY_REPLY_ENDS[:1] if is_harmony(source) else END_OF_TURN_TOKENS
+    for tok in tokens:
         if tok in source and (tokenizer is None or tokenizer.token_to_id(tok) is not None):
             return tok
     return None
+
+
+def history_end_token(template, tokenizer=None) -> str | None:
+    """The token that closes an assistant turn in the history the template renders: the reply's own end
+    (end_of_turn_token), except under harmony, whose history closes a final answer with <|end|> where
+    the model wrote <|return|>."""
+    if is_harmony(template) and (tokenizer is None or tokenizer.token_to_id(HARMONY_TURN_END) is not None):
+        return HARMONY_TURN_END
+    return end_of_turn_token(template, tokenizer)
