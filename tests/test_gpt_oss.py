@@ -256,3 +256,155 @@ def test_gguf_matches_the_hf_folder(linears, experts, tol, models, oracle, tmp_p
     if experts == T.MXFP4:
         err /= ref.abs().max().item()
     assert err <= tol, f"{linears.name}/{experts.name}: err {err}"
+
+
+# ---------------------------------------------------------------- harmony, end to end
+
+# What the hand-set model below answers to any short message: its analysis, then its final answer.
+ANALYSIS, ANSWER = "Let me think~", "Hello!"
+REPLY_TOKENS = ["<|channel|>", "analysis", "<|message|>", "Let", " me", " think", "~", "<|end|>", "<|start|>",
+                "assistant", "<|channel|>", "final", "<|message|>", "Hello", "!", "<|return|>"]
+
+
+def make_harmony_gpt_oss(out_dir: Path) -> Path:
+    """A tiny gpt-oss with a harmony tokenizer and gpt-oss's own chat template whose weights are set by hand so
+    that it answers every short message `<|channel|>analysis<|message|>Let me think~<|end|><|start|>assistant
+    <|channel|>final<|message|>Hello!<|return|>`: each token predicts the next through the embeddings and the
+    head (a bigram table), and the two places where the next token depends on more than the current one (which
+    channel follows <|channel|>, which text follows <|message|>) are decided by the windowed layer's attention:
+    the query of <|channel|> finds a "~" in its window, that of <|message|> a "final" (q/k on the slowest RoPE
+    dimensions, the sink soaking up the attention of every other query)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from nanochat.models.text.harmony import TOKENS
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    words = [*(t for t in REPLY_TOKENS if not t.startswith("<|")), "Let me think~", "Hello!", "user", "system",
+             "developer", "commentary", "Reasoning: low medium high"]
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<|endoftext|>", *TOKENS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(words * 50, trainer)
+    def one_id(text: str) -> int:
+        found = backend.encode(text, add_special_tokens=False).ids
+        assert len(found) == 1, f"{text!r} is not one token of the trained vocabulary"
+        return found[0]
+
+    token_id = {t: one_id(t) for t in REPLY_TOKENS}
+    V, H = backend.get_vocab_size(), 64
+    cfg = transformers.GptOssConfig(
+        **{**TINY, "num_hidden_layers": 2, "intermediate_size": 64}, vocab_size=V, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False, bos_token_id=None, pad_token_id=None,
+        eos_token_id=[backend.token_to_id("<|return|>"), backend.token_to_id("<|call|>")])
+    model = transformers.GptOssForCausalLM(cfg).float()
+    dim = {t: i for i, t in enumerate(dict.fromkeys(REPLY_TOKENS))}   # a hidden dimension per distinct token
+    TILDE_SEEN, FINAL_SEEN = 60, 61
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in [model.model.norm] + [m for layer in model.model.layers
+                                          for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.weight.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for t, d in dim.items():
+            emb[token_id[t], d] = 1.0
+        first_next = {}
+        for cur, nxt in zip(REPLY_TOKENS, REPLY_TOKENS[1:]):
+            first_next.setdefault(cur, nxt)   # the second <|channel|> / <|message|> go by the attention
+        for cur, nxt in first_next.items():
+            head[token_id[nxt], dim[cur]] = 10.0
+        head[token_id["<|channel|>"], dim["assistant"]] = 10.0   # the generation prompt's last token
+        head[token_id["final"], TILDE_SEEN] = 40.0
+        head[token_id["Hello"], FINAL_SEEN] = 40.0
+        attn = model.model.layers[0].self_attn   # windowed; q heads 0-1 read KV head 0, 2-3 KV head 1
+        hd = 16
+        for q_head, kv, query, key, out in ((0, 0, "<|channel|>", "~", TILDE_SEEN),
+                                            (2, 1, "<|message|>", "final", FINAL_SEEN)):
+            slow = hd // 2 - 1   # the slowest-turning RoPE pair: (7, 15)
+            attn.q_proj.weight[q_head * hd + slow, dim[query]] = 30.0
+            attn.k_proj.weight[kv * hd + slow, dim[key]] = 1.0
+            attn.v_proj.weight[kv * hd, dim[key]] = 1.0
+            attn.o_proj.weight[out, q_head * hd] = 3.0
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(8.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    backend.save(str(out_dir / "tokenizer.json"))
+    template = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text(encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template, "eos_token": "<|return|>", "bos_token": None, "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory) -> Path:
+    return make_harmony_gpt_oss(tmp_path_factory.mktemp("harmony") / "model")
+
+
+def test_the_hand_set_model_answers_in_harmony_as_transformers_does(harmony_model):
+    """Its greedy reply is the designed one through transformers and through the engine (which stops at
+    <|return|>, not at the analysis' <|end|>)."""
+    import transformers
+    from nanochat.engine import LLMEngine
+
+    engine = LLMEngine(str(harmony_model), dtype="float32", max_model_len=1024, kv_cache_dtype="float32")
+    tok = engine.tokenizer
+    end, ret = tok.token_to_id("<|end|>"), tok.token_to_id("<|return|>")
+    assert ret in engine.loaded.eos_token_ids and end not in engine.loaded.eos_token_ids
+    prompt = engine.loaded.chat_template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(harmony_model, dtype=torch.float32).eval()
+    expected = oracle_greedy(hf, ids, len(REPLY_TOKENS))
+    assert tok.decode(expected, skip_special_tokens=False) == "".join(REPLY_TOKENS)
+    llm = LLM(str(harmony_model), dtype="float32", max_model_len=1024, kv_cache_dtype="float32")
+    (out,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=40))
+    assert out.token_ids == expected   # stopped at <|return|>, its last token
+
+
+def test_harmony_turns_reuse_kv_up_to_where_the_template_rewrites_history(harmony_model):
+    """Turn 2 reuses the KV of turn 1 up to the reply's <|channel|> (the template drops an answered turn's
+    analysis), and prefills the rest; another reasoning effort rewrites the system message, so turn 3 reuses
+    only what comes before the effort's word. Every reply is still the designed one, split into its thinking and
+    its answer."""
+    from nanochat.engine import LLMEngine
+    from nanochat.engine.serve.session import ChatSession
+    from nanochat.models.text.harmony import split_harmony
+
+    engine = LLMEngine(str(harmony_model), dtype="float32", max_model_len=1024, kv_cache_dtype="float32")
+    session = ChatSession(engine.tokenizer, engine.loaded.chat_template)
+    sp = SamplingParams(temperature=0, max_tokens=40)
+
+    def turn(user: str, **variables):
+        before = list(session.token_ids)
+        ids = session.prepare_turn(user, variables)
+        rid = engine.add_request(ids, sp, session_id=session.session_id)
+        text, gen, final = [], [], None
+        while final is None:
+            for ev in engine.step():
+                if ev.request_id == rid:
+                    text.append(ev.text)
+                    gen.append(ev.token_id)
+                    final = ev if ev.finished else None
+        session.complete_turn("".join(text), gen)
+        split = split_harmony("".join(text))
+        assert (split.reasoning, split.answer) == (ANALYSIS, ANSWER)
+        return before, ids, gen, final.stats
+
+    _, first, reply, stats = turn("Hi")
+    assert stats.cached_tokens == 0
+    _, ids, _, stats = turn("Hi again")
+    shared = next(i for i, (a, b) in enumerate(zip(first + reply, ids)) if a != b)
+    assert shared == len(first) + 1                  # the reply's <|channel|>; its analysis is gone
+    assert stats.cached_tokens == shared
+    text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "Reasoning: medium" in text and ANALYSIS not in text and ANSWER in text
+    before, ids, _, stats = turn("And again", reasoning_effort="high")
+    text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "Reasoning: high" in text and "Reasoning: medium" not in text
+    effort_at = len(engine.tokenizer.encode(text[:text.index("Reasoning: high") + len("Reasoning:")],
+                                            add_special_tokens=False))   # " high" is the next token
+    assert ids[:effort_at] == before[:effort_at] and ids[effort_at] != before[effort_at]
+    assert stats.cached_tokens <= effort_at
+    engine.release_session(session.session_id)

@@ -289,6 +289,7 @@ class ChatSession:
         self._eot = self._end_of_turn_id()
         self._pending: list[dict] | None = None      # the input messages of the turn in progress
         self._history_len = 0
+        self._effort: str | None = None              # harmony: the reasoning_effort the history was rendered with
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -326,6 +327,7 @@ class ChatSession:
         other = ChatSession(self.tokenizer, self.template, self.system_prompt, session_id)
         other.token_ids, other.turn_starts = list(self.token_ids), list(self.turn_starts)
         other.transcript_messages = list(self.transcript_messages)
+        other._effort = self._effort
         return other
 
     # ------------------------------------------------------------------ template helpers
@@ -434,6 +436,14 @@ class ChatSession:
             raise RuntimeError("the previous turn is still in progress")
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
         variables = dict(template_kwargs or {})
+        if self._harmony and self.turn_starts and variables.get("reasoning_effort") != self._effort:
+            # Harmony states the reasoning effort in the system message, which opens the history: another
+            # effort renders the whole conversation again. The prefix cache serves it up to the effort's
+            # word; everything after it is prefilled again.
+            again = ChatSession.from_history(self.tokenizer, self.template, self.system_prompt,
+                                             self.transcript_messages, template_kwargs=variables)
+            self.token_ids, self.turn_starts = again.token_ids, again.turn_starts
+        self._effort = variables.get("reasoning_effort")
         text = self._render_next(messages, variables) if self.token_ids else self._render_first(messages, variables)
         self._history_len = len(self.token_ids)
         self.token_ids = self.token_ids + self._encode(text)

@@ -48,7 +48,8 @@ def open_source(model: str):
 def load_tokenizer_and_template(source, cache: bool = False):
     """The source's tokenizer, chat template and end-of-reply ids. cache: keep what is slow to build (a GGUF's
     SentencePiece merges) on disk for the next load."""
-    from nanochat.models.text.chat_template import ChatTemplate, end_of_turn_token
+    from nanochat.models.text.chat_template import HARMONY_REPLY_ENDS, HARMONY_TURN_END, ChatTemplate, \
+        end_of_turn_token
 
     tokenizer = source.tokenizer(cache)
     _check_vocabulary(source, tokenizer)
@@ -60,6 +61,12 @@ def load_tokenizer_and_template(source, cache: bool = False):
     eot = end_of_turn_token(template, tokenizer)
     if eot is not None and tokenizer.token_to_id(eot) is not None:
         eos.add(tokenizer.token_to_id(eot))
+    if template.harmony:
+        # A harmony reply ends at <|return|> (an answer) or <|call|> (a tool call) whatever the file lists; its
+        # <|end|> closes the analysis inside a reply, so a file naming it end-of-turn must not stop there
+        # (llama.cpp drops it from its end-of-generation set likewise).
+        eos |= {i for i in map(tokenizer.token_to_id, HARMONY_REPLY_ENDS) if i is not None}
+        eos.discard(tokenizer.token_to_id(HARMONY_TURN_END))
     return tokenizer, template, frozenset(eos)
 
 
