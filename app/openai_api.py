@@ -114,10 +114,14 @@ class Generation:
     n: int = 1                                          # choices: sequences of the same prompt
     tools: list[dict] | None = None                     # for the chat template; calls are parsed from replies
     harmony: bool = False                               # replies in harmony's channels (gpt-oss): split them
+    reasoning_effort: str | None = None                 # OpenAI's reasoning_effort, for templates that read it
 
     @property
     def template_kwargs(self) -> dict | None:
-        return {"tools": self.tools} if self.tools else None
+        out = {"tools": self.tools} if self.tools else {}
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out or None
 
     def sampling_for(self, index: int) -> SamplingParams:
         """Choice i's sampling: a stated seed plus i, so each choice is reproducible and they differ."""
@@ -189,6 +193,18 @@ def _unsupported(body: dict) -> None:
         raise ApiError(400, "functions and function_call are not supported: use tools", param="functions")
     if body.get("echo"):
         raise ApiError(400, "echo is not supported by this server", param="echo")
+
+
+def parse_reasoning_effort(body: dict, efforts: tuple) -> str | None:
+    """OpenAI's reasoning_effort: one of the values the model's template reads (gpt-oss: low, medium, high)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if not efforts:
+        raise ApiError(400, "this model's chat template has no reasoning effort", param="reasoning_effort")
+    if effort not in efforts:
+        raise _type_error("reasoning_effort", " or ".join(efforts), effort)
+    return effort
 
 
 def parse_tools(body: dict, template_takes_tools: bool) -> list[dict] | None:
@@ -709,6 +725,7 @@ class Api:
             gen.system, gen.history, gen.turn = parse_messages(body.get("messages"), self.config.max_messages)
             gen.tools = parse_tools(body, bool(model and model.tools))
             gen.harmony = bool(model and model.harmony)
+            gen.reasoning_effort = parse_reasoning_effort(body, model.reasoning_efforts if model else ())
             if not (model and model.tools) and any(m["role"] == "tool" or m.get("tool_calls")
                                                    for m in gen.history + gen.turn):
                 raise ApiError(400, "this model's chat template does not render tools: it cannot take their calls "

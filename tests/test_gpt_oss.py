@@ -408,3 +408,36 @@ def test_harmony_turns_reuse_kv_up_to_where_the_template_rewrites_history(harmon
     assert ids[:effort_at] == before[:effort_at] and ids[effort_at] != before[effort_at]
     assert stats.cached_tokens <= effort_at
     engine.release_session(session.session_id)
+
+
+def test_serve_returns_the_final_channel_as_content_and_the_analysis_as_reasoning(harmony_model):
+    """nanochat serve through the openai SDK, whole and streamed; reasoning_effort reaches the template and a value
+    the template does not take is a 400."""
+    openai = pytest.importorskip("openai")
+    from nanochat.engine.serve.client import EngineClient
+    from test_serve import MODEL, Server
+
+    client = EngineClient()
+    client.load_model(str(harmony_model), dtype="float32", max_model_len=1024)
+    server = Server(client)
+    try:
+        sdk = server.sdk()
+        messages = [{"role": "user", "content": "Hi"}]
+        whole = sdk.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+        message = whole.choices[0].message
+        assert message.content == ANSWER and message.model_extra["reasoning_content"] == ANALYSIS
+        assert whole.choices[0].finish_reason == "stop"
+        chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  reasoning_effort="high"))
+        # the same message again, but its system message says "Reasoning: high": the prefix cache serves the
+        # prompt only up to there
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens < whole.usage.prompt_tokens - 40
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == ANSWER
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == ANALYSIS
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+            sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, reasoning_effort="extreme")
+    finally:
+        server.stop()
+        client.shutdown()
