@@ -23,6 +23,15 @@ about window / block_size blocks, not 32k / block_size. The dropped blocks keep 
 prompt with the same start may still hit them), and a session pins its whole last turn, as hybrid models
 do, since the next turn cannot be matched from the start through blocks already given back.
 
+Models that mix windowed and full-attention layers (Gemma 3: 5 windowed to 1 global; gpt-oss) keep two
+KV-cache groups (vLLM's term): the full-attention layers' blocks as above, and the windowed layers' blocks in
+a pool of their own (`window_group`), with a second block table per sequence (`seq.window_block_table`) that
+drops its blocks behind the window as the all-windowed mode does. Both tables cover the same positions, so one
+chain of block hashes names both groups' blocks: a prefix hit needs the full group's blocks from the start and
+the windowed group's blocks for the window behind the hit point only (the hit is cut back until both have
+them). Sessions pin both whole tables, as in windowed mode; admission, growth and preemption take blocks from
+both pools or from neither, and evicting a session gives back its blocks in both.
+
 Hybrid models (Gated DeltaNet layers) carry a recurrent state per sequence, so a block-hash hit
 alone cannot resume a sequence: the state at the hit point is needed too. In hybrid mode
 (num_state_slots > 0) hash hits are off; instead a session pins its WHOLE last turn (every block,
@@ -90,14 +99,25 @@ class SessionPin:
     tail: tuple[int, tuple[int, ...]] | None = None   # the partly filled last block and its computed tokens
     table: list[int] | None = None  # windowed mode: the whole block table, DROPPED entries included
     hashes: list[int] = field(default_factory=list)   # windowed mode: the table's block hashes
+    window_table: list[int] | None = None   # two groups: the windowed group's whole table
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0, window: int = 0):
+                 num_state_slots: int = 0, window: int = 0, window_group: tuple[int, int] | None = None):
+        """window: every attention layer's window (0: some layer reads every key). window_group: (W, blocks) for
+        a model whose windowed layers (the widest window W) sit beside full-attention ones: their own pool of
+        `blocks` blocks (this manager's other blocks are the full-attention layers')."""
         self.block_size = block_size
         self.hybrid = num_state_slots > 0
         self.window = 0 if self.hybrid else window   # keys a query sees (0: all); see drop_outside_window
+        # Two groups: the windowed layers' pool (a manager used for its blocks and hashes only) and their window.
+        self.wpool: BlockManager | None = None
+        self.group_window = 0
+        if window_group is not None and not self.hybrid and not self.window:
+            self.group_window = window_group[0]
+            # Blocks are taken from it only after _can_get_both made room (evicting this manager's sessions).
+            self.wpool = BlockManager(window_group[1], block_size, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -158,6 +178,13 @@ class BlockManager:
                 return False
         return True
 
+    def _can_get_both(self, n: int, n_window: int) -> bool:
+        """Two groups: whether n blocks of the full group and n_window of the windowed one can be had."""
+        while self.num_free_blocks < n or self.wpool.num_free_blocks < n_window:
+            if not self._evict_one_session():
+                return False
+        return True
+
     # ------------------------------------------------------------------ prefix lookup
     def _cached_prefix(self, seq: Sequence) -> tuple[list[Block], Block | None, int]:
         """Blocks holding a prefix of seq, capped so at least one token is computed; then a full block
@@ -197,6 +224,8 @@ class BlockManager:
         assert not seq.block_table
         if self.hybrid:
             return self._allocate_hybrid(seq)
+        if self.wpool is not None:
+            return self._allocate_grouped(seq, budget)
         if self.window and self._resume_windowed(seq, budget):
             return True
         hits, partial, partial_n = self._cached_prefix(seq)
@@ -249,19 +278,123 @@ class BlockManager:
         self.counters.queried_tokens += len(seq)
         return True
 
+    def _window_hits(self, seq: Sequence, hashes: list[int], cached: int,
+                     partial: Block | None) -> list[Block | None] | None:
+        """Two groups: the windowed pool's blocks a sequence resuming at `cached` tokens reads, by the full
+        group's hashes (both groups' blocks of one position hold the same tokens): the blocks from the one holding
+        the first key of the window up to the hits' end, then the twin of the copy-on-write `partial`. Blocks
+        wholly behind the window are None (never read). None when one of them is not there any more."""
+        bs, pool = self.block_size, self.wpool
+        first = max(0, cached - self.group_window + 1) // bs
+        found: list[Block | None] = [None] * min(first, len(hashes))
+        for i in range(first, len(hashes)):
+            block_id = pool.hash_to_block.get(hashes[i])
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if block_id is None or pool.blocks[block_id].token_ids != tokens:
+                return None
+            found.append(pool.blocks[block_id])
+        if partial is not None:
+            block_id = pool.hash_to_block.get(partial.hash)
+            if block_id is None or pool.blocks[block_id].token_ids != partial.token_ids:
+                return None
+            found.append(pool.blocks[block_id])
+        return found
+
+    def _allocate_grouped(self, seq: Sequence, budget: int | None) -> bool:
+        """allocate() with two groups: the longest cached prefix both groups hold, the full group's blocks for
+        the whole prompt (as one group does), the windowed group's up to the first chunk's end (`budget`)."""
+        if self._resume_grouped(seq, budget):
+            return True
+        bs = self.block_size
+        hits, partial, partial_n = self._cached_prefix(seq)
+        hashes = [b.hash for b in hits]
+        while True:   # cut the hit back until the windowed group has the blocks its window reads
+            cached = len(hits) * bs + (partial_n if partial is not None else 0)
+            window_hits = self._window_hits(seq, hashes[:len(hits)], cached, partial)
+            if window_hits is not None:
+                break
+            if partial is not None:
+                partial, partial_n = None, 0
+            else:
+                hits = hits[:-1]
+        kept = hits + ([partial] if partial is not None else [])
+        window_kept = [b for b in window_hits if b is not None]
+        for block in kept:   # protect them from eviction below
+            self._ref(block)
+        for block in window_kept:
+            self.wpool._ref(block)
+        upto = len(seq) if budget is None else min(len(seq), cached + budget)
+        needed = self.num_blocks_for(len(seq)) - len(hits)
+        needed_window = max(0, self.num_blocks_for(upto) - len(hits))
+        if not self._can_get_both(needed, needed_window):
+            for block in reversed(kept):
+                self._unref(block.block_id)
+            for block in reversed(window_kept):
+                self.wpool._unref(block.block_id)
+            return False
+        seq.block_table = [b.block_id for b in hits] + [self._take_free_block().block_id for _ in range(needed)]
+        seq.window_block_table = [DROPPED if b is None else b.block_id for b in window_hits[:len(hits)]] + \
+            [self.wpool._take_free_block().block_id for _ in range(needed_window)]
+        seq.block_hashes = hashes[:len(hits)]
+        if partial is not None:
+            self.copy_kv(partial.block_id, seq.block_table[len(hits)], partial_n, 0)
+            self.copy_kv(window_hits[-1].block_id, seq.window_block_table[len(hits)], partial_n, 1)
+            self._unref(partial.block_id)
+            self.wpool._unref(window_hits[-1].block_id)
+        seq.num_computed_tokens = seq.stats.num_cached_tokens = cached
+        self.counters.hit_tokens += cached
+        self.counters.queried_tokens += len(seq)
+        self.drop_outside_window(seq)
+        return True
+
+    def _resume_grouped(self, seq: Sequence, budget: int | None) -> bool:
+        """Two groups: take over the session's pinned last turn (both tables) when seq's prompt goes on from it."""
+        pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
+        if pin is None or pin.window_table is None or len(pin.tokens) >= len(seq) \
+                or tuple(seq.token_ids[:len(pin.tokens)]) != pin.tokens:
+            return False
+        del self.sessions[seq.session_id]   # its references become seq's
+        seq.block_table, seq.window_block_table = list(pin.table), list(pin.window_table)
+        upto = len(seq) if budget is None else min(len(seq), len(pin.tokens) + budget)
+        if not self._grow_grouped(seq, len(seq), upto):   # all or nothing: give the pin back untouched
+            self.sessions[seq.session_id] = pin
+            seq.block_table, seq.window_block_table = [], []
+            return False
+        seq.block_hashes = list(pin.hashes)
+        seq.num_computed_tokens = seq.stats.num_cached_tokens = len(pin.tokens)
+        self.counters.hit_tokens += len(pin.tokens)
+        self.counters.queried_tokens += len(seq)
+        return True
+
+    def _grow_grouped(self, seq: Sequence, num_tokens: int, window_tokens: int) -> bool:
+        """Two groups: grow the full group's table to num_tokens and the windowed group's to window_tokens, both
+        or neither."""
+        needed = max(0, self.num_blocks_for(num_tokens) - len(seq.block_table))
+        needed_window = max(0, self.num_blocks_for(window_tokens) - len(seq.window_block_table))
+        if not self._can_get_both(needed, needed_window):
+            return False
+        seq.block_table += [self._take_free_block().block_id for _ in range(needed)]
+        seq.window_block_table += [self.wpool._take_free_block().block_id for _ in range(needed_window)]
+        return True
+
     def drop_outside_window(self, seq: Sequence) -> None:
         """Give back seq's blocks that every later query is past: a query at position p reads keys after
-        p - window, and no query of seq comes before its first uncomputed token."""
-        if not self.window:
+        p - window, and no query of seq comes before its first uncomputed token. (Two groups: the windowed
+        group's.)"""
+        if self.wpool is not None:
+            table, pool, window = seq.window_block_table, self.wpool, self.group_window
+        else:
+            table, pool, window = seq.block_table, self, self.window
+        if not window:
             return
-        first_key = seq.num_computed_tokens - self.window + 1
+        first_key = seq.num_computed_tokens - window + 1
         # Given back blocks are always a prefix of the table: walk back only to the last one given back
         # (a decode step gives back at most one block, not a scan of a long chat's whole table).
         for i in range(max(0, first_key) // self.block_size - 1, -1, -1):
-            if seq.block_table[i] == DROPPED:
+            if table[i] == DROPPED:
                 break
-            self._unref(seq.block_table[i])
-            seq.block_table[i] = DROPPED
+            pool._unref(table[i])
+            table[i] = DROPPED
 
     def _session_tail(self, seq: Sequence, hits: list[Block]) -> tuple[Block | None, int]:
         """The partly filled last block pinned by seq's session, when seq's prompt goes on from it."""
@@ -307,7 +440,9 @@ class BlockManager:
         return True
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's block table to hold num_tokens tokens; False if blocks ran out."""
+        """Grow seq's block table (two groups: both tables) to hold num_tokens tokens; False if blocks ran out."""
+        if self.wpool is not None:
+            return self._grow_grouped(seq, num_tokens, num_tokens)
         needed = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if needed <= 0:
             return True
@@ -323,6 +458,10 @@ class BlockManager:
             if block_id != DROPPED:
                 self._unref(block_id)
         seq.block_table = []
+        for block_id in reversed(seq.window_block_table):
+            if block_id != DROPPED:
+                self.wpool._unref(block_id)
+        seq.window_block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         if seq.state_slot is not None:
@@ -339,13 +478,18 @@ class BlockManager:
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(prev, tokens)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                block.hash, block.token_ids, block.parent = h, tokens, prev
-                self.hash_to_block.setdefault(h, block.block_id)
-                self.children.setdefault(prev, set()).add(block.block_id)
+            self._register(seq.block_table[i], h, tokens, prev)
+            if self.wpool is not None and seq.window_block_table[i] != DROPPED:
+                self.wpool._register(seq.window_block_table[i], h, tokens, prev)
             seq.block_hashes.append(h)
             prev = h
+
+    def _register(self, block_id: int, h: int, tokens: tuple[int, ...], prev: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is None:
+            block.hash, block.token_ids, block.parent = h, tokens, prev
+            self.hash_to_block.setdefault(h, block.block_id)
+            self.children.setdefault(prev, set()).add(block.block_id)
 
     # ------------------------------------------------------------------ sessions
     def pin_session(self, session_id: str, seq: Sequence) -> None:
@@ -359,13 +503,19 @@ class BlockManager:
             self._pin(session_id, list(seq.block_table), tuple(seq.token_ids[:computed]), seq.state_slot)
             seq.state_slot = None
             return
-        if self.window:
-            # The whole table (blocks behind the window already given back) and the tokens it holds.
+        if self.window or self.wpool is not None:
+            # The whole table (blocks behind the window already given back) and the tokens it holds; two groups:
+            # both tables.
             computed = min(seq.num_computed_tokens, len(seq))
             table = list(seq.block_table)
             self._pin(session_id, [b for b in table if b != DROPPED], tuple(seq.token_ids[:computed]))
             pin = self.sessions[session_id]
             pin.table, pin.hashes = table, list(seq.block_hashes)
+            if self.wpool is not None:
+                pin.window_table = list(seq.window_block_table)
+                for block_id in pin.window_table:
+                    if block_id != DROPPED:
+                        self.wpool._ref(self.wpool.blocks[block_id])
             return
         full = len(seq.block_hashes)
         blocks, tail = seq.block_table[:full], None
@@ -391,6 +541,9 @@ class BlockManager:
             return
         for block_id in reversed(pin.blocks):
             self._unref(block_id)
+        for block_id in reversed(pin.window_table or ()):
+            if block_id != DROPPED:
+                self.wpool._unref(block_id)
         if pin.state_slot is not None:
             self.free_slots.append(pin.state_slot)
 
@@ -426,3 +579,5 @@ class BlockManager:
                 block = self.blocks[block_id]
                 assert block.hash is not None and block.parent == parent, f"stale child entry {block_id}"
         assert len(set(self.free_slots)) == len(self.free_slots), "a state slot is free twice"
+        if self.wpool is not None:
+            self.wpool.check_invariants()

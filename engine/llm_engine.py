@@ -107,9 +107,12 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
-                                          self.config.enable_prefix_caching, self.runner.num_state_slots,
-                                          window=kv_window(self.loaded.config))
+        r = self.runner
+        self.block_manager = BlockManager(r.num_blocks, self.config.kvcache_block_size,
+                                          self.config.enable_prefix_caching, r.num_state_slots,
+                                          window=kv_window(self.loaded.config),
+                                          window_group=(r.group_window, r.num_window_blocks) if r.group_window
+                                          else None)
         self.block_manager.copy_kv = self.runner.copy_kv
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)

@@ -3,7 +3,11 @@
 Tensor parallel: every rank has a runner over its shard of the model and its own KV cache (its KV
 heads), all with the same number of blocks, so rank 0's block tables serve every rank. Rank 0 builds
 each step's inputs (StepInputs: plain lists) and has the workers run the same step
-(engine/tensor_parallel.py)."""
+(engine/tensor_parallel.py).
+
+Models that mix windowed and full-attention layers keep two KV-cache groups (engine/block_manager.py): the
+windowed layers' caches have blocks of their own (`num_window_blocks`), addressed by a second block table and
+slot mapping (AttnMetadata.window_block_tables / window_slot_mapping)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,15 @@ class StepInputs:
     logit_rows: list[int]
     state_slots: list[int] | None = None
     state_fresh: list[bool] | None = None
+    window_slots: list[int] | None = None          # two KV groups: the windowed layers' slots and tables
+    window_block_tables: list[list[int]] | None = None
+
+
+def window_group(model) -> int:
+    """The windowed layers' KV group's window (their widest) when the model mixes windowed and full-attention
+    layers, else 0 (one group: every layer windowed is the block manager's windowed mode)."""
+    windows = [getattr(layer, "window", 0) for layer in model.attention_layers()]
+    return max(windows) if any(windows) and not all(windows) else 0
 
 
 class ModelRunner:
@@ -46,15 +59,17 @@ class ModelRunner:
         # Hybrid models: one recurrent-state slot per running sequence plus as many for resident chats.
         self.is_hybrid = getattr(model, "is_hybrid", False)
         self.num_state_slots = 2 * config.max_num_seqs if self.is_hybrid else 0
-        self.num_blocks = self._num_kv_blocks()
+        self.group_window = 0 if self.is_hybrid else window_group(model)
+        self.num_blocks, self.num_window_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.is_hybrid:
             model.allocate_state(self.num_state_slots, device)
         self.graphs = None
         # Hybrid models (GDN state slots) and host-offloaded experts (CPU work mid-forward) run eagerly.
         from nanochat.models.layers.moe import has_host_experts
+        # Two KV groups: the captured graphs have one block table (engine/cuda_graphs.py).
         if device.type == "cuda" and not config.enforce_eager and not self.is_hybrid \
-                and not has_host_experts(model):
+                and not has_host_experts(model) and not self.group_window:
             from nanochat.engine.cuda_graphs import DecodeGraphs
             max_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
             self.graphs = DecodeGraphs(model, config.max_num_seqs, max_blocks, model.config.hidden_size,
@@ -72,9 +87,24 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * layers * self.block_size * heads * head_dim * elem
 
-    def _num_kv_blocks(self) -> int:
+    def _windowed(self, layer) -> bool:
+        """Whether the layer's KV lives in the windowed group."""
+        return bool(self.group_window and getattr(layer, "window", 0))
+
+    def _window_reach(self) -> int:
+        """Two groups: the windowed blocks the running set can use at most (a sequence: its window behind a whole
+        step's chunk), twice that for the chats pinned between turns."""
+        c = self.config
+        per_seq = (self.group_window - 1 + c.max_num_batched_tokens + self.block_size - 1) // self.block_size + 1
+        return 2 * c.max_num_seqs * per_seq
+
+    def _num_kv_blocks(self) -> tuple[int, int]:
+        """(blocks of the full-attention group, blocks of the windowed group: 0 with one group). Two groups:
+        the windowed group gets at most _window_reach() blocks, at most its layers' share of the budget; the full
+        group the rest (num_kvcache_blocks: that many, and the windowed group as many or its reach)."""
         if self.config.num_kvcache_blocks is not None:
-            return self.config.num_kvcache_blocks
+            n = self.config.num_kvcache_blocks
+            return n, min(n, self._window_reach()) if self.group_window else 0
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -86,32 +116,43 @@ class ModelRunner:
             budget -= self.num_state_slots * self.model.hybrid_state_spec()
         # Never allocate more than the running set could ever use.
         cap = self.config.max_num_seqs * ((self.config.max_model_len + self.block_size - 1) // self.block_size)
-        n = min(int(budget // per_block), cap)
+        n, n_window = min(int(budget // per_block), cap), 0
+        if self.group_window:
+            layers = self.model.attention_layers()
+            per_layer = per_block // len(layers)
+            windowed = sum(self._windowed(layer) for layer in layers)
+            n_window = min(int(budget // per_block), self._window_reach())
+            n = min(int((budget - n_window * windowed * per_layer) // (per_layer * (len(layers) - windowed))), cap)
         if self.ranks is not None:   # one block table for all ranks: the smallest cache sets the count
             n = self.ranks.min(n)
+            n_window = self.ranks.min(n_window) if self.group_window else 0
         if n < 1:
             knob = "kv_cache_gib" if self.device.type == "cpu" else "gpu_memory_utilization"
             raise ValueError(f"one KV-cache block ({self.block_size} tokens, {per_block / 2**20:,.1f} MiB) does "
                               f"not fit in the KV budget ({max(budget, 0) / 2**20:,.1f} MiB): lower "
                               f"kvcache_block_size (NANO_VLLM_KVCACHE_BLOCK_SIZE) or raise {knob}")
-        return n
+        return n, n_window
 
     def _allocate_kv_cache(self) -> None:
-        shape = (self.num_blocks, self.block_size, *self.kv_heads())
         # On the CPU the cache is left unwritten: a slot is always stored before it is read, and the OS maps
         # a page only when it is first written, so memory grows with the blocks in use, not the budget.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         for layer in self.model.attention_layers():
+            blocks = self.num_window_blocks if self._windowed(layer) else self.num_blocks
+            shape = (blocks, self.block_size, *self.kv_heads())
             layer.k_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = alloc(shape, dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
-    def copy_kv(self, src: int, dst: int, num_tokens: int) -> None:
+    def copy_kv(self, src: int, dst: int, num_tokens: int, group: int | None = None) -> None:
         """Copy the first num_tokens slots of block src's KV into block dst, in every attention layer
-        (copy-on-write of a partly reused cached block)."""
+        (copy-on-write of a partly reused cached block); two KV groups: in the full-attention (group 0) or the
+        windowed (1) layers."""
         if self.workers is not None:
-            self.workers.call("copy_kv", src, dst, num_tokens)
+            self.workers.call("copy_kv", src, dst, num_tokens, group)
         for layer in self.model.attention_layers():
+            if group is not None and self._windowed(layer) != bool(group):
+                continue
             layer.k_cache[dst, :num_tokens].copy_(layer.k_cache[src, :num_tokens])
             layer.v_cache[dst, :num_tokens].copy_(layer.v_cache[src, :num_tokens])
 
@@ -138,6 +179,12 @@ class ModelRunner:
         # blocks given back behind a sliding window (DROPPED) are never read: any valid id stands in
         tables = [[max(b, 0) for b in c.seq.block_table] + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
         step = StepInputs(input_ids, positions, slots, cu_q, context_lens, tables, logit_rows)
+        if self.group_window:
+            width = max(len(c.seq.window_block_table) for c in chunks)
+            step.window_slots = [c.seq.window_block_table[p // bs] * bs + p % bs for c in chunks
+                                 for p in range(c.start, c.end)]
+            step.window_block_tables = [[max(b, 0) for b in c.seq.window_block_table]
+                                        + [0] * (width - len(c.seq.window_block_table)) for c in chunks]
         if self.is_hybrid:
             step.state_slots = [c.seq.state_slot for c in chunks]
             step.state_fresh = [c.start == 0 for c in chunks]
@@ -153,6 +200,9 @@ class ModelRunner:
             context_lens=t(step.context_lens, torch.int32), block_tables=t(step.block_tables, torch.int32),
             max_q_len=max(q_lens), max_context_len=max(step.context_lens),
             host_lists=(step.cu_q, step.context_lens))
+        if step.window_slots is not None:
+            meta.window_slot_mapping = t(step.window_slots, torch.int64)
+            meta.window_block_tables = t(step.window_block_tables, torch.int32)
         if step.state_slots is not None:
             meta.state_slots = t(step.state_slots, torch.int64)
             meta.state_fresh = t(step.state_fresh, torch.bool)

@@ -45,6 +45,7 @@ class Sequence:
         self.request_id = ""
         self.num_computed_tokens = 0    # tokens whose KV is in the cache
         self.block_table: list[int] = []
+        self.window_block_table: list[int] = []   # two KV groups: the windowed layers' (block_manager.py)
         self.block_hashes: list[int] = []   # chained hashes of the leading full, computed blocks
         self.state_slot: int | None = None  # hybrid models: the recurrent-state slot
         self.finish_reason: str | None = None

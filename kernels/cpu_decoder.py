@@ -206,11 +206,14 @@ class FusedDecoder:
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, levels: int | None = None,
-                threads: int | None = None) -> torch.Tensor:
+                threads: int | None = None, window_slots: torch.Tensor | None = None,
+                window_block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """One step over a ragged batch: x [n, hidden] float32 (embedded tokens, updated in place and
         returned as the final-normed hidden states); positions/slots int64 [n]; sequence b owns rows
         cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32 [B + 1], consecutive positions ending at
-        context_lens[b] - 1); block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
+        context_lens[b] - 1); block_tables int32 [B, max_blocks]; context_lens int32 [B]. window_slots (int64 [n])
+        and window_block_tables (int32 [B, max_window_blocks]), or None: the slots and tables of the windowed layers
+        (window > 0) of a model that keeps their KV in a group of its own."""
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dims.hidden:
             raise ValueError(f"fused decoder: x must be contiguous float32 [n, {self.dims.hidden}]")
@@ -222,9 +225,19 @@ class FusedDecoder:
                 or positions.shape[0] != n or slots.shape[0] != n or block_tables.shape[0] != seqs \
                 or cu_seqlens_q.shape[0] != seqs + 1:
             raise ValueError("fused decoder: batch tensors have the wrong dtypes or shapes")
+        if (window_slots is None) != (window_block_tables is None):
+            raise ValueError("fused decoder: window_slots and window_block_tables come together")
+        win_ptrs = (0, 0, 0)
+        if window_slots is not None:
+            window_slots, window_block_tables = window_slots.contiguous(), window_block_tables.contiguous()
+            if window_slots.dtype != torch.int64 or window_slots.shape != (n,) \
+                    or window_block_tables.dtype != torch.int32 or window_block_tables.dim() != 2 \
+                    or window_block_tables.shape[0] != seqs:
+                raise ValueError("fused decoder: window batch tensors have the wrong dtypes or shapes")
+            win_ptrs = (window_slots.data_ptr(), window_block_tables.data_ptr(), window_block_tables.stride(0))
         rc = self.lib.nc_dec_forward(self._plan_ptr, x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), seqs,
                                      cu_seqlens_q.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                     context_lens.data_ptr(), (levels or cpu_qgemv.DEFAULT_LEVELS) == 2,
+                                     context_lens.data_ptr(), *win_ptrs, (levels or cpu_qgemv.DEFAULT_LEVELS) == 2,
                                      threads or cpu_qgemv.num_threads())
         if rc:
             raise RuntimeError(f"fused decoder: {_ERRORS.get(rc, f'error {rc}')}")

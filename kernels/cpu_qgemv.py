@@ -112,7 +112,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_qg_matmul_rows.argtypes = [c_int, p, i64, i64, i64, p, i64, i64, p, i64, c_int, c_int]
     lib.nc_moe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, c_int, ctypes.c_float, ctypes.c_float,
                                    p, p, p, c_int, c_int]
-    lib.nc_dec_forward.argtypes = [p, p, i64, p, p, i64, p, p, i64, p, c_int, c_int]
+    lib.nc_dec_forward.argtypes = [p, p, i64, p, p, i64, p, p, i64, p, p, p, i64, c_int, c_int]
     lib.nc_dec_attention.argtypes = [p, i64, i64, i64, p, p, i64, p, p, p, c_int, i64, i64, i64, i64, ctypes.c_float,
                                      i64, p, p, c_int]
     lib.nc_dec_activation.argtypes = [c_int, p, i64, p, i64, i64, i64, p, i64, c_int]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from nanochat.engine import SamplingParams
 from nanochat.engine.block_manager import DROPPED, BlockManager
 from nanochat.engine.llm_engine import kv_window
@@ -167,3 +170,264 @@ def test_a_32k_token_chat_on_a_windowed_model_stays_within_its_bound_and_answers
     assert full_replies == replies
     assert full_peak > 2000 > 10 * peak            # 32k tokens of KV against a window's worth
 
+
+
+# ---------------------------------------------------------------- two KV groups: windowed layers beside global ones
+
+
+def test_the_groups_the_runner_sees():
+    from types import SimpleNamespace as NS
+
+    from nanochat.engine.model_runner import window_group
+
+    def model(*windows):
+        return NS(attention_layers=lambda: [NS(window=w) for w in windows])
+    assert window_group(model(12, 12, 0, 12)) == 12            # Gemma 3 style: two groups
+    assert window_group(model(8, 0, 16)) == 16                 # the widest window serves the group
+    assert window_group(model(12, 12)) == 0 and window_group(model(0, 0)) == 0   # one kind of layer: one group
+
+
+def windowed_live(seq: Sequence) -> list[int]:
+    return [b for b in seq.window_block_table if b != DROPPED]
+
+
+def test_two_groups_a_long_sequence_holds_the_window_in_one_and_everything_in_the_other():
+    window, bs, chunk = 10, 4, 3
+    bm = BlockManager(num_blocks=120, block_size=bs, window_group=(window, 12))
+    seq = Sequence(list(range(7)), SP)
+    assert bm.allocate(seq, chunk)
+    most = 0
+    while len(seq) < 400:
+        n = min(chunk, len(seq) - seq.num_computed_tokens) or 1
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(len(seq) % 50)
+        assert bm.ensure_slots(seq, seq.num_computed_tokens + n)
+        seq.num_computed_tokens += n
+        bm.commit_computed(seq)
+        bm.drop_outside_window(seq)
+        first_key = seq.num_computed_tokens - window + 1
+        kept = [i for i, b in enumerate(seq.window_block_table) if b != DROPPED]
+        assert kept[0] == max(0, first_key) // bs and DROPPED not in seq.block_table
+        # the windowed group grows chunk by chunk; the full group took the whole prompt at admission
+        assert len(seq.window_block_table) == bm.num_blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
+        most = max(most, len(windowed_live(seq)))
+        bm.check_invariants()
+    assert most <= (window - 1 + chunk + bs - 1) // bs + 1
+    bm.deallocate(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 120 and bm.wpool.num_free_blocks == 12
+
+
+def test_two_groups_a_prefix_hit_needs_both_groups_blocks():
+    """A hit reaches as far as the windowed group still holds the window behind it: the full group's blocks alone
+    (the windowed pool's reused meanwhile) give no hit."""
+    bs, window = 4, 6
+    bm = BlockManager(num_blocks=80, block_size=bs, window_group=(window, 40))
+    first = Sequence(list(range(30)), SP)
+    assert bm.allocate(first)
+    first.num_computed_tokens = 30
+    bm.commit_computed(first)
+    bm.drop_outside_window(first)
+    bm.deallocate(first)
+    same = Sequence(list(range(30)) + [77], SP)
+    assert bm.allocate(same) and same.num_computed_tokens == 28       # whole blocks, both groups still there
+    assert same.window_block_table[:5] == [DROPPED] * 5 and len(windowed_live(same)) == 3
+    bm.deallocate(same)
+    # a sequence that takes every windowed block (the full group: 40 of its 80, not the cached ones)
+    hog = Sequence([900 + i for i in range(40 * bs - 1)], SP)
+    assert bm.allocate(hog)
+    bm.deallocate(hog)
+    assert len(bm.hash_to_block) == 7 and not bm.wpool.hash_to_block
+    again = Sequence(list(range(30)) + [78], SP)
+    assert bm.allocate(again) and again.num_computed_tokens == 0
+    assert DROPPED not in again.window_block_table
+    bm.deallocate(again)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 80 and bm.wpool.num_free_blocks == 40
+
+
+def test_two_groups_random_chat_traffic_keeps_every_block_of_both_pools_accounted_for():
+    rng = random.Random(5)
+    bs, window = 4, 9
+    bm = BlockManager(num_blocks=60, block_size=bs, window_group=(window, 24))
+    bm.copy_kv = lambda src, dst, n, group=None: None
+    history: dict[str, list[int]] = {}
+    resumed = hits = 0
+    for _ in range(1500):
+        sid = f"s{rng.randrange(4)}"
+        base = history.get(sid, [])
+        if base and rng.random() < 0.3:                      # a branch: cut somewhere, then other tokens
+            base = base[:rng.randrange(len(base))]
+        seq = Sequence(base + [rng.randrange(7) for _ in range(rng.randrange(1, 9))], SP,
+                       session_id=sid if rng.random() < 0.8 else None)
+        pinned = bm.sessions.get(sid)
+        budget = rng.randrange(1, 6)
+        if not bm.allocate(seq, budget):
+            continue
+        resumed += pinned is not None and sid not in bm.sessions
+        hits += seq.num_computed_tokens > 0
+        while seq.num_computed_tokens < len(seq) or rng.random() < 0.7:
+            if seq.num_computed_tokens == len(seq):
+                seq.append_token(rng.randrange(7))
+            step = min(len(seq) - seq.num_computed_tokens, budget)
+            if not bm.ensure_slots(seq, seq.num_computed_tokens + step):
+                break
+            seq.num_computed_tokens += step
+            bm.commit_computed(seq)
+            bm.drop_outside_window(seq)
+            first_kept = max(0, seq.num_computed_tokens - window + 1) // bs
+            table = seq.window_block_table
+            assert table[:first_kept] == [DROPPED] * first_kept and DROPPED not in table[first_kept:]
+            assert DROPPED not in seq.block_table
+            # the windowed group's blocks hold the same tokens as the full group's (one chain of hashes)
+            for i, h in enumerate(seq.block_hashes):
+                if table[i] != DROPPED:
+                    assert bm.wpool.blocks[table[i]].hash in (h, None)
+        if seq.session_id is not None and rng.random() < 0.8:
+            bm.pin_session(sid, seq)
+            history[sid] = list(seq.token_ids[:seq.num_computed_tokens])
+        bm.deallocate(seq)
+        bm.check_invariants()
+    for sid in list(bm.sessions):
+        bm.release_session(sid)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 60 and bm.wpool.num_free_blocks == 24
+    assert all(b.ref_count == 0 for b in bm.blocks + bm.wpool.blocks)
+    assert resumed > 30 and hits > 100
+
+
+def test_kv_bytes_of_a_32k_chat_on_gemma_3_4b_shapes():
+    """The figure: gemma-3-4b's attention (34 layers, every 6th global, window 1024, 4 KV heads of 256, fp16 KV),
+    a 32k-token chat prefilled in 512-token chunks, 16-token blocks: the KV bytes held at the end with one group
+    (every block kept) and with two (the windowed layers' blocks behind the window given back)."""
+    layers, window, heads, dim, bs, chunk, tokens = 34, 1024, 4, 256, 16, 512, 32_768
+    windowed = sum(1 for i in range(layers) if (i + 1) % 6)          # 29 local, 5 global
+    per_layer_block = 2 * bs * heads * dim * 2                        # K and V, fp16
+    bm = BlockManager(num_blocks=tokens // bs + 8, block_size=bs, window_group=(window, 2 * (window + chunk) // bs))
+    seq = Sequence([i % 1000 for i in range(tokens)], SP)
+    assert bm.allocate(seq, chunk)
+    while seq.num_computed_tokens < tokens:
+        n = min(chunk, tokens - seq.num_computed_tokens)
+        assert bm.ensure_slots(seq, seq.num_computed_tokens + n)
+        seq.num_computed_tokens += n
+        bm.commit_computed(seq)
+        bm.drop_outside_window(seq)
+    one_group = layers * len(seq.block_table) * per_layer_block
+    two_groups = ((layers - windowed) * len(seq.block_table) + windowed * len(windowed_live(seq))) * per_layer_block
+    print(f"\n32k-token chat on gemma-3-4b shapes: {one_group / 2**30:.2f} GiB of KV with one group, "
+          f"{two_groups / 2**30:.2f} GiB with two ({len(windowed_live(seq))} windowed blocks per sequence)")
+    assert one_group == 34 * tokens * 2 * heads * dim * 2                        # 4.25 GiB
+    assert len(windowed_live(seq)) <= (window - 1 + bs - 1) // bs + 1
+    assert two_groups < 0.2 * one_group
+
+
+# ---------------------------------------------------------------- two KV groups through the engine
+
+
+def _engine(folder, grouped: bool, monkeypatch, **kw):
+    import nanochat.engine.model_runner as model_runner
+    from nanochat.engine import LLMEngine
+
+    kw = {"dtype": "float32", "max_model_len": 256, "kv_cache_dtype": "float32", "kvcache_block_size": 4,
+          "batch_invariant": True, **kw}
+    with monkeypatch.context() as m:
+        if not grouped:   # the reference: one group, every block kept
+            m.setattr(model_runner, "window_group", lambda model: 0)
+        engine = LLMEngine(str(folder), **kw)
+    assert (engine.block_manager.wpool is not None) == grouped
+    return engine
+
+
+def _run(engine, prompts, sp, sessions=None):
+    ids = [engine.add_request(p, sp, session_id=None if sessions is None else sessions[i])
+           for i, p in enumerate(prompts)]
+    out = {rid: [] for rid in ids}
+    peak = 0
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+        bm = engine.block_manager
+        if bm.wpool is not None:
+            peak = max(peak, max((len(windowed_live(s)) for s in engine.scheduler.running), default=0))
+        bm.check_invariants()
+    return [out[rid] for rid in ids], peak
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    from tests.test_gemma3 import make_gemma3
+    return make_gemma3(tmp_path_factory.mktemp("gemma3-groups") / "g")
+
+
+PROMPTS = [[(13 * i + 7 * k) % 290 + 5 for i in range(n)] for k, n in enumerate((70, 33, 121, 9))]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+@pytest.mark.parametrize("chunk,blocks", [(512, 400), (16, 400), (16, 40)], ids=["batched", "chunked", "preempted"])
+def test_two_groups_greedy_tokens_equal_the_reference(gemma, monkeypatch, fused, chunk, blocks):
+    """Gemma 3 (window 12, layers 1-5 windowed, 6 global): every prompt's greedy tokens with two groups equal those
+    of the same engine keeping every block, batched, in 16-token chunks (the windowed caches then fewer blocks than
+    the full group's block ids reach: their layers must use their own tables), and under preemption (40 blocks,
+    three 60-token prompts growing to 21 blocks each); the windowed group holds about window / block_size blocks
+    per sequence."""
+    from tests.test_gemma3 import WINDOW
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(fused_forward=fused, max_num_batched_tokens=chunk, num_kvcache_blocks=blocks, max_num_seqs=4)
+    prompts = PROMPTS if blocks > 40 else [[(11 * i + k) % 290 + 5 for i in range(60)] for k in range(3)]
+    grouped = _engine(gemma, True, monkeypatch, **kw)
+    assert grouped.runner.group_window == WINDOW
+    if chunk == 16 and blocks == 400:
+        assert grouped.runner.num_window_blocks == 2 * 4 * ((WINDOW - 1 + 16 + 3) // 4 + 1) == 64
+    got, peak = _run(grouped, prompts, sp)
+    want, _ = _run(_engine(gemma, False, monkeypatch, **kw), prompts, sp)
+    assert got == want
+    assert peak <= (WINDOW - 1 + chunk + 3) // 4 + 1
+    if blocks == 40:
+        assert grouped.scheduler.num_preemptions > 0
+    bm = grouped.block_manager
+    assert bm.num_free_blocks == len(bm.blocks) and bm.wpool.num_free_blocks == len(bm.wpool.blocks)
+
+
+def test_two_groups_match_transformers(gemma, monkeypatch):
+    from tests.test_families import oracle_greedy
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got, _ = _run(_engine(gemma, True, monkeypatch, max_num_batched_tokens=16), PROMPTS[:3], sp)
+    assert got == [oracle_greedy(hf, p, 16) for p in PROMPTS[:3]]
+
+
+def test_two_groups_sessions_prefix_reuse_branches_and_cancel(gemma, monkeypatch):
+    """Multi-turn chats (sessions resuming their pinned turn in both groups), a branch (an earlier turn's
+    history with another message: a prefix hit), a new chat sharing the first's start (hit through the hashes
+    of both groups), and a cancelled request: tokens as the reference engine's, no block leaked in either pool."""
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=16, num_kvcache_blocks=300)
+    engines = [_engine(gemma, True, monkeypatch, **kw), _engine(gemma, False, monkeypatch, **kw)]
+    results = []
+    for engine in engines:
+        replies, history = [], []
+        for turn in ([5, 6, 7] * 10, [40, 41, 42, 43] * 4, [99, 98] * 5):
+            ids = history + turn
+            [out], _ = _run(engine, [ids], sp, sessions=["chat"])
+            replies.append(out)
+            history = ids + out
+        branch = [5, 6, 7] * 10 + replies[0] + [77] * 9          # turn 2 again, another message
+        [out], _ = _run(engine, [branch], sp, sessions=["chat"])
+        replies.append(out)
+        [out], _ = _run(engine, [[5, 6, 7] * 10 + [200, 201]], sp)          # a new chat, same start
+        replies.append(out)
+        rid = engine.add_request(list(range(5, 60)), sp)
+        engine.step()
+        engine.abort(rid)
+        engine.release_session("chat")
+        bm = engine.block_manager
+        bm.check_invariants()
+        assert bm.num_free_blocks == len(bm.blocks)
+        if bm.wpool is not None:
+            assert bm.wpool.num_free_blocks == len(bm.wpool.blocks)
+        results.append(replies)
+    assert results[0] == results[1]
+    # the later turns, the branch and the new chat were served from the cache (their old tokens not computed)
+    assert engines[0].block_manager.counters.hit_tokens > 150

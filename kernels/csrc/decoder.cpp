@@ -984,10 +984,12 @@ int nc_dec_header_fields() { return H_FIELDS; }
 int nc_dec_layer_fields() { return L_FIELDS; }
 
 // x [n, hidden] fp32: the embedded tokens (times any embedding scale) in, the final-normed hidden states out. Rows
-// as in Batch.
+// as in Batch. window_slots / window_tables (null: none): the windowed layers' own cache slots and block tables,
+// for models whose windowed layers keep a KV group of their own beside the full-attention layers'.
 int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* positions, const int64_t* slots,
                    int64_t seqs, const int32_t* cu_q, const int32_t* block_tables, int64_t table_stride,
-                   const int32_t* context_lens, int x2, int threads) {
+                   const int32_t* context_lens, const int64_t* window_slots, const int32_t* window_tables,
+                   int64_t window_table_stride, int x2, int threads) {
   const Model m(plan);
   for (int64_t t = 0; t < n; ++t)
     if (positions[t] < 0 || positions[t] >= m.max_pos) return ERR_POSITION;
@@ -995,11 +997,13 @@ int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* posi
   for (int64_t t = 0; t < seqs; ++t)
     if (cu_q[t + 1] <= cu_q[t] || context_lens[t] != positions[cu_q[t + 1] - 1] + 1) return ERR_BATCH;
   const Batch b{n, positions, slots, seqs, cu_q, block_tables, table_stride, context_lens};
+  const Batch bw{n, positions, window_slots, seqs, cu_q, window_tables, window_table_stride, context_lens};
   Scratch& s = g_scratch;
   s.fit(m, n);
   const Matmul mm{x2, threads};
   for (int64_t l = 0; l < m.layers; ++l) {
-    const int rc = layer_forward(m, plan + H_FIELDS + l * L_FIELDS, b, x, s, mm);
+    const int64_t* L = plan + H_FIELDS + l * L_FIELDS;
+    const int rc = layer_forward(m, L, L[L_WINDOW] > 0 && window_tables ? bw : b, x, s, mm);
     if (rc) return rc;
   }
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * m.hidden, m.final_norm, m.hidden, m.eps, x + t * m.hidden);

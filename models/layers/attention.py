@@ -34,6 +34,10 @@ class AttnMetadata:
     # The same cu_seqlens_q / context_lens as Python lists (the CPU path loops over sequences).
     host_lists: tuple[list[int], list[int]] | None = None
     state_fresh: torch.Tensor | None = None    # [B] bool
+    # Models with two KV groups (windowed layers beside full-attention ones, engine/block_manager.py): the
+    # windowed layers' own cache slots and block tables (their blocks behind the window given back).
+    window_slot_mapping: torch.Tensor | None = None   # [N] int64
+    window_block_tables: torch.Tensor | None = None   # [B, max_window_blocks] int32
 
 
 def flash_attn_available() -> bool:
@@ -56,23 +60,28 @@ class AttentionBackend:
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """window: 0 = full causal attention, else W (a query at position p sees keys p - W + 1 .. p). sinks: fp32
         [heads], one learned logit per query head that joins the softmax's denominator and has no value
-        (gpt-oss), or None."""
+        (gpt-oss), or None. A windowed layer of a model with two KV groups reads and writes its cache through
+        the windowed group's slots and block tables."""
+        slots, tables = meta.slot_mapping, meta.block_tables
+        if window and meta.window_block_tables is not None:
+            slots, tables = meta.window_slot_mapping, meta.window_block_tables
         if self.kind == "torch":
-            torch_attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, may_skip=False)
+            torch_attn.store_kvcache(k, v, k_cache, v_cache, slots, may_skip=False)
             if cpu_decoder.attention_usable(q, k_cache):
                 return cpu_decoder.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                                   meta.block_tables, scale, window, sinks).to(q.dtype)
+                                                   tables, scale, window, sinks).to(q.dtype)
             return torch_attn.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                              meta.block_tables, scale, meta.host_lists, window, sinks)
+                                              tables, scale, meta.host_lists, window, sinks)
         from nanochat.kernels import triton_attention as tri
-        tri.store_kvcache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        tri.store_kvcache_triton(k, v, k_cache, v_cache, slots)
         if self.kind == "flash" and sinks is None:
-            return _flash_paged(q, k_cache, v_cache, meta, scale, window)
+            return _flash_paged(q, k_cache, v_cache, meta, tables, scale, window)
         return tri.paged_attention_triton(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                          meta.context_lens, meta.block_tables, scale, window, sinks)
+                                          meta.context_lens, tables, scale, window, sinks)
 
 
-def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int) -> torch.Tensor:
+def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, tables: torch.Tensor, scale: float,
+                 window: int) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
     # flash-attn's window is (left, right) keys around the query's own position: W - 1 to the left.
@@ -80,12 +89,12 @@ def _flash_paged(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: 
     batch = meta.context_lens.shape[0]
     if meta.max_q_len == 1 and q.shape[0] == batch:   # pure decode
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                      block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                                      block_table=tables, softmax_scale=scale, causal=True,
                                       window_size=window_size)
         return out.squeeze(1)
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     cu_k[1:] = torch.cumsum(meta.context_lens, 0)
     return flash_attn_varlen_func(q, k_cache, v_cache, max_seqlen_q=meta.max_q_len, cu_seqlens_q=meta.cu_seqlens_q,
                                   max_seqlen_k=meta.max_context_len, cu_seqlens_k=cu_k,
-                                  softmax_scale=scale, causal=True, block_table=meta.block_tables,
+                                  softmax_scale=scale, causal=True, block_table=tables,
                                   window_size=window_size)

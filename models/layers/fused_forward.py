@@ -87,7 +87,8 @@ class FusedForward:
             self._decoder = self._build()
         x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
         return self._decoder.forward(x, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.block_tables,
-                                     meta.context_lens, self.options.act_levels, self.options.threads)
+                                     meta.context_lens, self.options.act_levels, self.options.threads,
+                                     meta.window_slot_mapping, meta.window_block_tables)
 
     def _build(self):
         from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer, FusedDecoder
