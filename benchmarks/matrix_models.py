@@ -234,13 +234,13 @@ def bpe_vocab(vocab_size: int, first_special: int, specials: list[str]) -> tuple
     return tokens, merges, types
 
 
-def _dense_writer(arch: str, name: str, s: dict, h: int, ff: int, nh: int, nkv: int, hd: int):
-    """A GGUFWriter for an F16 file of `arch` with the shape keys every dense family writes."""
+def _dense_writer(arch: str, name: str, s: dict, h: int, ff: int, nh: int, nkv: int, hd: int, file_type=None):
+    """A GGUFWriter for a file of `arch` (F16 unless `file_type` says) with the shape keys every family writes."""
     import gguf
 
     w = gguf.GGUFWriter(None, arch)
     w.add_name(name)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if file_type is None else file_type))
     w.add_context_length(s["context"])
     w.add_embedding_length(h)
     w.add_block_count(s["layers"])
@@ -560,19 +560,8 @@ def write_gpt_oss_random(path: str | os.PathLike, seed: int = 0, std: float = 0.
             tensors += [(p + name + ".weight", shape, Q.MXFP4), (p + name + ".bias", shape[:2], Q.F32)]
     tensors += [("output_norm.weight", (h,), Q.F32), ("output.weight", (s["vocab"], h), Q.Q8_0)]
 
-    w = gguf.GGUFWriter(None, "gpt-oss")
-    w.add_name("gpt-oss-20b-shaped random weights (nanochat benchmarks)")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE))
-    w.add_context_length(s["context"])
-    w.add_embedding_length(h)
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(ff)
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(s["rope_theta"])
-    w.add_layer_norm_rms_eps(s["rms_eps"])
+    w = _dense_writer("gpt-oss", "gpt-oss-20b-shaped random weights (nanochat benchmarks)", s, h, ff, nh, nkv, hd,
+                      gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     w.add_expert_count(e)
     w.add_expert_used_count(s["experts_used"])
     w.add_expert_feed_forward_length(ff)

@@ -226,7 +226,7 @@ class BlockManager:
             return self._allocate_hybrid(seq)
         if self.wpool is not None:
             return self._allocate_grouped(seq, budget)
-        if self.window and self._resume_windowed(seq, budget):
+        if self.window and self._resume_pinned(seq, budget):
             return True
         hits, partial, partial_n = self._cached_prefix(seq)
         tail, tail_n = self._session_tail(seq, hits)
@@ -259,18 +259,25 @@ class BlockManager:
         self.drop_outside_window(seq)
         return True
 
-    def _resume_windowed(self, seq: Sequence, budget: int | None) -> bool:
-        """Windowed mode: take over the session's pinned last turn when seq's prompt goes on from it."""
+    def _resume_pinned(self, seq: Sequence, budget: int | None) -> bool:
+        """Windowed mode or two groups: take over the session's pinned last turn (its table, and the windowed
+        group's) when seq's prompt goes on from it."""
+        grouped = self.wpool is not None
         pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
-        if pin is None or pin.table is None or len(pin.tokens) >= len(seq) \
-                or tuple(seq.token_ids[:len(pin.tokens)]) != pin.tokens:
+        if pin is None or pin.table is None or (grouped and pin.window_table is None) \
+                or len(pin.tokens) >= len(seq) or tuple(seq.token_ids[:len(pin.tokens)]) != pin.tokens:
             return False
         del self.sessions[seq.session_id]   # its references become seq's
         seq.block_table = list(pin.table)
+        if grouped:
+            seq.window_block_table = list(pin.window_table)
         upto = len(seq) if budget is None else min(len(seq), len(pin.tokens) + budget)
-        if not self.ensure_slots(seq, upto):   # all or nothing: give the pin back untouched
+        grown = self._grow_grouped(seq, len(seq), upto) if grouped else self.ensure_slots(seq, upto)
+        if not grown:   # all or nothing: give the pin back untouched
             self.sessions[seq.session_id] = pin
             seq.block_table = []
+            if grouped:
+                seq.window_block_table = []
             return False
         seq.block_hashes = list(pin.hashes)
         seq.num_computed_tokens = seq.stats.num_cached_tokens = len(pin.tokens)
@@ -303,7 +310,7 @@ class BlockManager:
     def _allocate_grouped(self, seq: Sequence, budget: int | None) -> bool:
         """allocate() with two groups: the longest cached prefix both groups hold, the full group's blocks for
         the whole prompt (as one group does), the windowed group's up to the first chunk's end (`budget`)."""
-        if self._resume_grouped(seq, budget):
+        if self._resume_pinned(seq, budget):
             return True
         bs = self.block_size
         hits, partial, partial_n = self._cached_prefix(seq)
@@ -345,25 +352,6 @@ class BlockManager:
         self.counters.hit_tokens += cached
         self.counters.queried_tokens += len(seq)
         self.drop_outside_window(seq)
-        return True
-
-    def _resume_grouped(self, seq: Sequence, budget: int | None) -> bool:
-        """Two groups: take over the session's pinned last turn (both tables) when seq's prompt goes on from it."""
-        pin = self.sessions.get(seq.session_id) if seq.session_id is not None else None
-        if pin is None or pin.window_table is None or len(pin.tokens) >= len(seq) \
-                or tuple(seq.token_ids[:len(pin.tokens)]) != pin.tokens:
-            return False
-        del self.sessions[seq.session_id]   # its references become seq's
-        seq.block_table, seq.window_block_table = list(pin.table), list(pin.window_table)
-        upto = len(seq) if budget is None else min(len(seq), len(pin.tokens) + budget)
-        if not self._grow_grouped(seq, len(seq), upto):   # all or nothing: give the pin back untouched
-            self.sessions[seq.session_id] = pin
-            seq.block_table, seq.window_block_table = [], []
-            return False
-        seq.block_hashes = list(pin.hashes)
-        seq.num_computed_tokens = seq.stats.num_cached_tokens = len(pin.tokens)
-        self.counters.hit_tokens += len(pin.tokens)
-        self.counters.queried_tokens += len(seq)
         return True
 
     def _grow_grouped(self, seq: Sequence, num_tokens: int, window_tokens: int) -> bool:

@@ -18,8 +18,8 @@ def make_engine(tiny_models, **kw):
     return LLMEngine(str(tiny_models[ARCH]), dtype="float32", max_model_len=512, **kw)
 
 
-def run_turn(engine: LLMEngine, session: ChatSession, user: str, sp=SP):
-    ids = session.prepare_turn(user)
+def run_turn(engine: LLMEngine, session: ChatSession, user: str, sp=SP, template_kwargs: dict | None = None):
+    ids = session.prepare_turn(user, template_kwargs)
     rid = engine.add_request(ids, sp, session_id=session.session_id)
     text, gen, final = [], [], None
     while final is None:

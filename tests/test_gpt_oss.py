@@ -371,6 +371,7 @@ def test_harmony_turns_reuse_kv_up_to_where_the_template_rewrites_history(harmon
     from nanochat.engine import LLMEngine
     from nanochat.engine.serve.session import ChatSession
     from nanochat.models.text.harmony import split_harmony
+    from test_chat_session import run_turn
 
     engine = LLMEngine(str(harmony_model), dtype="float32", max_model_len=1024, kv_cache_dtype="float32")
     session = ChatSession(engine.tokenizer, engine.loaded.chat_template)
@@ -378,17 +379,8 @@ def test_harmony_turns_reuse_kv_up_to_where_the_template_rewrites_history(harmon
 
     def turn(user: str, **variables):
         before = list(session.token_ids)
-        ids = session.prepare_turn(user, variables)
-        rid = engine.add_request(ids, sp, session_id=session.session_id)
-        text, gen, final = [], [], None
-        while final is None:
-            for ev in engine.step():
-                if ev.request_id == rid:
-                    text.append(ev.text)
-                    gen.append(ev.token_id)
-                    final = ev if ev.finished else None
-        session.complete_turn("".join(text), gen)
-        split = split_harmony("".join(text))
+        ids, gen, final = run_turn(engine, session, user, sp, variables)
+        split = split_harmony(engine.tokenizer.decode(gen, skip_special_tokens=False))
         assert (split.reasoning, split.answer) == (ANALYSIS, ANSWER)
         return before, ids, gen, final.stats
 

@@ -28,13 +28,10 @@ def test_the_window_the_engine_uses():
     assert kv_window(NS(layer_windows=())) == 0 and kv_window(NS()) == 0
 
 
-def test_a_long_sequence_holds_only_the_blocks_its_window_reads():
-    window, bs, chunk = 10, 4, 3
-    bm = BlockManager(num_blocks=12, block_size=bs, window=window)
-    seq = Sequence(list(range(7)), SP)
-    assert bm.allocate(seq)
-    most = 0
-    while len(seq) < 400:                     # far more tokens than 12 blocks hold
+def walk(bm: BlockManager, seq: Sequence, chunk: int, window: int, until: int = 400):
+    """Run seq to `until` tokens in chunks, as the engine does (blocks, commit, drop behind the window, the
+    invariants checked); yields the first key the next query reads after each step."""
+    while len(seq) < until:
         n = min(chunk, len(seq) - seq.num_computed_tokens) or 1
         if seq.num_computed_tokens == len(seq):
             seq.append_token(len(seq) % 50)
@@ -42,12 +39,21 @@ def test_a_long_sequence_holds_only_the_blocks_its_window_reads():
         seq.num_computed_tokens += n
         bm.commit_computed(seq)
         bm.drop_outside_window(seq)
-        first_key = seq.num_computed_tokens - window + 1
+        yield seq.num_computed_tokens - window + 1
+        bm.check_invariants()
+
+
+def test_a_long_sequence_holds_only_the_blocks_its_window_reads():
+    window, bs, chunk = 10, 4, 3
+    bm = BlockManager(num_blocks=12, block_size=bs, window=window)
+    seq = Sequence(list(range(7)), SP)
+    assert bm.allocate(seq)
+    most = 0
+    for first_key in walk(bm, seq, chunk, window):   # far more tokens than 12 blocks hold
         # every key a later query reads is still there; nothing before the block holding first_key is
         kept = [i for i, b in enumerate(seq.block_table) if b != DROPPED]
         assert kept[0] == max(0, first_key) // bs
         most = max(most, len(live(seq)))
-        bm.check_invariants()
     assert most <= (window - 1 + chunk + bs - 1) // bs + 1
     bm.deallocate(seq)
     bm.check_invariants()
@@ -197,21 +203,12 @@ def test_two_groups_a_long_sequence_holds_the_window_in_one_and_everything_in_th
     seq = Sequence(list(range(7)), SP)
     assert bm.allocate(seq, chunk)
     most = 0
-    while len(seq) < 400:
-        n = min(chunk, len(seq) - seq.num_computed_tokens) or 1
-        if seq.num_computed_tokens == len(seq):
-            seq.append_token(len(seq) % 50)
-        assert bm.ensure_slots(seq, seq.num_computed_tokens + n)
-        seq.num_computed_tokens += n
-        bm.commit_computed(seq)
-        bm.drop_outside_window(seq)
-        first_key = seq.num_computed_tokens - window + 1
+    for first_key in walk(bm, seq, chunk, window):
         kept = [i for i, b in enumerate(seq.window_block_table) if b != DROPPED]
         assert kept[0] == max(0, first_key) // bs and DROPPED not in seq.block_table
         # the windowed group grows chunk by chunk; the full group took the whole prompt at admission
         assert len(seq.window_block_table) == bm.num_blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
         most = max(most, len(windowed_live(seq)))
-        bm.check_invariants()
     assert most <= (window - 1 + chunk + bs - 1) // bs + 1
     bm.deallocate(seq)
     bm.check_invariants()
