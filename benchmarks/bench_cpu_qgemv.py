@@ -42,7 +42,7 @@ COLD_BYTES = 256 << 20
 
 
 def random_weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
-    """Random blocks with f16 scales 0.01 (the quants' bit patterns do not change the timing); dense
+    """Random blocks with f16 scales 0.01 (MXFP4: 2^-8; the quants' bit patterns do not change the timing); dense
     types: N(0, 0.02) values."""
     rng = np.random.default_rng(seed)
     if t in cpu_qgemv.DENSE_TYPES:
@@ -51,7 +51,9 @@ def random_weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
     elems, nbytes = gq.BLOCK_SIZES[t]
     raw = rng.integers(0, 256, (out_f * in_f // elems, nbytes), dtype=np.uint8)
     scale = np.full(raw.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
-    for off in _F16_FIELDS.get(t, (0,)):
+    if t == gq.MXFP4:   # its scale is an E8M0 byte: 2^-8
+        raw[:, 0] = 120
+    for off in () if t == gq.MXFP4 else _F16_FIELDS.get(t, (0,)):
         raw[:, off:off + 2] = scale
     return QuantWeight(t, (out_f, in_f), torch.from_numpy(raw.reshape(out_f, -1)))
 

@@ -44,7 +44,9 @@ def random_stack(t: int, experts: int, out: int, inp: int, rng: np.random.Genera
     """Random blocks with sane f16 scales (tests/kquant_pack.py does the same for test fixtures)."""
     elems, nbytes = gq.BLOCK_SIZES[t]
     blocks = rng.integers(0, 256, size=(experts * out * inp // elems, nbytes), dtype=np.uint8)
-    for off in _F16_FIELDS[t]:
+    if t == gq.MXFP4:   # an E8M0 scale byte: 2^-11 .. 2^-6
+        blocks[:, 0] = rng.integers(117, 123, blocks.shape[0], dtype=np.uint8)
+    for off in () if t == gq.MXFP4 else _F16_FIELDS[t]:
         scales = rng.uniform(1e-3, 0.05, blocks.shape[0]).astype(np.float16)
         blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
     data = torch.from_numpy(blocks.reshape(experts, out, inp // elems * nbytes))
@@ -71,7 +73,7 @@ def bandwidth(threads: int, seconds: float) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--type", default="Q4_K", choices=[gq.type_name(t) for t in _F16_FIELDS])
+    ap.add_argument("--type", default="Q4_K", choices=[gq.type_name(t) for t in (*_F16_FIELDS, gq.MXFP4)])
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=512)
@@ -87,7 +89,7 @@ def main() -> None:
     if args.isa != "native":
         cpu_qgemv.use_isa(args.isa)
     options = KernelOptions(act_levels=args.act_levels or cpu_qgemv.DEFAULT_LEVELS, expert_threads=args.threads)
-    t = next(t for t in _F16_FIELDS if gq.type_name(t) == args.type)
+    t = next(t for t in (*_F16_FIELDS, gq.MXFP4) if gq.type_name(t) == args.type)
     rng = np.random.default_rng(0)
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     gate, up, down = random_stack(t, e, i, h, rng), random_stack(t, e, i, h, rng), random_stack(t, e, h, i, rng)
