@@ -18,8 +18,8 @@ Two backends:
 - "torch": dequantizes the selected experts per call and uses fp32 matmuls (a loop over active
   experts). Used for other weight types, dense experts, and when the library cannot be built.
 
-Threads and activation levels: the engine's KernelOptions (expert_threads: its cpu_threads, default half
-the logical CPUs).
+Threads and activation levels: the engine's KernelOptions (expert_threads: its cpu_threads, default one per
+physical core).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ class KernelOptions:
     act_levels: int = 2
     # Threads of the kernels' own pool per call; None: torch.get_num_threads() at call time.
     threads: int | None = None
-    # Host MoE experts' threads; None: half the logical CPUs (memory-bound: more threads than cores only
-    # contend for bandwidth).
+    # Host MoE experts' threads; None: one per physical core this process may run on (memory-bound: a core's
+    # second hardware thread only contends for bandwidth).
     expert_threads: int | None = None
     # Dense models on the CPU run each step's layer stack in one compiled call (models/layers/fused_forward.py).
     fused_forward: bool = True
@@ -28,7 +28,25 @@ class KernelOptions:
             raise ValueError(f"activation levels must be 1 or 2, got {self.act_levels!r}")
 
     def expert_thread_count(self) -> int:
-        return self.expert_threads or max(1, (os.cpu_count() or 2) // 2)
+        return self.expert_threads or physical_cores()
+
+
+def physical_cores(topology: str = "/sys/devices/system/cpu") -> int:
+    """Physical cores among the CPUs this process may run on (Linux sysfs topology: distinct package and core
+    ids); elsewhere, or when sysfs cannot be read, half the logical CPUs (SMT's usual two threads a core)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        cpus = range(os.cpu_count() or 2)
+    cores = set()
+    try:
+        for cpu in cpus:
+            base = f"{topology}/cpu{cpu}/topology"
+            with open(f"{base}/physical_package_id") as pkg, open(f"{base}/core_id") as core:
+                cores.add((pkg.read().strip(), core.read().strip()))
+    except OSError:
+        return max(1, len(cpus) // 2)
+    return max(1, len(cores))
 
 
 DEFAULT = KernelOptions()

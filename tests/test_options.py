@@ -223,3 +223,20 @@ def test_reasoning_effort_is_a_template_variable_with_one_rule():
     with pytest.raises(argparse.ArgumentTypeError, match="must be low, medium or high, got 'max'"):
         reasoning_effort_word("max")
     assert setting_value("reasoning_effort", "HIGH") == "high"
+
+
+@pytest.mark.parametrize("smt, expected", [(1, 4), (2, 2)], ids=["no SMT", "SMT 2"])
+def test_expert_threads_default_to_the_physical_cores(smt, expected, tmp_path, monkeypatch):
+    """The host experts are memory-bound: one thread per physical core of the CPUs the process may use, read
+    from sysfs's topology (4 logical CPUs: 4 cores without SMT, 2 with two threads a core)."""
+    from nanochat.kernels.options import KernelOptions, physical_cores
+
+    for cpu in range(4):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{cpu // smt}\n")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert physical_cores(str(tmp_path)) == expected
+    assert physical_cores(str(tmp_path / "absent")) == 2            # unreadable: half the logical CPUs
+    assert KernelOptions(expert_threads=3).expert_thread_count() == 3
