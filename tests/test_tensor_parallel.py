@@ -73,9 +73,9 @@ class Zoo:
             return make_gpt_oss(out)
         if kind == "gguf-moe-quant" and arch == "gpt-oss-mxfp4":   # MXFP4 experts on the host, Q8_0 linears
             from test_families import tokenizer_metadata
+            from tests.gguf_writer import write_gguf_from_hf as write   # the module tokenizer_metadata's values are of
             src = self.get("hf:gpt_oss")
-            write_gguf_from_hf(src, out / "model.gguf", "gpt-oss", T.Q8_0, expert_qtype=T.MXFP4,
-                               tokenizer=tokenizer_metadata(Path(src)))
+            write(src, out / "model.gguf", "gpt-oss", T.Q8_0, expert_qtype=T.MXFP4, tokenizer=tokenizer_metadata(Path(src)))
             return out / "model.gguf"
         if kind == "hf":                               # Qwen3-MoE and the hybrids, as in test_moe_models
             from test_moe_models import _build
@@ -242,7 +242,9 @@ def test_greedy_tokens_match_batched_preempted_chunked_cached_and_chatting(name,
         again = llm.generate([LONG[2]], SP)[0]
         assert again.token_ids == reference[2]
         hybrid = llm.engine.runner.is_hybrid
-        if not hybrid:   # a hybrid resumes only its own sessions' state
+        # A hybrid resumes only its own sessions' state; a model with windowed layers (gpt-oss) only while their
+        # pool still holds the window behind the hit, and decoding gave those blocks back to this tiny run's reuse.
+        if not hybrid and llm.engine.block_manager.wpool is None:
             assert again.stats.cached_tokens >= 32, "the prefix cache should have held the prompt"
         turns = two_turns(llm.engine)
         assert [ids for ids, _ in turns] == [ids for ids, _ in chat]
