@@ -43,6 +43,21 @@ def walk(bm: BlockManager, seq: Sequence, chunk: int, window: int, until: int = 
         bm.check_invariants()
 
 
+def end_turn(bm: BlockManager, seq: Sequence, sid, history: dict, pin: bool) -> None:
+    """A finished turn of random chat traffic: pinned as its session's last turn (pin), then given back."""
+    if pin:
+        bm.pin_session(sid, seq)
+        history[sid] = list(seq.token_ids[:seq.num_computed_tokens])
+    bm.deallocate(seq)
+    bm.check_invariants()
+
+
+def release_all(bm: BlockManager) -> None:
+    for sid in list(bm.sessions):
+        bm.release_session(sid)
+    bm.check_invariants()
+
+
 def test_a_long_sequence_holds_only_the_blocks_its_window_reads():
     window, bs, chunk = 10, 4, 3
     bm = BlockManager(num_blocks=12, block_size=bs, window=window)
@@ -114,14 +129,8 @@ def test_random_chat_traffic_with_a_window_keeps_every_block_accounted_for():
             # exactly the blocks from the one holding the first key a later query reads to the end
             first_kept = max(0, seq.num_computed_tokens - 9 + 1) // 4
             assert seq.block_table[:first_kept] == [DROPPED] * first_kept and DROPPED not in seq.block_table[first_kept:]
-        if rng.random() < 0.8:
-            bm.pin_session(sid, seq)
-            history[sid] = list(seq.token_ids[:seq.num_computed_tokens])
-        bm.deallocate(seq)
-        bm.check_invariants()
-    for sid in list(bm.sessions):
-        bm.release_session(sid)
-    bm.check_invariants()
+        end_turn(bm, seq, sid, history, rng.random() < 0.8)
+    release_all(bm)
     assert bm.num_free_blocks == 30 and all(b.ref_count == 0 for b in bm.blocks)
     assert resumed > 50
 
@@ -280,14 +289,8 @@ def test_two_groups_random_chat_traffic_keeps_every_block_of_both_pools_accounte
             for i, h in enumerate(seq.block_hashes):
                 if table[i] != DROPPED:
                     assert bm.wpool.blocks[table[i]].hash in (h, None)
-        if seq.session_id is not None and rng.random() < 0.8:
-            bm.pin_session(sid, seq)
-            history[sid] = list(seq.token_ids[:seq.num_computed_tokens])
-        bm.deallocate(seq)
-        bm.check_invariants()
-    for sid in list(bm.sessions):
-        bm.release_session(sid)
-    bm.check_invariants()
+        end_turn(bm, seq, sid, history, seq.session_id is not None and rng.random() < 0.8)
+    release_all(bm)
     assert bm.num_free_blocks == 60 and bm.wpool.num_free_blocks == 24
     assert all(b.ref_count == 0 for b in bm.blocks + bm.wpool.blocks)
     assert resumed > 30 and hits > 100
