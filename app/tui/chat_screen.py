@@ -550,6 +550,8 @@ class ChatScreen(GaugedScreen):
     def watch_engine_status(self, old, new) -> None:
         if (old.model, old.detail) != (new.model, new.detail) and self.is_mounted:
             self.refresh_chat_status()   # another model: another context size and recommendations
+            model = self.controller.model   # and the reasoning efforts its template reads, for the input's hints
+            self.query_one(ChatInput).reasoning_efforts = model.reasoning_efforts if model else ()
 
     # ------------------------------------------------------------------ actions
     @on(RunCommand)

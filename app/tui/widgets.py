@@ -500,6 +500,7 @@ class ChatInput(TextArea):
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.input_history = history
         self.theme_names = theme_names
+        self.reasoning_efforts: tuple[str, ...] = ()   # the loaded model's (its chat screen sets them)
 
     @property
     def hints(self) -> CommandHints | None:
@@ -573,7 +574,7 @@ class ChatInput(TextArea):
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
         hints = self.hints
         if hints is not None:
-            hints.show(matching(self.text, self.theme_names))
+            hints.show(matching(self.text, self.theme_names, self.reasoning_efforts))
 
 
 class Readout(Widget):
