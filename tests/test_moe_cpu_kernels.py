@@ -257,12 +257,11 @@ def test_deterministic_and_thread_count(lib):
 
 def test_cpu_threads_from_the_engine_config(monkeypatch):
     """Config.cpu_threads (env NANO_VLLM_CPU_THREADS) reaches the host expert kernels as the engine's kernel
-    options; the default is half the logical CPUs."""
-    import os
-
+    options; the default is one per physical core (kernels/options.physical_cores, tested in test_options)."""
     from nanochat.engine.config import Config
+    from nanochat.kernels.options import physical_cores
 
-    default = max(1, (os.cpu_count() or 2) // 2)
+    default = physical_cores()
     rng = np.random.default_rng(9)
     s = stack(gq.Q8_0, 2, 32, 32, rng)
     monkeypatch.delenv("NANO_VLLM_CPU_THREADS", raising=False)
