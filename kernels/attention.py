@@ -52,19 +52,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return _decode_attention(q, k, v, scale, sinks)
     if sinks is not None:
         return _sink_attention(qt, kt, vt, scale, window, sinks, gqa)[0].transpose(0, 1)
-    if window and lk > window:   # the last rows' windows start after key 0: both bounds masked
-        rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
-        cols = torch.arange(lk, device=q.device).unsqueeze(0)
-        mask = (cols <= rows) & (cols > rows - window)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    elif lq == lk:
+    if lq == lk and not (window and lk > window):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        # Query i sits at absolute position lk - lq + i and sees keys 0..that position.
-        rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
-        mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
+    else:   # an offset causal mask, or the last rows' windows starting after key 0
+        mask = _visible(lq, lk, window, q.device)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def _visible(lq: int, lk: int, window: int, device) -> torch.Tensor:
+    """[lq, lk] bool: the keys each of the last lq queries sees. Query i sits at absolute position lk - lq + i
+    and sees keys up to it (and, with a window W, none W or more behind it)."""
+    rows = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)
+    cols = torch.arange(lk, device=device).unsqueeze(0)
+    visible = cols <= rows
+    if window:
+        visible &= cols > rows - window
+    return visible
 
 
 def _sink_attention(qt, kt, vt, scale: float, window: int, sinks: torch.Tensor, gqa: bool) -> torch.Tensor:
@@ -74,11 +78,7 @@ def _sink_attention(qt, kt, vt, scale: float, window: int, sinks: torch.Tensor, 
     lq, lk = qt.shape[2], kt.shape[2]
     zero = kt.new_zeros(1, kt.shape[1], 1, kt.shape[3])
     kt, vt = torch.cat([kt, zero], 2), torch.cat([vt, zero], 2)
-    rows = torch.arange(lq, device=qt.device).unsqueeze(1) + (lk - lq)
-    cols = torch.arange(lk, device=qt.device).unsqueeze(0)
-    visible = cols <= rows
-    if window:
-        visible &= cols > rows - window
+    visible = _visible(lq, lk, window, qt.device)
     bias = torch.zeros(lq, lk, dtype=qt.dtype, device=qt.device).masked_fill_(~visible, float("-inf"))
     bias = torch.cat([bias.expand(qt.shape[1], lq, lk),
                       sinks.to(qt.dtype).view(-1, 1, 1).expand(-1, lq, 1)], 2).unsqueeze(0)

@@ -28,6 +28,14 @@ def test_the_window_the_engine_uses():
     assert kv_window(NS(layer_windows=())) == 0 and kv_window(NS()) == 0
 
 
+def computed(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """n more of seq's tokens computed, as the engine's step ends: their blocks hashed, those behind the window
+    given back."""
+    seq.num_computed_tokens += n
+    bm.commit_computed(seq)
+    bm.drop_outside_window(seq)
+
+
 def walk(bm: BlockManager, seq: Sequence, chunk: int, window: int, until: int = 400):
     """Run seq to `until` tokens in chunks, as the engine does (blocks, commit, drop behind the window, the
     invariants checked); yields the first key the next query reads after each step."""
@@ -36,9 +44,7 @@ def walk(bm: BlockManager, seq: Sequence, chunk: int, window: int, until: int = 
         if seq.num_computed_tokens == len(seq):
             seq.append_token(len(seq) % 50)
         assert bm.ensure_slots(seq, seq.num_computed_tokens + n)
-        seq.num_computed_tokens += n
-        bm.commit_computed(seq)
-        bm.drop_outside_window(seq)
+        computed(bm, seq, n)
         yield seq.num_computed_tokens - window + 1
         bm.check_invariants()
 
@@ -123,9 +129,7 @@ def test_random_chat_traffic_with_a_window_keeps_every_block_accounted_for():
             if not bm.ensure_slots(seq, seq.num_computed_tokens + step):
                 break
             assert len(seq.block_table) <= bm.num_blocks_for(seq.num_computed_tokens + budget)   # no more ahead
-            seq.num_computed_tokens += step
-            bm.commit_computed(seq)
-            bm.drop_outside_window(seq)
+            computed(bm, seq, step)
             # exactly the blocks from the one holding the first key a later query reads to the end
             first_kept = max(0, seq.num_computed_tokens - 9 + 1) // 4
             assert seq.block_table[:first_kept] == [DROPPED] * first_kept and DROPPED not in seq.block_table[first_kept:]
@@ -278,9 +282,7 @@ def test_two_groups_random_chat_traffic_keeps_every_block_of_both_pools_accounte
             step = min(len(seq) - seq.num_computed_tokens, budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + step):
                 break
-            seq.num_computed_tokens += step
-            bm.commit_computed(seq)
-            bm.drop_outside_window(seq)
+            computed(bm, seq, step)
             first_kept = max(0, seq.num_computed_tokens - window + 1) // bs
             table = seq.window_block_table
             assert table[:first_kept] == [DROPPED] * first_kept and DROPPED not in table[first_kept:]
@@ -309,9 +311,7 @@ def test_kv_bytes_of_a_32k_chat_on_gemma_3_4b_shapes():
     while seq.num_computed_tokens < tokens:
         n = min(chunk, tokens - seq.num_computed_tokens)
         assert bm.ensure_slots(seq, seq.num_computed_tokens + n)
-        seq.num_computed_tokens += n
-        bm.commit_computed(seq)
-        bm.drop_outside_window(seq)
+        computed(bm, seq, n)
     one_group = layers * len(seq.block_table) * per_layer_block
     two_groups = ((layers - windowed) * len(seq.block_table) + windowed * len(windowed_live(seq))) * per_layer_block
     print(f"\n32k-token chat on gemma-3-4b shapes: {one_group / 2**30:.2f} GiB of KV with one group, "

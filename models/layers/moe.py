@@ -154,9 +154,8 @@ class Experts(nn.Module):
         gate, up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         rows = torch.repeat_interleave(torch.arange(self.num_experts, device=xs.device), counts,
                                        output_size=xs.shape[0])   # each row's expert
-        h = self.mlp.hidden(gate, up, rows) if self.mlp.act != "silu" or self.mlp.gate_bias is not None \
-            else F.silu(gate) * up
-        return self.mlp.out(torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs), rows)
+        return self.mlp.out(torch._grouped_mm(self.mlp.hidden(gate, up, rows), self.w2.transpose(1, 2), offs=offs),
+                            rows)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> [T, H]."""
