@@ -440,6 +440,24 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
         return True
 
+    def spare_slots(self, seq: Sequence, num_tokens: int) -> int:
+        """How many tokens past its first num_tokens seq could hold with its own blocks and the free ones,
+        evicting nothing (speculative proposals take only those)."""
+        spare = (len(seq.block_table) + self.num_free_blocks) * self.block_size - num_tokens
+        if self.wpool is not None:
+            spare = min(spare, (len(seq.window_block_table) + self.wpool.num_free_blocks) * self.block_size - num_tokens)
+        return max(0, spare)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks wholly past its first num_tokens tokens (those held for proposals that were
+        rejected: fresh blocks, never hashed)."""
+        keep = self.num_blocks_for(num_tokens)
+        for table, pool in ((seq.block_table, self), (seq.window_block_table, self.wpool)):
+            while len(table) > keep:
+                block_id = table.pop()
+                if block_id != DROPPED:
+                    pool._unref(block_id)
+
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU queue evicts the ends of chains before their prefixes.
         for block_id in reversed(seq.block_table):

@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from nanochat.engine.rules import FRACTION, KV_CACHE_GIB, POSITIVE_INT, THREADS, TP_SIZE, check, shown
+from nanochat.engine.rules import (FRACTION, KV_CACHE_GIB, POSITIVE_INT, SPECULATIVE_K, THREADS, TP_SIZE, check,
+                                   shown)
 from nanochat.kernels.options import ACT_LEVELS
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ ENV_OVERRIDES = {
     "NANOCHAT_FUSED_FORWARD": ("fused_forward", _flag),
     "NANOCHAT_ACT_LEVELS": ("act_levels", int),
     "NANOCHAT_BATCH_INVARIANT": ("batch_invariant", _flag),
+    "NANOCHAT_SPECULATIVE": ("speculative", str),
+    "NANOCHAT_SPECULATIVE_K": ("speculative_k", int),
 }
 
 # What the engine process's environment defaults to, before torch loads libgomp: OpenMP workers that spin
@@ -120,6 +123,9 @@ class Config:
     act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
     batch_invariant: bool = False       # CPU: a sequence's tokens independent of its batch also with dense weights
                                         # (HF folders, dequantized GGUF), at a prefill cost; see models/layers/common.py
+    speculative: str = "ngram"          # speculative decoding's proposer: off | ngram | a draft model (its path or
+                                        # hub id: same tokenizer); a request may choose another (engine/speculative.py)
+    speculative_k: int = 8              # most tokens proposed for one step
     tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
                                         # torch.distributed launcher (torchrun) its WORLD_SIZE
 
@@ -193,6 +199,9 @@ class Config:
         if self.device == "cpu" and (local or self.tensor_parallel_size) > cpus:
             raise ValueError(f"tensor_parallel_size must be at most {cpus} on the CPU (this machine's CPUs: each "
                              f"rank needs one), got {self.tensor_parallel_size}")
+        if not isinstance(self.speculative, str) or not self.speculative or self.speculative == "draft":
+            raise ValueError(f"speculative must be off, ngram or a draft model's path, got {shown(self.speculative)}")
+        check("speculative_k", SPECULATIVE_K, self.speculative_k)
         if self.act_levels not in ACT_LEVELS:
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 

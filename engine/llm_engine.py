@@ -17,10 +17,11 @@ from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner
 from nanochat.engine.output import (ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent,
                                    TokenLogprobs)
-from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs
+from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs, verify
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
+from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
 from nanochat.models.errors import one_line
 
 
@@ -114,13 +115,22 @@ class LLMEngine:
                                           window_group=(r.group_window, r.num_window_blocks) if r.group_window
                                           else None)
         self.block_manager.copy_kv = self.runner.copy_kv
+        # Speculative decoding: what proposes (config.speculative) unless the model cannot roll back its state
+        # (hybrid models' recurrent state would need a copy per proposal).
+        self.speculation = SpeculationConfig(k_max=self.config.speculative_k)
+        self.step_times = StepTimes(self.speculation.row_cost)
+        self.draft = None
+        self.speculative = "off" if r.is_hybrid else ("ngram" if self.config.speculative == "ngram" else
+                                                      "off" if self.config.speculative == "off" else "draft")
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._window: deque[tuple[float, int, int, float, float]] = deque()
+        # (time, prefill tokens, decode tokens, prefill s, decode s, decode chunks, proposed, accepted) per step
+        self._window: deque[tuple[float, int, int, float, float, int, int, int]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
+        self.total_spec_proposed = self.total_spec_accepted = 0
 
     def _build_runner(self, load_progress) -> ModelRunner:
         from nanochat.models.formats.loader import build_model
@@ -163,6 +173,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(ids, sp, session_id=session_id)
+        mode = self._speculation_mode(sp)
+        if mode != "off":
+            seq.spec = Speculation(self.speculation, mode)
         if session_id is not None:
             self.block_manager.touch_session(session_id)
         generator = None
@@ -175,6 +188,33 @@ class LLMEngine:
         seq.request_id = request_id
         self.scheduler.add(seq)
         return request_id
+
+    def _speculation_mode(self, sp: SamplingParams) -> str:
+        """The request's proposer: its own choice, else the engine's; "off" where the engine cannot speculate."""
+        if self.speculative == "off" or (not sp.greedy and sp.seed is not None):
+            # A seed promises the same tokens on every run; how many proposals a step verifies (and so how the
+            # seed's draws are spent) follows measured step times, so a seeded sampled request runs plainly.
+            return "off"
+        mode = sp.speculative or self.speculative
+        if mode == "draft" and self.draft is None:
+            raise RequestError("speculative 'draft' needs a draft model: start the engine with speculative=PATH")
+        return mode
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """The scheduler's proposer: a decoding sequence's proposals, never past its max_tokens or the context."""
+        spec = seq.spec
+        if spec is None:
+            return []
+        room = min(room, self.config.max_model_len - len(seq) - 1,
+                   seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
+        base = max(1, len(self.scheduler.running))
+
+        def ratio(k: int) -> float:
+            return self.step_times.ratio(base, k)
+
+        if spec.mode == "ngram":
+            return spec.propose_ngram(seq.token_ids, room, ratio)
+        return self.draft.propose(seq, spec.choose_k(room, ratio) if room > 0 else 0)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -214,7 +254,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(None if self.speculative == "off" else self._propose)
         if not chunks:
             return self._fail_unschedulable()
         t0 = time.perf_counter()
@@ -223,30 +263,73 @@ class LLMEngine:
             torch.set_num_threads(threads)
         logits = self.runner.run(chunks)
         sampled = [c for c in chunks if c.samples]
-        token_ids, logprobs = [], {}
-        if sampled:
-            reqs = [self.requests[c.seq.request_id] for c in sampled]
-            # Penalties read the ids from the sequence (prompt + generated so far), so a preempted or
-            # resumed request is penalized the same; rows without penalties pass None.
-            histories = [None if r.history is None else (r.history.sync(r.seq.token_ids), r.seq.num_prompt_tokens)
-                         for r in reqs]
+        first = list(itertools.accumulate((1 + len(c.draft) for c in sampled), initial=0))   # each chunk's rows
+        plain = [i for i, c in enumerate(sampled) if not c.draft]
+        emitted: list[list[int]] = [[] for _ in sampled]
+        logprobs: dict[int, list] = {}
+        if plain:
+            rows = logits if len(plain) == len(sampled) else logits[[first[i] for i in plain]]
+            reqs = [self.requests[sampled[i].seq.request_id] for i in plain]
             # Log-probabilities are the model's own (vLLM's default, "raw_logprobs"): from the logits before
             # penalties (which change them in place), temperature, top-k and top-p.
-            asking = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-            raw = logits[asking] if asking else None
-            token_ids = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs], histories)
+            asking = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+            raw = rows[asking] if asking else None
+            tokens = self.sampler(rows, [r.params for r in reqs], [r.generator for r in reqs],
+                                  [self._history(r) for r in reqs])
+            for i, token in zip(plain, tokens):
+                emitted[i] = [token]
             if asking:
-                found = token_logprobs(raw, [token_ids[i] for i in asking], [reqs[i].params.logprobs for i in asking])
-                logprobs = dict(zip(asking, found))
+                found = token_logprobs(raw, [tokens[j] for j in asking], [reqs[j].params.logprobs for j in asking])
+                logprobs.update({plain[j]: [f] for j, f in zip(asking, found)})
+        for i, c in enumerate(sampled):
+            if c.draft:
+                emitted[i] = self._verify(c, logits[first[i]:first[i + 1]], logprobs, i)
         now = time.perf_counter()
-        self._record_throughput(chunks, now - t0, now)
-        events = []
+        self._record_throughput(chunks, sum(map(len, emitted)), now - t0, now)
+        if self.speculative != "off" and all(c.num_tokens == 1 for c in chunks):   # a decode step: what its rows cost
+            self.step_times.record(sum(c.stop - c.start for c in chunks), now - t0)
         for c in chunks:
-            c.seq.num_computed_tokens = c.end
-            self.block_manager.commit_computed(c.seq)
-            self.block_manager.drop_outside_window(c.seq)
-        for i, (c, token) in enumerate(zip(sampled, token_ids)):
-            events.append(self._postprocess(self.requests[c.seq.request_id], token, now, logprobs.get(i)))
+            if not c.draft:
+                c.seq.num_computed_tokens = c.end
+                self.block_manager.commit_computed(c.seq)
+                self.block_manager.drop_outside_window(c.seq)
+        events = []
+        for i, (c, tokens) in enumerate(zip(sampled, emitted)):
+            events += self._emit(c, tokens, now, logprobs.get(i))
+        return events
+
+    @staticmethod
+    def _history(req: _Request):
+        """A penalized request's ids for the sampler (prompt + generated so far, read from the sequence, so a
+        preempted or resumed request is penalized the same), else None."""
+        return None if req.history is None else (req.history.sync(req.seq.token_ids), req.seq.num_prompt_tokens)
+
+    def _verify(self, c, rows: torch.Tensor, logprobs: dict, i: int) -> list[int]:
+        """A speculating chunk's tokens: its accepted proposals and one of the target's (sampler.verify)."""
+        req = self.requests[c.seq.request_id]
+        raw = rows.clone() if req.params.logprobs is not None else None   # verify penalizes rows in place
+        tokens = verify(rows, c.draft, req.params, req.generator, self._history(req),
+                        self.draft.probs(c.seq) if c.seq.spec.mode == "draft" else None)
+        c.seq.spec.record(len(c.draft), len(tokens) - 1)
+        if raw is not None:
+            logprobs[i] = token_logprobs(raw[:len(tokens)], tokens, [req.params.logprobs] * len(tokens))
+        return tokens
+
+    def _emit(self, c, tokens: list[int], now: float, logprobs: list | None) -> list[TokenEvent]:
+        """The events of a sampled chunk's tokens, one by one as plain decoding would emit them: before each,
+        the sequence's KV covers every token it holds (the last real one and the proposals accepted before
+        it), so only accepted tokens are ever hashed; a stop ends the chunk early."""
+        seq, req, events = c.seq, self.requests[c.seq.request_id], []
+        if c.draft:
+            self.block_manager.trim(seq, len(seq) + len(tokens))
+        for j, token in enumerate(tokens):
+            if c.draft:
+                seq.num_computed_tokens = len(seq)
+                self.block_manager.commit_computed(seq)
+                self.block_manager.drop_outside_window(seq)
+            events.append(self._postprocess(req, token, now, None if logprobs is None else logprobs[j]))
+            if events[-1].finished:
+                break
         return events
 
     def _token_logprobs(self, token: int, found: tuple[float, list[int], list[float]]) -> TokenLogprobs:
@@ -326,17 +409,26 @@ class LLMEngine:
         return RequestStats(prompt_tokens=req.seq.num_prompt_tokens, cached_tokens=st.num_cached_tokens,
                             completion_tokens=n, ttft=st.ttft, decode_tok_s=decode,
                             elapsed=end - st.arrival_time, preemptions=st.num_preemptions, finish_reason=reason,
-                            context_full=len(req.seq) >= self.config.max_model_len)
+                            context_full=len(req.seq) >= self.config.max_model_len,
+                            spec_proposed=spec.proposed if (spec := req.seq.spec) else 0,
+                            spec_accepted=spec.accepted if spec else 0)
 
     # ------------------------------------------------------------------ stats
-    def _record_throughput(self, chunks, elapsed: float, now: float) -> None:
-        decode = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
-        prefill = sum(c.num_tokens for c in chunks) - decode
+    def _record_throughput(self, chunks, emitted: int, elapsed: float, now: float) -> None:
+        """emitted: the tokens the step's decode chunks produced (more than one per chunk when speculating)."""
+        decoding = [c for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens]
+        prefill = sum(c.num_tokens for c in chunks) - len(decoding)
+        accepted = emitted - sum(1 for c in chunks if c.samples)   # a proposal kept: one token more
+        decode = len(decoding) + accepted
+        proposed = sum(len(c.draft) for c in decoding)
         self.total_prefill_tokens += prefill
         self.total_decode_tokens += decode
+        self.total_spec_proposed += proposed
+        self.total_spec_accepted += accepted
         total = prefill + decode
         # Split a mixed step's time between prefill and decode by token share.
-        self._window.append((now, prefill, decode, elapsed * prefill / total, elapsed * decode / total))
+        self._window.append((now, prefill, decode, elapsed * prefill / total, elapsed * decode / total,
+                             len(decoding), proposed, accepted))
         while self._window and now - self._window[0][0] > 3.0:
             self._window.popleft()
 
@@ -364,8 +456,12 @@ class LLMEngine:
         d_tok = sum(w[2] for w in self._window)
         p_time = sum(w[3] for w in self._window)
         d_time = sum(w[4] for w in self._window)
+        chunks, proposed, accepted = (sum(w[i] for w in self._window) for i in (5, 6, 7))
         b = self.block_manager.stats()
         return EngineStats(
+            spec_acceptance=accepted / proposed if proposed else 0.0,
+            spec_tokens_per_step=d_tok / chunks if chunks else 0.0,
+            total_spec_proposed=self.total_spec_proposed, total_spec_accepted=self.total_spec_accepted,
             prefill_tok_s=p_tok / p_time if p_time else 0.0, decode_tok_s=d_tok / d_time if d_time else 0.0,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_cached=b.cached, kv_blocks_free=b.free,

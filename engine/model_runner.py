@@ -166,15 +166,14 @@ class ModelRunner:
         cu_q, context_lens, logit_rows = [0], [], []
         bs = self.block_size
         for c in chunks:
-            seq = c.seq
-            input_ids.extend(seq.token_ids[c.start:c.end])
-            positions.extend(range(c.start, c.end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
-            cu_q.append(cu_q[-1] + c.num_tokens)
-            context_lens.append(c.end)
-            if c.samples:
-                logit_rows.append(cu_q[-1] - 1)
+            input_ids.extend(c.input_ids())
+            positions.extend(range(c.start, c.stop))
+            table = c.seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.stop))
+            cu_q.append(cu_q[-1] + c.stop - c.start)
+            context_lens.append(c.stop)
+            if c.samples:   # the last real token's row, and each proposal's
+                logit_rows.extend(range(cu_q[-1] - 1 - len(c.draft), cu_q[-1]))
         max_blocks = max(len(c.seq.block_table) for c in chunks)
         # blocks given back behind a sliding window (DROPPED) are never read: any valid id stands in
         tables = [[max(b, 0) for b in c.seq.block_table] + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
@@ -182,7 +181,7 @@ class ModelRunner:
         if self.group_window:
             width = max(len(c.seq.window_block_table) for c in chunks)
             step.window_slots = [c.seq.window_block_table[p // bs] * bs + p % bs for c in chunks
-                                 for p in range(c.start, c.end)]
+                                 for p in range(c.start, c.stop)]
             step.window_block_tables = [[max(b, 0) for b in c.seq.window_block_table]
                                         + [0] * (width - len(c.seq.window_block_table)) for c in chunks]
         if self.is_hybrid:
@@ -209,7 +208,8 @@ class ModelRunner:
         return t(step.input_ids, torch.int64), t(step.positions, torch.int64), meta, step.logit_rows
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """Forward one step; returns fp32 logits for the chunks that sample (in order), or None."""
+        """Forward one step; returns fp32 logits for the chunks that sample (in order; a chunk with proposals:
+        one row for its last real token and one per proposal), or None."""
         step = self.step_inputs(chunks)
         if self.workers is None:
             return self.forward(step)

@@ -35,6 +35,8 @@ class RequestStats:
     preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     context_full: bool = False        # it reached max_model_len (a "length" end that max_tokens did not cause)
+    spec_proposed: int = 0            # speculative decoding: tokens proposed for this request, and accepted
+    spec_accepted: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -151,4 +153,10 @@ class EngineStats:
     preemptions: int = 0
     total_prefill_tokens: int = 0
     total_decode_tokens: int = 0
+    # Speculative decoding, over the same recent window as the rates: proposals accepted / proposed, and the
+    # tokens a decoding sequence gets per target step (1.0 without speculation); 0 when nothing was decoded.
+    spec_acceptance: float = 0.0
+    spec_tokens_per_step: float = 0.0
+    total_spec_proposed: int = 0
+    total_spec_accepted: int = 0
     extra: dict = field(default_factory=dict)

@@ -58,6 +58,12 @@ THREADS = Rule(int, lambda v: 1 <= v <= MAX_CPU_THREADS, f"from 1 to {MAX_CPU_TH
 TP_SIZE = Rule(int, lambda v: 1 <= v <= MAX_TP, f"from 1 to {MAX_TP}")
 FRACTION = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
+# Speculative decoding (engine/speculative.py): a request's proposer; the engine's is one of these or a draft
+# model's path (Config.speculative).
+SPECULATIVE_MODES = ("off", "ngram", "draft")
+SPECULATIVE = Rule(str, lambda v: v in SPECULATIVE_MODES, "off, ngram or draft")
+SPECULATIVE_K = Rule(int, lambda v: 1 <= v <= 32, "from 1 to 32")
+
 # Every sampling setting a user can state (flags, settings.json, a chat's /set, the HTTP API).
 SAMPLING_RULES = {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
                   "max_tokens": POSITIVE_INT, "repetition_penalty": REPETITION_PENALTY,

@@ -1,5 +1,5 @@
 """Batched sampling: repetition / presence / frequency penalties, then greedy, temperature, top-k, top-p,
-with reproducible per-request seeds."""
+with reproducible per-request seeds; and the verification of speculative proposals (`Sampler.verify`)."""
 
 from __future__ import annotations
 
@@ -169,3 +169,66 @@ class Sampler:
                 ids, probs = kept
                 out.append(int(ids[draw(probs, generators[i])]))
         return out
+
+
+def target_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (not greedy) request draws from, over the whole vocabulary: one row of
+    (penalized) logits through temperature, top-k and top-p, as Sampler.__call__ draws."""
+    row = (row / sp.temperature).cpu()
+    kept = candidates(row, sp.top_k, sp.top_p)
+    if kept is None:
+        return row.softmax(-1)
+    ids, probs = kept
+    return torch.zeros_like(row).index_copy_(0, ids, probs)
+
+
+@torch.inference_mode()
+def verify(logits: torch.Tensor, draft: list[int], sp: SamplingParams, generator: torch.Generator | None,
+           history: History | None = None, draft_probs: torch.Tensor | None = None) -> list[int]:
+    """The tokens a speculative step emits: the accepted prefix of `draft` and one token of the target's.
+
+    logits [k + 1, V]: the target's rows for the last real token and each of the k proposals. Greedy: a
+    proposal is kept while it is the target's argmax, then the argmax follows, so the tokens are plain
+    greedy decoding's. Sampled: proposal j is kept with probability min(1, p_j(d) / q_j(d)), q_j being the
+    proposer's distribution (`draft_probs` [k, V]; None: a deterministic proposer, q_j one-hot); at the
+    first rejection a token is drawn from the normalized residual max(0, p_j - q_j), and after k acceptances
+    from p_k; so the emitted tokens follow the target's distribution exactly (Leviathan et al. 2023,
+    Chen et al. 2023). Penalties see each row's own history: the sequence's ids and the proposals before it."""
+    k = len(draft)
+    if sp.penalized:
+        if history is None:
+            raise ValueError("a row with a penalty needs its token history")
+        ids, prompt = history
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        logits = logits.contiguous()
+        apply_penalties(logits, list(range(k + 1)), [sp] * (k + 1),
+                        [(ids + draft[:j], prompt) for j in range(k + 1)])
+    if sp.greedy:
+        best = logits.argmax(-1).tolist()
+        out = []
+        for j, d in enumerate(draft):
+            if best[j] != d:
+                break
+            out.append(d)
+        return out + [best[len(out)]]
+    out = []
+    for j in range(k + 1):
+        p = target_probs(logits[j], sp)
+        if j == k:
+            return out + [draw(p, generator)]
+        d = draft[j]
+        q = None if draft_probs is None else draft_probs[j].to(p.device, torch.float32)
+        q_d = 1.0 if q is None else float(q[d])
+        u = float(torch.rand((), dtype=torch.float64, generator=generator))
+        if u * q_d < float(p[d]):
+            out.append(d)
+            continue
+        if q is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - q).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:   # p == q up to rounding: the residual is empty, p itself stands in
+            residual = p
+        return out + [draw(residual, generator)]
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, check, shown
+from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, SPECULATIVE, check, shown
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # [-2, 2]; OpenAI/vLLM, over generated tokens
     # None: none; k: each token's log-probability and the k most likely tokens' (engine/sampler.py token_logprobs)
     logprobs: int | None = None
+    # Speculative decoding's proposer for this request: off, ngram or draft; None: the engine's (Config.speculative).
+    # It changes speed only: greedy tokens are the same, sampled ones follow the same distribution.
+    speculative: str | None = None
 
     def __post_init__(self):
         # Accept lists for convenience, keep the object hashable and immutable.
@@ -39,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {shown(self.stop)}")
         if self.logprobs is not None:
             check("logprobs", LOGPROBS, self.logprobs)
+        if self.speculative is not None:
+            check("speculative", SPECULATIVE, self.speculative)
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
 

@@ -5,6 +5,10 @@ sequences first, then admits waiting ones while the budget, the sequence cap and
 allow. When blocks run out, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, keeping its generated tokens, to be recomputed later.
 
+A decoding sequence that speculates (engine/speculative.py) carries proposed tokens in its chunk (`draft`):
+the step computes them after its last real token, on slots that only free blocks provide (proposals never
+evict a resident chat or preempt a sequence).
+
 Recompute runs the prefill kernels over tokens that decode produced; on the CPU they give a row the
 same bits as decode did (every reduction runs in an order fixed by the row alone, not by the batch:
 tests/test_batch_invariance.py), so a preempted sequence goes on exactly as it would have.
@@ -13,7 +17,8 @@ tests/test_batch_invariance.py), so a preempted sequence goes on exactly as it w
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.sequence import Sequence, SequenceStatus
@@ -23,16 +28,26 @@ from nanochat.engine.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     start: int          # first position computed this step
-    num_tokens: int     # tokens computed this step
+    num_tokens: int     # the sequence's own tokens computed this step
+    draft: list[int] = field(default_factory=list)   # proposed tokens computed after them (a decode only)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def stop(self) -> int:
+        """One past the last position computed this step, proposals included."""
+        return self.end + len(self.draft)
+
+    @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the sequence, so a token is sampled from it."""
+        """This chunk reaches the end of the sequence, so a token is sampled from it (from each of its rows
+        from the last real token on, when it carries proposals)."""
         return self.end == len(self.seq)
+
+    def input_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.end] + self.draft
 
 
 class Scheduler:
@@ -50,7 +65,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, propose: Callable[[Sequence, int], list[int]] | None = None) -> list[ScheduledChunk]:
+        """propose(seq, room): up to `room` proposed tokens for a decoding sequence (speculative decoding)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
@@ -59,15 +75,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, n, budget, propose)
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, draft))
                 scheduled.add(seq.seq_id)
-                budget -= n
+                budget -= n + len(draft)
                 i += 1
                 continue
             # seq itself was preempted; the list shrank, do not advance i
@@ -83,6 +100,15 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return chunks
+
+    def _draft(self, seq: Sequence, n: int, budget: int, propose) -> list[int]:
+        """A decoding sequence's proposals, with their KV slots taken from free blocks only."""
+        if propose is None or n != 1 or len(seq) - seq.num_computed_tokens != 1 or budget < 2:
+            return []
+        draft = propose(seq, min(budget - 1, self.block_manager.spare_slots(seq, len(seq))))
+        if draft and not self.block_manager.ensure_slots(seq, len(seq) + len(draft)):
+            return []   # spare_slots said they were free: never reached
+        return draft
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

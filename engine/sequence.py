@@ -48,6 +48,7 @@ class Sequence:
         self.window_block_table: list[int] = []   # two KV groups: the windowed layers' (block_manager.py)
         self.block_hashes: list[int] = []   # chained hashes of the leading full, computed blocks
         self.state_slot: int | None = None  # hybrid models: the recurrent-state slot
+        self.spec = None                    # engine/speculative.py Speculation, when the sequence speculates
         self.finish_reason: str | None = None
         self.stats = SequenceStats(arrival_time=time.perf_counter())
 

@@ -209,7 +209,8 @@ def _prompts(n: int, vocab: int, longest: int, seed: int = 0) -> list[list[int]]
 
 def _generate(path: str, prompts, params, **config):
     """Token ids per prompt, the logits row of every sampled position ({(prompt index, position): row}) and
-    the engine's preemption count."""
+    the engine's preemption count. A speculating step's rows count at their positions; the rows of rejected
+    proposals are replaced when the sequence gets there, or dropped past its end."""
     from nanochat.engine import LLM
     llm = LLM(path, dtype="float32", max_model_len=256, **config)
     rows, runner = {}, llm.engine.runner
@@ -217,12 +218,16 @@ def _generate(path: str, prompts, params, **config):
 
     def recording(chunks):
         logits = run(chunks)
-        for c, row in zip([c for c in chunks if c.samples], [] if logits is None else logits):
-            rows[(int(c.seq.request_id.split("-")[1]), len(c.seq))] = row.clone()
+        keys = [(int(c.seq.request_id.split("-")[1]), len(c.seq) + j) for c in chunks if c.samples
+                for j in range(1 + len(c.draft))]
+        for key, row in zip(keys, [] if logits is None else logits):
+            rows[key] = row.clone()
         return logits
 
     runner.run = recording
     out = llm.generate(prompts, params)
+    ends = [len(llm.tokenizer.encode(p) if isinstance(p, str) else p) + len(o.token_ids) for p, o in zip(prompts, out)]
+    rows = {(i, pos): row for (i, pos), row in rows.items() if pos < ends[i]}
     return [o.token_ids for o in out], rows, llm.engine.scheduler.num_preemptions
 
 
@@ -288,7 +293,9 @@ def tiny(tmp_path_factory):
 
 def _check_invariance(path: str, prompts, params, tokens_only: bool = False, **config):
     """The prompts alone, in one batch, under preemption and with small chunks: the same tokens and logits."""
-    alone, alone_rows, _ = _generate(path, prompts, params, max_num_seqs=1, enable_prefix_caching=False, **config)
+    # Alone: without speculative decoding either, so every other run's proposals are checked against plain decoding.
+    alone, alone_rows, _ = _generate(path, prompts, params, max_num_seqs=1, enable_prefix_caching=False,
+                                     **{"speculative": "off", **config})
     runs = {
         "one batch": dict(max_num_seqs=len(prompts)),
         "preempted": dict(max_num_seqs=16, num_kvcache_blocks=24),

@@ -1,0 +1,184 @@
+"""Speculative decoding: what proposes tokens, and how many to propose.
+
+A decode step reads every weight once whether it scores one row or several, so the engine lets a
+sequence's decode chunk carry k proposed tokens (`ScheduledChunk.draft`): the target scores the last real
+token and the k proposals in one forward over k + 1 positions, and the sampler
+(`sampler.Sampler.verify`) keeps the longest prefix the target agrees with plus one token of its own.
+Greedy output is unchanged token for token; sampled output keeps the target's distribution (rejection
+sampling, Leviathan et al. 2023 / Chen et al. 2023). The KV slots written for rejected proposals lie
+past the sequence's end: the next step overwrites them, no block holding them is ever hashed, and the
+blocks wholly past the end go back (BlockManager.trim).
+
+Proposers:
+- `PromptLookup` (n-gram "prompt lookup"): the tokens that followed the latest earlier occurrence of the
+  sequence's last n tokens, over everything the sequence holds (all of a chat's turns, not only the last
+  prompt). Free to propose, so it is tried whenever the index finds a match.
+- a draft model (engine/draft.py): a smaller model with the same tokenizer, run k decode steps ahead.
+
+`Speculation` keeps one sequence's state: the proposer's index and an adaptive k. k follows the recent
+acceptance (grow after a fully accepted draft, shrink to what was accepted after a rejection), and when
+the tokens gained per step stop paying for the extra rows the sequence stops proposing for a while
+(backing off longer each time it fails again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How a sequence speculates (the engine builds it from engine.config.Config)."""
+
+    k_max: int = 8              # most tokens proposed for one step
+    min_ngram: int = 2          # shortest suffix matched by prompt lookup
+    max_ngram: int = 4          # longest (the longest that matches wins)
+    prior_acceptance: float = 0.6   # what a sequence is assumed to accept before it has been measured
+    row_cost: float = 0.15      # a step's extra row, as a share of a one-row step, until StepTimes has measured it
+    window: int = 8             # verification steps the acceptance estimate remembers (EMA span)
+    backoff: int = 16           # plain steps after speculation stopped paying, doubled each time it fails again
+
+
+class StepTimes:
+    """What a decode step costs by the rows it computes (decode rows plus proposals), measured as the engine
+    runs: an EMA of seconds per row count. Rows never measured are estimated from the nearest measured ones
+    (or the prior `row_cost` per extra row). On the CPU an extra row is far from free (the int8 kernels are
+    compute-bound at a few rows, and their tiles come in steps), so k is chosen on measured costs."""
+
+    def __init__(self, row_cost: float):
+        self.row_cost = row_cost
+        self.seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + 0.25 * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        known = sorted(self.seconds)
+        if not known:
+            return None
+        below = [n for n in known if n < rows]
+        above = [n for n in known if n > rows]
+        if below and above:
+            a, b = below[-1], above[0]
+            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (rows - a) / (b - a)
+        near = below[-1] if below else above[0]
+        return self.seconds[near] * (1 + self.row_cost * (rows - near))
+
+    def ratio(self, base: int, extra: int) -> float:
+        """The cost of a step of base + extra rows over one of base rows."""
+        t0, t1 = self.estimate(base), self.estimate(base + extra)
+        if t0 is None or t1 is None or t0 <= 0:
+            return 1 + self.row_cost * extra / base
+        return t1 / t0
+
+
+class PromptLookup:
+    """n-gram index over one sequence's tokens: for each n in [min_n, max_n], the latest position each n-gram
+    ended at, among those already followed by a token. Updated incrementally as tokens are appended, so a
+    step costs a few dictionary look-ups, not a scan of a long chat."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], int] = {}   # n-gram (any n) -> the index of its last token
+        self.indexed = 0                              # n-grams ending before this index are in `ends`
+
+    def _index(self, tokens: list[int]) -> None:
+        # An n-gram ending at i goes in once tokens[i + 1] exists (its continuation).
+        for i in range(self.indexed, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, i + 1) + 1):
+                self.ends[tuple(tokens[i - n + 1:i + 1])] = i
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        if k <= 0 or len(tokens) < self.min_n + 1:
+            return []
+        self._index(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = self.ends.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step with k proposals emits on average when each is accepted with probability `acceptance`
+    (given the ones before it): the accepted run plus the target's own token."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+@dataclass
+class Speculation:
+    """One sequence's speculation: its proposer state, acceptance estimate and back-off."""
+
+    config: SpeculationConfig
+    mode: str                       # "ngram" or "draft"
+    lookup: PromptLookup | None = None
+    accepted_ema: float = 0.0       # EMAs of tokens accepted and of rejections per verification step:
+    rejected_ema: float = 0.0       #   their ratio estimates the per-token acceptance (a geometric run)
+    measured: int = 0               # verification steps since it (re)started
+    paused: int = 0                 # plain steps left before proposing again
+    failures: int = 0               # times in a row it stopped paying (the back-off doubles)
+    proposed: int = 0               # totals, for the stats
+    accepted: int = 0
+    steps: int = 0
+    draft_state: object = field(default=None, repr=False)   # engine/draft.py: the draft's own sequence
+
+    def __post_init__(self):
+        if self.mode == "ngram":
+            self.lookup = PromptLookup(self.config.min_ngram, self.config.max_ngram)
+
+    @property
+    def acceptance(self) -> float:
+        c = self.config
+        if self.measured == 0:
+            return c.prior_acceptance
+        a, r = self.accepted_ema, self.rejected_ema
+        return a / (a + r) if a + r > 0 else c.prior_acceptance
+
+    def choose_k(self, room: int, ratio) -> int:
+        """How many tokens to propose this step (0: a plain step): the k up to `room` that maximizes the
+        expected tokens per unit of step time (`ratio(k)`: a step with k proposals over a plain one). When no
+        k beats a plain step the sequence pauses, for longer each time."""
+        if self.paused > 0:
+            self.paused -= 1
+            return 0
+        alpha = self.acceptance
+        best, best_value = 0, 1.0
+        for k in range(1, min(room, self.config.k_max) + 1):
+            value = expected_tokens(alpha, k) / ratio(k)
+            if value > best_value * 1.02:   # a near tie goes to fewer rows
+                best, best_value = k, value
+        if best == 0 and room > 0 and self.measured:
+            self._pause()
+        return best
+
+    def _pause(self) -> None:
+        self.failures += 1
+        self.paused = self.config.backoff << min(self.failures - 1, 6)
+        self.accepted_ema = self.rejected_ema = 0.0
+        self.measured = 0            # judged afresh, from the prior, after the pause
+
+    def propose_ngram(self, tokens: list[int], room: int, ratio) -> list[int]:
+        k = self.choose_k(room, ratio) if room > 0 else 0
+        return self.lookup.propose(tokens, k) if k else []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """After a verification step: update the acceptance estimate."""
+        if proposed == 0:
+            return
+        self.proposed += proposed
+        self.accepted += accepted
+        self.steps += 1
+        alpha = 2.0 / (self.config.window + 1)
+        rejected = 1.0 if accepted < proposed else 0.0
+        if self.measured == 0:
+            self.accepted_ema, self.rejected_ema = float(accepted), rejected
+        else:
+            self.accepted_ema += alpha * (accepted - self.accepted_ema)
+            self.rejected_ema += alpha * (rejected - self.rejected_ema)
+        self.measured += 1
+        if accepted:
+            self.failures = 0

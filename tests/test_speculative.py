@@ -1,0 +1,325 @@
+"""Speculative decoding: the n-gram proposer, the choice of k, verification (greedy and rejection sampling),
+and the engine keeping plain decoding's tokens and its block accounting whatever is proposed."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from nanochat.engine import LLMEngine, SamplingParams
+from nanochat.engine.sampler import Sampler, verify
+from nanochat.engine.speculative import PromptLookup, Speculation, SpeculationConfig, StepTimes, expected_tokens
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 5, 17, 42], [11, 12, 13], list(range(20, 61)),
+           [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 1, 2, 3]]
+
+
+# ---------------------------------------------------------------------------------- the proposer
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    look = PromptLookup(min_n=2, max_n=3)
+    # "1 2" occurs twice before the end; the latest occurrence is followed by 9 8; "7 1 2" (longer) by 3 4.
+    tokens = [7, 1, 2, 3, 4, 5, 1, 2, 9, 8, 6, 7, 1, 2]
+    assert look.propose(tokens, 2) == [3, 4]          # the 3-gram wins over the later 2-gram
+    assert look.propose(tokens + [6], 3) == []        # "2 6" never occurred, nor any shorter suffix >= 2
+    look2 = PromptLookup(min_n=2, max_n=2)
+    assert look2.propose(tokens, 5) == [9, 8, 6, 7, 1]   # only 2-grams: the latest "1 2"
+    assert look2.propose(tokens, 0) == []
+
+
+def test_prompt_lookup_index_grows_with_the_sequence_and_never_proposes_past_it():
+    look = PromptLookup(min_n=1, max_n=4)
+    seq = [1, 2, 3]
+    assert look.propose(seq, 4) == []
+    seq += [1, 2]
+    assert look.propose(seq, 4) == [3, 1, 2]          # what followed "1 2": up to the end of the tokens
+    rng = random.Random(0)
+    for _ in range(300):                               # incremental == rebuilt from scratch, at every length
+        seq.append(rng.randrange(6))
+        assert look.propose(seq, 3) == PromptLookup(1, 4).propose(seq, 3)
+
+
+def test_k_follows_acceptance_and_costs_and_pauses_when_it_does_not_pay():
+    cfg = SpeculationConfig(k_max=8, prior_acceptance=0.6, backoff=4)
+    assert Speculation(SpeculationConfig(prior_acceptance=0.95), "ngram").choose_k(8, lambda k: 1.0) == 8
+    assert Speculation(SpeculationConfig(prior_acceptance=0.95), "ngram").choose_k(3, lambda k: 1.0) == 3   # room
+    spec = Speculation(cfg, "ngram")
+    flat = spec.choose_k(8, lambda k: 1.0)           # free rows, 60%: up to where one more adds under 2%
+    assert 5 <= flat < 8
+    costly = spec.choose_k(8, lambda k: 1.0 + 0.7 * k)   # 0.7 of a step per row at 60% acceptance: none pays
+    assert costly == 0 and spec.paused == 0          # (no pause before anything was measured)
+    stepped = spec.choose_k(8, lambda k: 1.05 if k <= 3 else 2.0)   # a 4-row tile is cheap, 5 rows are not
+    assert stepped == 3
+    for _ in range(6):                               # everything accepted: k grows to the cap
+        spec.record(3, 3)
+    assert spec.acceptance == pytest.approx(1.0)
+    assert spec.choose_k(8, lambda k: 1.0 + 0.1 * k) == 8
+    for _ in range(12):                              # nothing accepted: it stops paying, and pauses
+        spec.record(3, 0)
+    assert spec.acceptance < 0.2
+    assert spec.choose_k(8, lambda k: 1.0 + 0.2 * k) == 0
+    assert spec.paused == 4
+    assert [spec.choose_k(8, lambda k: 1.0) for _ in range(5)] == [0, 0, 0, 0, flat]   # afresh after the pause
+    assert spec.proposed == 54 and spec.accepted == 18
+
+
+def test_step_times_interpolate_and_fall_back_on_the_prior():
+    t = StepTimes(row_cost=0.2)
+    assert t.ratio(1, 3) == pytest.approx(1.6)        # nothing measured: the prior
+    t.record(1, 0.010)
+    assert t.ratio(1, 2) == pytest.approx(1.4)        # one point: the prior's slope from it
+    t.record(5, 0.020)
+    assert t.estimate(3) == pytest.approx(0.015)      # between measured points: linear
+    assert t.ratio(1, 4) == pytest.approx(2.0)
+    t.record(1, 0.014)                                # an EMA, not the last sample
+    assert 0.010 < t.estimate(1) < 0.014
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 3) == 4
+
+
+# ---------------------------------------------------------------------------------- verification
+def test_greedy_verification_keeps_the_agreeing_prefix_then_the_targets_token():
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 2]):
+        logits[row, best] = 1.0
+    sp = SamplingParams(temperature=0)
+    assert verify(logits.clone(), [3, 5, 7], sp, None) == [3, 5, 7, 2]   # all accepted, plus the bonus token
+    assert verify(logits.clone(), [3, 6, 7], sp, None) == [3, 5]         # the second is rejected: corrected
+    assert verify(logits.clone(), [4, 5, 7], sp, None) == [3]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token the target gives no probability was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# The 0.999 quantile of chi-square for 7 degrees of freedom (8 tokens): a correct sampler fails once in 1000
+# seeds; the test is seeded, so it is deterministic.
+CHI2_7_999 = 24.32
+
+
+@pytest.mark.parametrize("draft_kind", ["ngram", "draft-model"])
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.8),
+                                SamplingParams(temperature=1.3, top_k=5, top_p=0.9, repetition_penalty=1.4)],
+                         ids=["temperature", "top-k-top-p-penalty"])
+def test_speculative_sampling_follows_the_targets_distribution(draft_kind, sp):
+    """Rejection sampling: the first emitted token follows the target's row 0 exactly as plain sampling does, and
+    the second (after the first proposal was accepted) row 1 — whatever the proposals and their distribution."""
+    vocab, n = 8, 12000
+    gen = torch.Generator().manual_seed(1234)
+    logits = torch.randn(3, vocab, generator=gen) * 1.5
+    draft = [2, 5]       # a deterministic proposer's; a draft model's are drawn from q below
+    history = ([1, 2, 2, 7], 2)
+    q = None
+    if draft_kind == "draft-model":
+        q = torch.softmax(torch.randn(2, vocab, generator=gen), -1)
+    # The target's distributions as plain sampling draws them: the Sampler's own penalties, then temperature,
+    # top-k and top-p, per row with the row's history (the ids and the proposals before it).
+    from nanochat.engine.sampler import apply_penalties, target_probs
+    rows = logits.clone()
+    if sp.penalized:
+        apply_penalties(rows, [0, 1], [sp, sp], [history, (history[0] + draft[:1], history[1])])
+    p0, p1 = target_probs(rows[0], sp), target_probs(rows[1], sp)
+    firsts, seconds = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(n):
+        if q is not None:   # a draft model's proposals are its own samples
+            draft = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+        out = verify(logits.clone(), draft, sp, gen, history, q)
+        firsts[out[0]] += 1
+        if len(out) > 1 and draft[0] == 2:   # the first proposal (2, as row 1's history says) was accepted
+            seconds[out[1]] += 1
+    assert _chi_square(firsts, p0) < CHI2_7_999
+    assert seconds.sum() > 500
+    assert _chi_square(seconds, p1) < CHI2_7_999
+    # And plain sampling from the same row, for scale: the same test passes for it.
+    plain = torch.zeros(vocab)
+    sampler = Sampler()
+    for _ in range(2000):
+        plain[sampler(logits[:1].clone(), [sp], [gen], [history])[0]] += 1
+    assert _chi_square(plain, p0) < CHI2_7_999
+
+
+# ---------------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    """Dense HF (module path), a GGUF on the fused CPU path, Gemma 3 (windowed and global layers: two KV
+    groups) and gpt-oss (sinks, alternating windows, MoE)."""
+    from gguf_writer import write_gguf_from_hf
+    from test_gemma3 import make_gemma3
+    from test_gpt_oss import make_gpt_oss
+
+    from gguf import GGMLQuantizationType as T
+
+    root = tmp_path_factory.mktemp("speculative")
+    gguf = root / "llama" / "model.gguf"
+    gguf.parent.mkdir()
+    write_gguf_from_hf(tiny_models["llama"], gguf, "llama", T.Q8_0)
+    shutil.copy(tiny_models["llama"] / "tokenizer.json", gguf.parent / "tokenizer.json")
+    return {"qwen3-hf": tiny_models["qwen3"], "llama-gguf": gguf, "gemma3": make_gemma3(root / "gemma3"),
+            "gpt-oss": make_gpt_oss(root / "gpt_oss")}
+
+
+def engine_for(path, **cfg) -> LLMEngine:
+    cfg = {"kvcache_block_size": 16, "max_model_len": 256, **cfg}
+    return LLMEngine(str(path), dtype="float32", **cfg)
+
+
+def drain(engine: LLMEngine, rids: list[str], check=None) -> dict[str, list[int]]:
+    out = {rid: [] for rid in rids}
+    done = set()
+    while len(done) < len(rids):
+        for ev in engine.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+            if ev.finished:
+                done.add(ev.request_id)
+        if check is not None:
+            check(engine)
+    return out
+
+
+def plain(path, prompts, sp=GREEDY) -> list[list[int]]:
+    engine = engine_for(path, speculative="off")
+    rids = [engine.add_request(p, sp) for p in prompts]
+    out = drain(engine, rids)
+    return [out[r] for r in rids]
+
+
+class Oracle:
+    """Proposes plain decoding's own continuation, corrupted at random: long runs of accepted proposals, and
+    rejections at every position of a draft."""
+
+    def __init__(self, engine: LLMEngine, expected: dict[tuple[int, ...], list[int]], seed: int = 0):
+        self.expected, self.rng = expected, random.Random(seed)
+        self.engine = engine
+
+    def __call__(self, seq, room: int) -> list[int]:
+        room = min(room, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
+                   self.engine.config.max_model_len - len(seq) - 1)
+        prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
+        done = seq.num_completion_tokens
+        draft = self.expected[prompt][done:done + self.rng.randint(0, min(room, 7))] if room > 0 else []
+        if draft and self.rng.random() < 0.5:
+            draft[self.rng.randrange(len(draft))] = self.rng.randrange(300)
+        return draft
+
+
+def table_fits(engine: LLMEngine) -> None:
+    """No sequence keeps blocks past its end between steps (rejected proposals' blocks went back)."""
+    bm = engine.block_manager
+    for seq in engine.scheduler.running:
+        assert len(seq.block_table) <= bm.num_blocks_for(len(seq)), (len(seq.block_table), len(seq))
+
+
+@pytest.mark.parametrize("name", ["qwen3-hf", "llama-gguf", "gemma3", "gpt-oss"])
+@pytest.mark.parametrize("setting", ["batched", "preempted", "chunked"])
+def test_greedy_tokens_equal_plain_decoding_whatever_is_proposed(models, name, setting):
+    path = models[name]
+    expected = plain(path, PROMPTS)
+    extra = {"batched": {}, "preempted": {"num_kvcache_blocks": 8}, "chunked": {"max_num_batched_tokens": 8}}
+    engine = engine_for(path, **extra[setting])
+    engine._propose = Oracle(engine, {tuple(p): e for p, e in zip(PROMPTS, expected)})
+    rids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    out = drain(engine, rids, check=table_fits)
+    assert [out[r] for r in rids] == expected
+    stats = engine.stats()
+    assert 0 < stats.total_spec_accepted < stats.total_spec_proposed   # accepted runs and rejections both ran
+    if setting == "preempted":
+        assert engine.scheduler.num_preemptions > 0
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == len(bm.blocks)
+    if bm.wpool is not None:
+        assert bm.wpool.num_free_blocks == len(bm.wpool.blocks)
+    # A second run of the same prompts hits the prefix cache: only accepted tokens were hashed, so the hits
+    # (prompt + reply blocks) hold the right KV and the replies are the same again.
+    del engine._propose   # the engine's own proposer from here
+    again = engine.add_request(PROMPTS[2] + expected[2], GREEDY)
+    follow = drain(engine, [again])[again]
+    assert follow == plain(path, [PROMPTS[2] + expected[2]])[0]
+
+
+def test_chat_sessions_with_the_ngram_proposer_match_plain_decoding(models):
+    """Multi-turn chats whose replies repeat earlier turns (the n-gram proposer's case): the same tokens with and
+    without speculation, each turn prefilling only its new message."""
+    from test_chat_session import run_turn
+
+    from nanochat.engine.serve.session import ChatSession
+
+    turns = ["1 2 3 4 5 6 7 8 9 10 11 12", "1 2 3 4 5 6 7 8 9 10 11 12 13 14", "again: 1 2 3 4 5 6 7 8"]
+    replies = {}
+    for mode in ("off", "ngram"):
+        engine = engine_for(models["qwen3-hf"], speculative=mode, max_model_len=512)
+        session = ChatSession(engine.tokenizer, engine.loaded.chat_template, session_id="s")
+        replies[mode] = [run_turn(engine, session, t, SamplingParams(temperature=0, max_tokens=30))[1:]
+                         for t in turns]
+        replies[mode] = [(gen, final.stats.prompt_tokens - final.stats.cached_tokens) for gen, final in replies[mode]]
+        if mode == "ngram":
+            assert engine.total_spec_proposed > 0
+        engine.release_session("s")
+        engine.block_manager.check_invariants()
+        assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+    assert replies["ngram"] == replies["off"]
+
+
+def test_a_speculating_engine_reports_acceptance_and_tokens_per_step(models):
+    path = models["llama-gguf"]
+    expected = plain(path, PROMPTS[:1])
+    engine = engine_for(path)
+    oracle = Oracle(engine, {tuple(PROMPTS[0]): expected[0]}, seed=3)
+    engine._propose = lambda seq, room: oracle(seq, room)
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    final = None
+    while final is None:
+        final = next((e for e in engine.step() if e.finished), None)
+    stats = engine.stats()
+    assert 0 < stats.spec_acceptance < 1
+    assert stats.spec_tokens_per_step > 1.0
+    assert stats.total_decode_tokens == GREEDY.max_tokens - 1   # the first token came from the prefill
+    assert final.stats.completion_tokens == GREEDY.max_tokens
+
+
+def test_real_proposer_runs_in_the_engine_and_counts_per_request(models):
+    """A prompt that repeats itself: the n-gram proposer finds matches and the request's stats count them."""
+    engine = engine_for(models["qwen3-hf"])
+    prompt = [7, 8, 9, 10, 11] * 6
+    rid = engine.add_request(prompt, GREEDY)
+    out = drain(engine, [rid])
+    assert out[rid] == plain(models["qwen3-hf"], [prompt])[0]
+    assert engine.total_spec_proposed > 0
+
+
+def test_which_requests_speculate(models, tiny_models):
+    engine = engine_for(models["qwen3-hf"])
+    cases = {"greedy": GREEDY, "unseeded": SamplingParams(temperature=0.7), "off": SamplingParams(speculative="off"),
+             "seeded": SamplingParams(temperature=0.7, seed=1)}
+    modes = {}
+    for name, sp in cases.items():
+        rid = engine.add_request([1, 2, 3], sp)
+        spec = engine.requests[rid].seq.spec
+        modes[name] = spec.mode if spec else "off"
+        engine.abort(rid)
+    # A seed promises the same tokens every run: such a request runs plainly.
+    assert modes == {"greedy": "ngram", "unseeded": "ngram", "off": "off", "seeded": "off"}
+    with pytest.raises(ValueError, match="draft model"):
+        engine.add_request([1, 2, 3], SamplingParams(speculative="draft"))
+    assert engine_for(models["qwen3-hf"], speculative="off").speculative == "off"
+
+
+@pytest.mark.parametrize("kw, msg", [({"speculative": "maybe"}, "speculative must be off, ngram or draft")])
+def test_sampling_params_check_the_proposer(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, msg", [({"speculative": ""}, "speculative must be"),
+                                     ({"speculative": "draft"}, "speculative must be"),
+                                     ({"speculative_k": 0}, "speculative_k must be from 1 to 32")])
+def test_config_checks_the_proposer(kw, msg):
+    from nanochat.engine import Config
+    with pytest.raises(ValueError, match=msg):
+        Config.create("x", **kw)
