@@ -295,7 +295,7 @@ def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> t
     Elsewhere torch's own."""
     import torch
 
-    op, ref = _ACTIVATIONS[name][0], _torch_activation(name)
+    ref = _torch_activation(name)
     lib = cpu_qgemv.extension() if x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 else None
     if lib is None or x.shape[-1] == 0 or x.stride(-1) != 1 or (mul is not None and (
             mul.shape != x.shape or mul.dtype != torch.float32 or mul.stride(-1) != 1)):
@@ -303,10 +303,17 @@ def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> t
     rows = x.reshape(-1, x.shape[-1])      # a view for the layouts the callers have (rows of a wider tensor)
     u = None if mul is None else mul.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, dtype=torch.float32)
-    lib.nc_dec_activation(op, rows.data_ptr(), rows.stride(0), 0 if u is None else u.data_ptr(),
-                          0 if u is None else u.stride(0), rows.shape[0], rows.shape[1], out.data_ptr(), out.stride(0),
-                          cpu_qgemv.num_threads())
+    activation_raw(name, rows, out, mul=u)
     return out.view(x.shape)
+
+
+def activation_raw(name: str, x, out, threads: int | None = None, mul=None) -> None:
+    """`activation` into `out` on 2-D float32 buffers (torch tensors or numpy arrays) whose rows are contiguous:
+    out = f(x) (* mul). The CPU library must be available."""
+    lib = cpu_qgemv.extension()
+    lib.nc_dec_activation(_ACTIVATIONS[name][0], _ptr(x), _row_stride(x), _ptr(mul), 0 if mul is None else
+                          _row_stride(mul), x.shape[0], x.shape[1], _ptr(out), _row_stride(out),
+                          cpu_qgemv.num_threads(threads))
 
 
 def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanochat.kernels.options import DEFAULT, KernelOptions
-from nanochat.models.layers.attention import AttnMetadata
+
+if TYPE_CHECKING:   # torch only where the engine's model is at hand: the lean one-shot reads plans without it
+    import torch
+
+    from nanochat.models.layers.attention import AttnMetadata
 
 OFF_REASON = "turned off (fused_forward=False, NANOCHAT_FUSED_FORWARD=0)"
 
@@ -65,7 +68,7 @@ class FusedForward:
             return "tensor parallel (the compiled step has no all-reduce between its layers)"
         if model.backend.kind != "torch" or model.norm.weight.device.type != "cpu":
             return "not on the CPU"
-        if model.norm.weight.dtype != torch.float32:
+        if str(model.norm.weight.dtype) != "torch.float32":
             return f"dtype {model.norm.weight.dtype} (needs float32)"
         from nanochat.kernels import cpu_qgemv
         if not cpu_qgemv.available():
@@ -91,7 +94,7 @@ class FusedForward:
         first = model.layers[0].self_attn
         if self._decoder is None or not self._decoder.uses(first.k_cache):
             self._decoder = self._build()
-        x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+        x = x.contiguous() if str(x.dtype) == "torch.float32" else x.float().contiguous()
         return self._decoder.forward(x, positions, meta.slot_mapping, meta.cu_seqlens_q, meta.block_tables,
                                      meta.context_lens, self.options.act_levels, self.options.threads,
                                      meta.window_slot_mapping, meta.window_block_tables)
@@ -140,6 +143,8 @@ class FusedForward:
         this many positions is there. Nothing is written when the lean path could not run the model the way
         the engine does: the fused step off, an embedding that is not the tied head's packed tiles, a head off the
         q8 kernels, tiles that are not in the cache file."""
+        import torch
+
         from nanochat.kernels.cpu_qgemv import PackedWeight
         from nanochat.models.formats import pack_cache
 
@@ -210,3 +215,58 @@ LEAN_PLAN_VERSION = 1
 def lean_plan_name(cache_key: str) -> str:
     """The file name (in the pack cache's folder) of the lean plan of a model whose pack cache key is this."""
     return f"{cache_key}.nc-lean"
+
+
+
+@dataclasses.dataclass
+class LeanModel:
+    """A model as the lean plan has it, on numpy buffers: the fused decoder (over the caller's KV caches), the
+    embedding's and head's packed tiles, and what the engine does around them."""
+
+    decoder: object                 # kernels.cpu_decoder.FusedDecoder
+    embedding: object               # kernels.cpu_qgemv.PackedWeight
+    head: object                    # kernels.cpu_qgemv.PackedWeight
+    head_bias: object | None        # float32 [vocab] or None
+    embed_scale: float
+    softcap: float | None
+
+
+def lean_plan_weights(cache, meta: dict) -> dict | None:
+    """Every packed weight a lean plan names, mapped from the pack cache `cache` (PackCache): {tiles name:
+    PackedWeight over numpy}; None when any is missing (the lean path does not apply)."""
+    from nanochat.kernels.cpu_qgemv import PackedWeight
+
+    refs = [meta["embedding"], meta["head"]]
+    for layer in meta["layers"]:
+        for f in layer.values():
+            refs += [f["weight"]] if "weight" in f else f.get("weights", [])
+    found = {}
+    for ref in refs:
+        tiles = cache.lookup_array(ref["tiles"], ref["type"], tuple(ref["shape"]))
+        if tiles is None:
+            return None
+        found[ref["tiles"]] = PackedWeight(ref["type"], tuple(ref["shape"]), tiles)
+    return found
+
+
+def lean_model(meta: dict, arrays: dict, weights: dict, block_size: int, k_caches: list, v_caches: list) -> LeanModel:
+    """The LeanModel of a plan (`meta`, `arrays`: pack_cache.read_arrays; `weights`: lean_plan_weights) over the
+    given per-layer KV caches [num_blocks, block_size, kv_heads, head_dim]."""
+    from nanochat.kernels.cpu_decoder import DecoderDims, DecoderLayer, FusedDecoder
+
+    def value(f: dict):
+        if "weight" in f:
+            return weights[f["weight"]["tiles"]]
+        if "weights" in f:
+            return [weights[w["tiles"]] for w in f["weights"]]
+        if "array" in f:
+            return None if f["array"] is None else arrays[f["array"]]
+        return f["value"]
+
+    dims = DecoderDims(**{**meta["dims"], "block_size": block_size})
+    layers = [DecoderLayer(**{k: value(f) for k, f in layer.items()}, k_cache=k, v_cache=v)
+              for layer, k, v in zip(meta["layers"], k_caches, v_caches)]
+    decoder = FusedDecoder(dims, layers, arrays[meta["cos"]], arrays[meta["sin"]], arrays[meta["final_norm"]])
+    return LeanModel(decoder, weights[meta["embedding"]["tiles"]], weights[meta["head"]["tiles"]],
+                     None if meta["head_bias"] is None else arrays[meta["head_bias"]], meta["embed_scale"],
+                     meta["softcap"])
