@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,7 +234,9 @@ class LeanEngine:
         self.threads = self.config.cpu_thread_count()
         self.levels = self.config.act_levels
         source = _PlanSource(plan.path, plan.meta)
-        tokenizer, template, eos = load_tokenizer_and_template(source, self.config.pack_cache)
+        with warnings.catch_warnings():   # the engine process's warnings go to its stderr, which no user sees
+            warnings.simplefilter("ignore")
+            tokenizer, template, eos = load_tokenizer_and_template(source, self.config.pack_cache)
         self.loaded = _Loaded(tokenizer, template, eos, source.config)
         self.tokenizer, self.eos_token_ids = tokenizer, eos
         stated = sampling_defaults(source)
