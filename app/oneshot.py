@@ -174,12 +174,14 @@ reply format picks the splitter (see app/reasoning.py)."""
             self.printed = True
 
 
-def load_client(model: str, engine_config: dict, quiet: bool):
-    """An EngineClient with `model` loaded (a progress bar on stderr); (client, load seconds)."""
+def load_client(model: str, engine_config: dict, quiet: bool, lean_sampling: dict | None = None):
+    """An EngineClient with `model` loaded (a progress bar on stderr); (client, load seconds). `lean_sampling`:
+    the sampling of a single request to come, which the lean engine may serve (engine/lean.py; None: the engine
+    process always)."""
     from nanochat.engine.serve.client import EngineClient
 
     t0 = time.perf_counter()
-    client = EngineClient()
+    client = EngineClient(lean=lean_sampling is not None, lean_sampling=lean_sampling)
     try:
         with loading_indicator(f"Loading {model_name(model)}", enabled=not quiet) as (progress, status):
             client.load_model(model, progress=progress, status=status, **engine_config)
@@ -194,8 +196,11 @@ def run_oneshot(opts: OneShotOptions, out=None, err=None) -> int:
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    SamplingParams(**effective_sampling(opts.sampling))   # invalid values raise ValueError before loading
-    client, load_s = load_client(opts.model, opts.engine_config, opts.quiet)
+    stated = effective_sampling(opts.sampling)
+    SamplingParams(**stated)   # invalid values raise ValueError before loading
+    # One prompt: the lean engine may answer it in this process (no torch); several run batched in the engine.
+    client, load_s = load_client(opts.model, opts.engine_config, opts.quiet,
+                                 lean_sampling=stated if len(opts.prompts) == 1 else None)
     sp = SamplingParams(**effective_sampling(opts.sampling, client.model.sampling_defaults))
     # a template that opens the thinking block itself: the replies start inside it (raw prompts never do)
     prompted = opts.chat_template and None in client.model.thinking_opened

@@ -7,9 +7,10 @@ o_proj, residuals (with Gemma 3's output norms), SwiGLU or GeGLU MLP) and the fi
 of cpu_qgemv, on its thread pool, for any ragged batch: decode rows and prefill chunks (rows after cached keys
 included).
 
-The model describes itself once as plain tensors (`DecoderDims`, `DecoderLayer`); the plan keeps
-references to them (the C side holds raw pointers), so a plan is valid as long as those tensors are
-the ones the model uses: rebuild it when the KV cache is reallocated. The qkv and gate_up projections
+The model describes itself once as plain buffers (`DecoderDims`, `DecoderLayer`): torch tensors (the engine)
+or numpy arrays (the lean one-shot, engine/lean.py), never both in one plan; the plan keeps references to them
+(the C side holds raw pointers), so a plan is valid as long as those buffers are the ones the model uses:
+rebuild it when the KV cache is reallocated. The qkv and gate_up projections
 may come as row segments of their own weight types (GGUF files quantize q, k, v and gate, up
 separately); the KV cache may be float16 (K/V rounded to nearest even when stored, all arithmetic
 in fp32) or float32.
@@ -22,20 +23,23 @@ elementwise activations (`activation`) from here for that reason.
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 from array import array
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from nanochat.kernels import cpu_qgemv
+
+if TYPE_CHECKING:
+    import torch
 
 _ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table",
            5: "the rows of a sequence do not end at its context length"}
 # Row segments per layer in the plan (csrc/decoder.cpp: QKV_SEGS, GU_SEGS).
 _QKV_SEGMENTS, _GATE_UP_SEGMENTS = 3, 2
-_KV_DTYPES = (torch.float16, torch.float32)
+_KV_DTYPES = ("float16", "float32")
 _MLP_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # csrc/decoder.cpp ACT_*
 
 
@@ -56,7 +60,7 @@ class DecoderDims:
 
 @dataclass
 class DecoderLayer:
-    """One layer's tensors. qkv: row segments in output order whose rows add up to
+    """One layer's buffers (torch tensors or numpy arrays; "fp32" below: float32). qkv: row segments in output order whose rows add up to
     (heads + 2 kv_heads) * head_dim (one fused q|k|v weight, or q, k, v, or any other split in 2-3);
     gate_up: gate|up fused or (gate, up); each segment of its own ggml type. KV caches
     [num_blocks, block_size, kv_heads, head_dim], float16 or float32 (every layer the same);
@@ -92,22 +96,45 @@ def _bits(v: float) -> int:
     return struct.unpack("<q", struct.pack("<d", v))[0]
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _ptr(t) -> int:
+    return 0 if t is None else cpu_qgemv.data_address(t)
 
 
-def _fp32(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
-    if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu):
+def _dtype(t) -> str:
+    """A buffer's dtype name ("float32", "int64", ...): torch's without its "torch." prefix, or numpy's."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _contiguous_cpu(t) -> bool:
+    if hasattr(t, "is_contiguous"):
+        return t.is_contiguous() and t.is_cpu
+    return t.flags.c_contiguous
+
+
+def _contiguous(t):
+    """t, or a contiguous copy of it."""
+    if hasattr(t, "is_contiguous"):
+        return t.contiguous()
+    import numpy as np
+    return np.ascontiguousarray(t)
+
+
+def _fp32(t, what: str):
+    if t is not None and (_dtype(t) != "float32" or not _contiguous_cpu(t)):
         raise ValueError(f"fused decoder: {what} must be a contiguous float32 CPU tensor")
     return t
+
+
+def _row_stride(t) -> int:
+    """The element stride between the rows of a 2-D buffer."""
+    return t.stride(0) if hasattr(t, "is_contiguous") else t.strides[0] // t.itemsize
 
 
 class FusedDecoder:
     """The plan for one model; `forward` runs one engine step. cos / sin [max_pos, rotary_dim / 2]: the RoPE
     table of the layers that do not bring their own."""
 
-    def __init__(self, dims: DecoderDims, layers: list[DecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
-                 final_norm: torch.Tensor, lib=None):
+    def __init__(self, dims: DecoderDims, layers: list[DecoderLayer], cos, sin, final_norm, lib=None):
         lib = lib or cpu_qgemv.extension()
         if lib is None:
             raise RuntimeError("the CPU kernels are not available")
@@ -119,16 +146,17 @@ class FusedDecoder:
         self.lib, self.dims = lib, dims
         self._keep = [_fp32(final_norm, "final norm")]
         self._cos_sin = cos, sin
-        self.kv_dtype = layers[0].k_cache.dtype
+        self.kv_dtype = _dtype(layers[0].k_cache)
+        self._kv_dtype_shown = str(layers[0].k_cache.dtype)   # as the caller's library names it
         if self.kv_dtype not in _KV_DTYPES:
-            raise ValueError(f"fused decoder: KV cache dtype {self.kv_dtype} is not float16 or float32")
+            raise ValueError(f"fused decoder: KV cache dtype {self._kv_dtype_shown} is not float16 or float32")
         if dims.activation not in _MLP_ACTIVATIONS:
             raise ValueError(f"fused decoder: activation {dims.activation!r} is not one of "
                              f"{', '.join(_MLP_ACTIVATIONS)}")
         scale = dims.attention_scale or dims.head_dim ** -0.5
         plan = [dims.layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate,
-                dims.rotary_dim, dims.block_size, cos.shape[0], final_norm.data_ptr(), _bits(dims.eps),
-                int(self.kv_dtype == torch.float16), _MLP_ACTIVATIONS[dims.activation], _bits(scale)]
+                dims.rotary_dim, dims.block_size, cos.shape[0], _ptr(final_norm), _bits(dims.eps),
+                int(self.kv_dtype == "float16"), _MLP_ACTIVATIONS[dims.activation], _bits(scale)]
         if len(plan) != lib.nc_dec_header_fields():
             raise RuntimeError("fused decoder: plan header does not match the library")
         for i, layer in enumerate(layers):
@@ -136,7 +164,7 @@ class FusedDecoder:
             if len(fields) != lib.nc_dec_layer_fields():
                 raise RuntimeError("fused decoder: plan layout does not match the library")
             plan += fields
-        self._first_k_cache = layers[0].k_cache.data_ptr()
+        self._first_k_cache = _ptr(layers[0].k_cache)
         self.plan = array("q", plan)
         self._plan_ptr = ctypes.c_void_p(self.plan.buffer_info()[0])
 
@@ -153,10 +181,11 @@ class FusedDecoder:
         cache_shape = (d.block_size, d.kv_heads, d.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
-            if cache.dtype != self.kv_dtype or not cache.is_contiguous() or not cache.is_cpu:
-                raise ValueError(f"fused decoder: layer {i} {name} must be a contiguous {self.kv_dtype} CPU tensor "
+            if _dtype(cache) != self.kv_dtype or not _contiguous_cpu(cache):
+                raise ValueError(f"fused decoder: layer {i} {name} must be a contiguous {self._kv_dtype_shown} CPU tensor "
                                  "(every layer's K and V caches of one dtype)")
-            if cache.dim() != 4 or tuple(cache.shape[1:]) != cache_shape or cache.shape != layer.k_cache.shape:
+            if len(cache.shape) != 4 or tuple(cache.shape[1:]) != cache_shape \
+                    or tuple(cache.shape) != tuple(layer.k_cache.shape):
                 raise ValueError(f"fused decoder: layer {i} {name} shape {list(cache.shape)} does not fit")
             self._keep.append(cache)
         qkv_rows = (d.heads + 2 * d.kv_heads) * d.head_dim
@@ -182,11 +211,11 @@ class FusedDecoder:
     def _weight(self, i: int, name: str, w: cpu_qgemv.PackedWeight, rows: int, cols: int) -> list[int]:
         """(type, tiles) of a packed [rows, cols] weight, kept alive by the plan."""
         if not isinstance(w, cpu_qgemv.PackedWeight) or tuple(w.shape) != (rows, cols) \
-                or w.data.dtype != torch.uint8 or not w.data.is_contiguous() \
-                or w.data.numel() != cpu_qgemv.packed_bytes(w.ggml_type, rows, cols):
+                or _dtype(w.data) != "uint8" or not _contiguous_cpu(w.data) \
+                or math.prod(w.data.shape) != cpu_qgemv.packed_bytes(w.ggml_type, rows, cols):
             raise ValueError(f"fused decoder: layer {i} {name} is not a packed [{rows}, {cols}] weight")
         self._keep.append(w.data)
-        return [w.ggml_type, w.data.data_ptr()]
+        return [w.ggml_type, _ptr(w.data)]
 
     def _segments(self, i: int, name: str, segs: list[cpu_qgemv.PackedWeight], most: int, rows: int,
                   cols: int) -> list[int]:
@@ -200,28 +229,27 @@ class FusedDecoder:
             fields += self._weight(i, f"{name}[{j}]", w, w.out_features, cols) + [w.out_features]
         return fields + [0, 0, 0] * (most - len(segs))
 
-    def uses(self, k_cache: torch.Tensor) -> bool:
+    def uses(self, k_cache) -> bool:
         """Whether the plan was built over this (first layer's) K cache."""
-        return self._first_k_cache == k_cache.data_ptr()
+        return self._first_k_cache == _ptr(k_cache)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, levels: int | None = None,
-                threads: int | None = None, window_slots: torch.Tensor | None = None,
-                window_block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, positions, slots, cu_seqlens_q, block_tables, context_lens, levels: int | None = None,
+                threads: int | None = None, window_slots=None, window_block_tables=None):
         """One step over a ragged batch: x [n, hidden] float32 (embedded tokens, updated in place and
         returned as the final-normed hidden states); positions/slots int64 [n]; sequence b owns rows
         cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32 [B + 1], consecutive positions ending at
         context_lens[b] - 1); block_tables int32 [B, max_blocks]; context_lens int32 [B]. window_slots (int64 [n])
         and window_block_tables (int32 [B, max_window_blocks]), or None: the slots and tables of the windowed layers
-        (window > 0) of a model that keeps their KV in a group of its own."""
+        (window > 0) of a model that keeps their KV in a group of its own. Every argument is a torch tensor or
+        a numpy array, as the plan's buffers are."""
         n = x.shape[0]
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dims.hidden:
+        if _dtype(x) != "float32" or not _contiguous_cpu(x) or x.shape[1] != self.dims.hidden:
             raise ValueError(f"fused decoder: x must be contiguous float32 [n, {self.dims.hidden}]")
-        positions, slots, cu_seqlens_q = positions.contiguous(), slots.contiguous(), cu_seqlens_q.contiguous()
-        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        positions, slots, cu_seqlens_q = _contiguous(positions), _contiguous(slots), _contiguous(cu_seqlens_q)
+        block_tables, context_lens = _contiguous(block_tables), _contiguous(context_lens)
         seqs = context_lens.shape[0]
-        if positions.dtype != torch.int64 or slots.dtype != torch.int64 or block_tables.dtype != torch.int32 \
-                or context_lens.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 \
+        if _dtype(positions) != "int64" or _dtype(slots) != "int64" or _dtype(block_tables) != "int32" \
+                or _dtype(context_lens) != "int32" or _dtype(cu_seqlens_q) != "int32" \
                 or positions.shape[0] != n or slots.shape[0] != n or block_tables.shape[0] != seqs \
                 or cu_seqlens_q.shape[0] != seqs + 1:
             raise ValueError("fused decoder: batch tensors have the wrong dtypes or shapes")
@@ -229,23 +257,34 @@ class FusedDecoder:
             raise ValueError("fused decoder: window_slots and window_block_tables come together")
         win_ptrs = (0, 0, 0)
         if window_slots is not None:
-            window_slots, window_block_tables = window_slots.contiguous(), window_block_tables.contiguous()
-            if window_slots.dtype != torch.int64 or window_slots.shape != (n,) \
-                    or window_block_tables.dtype != torch.int32 or window_block_tables.dim() != 2 \
+            window_slots, window_block_tables = _contiguous(window_slots), _contiguous(window_block_tables)
+            if _dtype(window_slots) != "int64" or tuple(window_slots.shape) != (n,) \
+                    or _dtype(window_block_tables) != "int32" or len(window_block_tables.shape) != 2 \
                     or window_block_tables.shape[0] != seqs:
                 raise ValueError("fused decoder: window batch tensors have the wrong dtypes or shapes")
-            win_ptrs = (window_slots.data_ptr(), window_block_tables.data_ptr(), window_block_tables.stride(0))
-        rc = self.lib.nc_dec_forward(self._plan_ptr, x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), seqs,
-                                     cu_seqlens_q.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                     context_lens.data_ptr(), *win_ptrs, (levels or cpu_qgemv.DEFAULT_LEVELS) == 2,
+            win_ptrs = (_ptr(window_slots), _ptr(window_block_tables), _row_stride(window_block_tables))
+        rc = self.lib.nc_dec_forward(self._plan_ptr, _ptr(x), n, _ptr(positions), _ptr(slots), seqs,
+                                     _ptr(cu_seqlens_q), _ptr(block_tables), _row_stride(block_tables),
+                                     _ptr(context_lens), *win_ptrs, (levels or cpu_qgemv.DEFAULT_LEVELS) == 2,
                                      threads or cpu_qgemv.num_threads())
         if rc:
             raise RuntimeError(f"fused decoder: {_ERRORS.get(rc, f'error {rc}')}")
         return x
 
 
-_ACTIVATIONS = {"silu": (0, F.silu), "sigmoid": (1, torch.sigmoid), "softplus": (2, F.softplus), "exp": (3, torch.exp),
-                "gelu_tanh": (4, lambda x: F.gelu(x, approximate="tanh")), "tanh": (5, torch.tanh)}
+# name -> (csrc/decoder.cpp op, the torch reference's name in torch / torch.nn.functional)
+_ACTIVATIONS = {"silu": (0, "silu"), "sigmoid": (1, "sigmoid"), "softplus": (2, "softplus"), "exp": (3, "exp"),
+                "gelu_tanh": (4, "gelu"), "tanh": (5, "tanh")}
+
+
+def _torch_activation(name: str):
+    import torch
+    import torch.nn.functional as F
+
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    ref = _ACTIVATIONS[name][1]
+    return getattr(F, ref) if ref in ("silu", "softplus") else getattr(torch, ref)
 
 
 def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
@@ -254,7 +293,9 @@ def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> t
     of its value only: torch's kernels compute the last elements of each range they split a tensor into in
     scalar code, which rounds differently, so a row's values would depend on how many rows share the call.
     Elsewhere torch's own."""
-    op, ref = _ACTIVATIONS[name]
+    import torch
+
+    ref = _torch_activation(name)
     lib = cpu_qgemv.extension() if x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 else None
     if lib is None or x.shape[-1] == 0 or x.stride(-1) != 1 or (mul is not None and (
             mul.shape != x.shape or mul.dtype != torch.float32 or mul.stride(-1) != 1)):
@@ -262,15 +303,22 @@ def activation(name: str, x: torch.Tensor, mul: torch.Tensor | None = None) -> t
     rows = x.reshape(-1, x.shape[-1])      # a view for the layouts the callers have (rows of a wider tensor)
     u = None if mul is None else mul.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, dtype=torch.float32)
-    lib.nc_dec_activation(op, rows.data_ptr(), rows.stride(0), 0 if u is None else u.data_ptr(),
-                          0 if u is None else u.stride(0), rows.shape[0], rows.shape[1], out.data_ptr(), out.stride(0),
-                          cpu_qgemv.num_threads())
+    activation_raw(name, rows, out, mul=u)
     return out.view(x.shape)
+
+
+def activation_raw(name: str, x, out, threads: int | None = None, mul=None) -> None:
+    """`activation` into `out` on 2-D float32 buffers (torch tensors or numpy arrays) whose rows are contiguous:
+    out = f(x) (* mul). The CPU library must be available."""
+    lib = cpu_qgemv.extension()
+    lib.nc_dec_activation(_ACTIVATIONS[name][0], _ptr(x), _row_stride(x), _ptr(mul), 0 if mul is None else
+                          _row_stride(mul), x.shape[0], x.shape[1], _ptr(out), _row_stride(out),
+                          cpu_qgemv.num_threads(threads))
 
 
 def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_attention` takes these: CPU tensors, an fp16 or fp32 cache, the library built."""
-    return q.is_cpu and k_cache.is_cpu and k_cache.dtype in _KV_DTYPES and cpu_qgemv.available()
+    return q.is_cpu and k_cache.is_cpu and _dtype(k_cache) in _KV_DTYPES and cpu_qgemv.available()
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -282,6 +330,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     arithmetic as the fused step (a query's output depends only on it, its position and the cache). window: 0 =
     full attention, else W (a query at position p sees keys p - W + 1 .. p). sinks: float32 [heads], a logit per
     query head in the softmax's denominator only, or None."""
+    import torch
+
     lib = cpu_qgemv.extension()
     n, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]

@@ -26,29 +26,36 @@ straight from the raw rows, with the same products.
 
 The library is built on first use (kernels/cpp_build.py: g++ and ninja, cached per source and CPU,
 -march=native) and called through ctypes (plain C ABI, no torch headers). Threads: each call's
-`threads` (KernelOptions.threads), else torch.get_num_threads(); the kernels run on a small pool of
+`threads` (KernelOptions.threads), else torch.get_num_threads() (the CPU count without torch); the kernels run on a small pool of
 their own (not OpenMP), where the caller never waits for a worker that has not started yet, so a call
 on a busy machine degrades to the 1-thread time instead of stalling for a scheduler tick. Each thread
 streams large contiguous shares of the weight, prefetched in software. When the compiler is missing,
 `available()` is False (after one warning) and callers fall back to the int4 backend.
+
+torch is imported only by the functions that take or make torch tensors: the `*_raw` calls take addresses
+(the lean one-shot path, engine/lean.py, drives them with numpy buffers), and the torch calls are thin on top.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
-from nanochat.kernels import gguf_quants as gq
+from nanochat.kernels import ggml_types as gq
 from nanochat.kernels.cpp_build import LazyLibrary, build_library
 from nanochat.kernels.qweight import QuantWeight, Shaped
 
-# dense weight types -> the torch dtype of their values
-DENSE_TYPES = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# dense weight types -> the dtype name of their values
+DENSE_TYPES = {gq.F32: "float32", gq.F16: "float16", gq.BF16: "bfloat16"}
 KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K,
                           gq.MXFP4, *DENSE_TYPES})
 ROWS_PER_TILE = 16
@@ -168,11 +175,12 @@ def _check(rc: int, what: str) -> None:
 
 @dataclass
 class PackedWeight(Shaped):
-    """A weight repacked for the kernels: uint8 `data` [ceil(out / 16), packed bytes per tile row]."""
+    """A weight repacked for the kernels: uint8 `data` [ceil(out / 16), packed bytes per tile row], a torch
+    tensor or a numpy array (the lean path's, mapped from the pack cache)."""
 
     ggml_type: int
     shape: tuple[int, int]
-    data: torch.Tensor
+    data: object
 
 
 def packed_bytes(ggml_type: int, out_features: int, in_features: int) -> int:
@@ -186,6 +194,8 @@ def pack(qw: QuantWeight, tensor_name: str = "<tensor>") -> PackedWeight:
     """Repack a GGML weight into the kernels' tile layout. `qw.data` is the raw rows as uint8
     [out, bytes_per_row]: the blocks for the quantized types, the little-endian values for F32 / F16 /
     BF16 ([out, 4 * in] / [out, 2 * in]; `pack_dense` takes a float tensor instead)."""
+    import torch
+
     lib = _need()
     t = qw.ggml_type
     if t not in KERNEL_TYPES:
@@ -208,13 +218,15 @@ def pack(qw: QuantWeight, tensor_name: str = "<tensor>") -> PackedWeight:
 def pack_dense(t: torch.Tensor, ggml_type: int | None = None, tensor_name: str = "<tensor>") -> PackedWeight:
     """Pack a float weight [out, in] (float32, float16 or bfloat16) as F32 / F16 / BF16 (default: the type
     of t's dtype; another type rounds the values to it once, here)."""
+    import torch
+
     if t.dim() != 2 or not t.is_floating_point():
         raise ValueError(f"tensor {tensor_name!r}: pack_dense needs a 2-D float tensor, got {t.dtype} {list(t.shape)}")
     if ggml_type is None:
-        ggml_type = {v: k for k, v in DENSE_TYPES.items()}.get(t.dtype, gq.F32)
+        ggml_type = {v: k for k, v in DENSE_TYPES.items()}.get(str(t.dtype).removeprefix("torch."), gq.F32)
     if ggml_type not in DENSE_TYPES:
         raise ValueError(f"tensor {tensor_name!r}: pack_dense packs F32, F16 or BF16, not {gq.type_name(ggml_type)}")
-    t = t.detach().cpu().to(DENSE_TYPES[ggml_type])
+    t = t.detach().cpu().to(getattr(torch, DENSE_TYPES[ggml_type]))
     if t.stride(-1) != 1:
         t = t.contiguous()
     return pack(QuantWeight(ggml_type, tuple(t.shape), t.view(torch.uint8)), tensor_name)
@@ -224,21 +236,39 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a packed weight as float32 [*ids.shape, in], equal to gguf's dequantization of the raw
     rows (an embedding lookup that needs no second copy of a tied LM head). ValueError for an id out of
     range."""
-    lib = _need()
+    import torch
+
     flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
     out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
-    _check(lib.nc_qg_dequant_rows(w.ggml_type, w.data.data_ptr(), w.out_features, w.in_features, flat.data_ptr(),
-                                  flat.numel(), out.data_ptr()),
-           f"rows of a {gq.type_name(w.ggml_type)} {list(w.shape)} weight")
+    dequantize_rows_raw(w, flat.data_ptr(), flat.numel(), out.data_ptr())
     return out.view(*ids.shape, w.in_features)
+
+
+def dequantize_rows_raw(w: PackedWeight, ids_ptr: int, n: int, out_ptr: int) -> None:
+    """`dequantize_rows` on addresses: n int64 row ids at ids_ptr -> float32 [n, in] at out_ptr. w.data is
+    any contiguous buffer (see data_address)."""
+    _check(_need().nc_qg_dequant_rows(w.ggml_type, data_address(w.data), w.out_features, w.in_features, ids_ptr, n,
+                                      out_ptr),
+           f"rows of a {gq.type_name(w.ggml_type)} {list(w.shape)} weight")
+
+
+def data_address(buf) -> int:
+    """The address of a contiguous CPU buffer: a torch tensor or a numpy array (neither is imported here)."""
+    ptr = getattr(buf, "data_ptr", None)
+    return ptr() if ptr is not None else buf.ctypes.data
 
 
 # ---------------------------------------------------------------- matmul
 
 
 def num_threads(threads: int | None = None) -> int:
-    """`threads`, else torch.get_num_threads() (the engine sets torch's count to its own)."""
-    return threads or torch.get_num_threads()
+    """`threads`, else torch.get_num_threads() (the engine sets torch's count to its own); in a process that
+    has not loaded torch (the lean one-shot passes its count), the CPU count."""
+    if threads:
+        return threads
+    import sys
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else (os.cpu_count() or 1)
 
 
 def matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
@@ -262,13 +292,15 @@ def linear(x: torch.Tensor, ggml_type: int, data: torch.Tensor, out_features: in
            levels: int | None = None, threads: int | None = None) -> torch.Tensor:
     """`matmul` on the fields of a PackedWeight, for the per-token hot path (x: [n, in], checked by the
     caller)."""
-    lib = _kernels.lib or _need()
-    if x.dtype not in _IO_DTYPES:
+    import torch
+
+    io_dtypes = (torch.float32, torch.bfloat16)
+    if x.dtype not in io_dtypes:
         x = x.float()
     if not x.is_cpu or not (x.is_contiguous() or x.stride(-1) == 1):
         x = x.cpu().contiguous()
     out_dtype = out_dtype or x.dtype
-    if out_dtype not in _IO_DTYPES:
+    if out_dtype not in io_dtypes:
         raise ValueError(f"int8 matmul: output dtype must be float32 or bfloat16, got {out_dtype}")
     n, k = x.shape
     y = torch.empty(n, out_features, dtype=out_dtype)
@@ -277,17 +309,26 @@ def linear(x: torch.Tensor, ggml_type: int, data: torch.Tensor, out_features: in
         if bias.dtype != torch.float32 or not bias.is_contiguous():
             bias = bias.float().contiguous()
         bias_ptr = bias.data_ptr()
-    args, ptr = _call_args()
-    args[0:14] = array("q", (ggml_type, data.data_ptr(), out_features, k, x.data_ptr(), x.dtype == torch.bfloat16,
-                             n, x.stride(0), y.data_ptr(), out_dtype == torch.bfloat16, out_features, bias_ptr,
-                             (levels or DEFAULT_LEVELS) == 2, threads or torch.get_num_threads()))
-    rc = lib.nc_qg_matmul_packed(ptr)
-    if rc:
-        _check(rc, f"{gq.type_name(ggml_type)} matmul")
+    linear_raw(ggml_type, data.data_ptr(), out_features, k, x.data_ptr(), x.dtype == torch.bfloat16, n, x.stride(0),
+               y.data_ptr(), out_dtype == torch.bfloat16, out_features, bias_ptr, levels,
+               threads or torch.get_num_threads())
     return y
 
 
-_IO_DTYPES = (torch.float32, torch.bfloat16)
+def linear_raw(ggml_type: int, w_ptr: int, out_features: int, k: int, x_ptr: int, x_bf16: bool, n: int,
+               x_stride: int, y_ptr: int, y_bf16: bool, y_stride: int, bias_ptr: int = 0, levels: int | None = None,
+               threads: int | None = None) -> None:
+    """`linear` on addresses: y [n, out] (row stride y_stride) = x [n, k] (row stride x_stride) @ W^T (+ bias fp32
+    [out] at bias_ptr, 0: none); x and y float32, or bfloat16 where the flag says so."""
+    lib = _kernels.lib or _need()
+    args, ptr = _call_args()
+    args[0:14] = array("q", (ggml_type, w_ptr, out_features, k, x_ptr, x_bf16, n, x_stride, y_ptr, y_bf16, y_stride,
+                             bias_ptr, (levels or DEFAULT_LEVELS) == 2, num_threads(threads)))
+    rc = lib.nc_qg_matmul_packed(ptr)
+    if rc:
+        _check(rc, f"{gq.type_name(ggml_type)} matmul")
+
+
 _tls = threading.local()
 
 
@@ -303,6 +344,8 @@ def _call_args() -> tuple[array, ctypes.c_void_p]:
 
 def dequantized_activations(x: torch.Tensor, levels: int | None = None) -> torch.Tensor:
     """x [n, k] as the kernels see it (float32): the codes times their block scale."""
+    import torch
+
     lib = _need()
     x = x.detach().to(torch.float32).contiguous().cpu()
     out = torch.empty_like(x)

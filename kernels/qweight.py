@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # annotations only: the lean one-shot path imports this without torch
+    import torch
 
 
 class Shaped:

@@ -137,11 +137,21 @@ class _Starter:
 class EngineClient:
     """Starts and talks to the engine process. `in_process=True` runs the same core on a thread of
     this process instead (over the same connection and messages): for embedding and tests, at the
-    price that a crash in the engine takes the host down with it."""
+    price that a crash in the engine takes the host down with it.
 
-    def __init__(self, in_process: bool = False, log_path: str | os.PathLike | None = None):
+    `lean=True` (a one-shot): a load that the lean engine can serve (engine/lean.py: a GGUF the full engine has
+    loaded before, CPU, fused step; `lean_sampling`, the SamplingParams keywords the caller will use, within what
+    it samples) runs it in this process, on the same core and messages, without importing torch; any other load,
+    or a lean load that fails, starts the engine process as usual. `lean_used` says which one answered."""
+
+    def __init__(self, in_process: bool = False, log_path: str | os.PathLike | None = None, lean: bool = False,
+                 lean_sampling: dict | None = None):
         self.in_process = in_process
         self.log_path = log_path
+        self.lean = lean
+        self.lean_sampling = lean_sampling
+        self.lean_used = False
+        self._lean_plan = None              # the plan the next start serves in this process
         self.model: ModelInfo | None = None
         self.epoch = 0                      # engine incarnations so far (a start or a model load makes one)
         self._incarnation: Incarnation | None = None
@@ -185,14 +195,19 @@ class EngineClient:
         ours, theirs = socket.socketpair()
         self._closing = False
         self._gone = threading.Event()
-        if self.in_process:
-            from nanochat.engine.serve.core import EngineCore
-
+        if self.in_process or self._lean_plan is not None:
             core_conn = Connection(theirs.detach())
-            self._core_thread = threading.Thread(target=self._run_core, args=(EngineCore(core_conn),),
-                                                 name="nanochat-engine", daemon=True)
+            if self._lean_plan is not None:
+                from nanochat.engine.lean import LeanCore
+                core = LeanCore(core_conn, self._lean_plan)
+            else:
+                from nanochat.engine.serve.core import EngineCore
+                core = EngineCore(core_conn)
+            self._core_thread = threading.Thread(target=self._run_core, args=(core,), name="nanochat-engine",
+                                                 daemon=True)
             self._core_thread.start()
         else:
+            self._core_thread = None
             fd = theirs.fileno()
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "nanochat.engine.serve.core", str(fd)], pass_fds=(fd,),
@@ -415,7 +430,7 @@ class EngineClient:
                     pass
 
     def _death_reason(self) -> str:
-        if self.in_process:
+        if self.in_process or self._core_thread is not None:
             return "the engine thread stopped"
         code = None
         if self._proc is not None:
@@ -458,11 +473,40 @@ class EngineClient:
         stays loaded and the typed error (ModelLoadError, ValueError, ...) is raised. `progress(done,
         total)` follows the weights; `status(text)` hears slow one-time work, in one line each (compiling
         the kernels for this machine, repacking a new file's weights). Both run on the reader thread."""
+        info = self._load_lean(model, progress, status, config) if self.lean and self._conn is None else None
+        if info is not None:
+            return info
         self.start()
         info = self._call("load", progress=progress, status=status, model=model, config=dict(config))
         with self._lock:
             self.model, self._config = info, dict(config)
             self._new_incarnation()            # every session is re-opened for the new model
+        return info
+
+    def _load_lean(self, model: str, progress, status, config: dict) -> ModelInfo | None:
+        """Load `model` on the lean engine in this process when it applies (None: it does not, or it failed and
+        is gone again: the engine process loads the model instead)."""
+        from nanochat.engine.lean import plan_for
+
+        try:
+            plan = plan_for(model, dict(config), self.lean_sampling)
+        except Exception:   # whatever the check trips over, the full engine loads it and says what is wrong
+            plan = None
+        if plan is None:
+            return None
+        with self._lock:
+            self._lean_plan = plan
+            try:
+                self.start()
+                info = self._call("load", progress=progress, status=status, model=model, config=dict(config))
+            except Exception:
+                self.shutdown()
+                return None
+            finally:
+                self._lean_plan = None
+            self.model, self._config = info, dict(config)
+            self._new_incarnation()
+            self.lean_used = True
         return info
 
     def stats(self, fresh: bool = False) -> EngineStats:

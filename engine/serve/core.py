@@ -160,7 +160,6 @@ class EngineCore:
 
     # ------------------------------------------------------------------ operations
     def op_load(self, call: Call, model: str, config: dict) -> ModelInfo:
-        from nanochat.engine.llm_engine import LLMEngine
         from nanochat.kernels import notices
 
         def progress(done: int, total: int) -> None:
@@ -175,7 +174,7 @@ class EngineCore:
             self.engine.close()
             self.engine = None
         with notices.listening(status):   # a kernel compile, a first repack: the front end says why it is slow
-            engine = LLMEngine(model, load_progress=progress, **config)   # raises: the old engine stays
+            engine = self.create_engine(model, config, progress)   # raises: the old engine stays
         self._publish(self._abort_all())
         self.engine, self.model = engine, model
         self.sessions.clear()                     # sessions belong to a tokenizer and a KV cache
@@ -190,6 +189,11 @@ class EngineCore:
                          tools=engine.loaded.chat_template.takes_tools(),
                          harmony=engine.loaded.chat_template.harmony,
                          reasoning_efforts=engine.loaded.chat_template.reasoning_efforts())
+
+    def create_engine(self, model: str, config: dict, progress):
+        """The engine for op_load (engine/lean.py's core makes its own)."""
+        from nanochat.engine.llm_engine import LLMEngine
+        return LLMEngine(model, load_progress=progress, **config)
 
     def _engine(self):
         if self.engine is None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanochat.models.config import ModelConfig
 from nanochat.models.errors import ModelLoadError, missing_path
-from nanochat.models.formats.weights import WeightSource
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanochat.models.formats.weights import WeightSource
 
 
 @dataclass
@@ -110,5 +113,8 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
     model = source.family.model(cfg, loader, block_size, max_positions).eval()
     if cache is not None:
         cache.save()
+        fused = getattr(model, "fused", None)
+        if fused is not None and tp is None:   # what the lean one-shot replays (models/layers/fused_forward.py)
+            fused.keep_lean_plan(cache, source, max_positions)
     return model
 

@@ -11,6 +11,10 @@ sources (the tile layout is theirs), so an edited model or a new kernel build ne
 Layout: magic, u64 index length, a JSON index {name: [offset, [ggml type, rows,
 cols], tile shape]}, then the tensors at 64-byte
 aligned offsets (from the first aligned byte after the index). Writes go to a temporary file renamed into place (concurrent loads are safe).
+
+torch is imported only where tiles are handed out or taken in as torch tensors: the lean one-shot
+(engine/lean.py) maps the same tiles as numpy arrays (`lookup_array`) and reads the plan the engine kept beside
+them (`write_arrays` / `read_arrays`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ import struct
 import warnings
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"NCPACK01"
 ALIGN = 64
@@ -55,7 +63,7 @@ def usable(options) -> bool:
     return options.quant_backend in ("auto", "q8") and cpu_qgemv.available()
 
 
-def _key(model_path: str) -> str:
+def cache_key(model_path: str) -> str:
     from nanochat import kernels
 
     st = os.stat(model_path)
@@ -71,7 +79,8 @@ class PackCache:
 
     def __init__(self, model_path: str, root: Path | None = None):
         self.root = root or cache_dir()
-        self.path = self.root / f"{_key(model_path)}.nc-packed"
+        self.key = cache_key(model_path)
+        self.path = self.root / f"{self.key}.nc-packed"
         self._index: dict[str, tuple[int, list[int], list[int]]] = {}   # name -> offset, [type, rows, cols], tiles
         self._map: mmap.mmap | None = None
         self._used: dict[str, tuple[list[int], torch.Tensor]] = {}   # every tensor of this load
@@ -108,16 +117,29 @@ class PackCache:
 
     def lookup(self, name: str, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor | None:
         """The packed tiles of tensor `name` (a ggml_type weight of `shape`) from the cache file, or None."""
+        import torch
+
+        tiles = self.lookup_array(name, ggml_type, shape)
+        if tiles is None:
+            return None
+        with warnings.catch_warnings():   # a read-only map: the kernels never write weights
+            warnings.simplefilter("ignore", UserWarning)
+            tiles = torch.from_numpy(tiles)
+        self._used[name] = ([int(ggml_type), *shape], tiles)
+        return tiles
+
+    def lookup_array(self, name: str, ggml_type: int, shape: tuple[int, int]) -> np.ndarray | None:
+        """`lookup` as a read-only numpy array over the map (not recorded for `save`)."""
         hit = self._index.get(name)
         if hit is None or self._map is None or hit[1] != [int(ggml_type), *shape]:
             return None
         off, _, tile_shape = hit
-        with warnings.catch_warnings():   # a read-only map: the kernels never write weights
-            warnings.simplefilter("ignore", UserWarning)
-            flat = np.frombuffer(self._map, dtype=np.uint8, count=math.prod(tile_shape), offset=off)
-        tiles = torch.from_numpy(flat).view(tile_shape)
-        self._used[name] = ([int(ggml_type), *shape], tiles)
-        return tiles
+        return np.frombuffer(self._map, dtype=np.uint8, count=math.prod(tile_shape), offset=off).reshape(tile_shape)
+
+    def name_of(self, tiles) -> str | None:
+        """The name under which this load holds these tiles (a torch tensor: looked up by address), or None."""
+        ptr = tiles.data_ptr()
+        return next((name for name, (_, t) in self._used.items() if t.data_ptr() == ptr), None)
 
     def add(self, name: str, ggml_type: int, shape: tuple[int, int], tiles: torch.Tensor) -> None:
         """Tiles this load packed itself: the cache file is (re)written with them by `save()`."""
@@ -158,6 +180,39 @@ def _prune(root: Path, pattern: str, keep: int) -> None:
         total += f.stat().st_size
         if i and total > keep:
             f.unlink(missing_ok=True)
+
+
+def write_arrays(name: str, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+    """Keep a JSON-able `meta` and named numpy arrays under `name` (write_cached): [u64 header length, JSON
+    header {"meta", "arrays": {name: [offset, dtype, shape]}}, the arrays at ALIGN-byte offsets]."""
+    index, off = {}, 0
+    for key, a in arrays.items():
+        index[key] = [off, a.dtype.str, list(a.shape)]
+        off += _aligned(a.nbytes)
+    header = json.dumps({"meta": meta, "arrays": index}, separators=(",", ":")).encode()
+    start = _aligned(8 + len(header))
+    body = bytearray(start + off)
+    body[:8 + len(header)] = struct.pack("<Q", len(header)) + header
+    for key, a in arrays.items():
+        at = start + index[key][0]
+        body[at:at + a.nbytes] = np.ascontiguousarray(a).tobytes()
+    write_cached(name, bytes(body))
+
+
+def read_arrays(name: str) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """What write_arrays kept under `name` (read-only arrays over one buffer), or None when absent or damaged."""
+    blob = read_cached(name)
+    if blob is None:
+        return None
+    try:
+        (n,) = struct.unpack_from("<Q", blob, 0)
+        header = json.loads(blob[8:8 + n])
+        start = _aligned(8 + n)
+        arrays = {key: np.frombuffer(blob, dtype=np.dtype(dt), count=math.prod(shape), offset=start + off)
+                  .reshape(shape) for key, (off, dt, shape) in header["arrays"].items()}
+        return header["meta"], arrays
+    except (ValueError, TypeError, KeyError, struct.error, UnicodeDecodeError):
+        return None
 
 
 def read_cached(name: str) -> bytes | None:
