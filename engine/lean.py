@@ -25,6 +25,7 @@ from pathlib import Path
 
 from nanochat.engine.config import Config, launched_rank
 from nanochat.engine.output import ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent
+from nanochat.engine.reply_text import add_token, request_stats, take_delta
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.serve.core import EngineCore
@@ -86,9 +87,10 @@ def plan_for(model: str, engine_config: dict, sampling: dict | None = None) -> L
 
 
 def sampling_supported(sampling: dict) -> bool:
-    """Whether the lean sampler implements these SamplingParams keywords' values."""
+    """Whether the lean engine serves these SamplingParams keywords' values: no penalties or log-probabilities,
+    and no seeded sampling (a seed promises the full engine's tokens, drawn from torch's generator)."""
     sp = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-    return not sp.penalized and sp.logprobs is None
+    return not sp.penalized and sp.logprobs is None and (sp.greedy or sp.seed is None)
 
 
 def _config_supported(c: Config) -> bool:
@@ -263,10 +265,10 @@ class LeanEngine:
         from nanochat.models.text.tokenizer import IncrementalDetokenizer
 
         sp = sampling_params or SamplingParams()
-        if not sampling_supported({"repetition_penalty": sp.repetition_penalty,
-                                   "presence_penalty": sp.presence_penalty,
+        if not sampling_supported({"repetition_penalty": sp.repetition_penalty, "temperature": sp.temperature,
+                                   "presence_penalty": sp.presence_penalty, "seed": sp.seed,
                                    "frequency_penalty": sp.frequency_penalty, "logprobs": sp.logprobs}):
-            raise RequestError("penalties and log-probabilities need the full engine")
+            raise RequestError("penalties, log-probabilities and seeded sampling need the full engine")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -282,7 +284,7 @@ class LeanEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(ids, sp, session_id=session_id)
         seq.request_id = request_id
-        rng = None if sp.greedy else np.random.default_rng(sp.seed)
+        rng = None if sp.greedy else np.random.default_rng()
         self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), rng)
         self._queue.append(request_id)
         return request_id
@@ -382,47 +384,16 @@ class LeanEngine:
 
     # ------------------------------------------------------------------ as LLMEngine._postprocess
     def _postprocess(self, req: _Request, token: int, now: float) -> TokenEvent:
-        seq, sp = req.seq, req.params
-        seq.append_token(token)
-        if seq.stats.first_token_time is None:
-            seq.stats.first_token_time = now
-        reason = None
-        if not sp.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif token in sp.stop_token_ids:
-            reason = "stop"
-        stop_text = reason is not None   # a stop token's own text is not part of the reply
-        if not stop_text:
-            req.text += req.detok.add(token)
-            hit = _find_stop_string(req)
-            if hit is not None:
-                req.text, reason = req.text[:hit], "stop"
-        if reason is None and (seq.num_completion_tokens >= sp.max_tokens or len(seq) >= self.config.max_model_len):
-            reason = "length"
+        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len)
         if reason is not None:
-            if not stop_text:
-                req.text += req.detok.flush()
-                if sp.stop:
-                    hit = _find_stop_string(req)
-                    if hit is not None:
-                        req.text = req.text[:hit]
-            seq.stats.finish_time = now
             self.requests.pop(req.request_id)
             self._queue.remove(req.request_id)
-        delta = _take_delta(req, final=reason is not None)
+        delta = take_delta(req, final=reason is not None)
         stats = self._request_stats(req, reason) if reason is not None else None
         return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats)
 
     def _request_stats(self, req: _Request, reason: str) -> RequestStats:
-        st = req.seq.stats
-        end = st.finish_time or time.perf_counter()
-        decode = None
-        n = req.seq.num_completion_tokens
-        if st.first_token_time is not None and n > 1 and end > st.first_token_time:
-            decode = (n - 1) / (end - st.first_token_time)
-        return RequestStats(prompt_tokens=req.seq.num_prompt_tokens, cached_tokens=0, completion_tokens=n,
-                            ttft=st.ttft, decode_tok_s=decode, elapsed=end - st.arrival_time, preemptions=0,
-                            finish_reason=reason, context_full=len(req.seq) >= self.config.max_model_len)
+        return request_stats(req.seq, reason, self.config.max_model_len, time.perf_counter())
 
     def stats(self) -> EngineStats:
         return EngineStats(running=min(1, len(self._queue)), waiting=max(0, len(self._queue) - 1),
@@ -431,20 +402,6 @@ class LeanEngine:
 
     def describe(self):
         raise RequestError("the lean one-shot engine does not describe models; `nanochat info` uses the full engine")
-
-
-def _find_stop_string(req: _Request) -> int | None:
-    hits = [i for s in req.params.stop if (i := req.text.find(s)) >= 0]
-    return min(hits) if hits else None
-
-
-def _take_delta(req: _Request, final: bool) -> str:
-    # Hold back a tail that could still grow into a stop string.
-    hold = 0 if final or not req.params.stop else max(len(s) for s in req.params.stop) - 1
-    end = max(req.emitted, len(req.text) - hold)
-    delta = req.text[req.emitted:end]
-    req.emitted = end
-    return delta
 
 
 class LeanCore(EngineCore):

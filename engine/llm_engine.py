@@ -17,6 +17,7 @@ from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner
 from nanochat.engine.output import (ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent,
                                    TokenLogprobs)
+from nanochat.engine.reply_text import add_token, request_stats, take_delta
 from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs, verify
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
@@ -351,67 +352,20 @@ class LLMEngine:
 
     def _postprocess(self, req: _Request, token: int, now: float, logprobs=None) -> TokenEvent:
         """`logprobs`: token_logprobs' answer for this row, when the request asks."""
-        seq, sp = req.seq, req.params
-        seq.append_token(token)
-        if seq.stats.first_token_time is None:
-            seq.stats.first_token_time = now
-        reason = None
-        if not sp.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif token in sp.stop_token_ids:
-            reason = "stop"
-        stop_text = reason is not None   # a stop token's own text is not part of the reply
-        if not stop_text:
-            req.text += req.detok.add(token)
-            hit = self._find_stop_string(req)
-            if hit is not None:
-                req.text, reason = req.text[:hit], "stop"
-        if reason is None and (seq.num_completion_tokens >= sp.max_tokens or len(seq) >= self.config.max_model_len):
-            reason = "length"
+        seq = req.seq
+        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len)
         if reason is not None:
-            if not stop_text:
-                req.text += req.detok.flush() if hasattr(req.detok, "flush") else ""
-                if sp.stop:
-                    hit = self._find_stop_string(req)
-                    if hit is not None:
-                        req.text = req.text[:hit]
-            seq.stats.finish_time = now
             self.requests.pop(req.request_id)
             if seq.session_id is not None:   # keep the conversation's KV for its next turn
                 self.block_manager.pin_session(seq.session_id, seq)
             self.scheduler.finish(seq, reason)
-        delta = self._take_delta(req, final=reason is not None)
+        delta = take_delta(req, final=reason is not None)
         stats = self._request_stats(req, reason) if reason is not None else None
         return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats,
                           logprobs=None if logprobs is None else self._token_logprobs(token, logprobs))
 
-    @staticmethod
-    def _find_stop_string(req: _Request) -> int | None:
-        hits = [i for s in req.params.stop if (i := req.text.find(s)) >= 0]
-        return min(hits) if hits else None
-
-    @staticmethod
-    def _take_delta(req: _Request, final: bool) -> str:
-        # Hold back a tail that could still grow into a stop string.
-        hold = 0 if final or not req.params.stop else max(len(s) for s in req.params.stop) - 1
-        end = max(req.emitted, len(req.text) - hold)
-        delta = req.text[req.emitted:end]
-        req.emitted = end
-        return delta
-
     def _request_stats(self, req: _Request, reason: str) -> RequestStats:
-        st = req.seq.stats
-        end = st.finish_time or time.perf_counter()
-        decode = None
-        n = req.seq.num_completion_tokens
-        if st.first_token_time is not None and n > 1 and end > st.first_token_time:
-            decode = (n - 1) / (end - st.first_token_time)
-        return RequestStats(prompt_tokens=req.seq.num_prompt_tokens, cached_tokens=st.num_cached_tokens,
-                            completion_tokens=n, ttft=st.ttft, decode_tok_s=decode,
-                            elapsed=end - st.arrival_time, preemptions=st.num_preemptions, finish_reason=reason,
-                            context_full=len(req.seq) >= self.config.max_model_len,
-                            spec_proposed=spec.proposed if (spec := req.seq.spec) else 0,
-                            spec_accepted=spec.accepted if spec else 0)
+        return request_stats(req.seq, reason, self.config.max_model_len, time.perf_counter())
 
     # ------------------------------------------------------------------ stats
     def _record_throughput(self, chunks, emitted: int, elapsed: float, now: float) -> None:

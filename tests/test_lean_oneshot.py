@@ -126,9 +126,12 @@ def test_lean_applies_only_where_it_can(home, tmp_path):
                    {"quant_backend": "int4"}, {"dequantize": True}, {"kv_cache_dtype": "bfloat16"},
                    {"pack_cache": False}, {"num_kvcache_blocks": 4}, {"device": "auto"}):
         assert plan_for(path, {**base, **config}) is None, config
-    for sampling in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"logprobs": 2}):
+    # A seed promises the full engine's tokens (torch's generator): seeded sampling is the full engine's.
+    for sampling in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"logprobs": 2},
+                     {"temperature": 0.7, "seed": 1}):
         assert plan_for(path, base, sampling) is None, sampling
-    assert plan_for(path, base, {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 1}) is not None
+    assert plan_for(path, base, {"temperature": 0.7, "top_p": 0.9, "top_k": 40}) is not None
+    assert plan_for(path, base, {"temperature": 0, "seed": 1}) is not None
     other = tmp_path / "o" / "model.gguf"                  # another file: its own cache key, no plan
     shutil.copytree(Path(path).parent, other.parent)
     assert plan_for(str(other), base) is None
