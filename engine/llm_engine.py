@@ -123,6 +123,14 @@ class LLMEngine:
         self.draft = None
         self.speculative = "off" if r.is_hybrid else ("ngram" if self.config.speculative == "ngram" else
                                                       "off" if self.config.speculative == "off" else "draft")
+        if self.speculative == "draft":
+            from nanochat.engine.draft import DraftModel
+            try:
+                self.draft = DraftModel(self.config.speculative, self.config, self.tokenizer,
+                                        self.loaded.config.vocab_size, self.device, self.dtype)
+            except BaseException:
+                self.close()
+                raise
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -215,7 +223,12 @@ class LLMEngine:
 
         if spec.mode == "ngram":
             return spec.propose_ngram(seq.token_ids, room, ratio)
-        return self.draft.propose(seq, spec.choose_k(room, ratio) if room > 0 else 0)
+        plain = self.step_times.estimate(base)
+
+        def with_draft(k: int) -> float:   # the draft's k steps come on top of the target's step
+            return ratio(k) + (k * self.draft.token_seconds / plain if plain else 0.0)
+
+        return self.draft.propose(seq, spec.choose_k(room, with_draft) if room > 0 else 0)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -239,16 +252,20 @@ class LLMEngine:
             return None
         if req.seq.session_id is not None and req.seq.block_table:
             self.block_manager.pin_session(req.seq.session_id, req.seq)
-        self.scheduler.finish(req.seq, "abort")
+        self._finish(req.seq, "abort")
         return TokenEvent(request_id, None, "", True, "abort", self._request_stats(req, "abort"))
 
     def touch_session(self, session_id: str) -> None:
         """Mark a conversation's resident KV as most recently used (evicted last)."""
         self.block_manager.touch_session(session_id)
+        if self.draft is not None:
+            self.draft.touch_session(session_id)
 
     def release_session(self, session_id: str) -> None:
         """Drop a conversation's resident KV (on /clear or delete); its blocks stay cached until reused."""
         self.block_manager.release_session(session_id)
+        if self.draft is not None:
+            self.draft.release_session(session_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -344,7 +361,7 @@ class LLMEngine:
             return []
         seq = self.scheduler.waiting[0]
         req = self.requests.pop(seq.request_id)
-        self.scheduler.finish(seq, "error")
+        self._finish(seq, "error")
         need = len(seq)
         return [TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req, "error"),
                            error=f"out of KV-cache memory: the sequence needs {need} tokens of cache, "
@@ -358,11 +375,16 @@ class LLMEngine:
             self.requests.pop(req.request_id)
             if seq.session_id is not None:   # keep the conversation's KV for its next turn
                 self.block_manager.pin_session(seq.session_id, seq)
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
         delta = take_delta(req, final=reason is not None)
         stats = self._request_stats(req, reason) if reason is not None else None
         return TokenEvent(req.request_id, token, delta, reason is not None, reason, stats,
                           logprobs=None if logprobs is None else self._token_logprobs(token, logprobs))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.draft is not None:
+            self.draft.release(seq)
 
     def _request_stats(self, req: _Request, reason: str) -> RequestStats:
         return request_stats(req.seq, reason, self.config.max_model_len, time.perf_counter())

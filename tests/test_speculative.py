@@ -323,3 +323,76 @@ def test_config_checks_the_proposer(kw, msg):
     from nanochat.engine import Config
     with pytest.raises(ValueError, match=msg):
         Config.create("x", **kw)
+
+
+# ---------------------------------------------------------------------------------- a draft model
+@pytest.fixture
+def fixed_k(monkeypatch):
+    """Propose 4 tokens every step (the real choice of k stops a draft as costly as its target)."""
+    monkeypatch.setattr(Speculation, "choose_k", lambda self, room, ratio: min(room, 4))
+
+
+def draft_free(engine: LLMEngine) -> None:
+    blocks = engine.draft.blocks
+    blocks.check_invariants()
+    assert not engine.draft.seqs
+    assert blocks.num_free_blocks == len(blocks.blocks)
+
+
+@pytest.mark.parametrize("setting", ["batched", "preempted", "chunked"])
+def test_a_draft_model_keeps_greedy_tokens(models, tiny_models, fixed_k, setting):
+    """The tiny Llama drafting for the tiny Qwen3 (same tokenizer, other weights: mostly rejected) and Qwen3 drafting
+    for itself (everything accepted): plain decoding's tokens either way."""
+    path = models["qwen3-hf"]
+    expected = plain(path, PROMPTS)
+    extra = {"batched": {}, "preempted": {"num_kvcache_blocks": 8}, "chunked": {"max_num_batched_tokens": 8}}
+    for draft, accepted_all in ((tiny_models["llama"], False), (path, True)):
+        engine = engine_for(path, speculative=str(draft), **extra[setting])
+        rids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+        out = drain(engine, rids, check=table_fits)
+        assert [out[r] for r in rids] == expected
+        stats = engine.stats()
+        assert stats.total_spec_proposed > 0
+        if accepted_all:
+            assert stats.total_spec_accepted == stats.total_spec_proposed
+        if setting == "preempted":
+            assert engine.scheduler.num_preemptions > 0
+        engine.block_manager.check_invariants()
+        draft_free(engine)
+
+
+def test_a_draft_models_samples_are_accepted_when_it_is_the_target(models, fixed_k):
+    """Drafting with the target's own weights, q equals p: (nearly) every sampled proposal is accepted."""
+    path = models["llama-gguf"]
+    engine = engine_for(path, speculative=str(path))
+    rids = [engine.add_request(p, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True))
+            for p in PROMPTS]
+    out = drain(engine, rids)
+    assert all(len(v) == 24 for v in out.values())
+    stats = engine.stats()
+    assert stats.total_spec_accepted >= 0.9 * stats.total_spec_proposed > 0
+    draft_free(engine)
+
+
+def test_a_draft_model_keeps_its_own_chat_sessions(models, tiny_models, fixed_k):
+    from test_chat_session import run_turn
+
+    from nanochat.engine.serve.session import ChatSession
+
+    engine = engine_for(models["qwen3-hf"], speculative=str(tiny_models["llama"]), max_model_len=512)
+    session = ChatSession(engine.tokenizer, engine.loaded.chat_template, session_id="s")
+    for turn in ("hello there", "tell me more", "and again"):
+        run_turn(engine, session, turn, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    draft = engine.draft.blocks
+    assert "s" in draft.sessions                      # the draft's KV of the conversation stays with it
+    assert draft.counters.hit_tokens > 0              # and later turns' drafts started from it
+    engine.release_session("s")
+    draft_free(engine)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(models, tmp_path):
+    from conftest import build_tokenizer, make_hf_model
+    other = make_hf_model("llama", tmp_path / "other", seed=9, vocab_size=330)
+    build_tokenizer(330).save(str(other / "tokenizer.json"))
+    with pytest.raises(ValueError, match="does not share the model's tokenizer"):
+        engine_for(models["qwen3-hf"], speculative=str(other))
