@@ -12,6 +12,11 @@ line on stdout (errors as {"error": "..."}).
     {"cmd": "decode", "ids": [...], "n": N}                    -> {"seconds", "tokens", "ids"} (timed after the
                                                                   first token; ids: the n greedy tokens)
     {"cmd": "serve", "requests": [[ids, n], ...]}              -> {"seconds", "tokens"} (one after another)
+    {"cmd": "lookup_generate", "ids": [...], "n": N, "stop_ids": [...], "lookup": K}
+                                                               -> {"seconds", "tokens", "ids"}: greedy through
+                                                                  Llama.generate, with prompt-lookup decoding
+                                                                  (LlamaPromptLookupDecoding, K proposed tokens)
+                                                                  when K > 0, plainly when 0; stops at stop_ids
     {"cmd": "multi_turn", "turns": N, "user_tokens": N, "reply_tokens": N, "seed": N, "id_max": N}
                                                                -> {"ttft_ms": [per turn], "ratio": last / first}
     {"cmd": "quit"}
@@ -169,8 +174,32 @@ def cmd_multi_turn(req: dict) -> dict:
     return {"ttft_ms": ttfts, "ratio": ttfts[-1] / ttfts[0] if ttfts[0] else None}
 
 
+def cmd_lookup_generate(req: dict) -> dict:
+    """llama-cpp-python's own generation loop, plain or with its prompt-lookup decoding (a Llama of its own per
+    K: the draft model is fixed at construction); timed from the first token to the last."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    k = int(req.get("lookup", 0))
+    key = ("lookup", k)
+    if key not in STATE:
+        base = STATE["llm"]
+        STATE[key] = llama_cpp.Llama(model_path=base.model_path, n_ctx=base.n_ctx(), n_batch=512,
+                                     n_threads=base.n_threads, n_threads_batch=base.n_threads, verbose=False,
+                                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None)
+    llm, stop = STATE[key], set(req.get("stop_ids", []))
+    out, t_first = [], None
+    for token in llm.generate(req["ids"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(int(token))
+        if token in stop or len(out) >= int(req["n"]):
+            break
+    return {"seconds": time.perf_counter() - t_first, "tokens": len(out) - 1, "ids": out}
+
+
 COMMANDS = {"load": cmd_load, "prefill": cmd_prefill, "decode": cmd_decode, "serve": cmd_serve,
-            "multi_turn": cmd_multi_turn}
+            "multi_turn": cmd_multi_turn, "lookup_generate": cmd_lookup_generate}
 
 
 # ---------------------------------------------------------------------------------- one-off jobs

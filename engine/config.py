@@ -123,8 +123,8 @@ class Config:
     act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
     batch_invariant: bool = False       # CPU: a sequence's tokens independent of its batch also with dense weights
                                         # (HF folders, dequantized GGUF), at a prefill cost; see models/layers/common.py
-    speculative: str = "ngram"          # speculative decoding's proposer: off | ngram | a draft model (its path or
-                                        # hub id: same tokenizer); a request may choose another (engine/speculative.py)
+    speculative: str = "auto"           # speculative decoding's proposer: auto | off | ngram | a draft model (its path
+                                        # or hub id: same tokenizer); auto: ngram where exact (LLMEngine._proposer)
     speculative_k: int = 8              # most tokens proposed for one step
     tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
                                         # torch.distributed launcher (torchrun) its WORLD_SIZE
@@ -200,7 +200,8 @@ class Config:
             raise ValueError(f"tensor_parallel_size must be at most {cpus} on the CPU (this machine's CPUs: each "
                              f"rank needs one), got {self.tensor_parallel_size}")
         if not isinstance(self.speculative, str) or not self.speculative or self.speculative == "draft":
-            raise ValueError(f"speculative must be off, ngram or a draft model's path, got {shown(self.speculative)}")
+            raise ValueError(f"speculative must be auto, off, ngram or a draft model's path, "
+                             f"got {shown(self.speculative)}")
         check("speculative_k", SPECULATIVE_K, self.speculative_k)
         if self.act_levels not in ACT_LEVELS:
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")

@@ -22,7 +22,7 @@ import torch
 
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
-from nanochat.engine.model_runner import ModelRunner
+from nanochat.engine.model_runner import ModelRunner, kv_window
 from nanochat.engine.sampler import draw, target_probs
 from nanochat.engine.scheduler import ScheduledChunk
 from nanochat.engine.sequence import Sequence
@@ -33,7 +33,6 @@ class DraftModel:
                  dtype: torch.dtype):
         """config: the target engine's; tokenizer, vocab_size: the target's (the draft must share the tokenizer,
         and never propose an id past the target's logits)."""
-        from nanochat.engine.llm_engine import kv_window
         from nanochat.models.formats.loader import build_model, load
 
         self.path = path

@@ -29,6 +29,7 @@ from nanochat.engine.reply_text import add_token, request_stats, take_delta
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.serve.core import EngineCore
+from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes, accept_greedy
 
 FIRST_GUESS = 64   # as engine/sampler.py: candidates fetched first for top-p
 
@@ -96,6 +97,7 @@ def sampling_supported(sampling: dict) -> bool:
 def _config_supported(c: Config) -> bool:
     default = Config()
     return (c.device == "cpu" and c.dtype in _FLOAT32 and c.kv_cache_dtype in _KV_DTYPES
+            and c.speculative in ("auto", "off", "ngram")
             and c.tensor_parallel_size == 1 and not c.dequantize and c.quantize is None
             and c.quant_backend in ("auto", "q8") and c.fused_forward and c.pack_cache and c.cpu_isa == "auto"
             and c.kv_cache_gib == default.kv_cache_gib and c.num_kvcache_blocks is None)
@@ -246,6 +248,8 @@ class LeanEngine:
         self.sampling_defaults = {**self.card_sampling, **stated}
         self.requests: dict[str, _Request] = {}
         self._queue: list[str] = []
+        self.speculation = SpeculationConfig(k_max=self.config.speculative_k)
+        self.step_times = StepTimes(self.speculation.row_cost)
         self._model = None          # the LeanModel over the current KV caches
         self._blocks = 0            # their size in blocks
         self.total_prefill_tokens = self.total_decode_tokens = 0
@@ -284,6 +288,8 @@ class LeanEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(ids, sp, session_id=session_id)
         seq.request_id = request_id
+        if sp.greedy and self.config.speculative != "off" and sp.speculative in (None, "ngram"):
+            seq.spec = Speculation(self.speculation, "ngram")   # greedy verification only (accept_greedy)
         rng = None if sp.greedy else np.random.default_rng()
         self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), rng)
         self._queue.append(request_id)
@@ -339,8 +345,10 @@ class LeanEngine:
         m = self._model
         start = seq.num_computed_tokens
         end = min(len(seq), start + self.config.max_num_batched_tokens)
+        draft = self._draft(seq) if end - start == 1 and start >= seq.num_prompt_tokens else []
         t0 = time.perf_counter()
-        ids = np.asarray(seq.token_ids[start:end], dtype=np.int64)
+        ids = np.asarray(seq.token_ids[start:end] + draft, dtype=np.int64)
+        end += len(draft)   # the proposals' rows follow the last real token (engine/speculative.py)
         n, hidden = end - start, m.embedding.in_features
         x = np.empty((n, hidden), dtype=np.float32)
         cpu_qgemv.dequantize_rows_raw(m.embedding, ids.ctypes.data, n, x.ctypes.data)
@@ -350,17 +358,40 @@ class LeanEngine:
         tables = np.arange(self._blocks, dtype=np.int32)[None, :]   # one sequence: blocks 0.. in order
         m.decoder.forward(x, positions, positions.copy(), np.array([0, n], dtype=np.int32), tables,
                           np.array([end], dtype=np.int32), self.levels, self.threads)
-        seq.num_computed_tokens = end
-        prefill = start < seq.num_prompt_tokens
-        if prefill:
+        if end - len(draft) < len(seq):
+            seq.num_computed_tokens = end
             self.total_prefill_tokens += n
-        else:
-            self.total_decode_tokens += n
-        if end < len(seq):
             return []   # more of the prompt to prefill
-        logits = self._logits(m, x[-1:])
-        token = sample(logits[0], sp, req.rng)
-        return [self._postprocess(req, token, time.perf_counter())]
+        logits = self._logits(m, x[-1 - len(draft):])
+        if draft:
+            tokens = accept_greedy(logits.argmax(-1).tolist(), draft)
+            seq.spec.record(len(draft), len(tokens) - 1)
+        else:
+            tokens = [sample(logits[0], sp, req.rng)]
+        now = time.perf_counter()
+        if start >= seq.num_prompt_tokens:
+            self.total_decode_tokens += len(tokens)
+            if seq.spec is not None:
+                self.step_times.record(n, now - t0)
+        else:
+            self.total_prefill_tokens += n
+        events = []
+        for token in tokens:   # as the engine's _emit: the KV covers every token the sequence holds
+            seq.num_computed_tokens = len(seq)
+            events.append(self._postprocess(req, token, now))
+            if events[-1].finished:
+                break
+        return events
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Prompt-lookup proposals for a greedy decode step (the KV caches were sized for the whole reply)."""
+        spec = seq.spec
+        if spec is None:
+            return []
+        room = min(self.config.max_model_len - len(seq) - 1,
+                   seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
+                   self._blocks * self.config.kvcache_block_size - len(seq))
+        return spec.propose_ngram(seq.token_ids, room, lambda k: self.step_times.ratio(1, k))
 
     def _logits(self, m, hidden):
         """fp32 logits [rows, vocab] of final-normed hidden rows, as the model's compute_logits."""

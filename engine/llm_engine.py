@@ -14,7 +14,7 @@ import torch
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
-from nanochat.engine.model_runner import ModelRunner
+from nanochat.engine.model_runner import ModelRunner, kv_window
 from nanochat.engine.output import (ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent,
                                    TokenLogprobs)
 from nanochat.engine.reply_text import add_token, request_stats, take_delta
@@ -24,13 +24,6 @@ from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
 from nanochat.models.errors import one_line
-
-
-def kv_window(model_config) -> int:
-    """How far back any query of the model reads keys, when every attention layer is windowed (0: some
-    layer reads them all, so nothing can be given back)."""
-    windows = getattr(model_config, "layer_windows", ())
-    return max(windows) if windows and all(w > 0 for w in windows) else 0
 
 
 @contextmanager
@@ -121,8 +114,7 @@ class LLMEngine:
         self.speculation = SpeculationConfig(k_max=self.config.speculative_k)
         self.step_times = StepTimes(self.speculation.row_cost)
         self.draft = None
-        self.speculative = "off" if r.is_hybrid else ("ngram" if self.config.speculative == "ngram" else
-                                                      "off" if self.config.speculative == "off" else "draft")
+        self.speculative = self._proposer(self.config.speculative)
         if self.speculative == "draft":
             from nanochat.engine.draft import DraftModel
             try:
@@ -140,6 +132,21 @@ class LLMEngine:
         self._window: deque[tuple[float, int, int, float, float, int, int, int]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
         self.total_spec_proposed = self.total_spec_accepted = 0
+
+    def _proposer(self, asked: str) -> str:
+        """The engine's speculative mode: off, ngram or draft (config.speculative names a draft model). "auto" is
+        ngram where a row's logits are the same bits however many rows its step computes, so proposals cannot
+        change a token: the CPU with GGUF weights on the q8 kernels, or Config.batch_invariant (where
+        benchmarks/README.md measured what it gains); elsewhere (torch's GEMMs, GPUs) plain decoding, unless asked.
+        Hybrid models never speculate: their recurrent state cannot be cut back to the accepted tokens."""
+        if self.runner.is_hybrid or asked == "off":
+            return "off"
+        if asked == "auto":
+            c = self.config
+            exact = self.device.type == "cpu" and (c.batch_invariant or (
+                self.loaded.source.kind == "gguf" and c.quant_backend in ("auto", "q8") and not c.dequantize))
+            return "ngram" if exact else "off"
+        return "ngram" if asked == "ngram" else "draft"
 
     def _build_runner(self, load_progress) -> ModelRunner:
         from nanochat.models.formats.loader import build_model
@@ -199,8 +206,8 @@ class LLMEngine:
         return request_id
 
     def _speculation_mode(self, sp: SamplingParams) -> str:
-        """The request's proposer: its own choice, else the engine's; "off" where the engine cannot speculate."""
-        if self.speculative == "off" or (not sp.greedy and sp.seed is not None):
+        """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate."""
+        if self.runner.is_hybrid or (not sp.greedy and sp.seed is not None):
             # A seed promises the same tokens on every run; how many proposals a step verifies (and so how the
             # seed's draws are spent) follows measured step times, so a seeded sampled request runs plainly.
             return "off"
@@ -272,7 +279,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
-        chunks = self.scheduler.schedule(None if self.speculative == "off" else self._propose)
+        chunks = self.scheduler.schedule(None if self.runner.is_hybrid else self._propose)
         if not chunks:
             return self._fail_unschedulable()
         t0 = time.perf_counter()
@@ -304,7 +311,7 @@ class LLMEngine:
                 emitted[i] = self._verify(c, logits[first[i]:first[i + 1]], logprobs, i)
         now = time.perf_counter()
         self._record_throughput(chunks, sum(map(len, emitted)), now - t0, now)
-        if self.speculative != "off" and all(c.num_tokens == 1 for c in chunks):   # a decode step: what its rows cost
+        if all(c.num_tokens == 1 for c in chunks):   # a decode step: what its rows cost (speculation's k)
             self.step_times.record(sum(c.stop - c.start for c in chunks), now - t0)
         for c in chunks:
             if not c.draft:

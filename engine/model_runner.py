@@ -37,6 +37,13 @@ class StepInputs:
     window_block_tables: list[list[int]] | None = None
 
 
+def kv_window(model_config) -> int:
+    """How far back any query of the model reads keys, when every attention layer is windowed (0: some
+    layer reads them all, so nothing can be given back)."""
+    windows = getattr(model_config, "layer_windows", ())
+    return max(windows) if windows and all(w > 0 for w in windows) else 0
+
+
 def window_group(model) -> int:
     """The windowed layers' KV group's window (their widest) when the model mixes windowed and full-attention
     layers, else 0 (one group: every layer windowed is the block manager's windowed mode)."""

@@ -8,6 +8,7 @@ from array import array
 import torch
 
 from nanochat.engine.sampling_params import SamplingParams
+from nanochat.engine.speculative import accept_greedy
 
 FIRST_GUESS = 64   # candidates fetched first for top-p; a peaked distribution's nucleus is usually smaller
 
@@ -204,13 +205,7 @@ def verify(logits: torch.Tensor, draft: list[int], sp: SamplingParams, generator
         apply_penalties(logits, list(range(k + 1)), [sp] * (k + 1),
                         [(ids + draft[:j], prompt) for j in range(k + 1)])
     if sp.greedy:
-        best = logits.argmax(-1).tolist()
-        out = []
-        for j, d in enumerate(draft):
-            if best[j] != d:
-                break
-            out.append(d)
-        return out + [best[len(out)]]
+        return accept_greedy(logits.argmax(-1).tolist(), draft)
     out = []
     for j in range(k + 1):
         p = target_probs(logits[j], sp)

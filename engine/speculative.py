@@ -30,7 +30,7 @@ class SpeculationConfig:
     """How a sequence speculates (the engine builds it from engine.config.Config)."""
 
     k_max: int = 8              # most tokens proposed for one step
-    min_ngram: int = 2          # shortest suffix matched by prompt lookup
+    min_ngram: int = 1          # shortest suffix matched by prompt lookup
     max_ngram: int = 4          # longest (the longest that matches wins)
     prior_acceptance: float = 0.6   # what a sequence is assumed to accept before it has been measured
     row_cost: float = 0.15      # a step's extra row, as a share of a one-row step, until StepTimes has measured it
@@ -101,6 +101,17 @@ class PromptLookup:
             if end is not None:
                 return tokens[end + 1:end + 1 + k]
         return []
+
+
+def accept_greedy(best: list[int], draft: list[int]) -> list[int]:
+    """Greedy verification: the proposals while each is the target's argmax (`best[j]`: row j's, the row of the
+    last real token first), then the argmax after them: exactly plain greedy decoding's next tokens."""
+    out = []
+    for j, d in enumerate(draft):
+        if best[j] != d:
+            break
+        out.append(d)
+    return out + [best[len(out)]]
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

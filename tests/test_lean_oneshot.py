@@ -206,3 +206,31 @@ def test_lean_sampling_follows_the_distribution():
     top2 = np.bincount([lean.sample(row, SamplingParams(temperature=1.0, top_p=0.6), gen) for _ in range(2000)],
                        minlength=4)
     assert top2[2] == top2[3] == 0 and top2[0] > top2[1] > 0
+
+
+def test_lean_speculates_on_greedy_replies_and_keeps_the_engines_tokens(home):
+    """Prompt lookup in the lean engine: a reply that copies its prompt gets proposals accepted, and the tokens are
+    the full engine's without speculation."""
+    from nanochat.engine import SamplingParams
+    from nanochat.engine.serve.client import EngineClient
+    from nanochat.models.formats.catalog import embedded_model_path
+
+    path = embedded_model_path()
+    if path is None:
+        pytest.skip("the built-in model is not installed")
+    prompt = ("Reformat this list as a numbered list, one item per line, keeping every item exactly: apples, "
+              "bananas, cherries, dates, elderberries, figs, grapes, kiwis, lemons, mangoes.")
+    sp = SamplingParams(temperature=0, max_tokens=60)
+    results = {}
+    for name, client, config in (("full", EngineClient(in_process=True), {"speculative": "off"}),
+                                 ("lean", EngineClient(lean=True, lean_sampling=GREEDY), {})):
+        client.load_model(str(path), pack_cache=True, max_model_len=1024, **config)
+        try:
+            results[name] = client.submit_turn(client.open_session(), prompt, sp).result(120)
+            if name == "lean":
+                assert client.lean_used
+        finally:
+            client.shutdown()
+    assert results["lean"].token_ids == results["full"].token_ids
+    stats = results["lean"].stats
+    assert stats.spec_accepted > 0 and stats.spec_proposed >= stats.spec_accepted

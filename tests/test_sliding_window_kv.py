@@ -10,7 +10,7 @@ import torch
 
 from nanochat.engine import SamplingParams
 from nanochat.engine.block_manager import DROPPED, BlockManager
-from nanochat.engine.llm_engine import kv_window
+from nanochat.engine.model_runner import kv_window
 from nanochat.engine.sequence import Sequence
 
 SP = SamplingParams(max_tokens=8)

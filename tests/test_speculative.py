@@ -164,7 +164,9 @@ def models(tiny_models, tmp_path_factory):
 
 
 def engine_for(path, **cfg) -> LLMEngine:
-    cfg = {"kvcache_block_size": 16, "max_model_len": 256, **cfg}
+    """An engine that speculates with prompt lookup unless told otherwise, on every model (HF folders' dense weights
+    on the q8 kernels' dense tiles, batch_invariant: the rows of a step are then exact, as GGUF weights are)."""
+    cfg = {"kvcache_block_size": 16, "max_model_len": 256, "speculative": "ngram", "batch_invariant": True, **cfg}
     return LLMEngine(str(path), dtype="float32", **cfg)
 
 
@@ -310,13 +312,26 @@ def test_which_requests_speculate(models, tiny_models):
     assert engine_for(models["qwen3-hf"], speculative="off").speculative == "off"
 
 
+def test_auto_speculates_where_rows_are_exact(models):
+    """auto: prompt lookup for GGUF weights on the CPU kernels and batch-invariant engines; torch's GEMMs (dense HF
+    weights) decode plainly unless a request asks (a proposal's rows could round otherwise than a decode row)."""
+    auto = {"speculative": "auto", "batch_invariant": False}
+    assert engine_for(models["llama-gguf"], **auto).speculative == "ngram"
+    assert engine_for(models["llama-gguf"], **auto, quant_backend="int4").speculative == "off"
+    assert engine_for(models["qwen3-hf"], **{**auto, "batch_invariant": True}).speculative == "ngram"
+    dense = engine_for(models["qwen3-hf"], **auto)
+    assert dense.speculative == "off"
+    rid = dense.add_request([1, 2, 3], SamplingParams(speculative="ngram"))
+    assert dense.requests[rid].seq.spec.mode == "ngram"
+
+
 @pytest.mark.parametrize("kw, msg", [({"speculative": "maybe"}, "speculative must be off, ngram or draft")])
 def test_sampling_params_check_the_proposer(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
 
 
-@pytest.mark.parametrize("kw, msg", [({"speculative": ""}, "speculative must be"),
+@pytest.mark.parametrize("kw, msg", [({"speculative": ""}, "speculative must be auto, off, ngram"),
                                      ({"speculative": "draft"}, "speculative must be"),
                                      ({"speculative_k": 0}, "speculative_k must be from 1 to 32")])
 def test_config_checks_the_proposer(kw, msg):

@@ -234,8 +234,10 @@ def test_greedy_tokens_match_batched_preempted_chunked_cached_and_chatting(name,
     one = LLM(path, **ENGINE)
     reference = [r.token_ids for r in one.generate(LONG, SP)]
     chat = two_turns(one.engine)
-    # 8 blocks of 16 cannot hold the four at once (preemption); 16-token chunks split the long prompts
-    with tp2(path, **ENGINE, num_kvcache_blocks=8, max_num_batched_tokens=16) as llm:
+    # 8 blocks of 16 cannot hold the four at once (preemption); 16-token chunks split the long prompts. Without
+    # speculation, whose proposals (chosen on measured step times) would change who gets preempted from run to run:
+    # test_speculative_decoding_under_tensor_parallelism has it.
+    with tp2(path, **ENGINE, num_kvcache_blocks=8, max_num_batched_tokens=16, speculative="off") as llm:
         batched = llm.generate(LONG, SP)
         assert [r.token_ids for r in batched] == reference
         assert llm.engine.stats().preemptions > 0, "the small cache should have preempted someone"
@@ -430,3 +432,21 @@ def test_more_cpu_ranks_than_cpus_is_a_usage_error(zoo, tmp_path):
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, NANOCHAT_HOME=str(tmp_path)))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "tensor_parallel_size must be at most" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["gguf:llama", "gguf:qwen3", "hf:gpt_oss"])
+def test_speculative_decoding_under_tensor_parallelism(name, zoo):
+    """Every rank verifies the same proposals (rank 0's step inputs carry them): plain decoding's tokens, with runs of
+    accepted proposals and rejections both."""
+    from test_parity import GREEDY as SP, PROMPTS as LONG
+    from test_speculative import Oracle
+
+    path = zoo.get(name)
+    reference = [r.token_ids for r in LLM(path, **ENGINE, speculative="off").generate(LONG, SP)]
+    with tp2(path, **ENGINE, speculative="ngram") as llm:
+        engine = llm.engine
+        engine._propose = Oracle(engine, {tuple(p): e for p, e in zip(LONG, reference)})
+        assert [r.token_ids for r in llm.generate(LONG, SP)] == reference
+        stats = engine.stats()
+        assert 0 < stats.total_spec_accepted < stats.total_spec_proposed
+        engine.block_manager.check_invariants()
