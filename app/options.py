@@ -97,11 +97,12 @@ def speculative_arg(raw: str) -> str:
     return raw
 
 
-def speculative_refusal(mode: str | None, engine_mode: str) -> str | None:
+def speculative_refusal(mode: str | None, engine_mode: str, command: str = "nanochat") -> str | None:
     """Why a request's proposer `mode` (None: the engine's) cannot run on an engine that speculates with
-    `engine_mode` (ModelInfo.speculative: off, ngram or draft), in one line; None when it can."""
+    `engine_mode` (ModelInfo.speculative: off, ngram or draft), in one line; None when it can. `command`: what
+    the user starts, for the advice."""
     if mode == "draft" and engine_mode != "draft":
-        return "speculative draft needs a draft model: start nanochat with --speculative PATH_TO_DRAFT"
+        return f"speculative draft needs a draft model: start {command} with --speculative PATH_TO_DRAFT"
     if mode == "ngram" and engine_mode == "off":
         return ("this engine does not speculate (--speculative off, or a model whose state cannot be rolled "
                 "back): it changes nothing")
