@@ -919,3 +919,14 @@ async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(sh
     assert speculation_text(EngineStats(spec_acceptance=0.72, spec_tokens_per_step=2.31, total_spec_proposed=50,
                                         total_spec_accepted=36)) == "spec  72% · 2.3 tok/step"
     assert speculation_text(EngineStats(total_spec_proposed=80, total_spec_accepted=45)) == "spec  56% accepted in all"
+
+
+def test_the_bench_table_shows_speculation_only_when_it_proposed():
+    from nanochat.app.tui.screens import report_table
+
+    plain = {"iterations": [{"iteration": 0, "num_requests": 2}], "mean": {"generated_tokens": 24, "spec_proposed": 0}}
+    assert not any(row[0] == "tokens per step" for row in report_table(plain)[1])
+    spec = {"iterations": [{"iteration": 0, "num_requests": 2}],
+            "mean": {"spec_proposed": 40, "spec_accepted": 30, "spec_tokens_per_step": 2.5}}
+    rows = {row[0]: row[1] for row in report_table(spec)[1]}
+    assert (rows["proposed tokens"], rows["accepted tokens"], rows["tokens per step"]) == ("40", "30", "2.50")
