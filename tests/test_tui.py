@@ -903,7 +903,8 @@ async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(sh
         assert reply.stats.spec_proposed > 0
         assert f"spec {reply.stats.spec_accepted}/{reply.stats.spec_proposed} accepted" in footers(app)[-1]
         await wait_for(pilot, lambda: spec.display, 10, "the speculation gauge")
-        assert re.fullmatch(r"spec  \d+% (· \d+\.\d tok/step|accepted in all)", spec.text), spec.text
+        assert re.fullmatch(r"spec  (\d+% · \d+\.\d tok/step|none accepted · 1\.0 tok/step|\d+% accepted in all)",
+                            spec.text), spec.text
         box = app.query_one(ChatInput)
         assert box.speculative == ("off", "ngram")            # no draft model: draft is not offered
         assert [t for t, _ in matching("/set speculative ", speculative=box.speculative)] == \
@@ -919,6 +920,8 @@ async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(sh
     assert speculation_text(EngineStats(spec_acceptance=0.72, spec_tokens_per_step=2.31, total_spec_proposed=50,
                                         total_spec_accepted=36)) == "spec  72% · 2.3 tok/step"
     assert speculation_text(EngineStats(total_spec_proposed=80, total_spec_accepted=45)) == "spec  56% accepted in all"
+    assert speculation_text(EngineStats(spec_tokens_per_step=1.0, total_spec_proposed=80)) == \
+        "spec  none accepted · 1.0 tok/step"
 
 
 def test_the_bench_table_shows_speculation_only_when_it_proposed():

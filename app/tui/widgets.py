@@ -642,6 +642,8 @@ def speculation_text(s: EngineStats) -> str:
         return ""
     if not s.spec_tokens_per_step:
         return f"spec  {s.total_spec_accepted / s.total_spec_proposed * 100:.0f}% accepted in all"
+    if not s.spec_acceptance:   # nothing proposed of late (a chat with it off), or nothing kept
+        return f"spec  none accepted · {s.spec_tokens_per_step:.1f} tok/step"
     return f"spec  {s.spec_acceptance * 100:.0f}% · {s.spec_tokens_per_step:.1f} tok/step"
 
 
