@@ -743,10 +743,22 @@ def test_export_to_a_path_and_its_one_line_errors(tmp_path, monkeypatch):
             write_export(conv, tmp_path / "exports", target="/sys/x.md")
 
 
-def test_set_speculative_reaches_the_next_turn_is_saved_per_chat_and_checked(make, tmp_path, monkeypatch):
+def test_set_speculative_reaches_the_next_turn_is_saved_per_chat_and_checked(tiny_models, tmp_path, monkeypatch):
     """/set speculative: a SamplingParams field of the chat's next turns, saved with the chat; the engine speculates
-    (ngram, its default) unless the chat turns it off; a draft without a draft model is refused at /set."""
-    chat = make(db="spec.db", max_tokens=24)
+    (ngram, its default) unless the chat turns it off; a draft without a draft model is refused at /set. A fresh
+    engine: one whose step costs were measured under other tests' slowed steps may judge speculation not to pay."""
+    client = EngineClient()
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    chat = ChatController(client, ChatStore(tmp_path / "spec.db"), {**SAMPLING, "max_tokens": 24})
+    try:
+        _set_speculative(chat, tmp_path, monkeypatch)
+    finally:
+        chat.close()
+        chat.store.close()
+        client.shutdown()
+
+
+def _set_speculative(chat, tmp_path, monkeypatch):
     conv = first(chat)
     assert chat.client.model.speculative == "ngram"
     sent = []

@@ -779,9 +779,21 @@ def test_the_command_line(tiny_models, tmp_path):
     assert proc.stderr.read().strip().endswith("stopped")
 
 
-def test_the_speculative_field_reaches_the_request_and_bad_values_are_400(server):
+def test_the_speculative_field_reaches_the_request_and_bad_values_are_400(tiny_models):
     """`speculative` in a request body picks the request's proposer (off here: the engine proposes nothing for it,
-    and greedy replies are the same either way); other values are 400 with the rule in words."""
+    and greedy replies are the same either way); other values are 400 with the rule in words. A fresh engine:
+    its step costs (which decide whether speculation pays) measured by this test alone."""
+    client = EngineClient()
+    client.load_model(str(tiny_models["llama"]), **ENGINE)
+    server = Server(client)
+    try:
+        _speculative_field(server)
+    finally:
+        server.stop()
+        client.shutdown()
+
+
+def _speculative_field(server):
     sdk = server.sdk()
     repeat = "Repeat exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9"
     replies, proposed = {}, {}

@@ -885,15 +885,25 @@ async def test_a_message_body_has_no_outer_blank_lines_as_it_grows(shared_client
 
 
 @sync
-async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(shared_client, home):
+async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(tiny_models, home):
     """A copy-heavy turn on the engine's default proposer (ngram): the gauge panel shows the acceptance and the
     tokens per step, the reply's footer its accepted proposals; /set speculative completes to what the engine
-    runs, and /set speculative off reaches the chat's next turn."""
+    runs, and /set speculative off reaches the chat's next turn. A fresh engine, whose step costs no slowed step
+    of another test measured (they decide whether speculation pays)."""
+    client = EngineClient(in_process=True)
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    try:
+        await _speculation_in_the_app(client, home)
+    finally:
+        client.shutdown()
+
+
+async def _speculation_in_the_app(client, home):
     from nanochat.app.tui.commands import matching, speculative_choices
     from nanochat.app.tui.widgets import speculation_text
     from nanochat.engine.output import EngineStats
 
-    app = make_app(shared_client, home, max_tokens=24)
+    app = make_app(client, home, max_tokens=24)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         spec = screen.query_one("#g-spec", Readout)
