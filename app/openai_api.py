@@ -23,9 +23,10 @@ Sessions are kept in LRU order, at most `max_sessions`.
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
 SamplingParams itself. Besides OpenAI's fields a request may state vLLM's top_k, repetition_penalty and
-ignore_eos, and `speculative` (off, ngram or draft): its speculative decoding proposer. Errors are OpenAI's error object: 400 a bad request or a prompt over the context,
-401 a bad key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in
-flight, 503 while the engine restarts after a crash.
+ignore_eos, and `speculative` (off, ngram or draft): its speculative decoding proposer. Errors are
+OpenAI's error object: 400 a bad request or a prompt over the context, 401 a bad key, 404 an unknown
+model or path, 413 a body over the limit, 429 too many sequences in flight, 503 while the engine
+restarts after a crash.
 """
 
 from __future__ import annotations
