@@ -4,6 +4,7 @@
     nanochat bench --tier heavy --json             16 x (512 + 512), 3 measured iterations, JSON on stdout
     nanochat bench --workload nano-vllm            bench.py exactly: 256 requests, lengths up to 1024
     nanochat bench --multi-turn --turns 8          resident-KV conversation vs a full replay
+    nanochat bench --speculative ngram             the workload without speculation, then with it, side by side
 
 Tables go to stdout, the progress bar to stderr (not with --quiet). Exit codes: 0 ok, 1 runtime
 error, 2 usage error, 130 interrupted; errors are one line on stderr.
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from functools import partial
 
 from nanochat.app.errors import EXIT_OK, UsageError, one_line, run_guarded
 from nanochat.app.terminal_text import sanitize
 from nanochat.app.options import (add_engine_options, add_option, bench_count_int, bench_tokens_int,
                                   bench_warmup_int, engine_config, non_negative_int, pick, positive_int,
-                                  resolve_model, threads_int)
+                                  resolve_model, speculative_arg, threads_int)
 
 PROG = "nanochat bench"
 
@@ -36,6 +38,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_option(p, True, "--seed", type=non_negative_int, metavar="N", help="workload seed (default 0)")
     add_option(p, True, "--json", action="store_true", help="print one JSON object on stdout instead of tables")
     add_option(p, True, "--quiet", "-q", action="store_true", help="no progress bar on stderr")
+    add_option(p, True, "--speculative", type=speculative_arg, metavar="ngram|off|PATH",
+               help="the engine's speculative decoding, and a comparison: the workload without speculation, then "
+                    "with ngram or the draft model PATH, side by side (off: one run without)")
     add_engine_options(p, suppress=True)
     g = p.add_argument_group("workload")
     g.add_argument("--tier", choices=sorted(TIERS), default=None,
@@ -85,7 +90,8 @@ class _ProgressBar:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.progress = None
-        self.tasks: dict[tuple[str, int], int] = {}
+        self.tasks: dict[tuple[str, str, int], int] = {}
+        self.run = ""   # which run of a comparison ("off", "ngram"): its lines apart from the other's
 
     def __enter__(self):
         if self.enabled:
@@ -107,21 +113,22 @@ class _ProgressBar:
         if self.progress is None:
             return
         text = _shown(text)   # it quotes a model's path
-        task = self.tasks.get(("status", 0))
+        task = self.tasks.get(("", "status", 0))
         if task is None:
-            self.tasks[("status", 0)] = self.progress.add_task(text, total=None)
+            self.tasks[("", "status", 0)] = self.progress.add_task(text, total=None)
         else:
             self.progress.update(task, description=text)
 
     def __call__(self, p) -> None:
         if self.progress is None:
             return
-        key = (p.phase, p.index)
+        key = (self.run, p.phase, p.index)
         if key not in self.tasks:
             for task in list(self.progress.tasks):   # one line at a time: hide finished phases
                 self.progress.update(task.id, visible=False)
             label = {"warmup": "warmup", "measure": "iteration", "turn": "turn", "replay": "replay turn"}[p.phase]
-            self.tasks[key] = self.progress.add_task(f"{label} {p.index + 1}/{p.count}", total=p.total_tokens)
+            run = f"speculative {self.run}: " if self.run else ""
+            self.tasks[key] = self.progress.add_task(f"{run}{label} {p.index + 1}/{p.count}", total=p.total_tokens)
         self.progress.update(self.tasks[key], completed=p.done_tokens)
 
 
@@ -163,6 +170,39 @@ def print_report(report, console) -> None:
     console.print(lat)
 
 
+def speedup(report, baseline, key: str) -> float | None:
+    """`report`'s mean `key` over `baseline`'s (None where the baseline has none)."""
+    base = baseline.mean.get(key)
+    return report.mean.get(key, 0.0) / base if base else None
+
+
+def print_comparison(baseline, report, mode: str, console) -> None:
+    """The workload without speculation and with `mode`, one row each (means over the measured iterations), and
+    what speculation changed."""
+    from rich import box
+    from rich.table import Table
+
+    spec = report.spec
+    eq = "=" if spec.fixed_lengths else "<="
+    what = f"tier {spec.tier}" if spec.tier and spec.workload == "random" else f"workload {spec.workload}"
+    console.print(f"[bold]{_shown(report.model)}[/] on {report.device} ({what}): {spec.num_seqs} requests, "
+                  f"input {eq}{spec.max_input_len}, output {eq}{spec.max_output_len} tokens")
+    table = Table(title="speculative decoding (decode in tok/s, TPOT in ms)", title_justify="left",
+                  box=box.SIMPLE_HEAD)   # eight columns in 80
+    for col in ("proposer", "tokens", "tok/s", "decode", "TPOT p50", "proposed", "accepted", "tok/step"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
+    for label, r in (("off", baseline), (mode, report)):
+        d = r.mean
+        proposed = d.get("spec_proposed") or 0
+        table.add_row(label, _fmt(d["generated_tokens"], 0), _fmt(d["throughput_tok_s"]), _fmt(d["decode_tok_s"]),
+                      _fmt(d["tpot_ms"]["p50"], 2), _fmt(proposed, 0),
+                      f"{d['spec_accepted'] / proposed * 100:.0f}%" if proposed else "-",
+                      _fmt(d.get("spec_tokens_per_step"), 2))
+    console.print(table)
+    ratio, decode = speedup(report, baseline, "throughput_tok_s"), speedup(report, baseline, "decode_tok_s")
+    console.print(f"{mode} / off: [bold]{_fmt(ratio, 2)}x[/] tok/s, {_fmt(decode, 2)}x decode tok/s")
+
+
 def print_multi_turn(report, console) -> None:
     from rich.table import Table
 
@@ -189,6 +229,7 @@ def _run(args) -> int:
     from nanochat.engine.serve.client import EngineClient
 
     spec = build_spec(args)
+    mode = comparison_mode(args)
     settings = args.settings
     model = resolve_model(args, settings)
     if args.multi_turn:
@@ -207,22 +248,44 @@ def _run(args) -> int:
                 report = client.bench(progress=progress, multi_turn=dict(
                     turns=args.turns, user_tokens=args.user_tokens, reply_tokens=args.reply_tokens,
                     sessions=args.sessions, seed=spec.seed))
+            elif mode is not None:
+                bar.run = "off"   # warmed up first, so neither run pays the engine's first steps
+                baseline = client.bench(replace(spec, speculative="off", warmup=max(spec.warmup, 1)),
+                                        progress=progress)
+                bar.run = mode
+                report = client.bench(replace(spec, speculative=mode, variant=1), progress=progress)
             else:
                 report = client.bench(spec, progress=progress)
     finally:
         client.shutdown()
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        data = report.to_dict() if mode is None else {
+            "mode": mode, "off": baseline.to_dict(), "speculative": report.to_dict(),
+            "throughput_ratio": speedup(report, baseline, "throughput_tok_s"),
+            "decode_ratio": speedup(report, baseline, "decode_tok_s")}
+        print(json.dumps(data, indent=2))
+    elif mode is not None:
+        print_comparison(baseline, report, mode, Console())
     else:
         console = Console()
         (print_multi_turn if args.multi_turn else print_report)(report, console)
     return EXIT_OK
 
 
+def comparison_mode(args) -> str | None:
+    """The requests' proposer a `--speculative` flag compares with off (ngram, or draft for a draft model's
+    path); None: no comparison (no flag, or off)."""
+    engine = getattr(args, "speculative", None)
+    if engine is None or engine == "off":
+        return None
+    if args.multi_turn:
+        raise UsageError("--speculative compares the batch workload; --multi-turn's seeded turns never speculate")
+    return "ngram" if engine == "ngram" else "draft"
+
+
 def _multi_turn_spec(args, spec):
     """Sequence cap = sessions; the context must hold the whole conversation (the engine checks a
     --max-model-len given here against the chat framing of the model's own tokens)."""
-    from dataclasses import replace
 
     from nanochat.engine.serve.bench import multi_turn_context
 

@@ -41,8 +41,8 @@ from pathlib import Path
 from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, ChatError, Conversation, Message,
                                        as_history, exchanges, join_notes, latest_leaf)
 from nanochat.app.export import model_name, write_export
-from nanochat.app.options import (SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES, effective_sampling,
-                                  template_variables)
+from nanochat.app.options import (REQUEST_RULES, SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES,
+                                  effective_sampling, speculative_refusal, template_variables)
 from nanochat.app.reasoning import ThinkingSplitter, Thought, reply_splitter, split_reply
 from nanochat.app.store import ChatStore, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
@@ -52,7 +52,9 @@ from nanochat.engine.serve.protocol import EngineError, ModelInfo, one_line
 
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
 MAX_BRANCH_SESSIONS = 4   # engine sessions kept per conversation (the branch shown and recent others)
-CHAT_SETTINGS = (*SAMPLING_RULES, *TEMPLATE_RULES)   # what /set may change: sampling, and template variables
+# What /set may change: sampling, the request's other settings (speculative), and template variables.
+CHAT_SETTINGS = (*SAMPLING_RULES, *REQUEST_RULES, *TEMPLATE_RULES)
+TURN_RULES = {**SAMPLING_RULES, **REQUEST_RULES}   # the chat settings that are SamplingParams fields
 
 
 # ---------------------------------------------------------------------------------- chats
@@ -118,7 +120,7 @@ class Turn:
 def setting_value(name: str, raw: str):
     """A /set value typed as text, as the setting's type (ValueError with one line when it is not; the
     value itself is checked by set_setting, with the others)."""
-    if name in TEMPLATE_RULES:   # a word: set_setting checks it
+    if name in TEMPLATE_RULES or name in REQUEST_RULES:   # a word: set_setting checks it
         return raw.lower()
     if name not in SAMPLING_RULES:
         raise ValueError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
@@ -537,7 +539,7 @@ class ChatController:
         """SamplingParams keywords of a turn: the chat's own settings over the front end's (flags and
         settings.json) over what the model file recommends over CHAT_DEFAULTS."""
         recommended = self.client.model.sampling_defaults if self.client.model is not None else {}
-        own = {k: v for k, v in conv.settings.items() if k in SAMPLING_RULES}
+        own = {k: v for k, v in conv.settings.items() if k in TURN_RULES}
         return effective_sampling({**self.sampling, **own}, recommended)
 
     def set_setting(self, conv: Chat, name: str, value) -> None:
@@ -550,9 +552,13 @@ class ChatController:
         if name in TEMPLATE_RULES:
             self._check_template_setting(name, value)
         try:
-            SamplingParams(**{**self.sampling_for(conv), **{k: v for k, v in settings.items() if k in SAMPLING_RULES}})
+            SamplingParams(**{**self.sampling_for(conv), **{k: v for k, v in settings.items() if k in TURN_RULES}})
         except (TypeError, ValueError) as e:
             raise ChatError(one_line(e)) from None
+        refusal = speculative_refusal(value, self.client.model.speculative) \
+            if name == "speculative" and self.client.model is not None else None
+        if refusal:
+            raise ChatError(refusal)
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
 

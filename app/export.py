@@ -29,7 +29,8 @@ def model_name(model: str | None) -> str:
 
 
 def format_stats(stats: RequestStats | None, note: str = "") -> str:
-    """One footer line: tokens, TTFT, decode speed, cached prompt tokens, how it ended, and any note."""
+    """One footer line: tokens, TTFT, decode speed, speculation's accepted proposals, cached prompt tokens, how
+    it ended, and any note."""
     parts: list[str] = []
     if stats is not None:
         parts.append(f"{stats.completion_tokens} tok")
@@ -37,6 +38,8 @@ def format_stats(stats: RequestStats | None, note: str = "") -> str:
             parts.append(f"TTFT {stats.ttft * 1000:.0f} ms")
         if stats.decode_tok_s:
             parts.append(f"{stats.decode_tok_s:.1f} tok/s")
+        if stats.spec_proposed:   # speculative decoding: of the tokens proposed, how many the model kept
+            parts.append(f"spec {stats.spec_accepted}/{stats.spec_proposed} accepted")
         if stats.prompt_tokens:
             parts.append(f"cached {stats.cached_tokens}/{stats.prompt_tokens}")
         full = f"context full ({stats.prompt_tokens + stats.completion_tokens} tokens)"

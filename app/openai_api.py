@@ -22,9 +22,11 @@ a kept conversation short (a regenerated reply) branches it at that turn, sharin
 Sessions are kept in LRU order, at most `max_sessions`.
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
-SamplingParams itself. Errors are OpenAI's error object: 400 a bad request or a prompt over the context,
-401 a bad key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in
-flight, 503 while the engine restarts after a crash.
+SamplingParams itself. Besides OpenAI's fields a request may state vLLM's top_k, repetition_penalty and
+ignore_eos, and `speculative` (off, ngram or draft): its speculative decoding proposer. Errors are
+OpenAI's error object: 400 a bad request or a prompt over the context, 401 a bad key, 404 an unknown
+model or path, 413 a body over the limit, 429 too many sequences in flight, 503 while the engine
+restarts after a crash.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanochat.app.metrics import Metrics
+from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.tool_calls import ToolCallParser
 from nanochat.engine.serve.protocol import HarmonySplitter, split_harmony
 from nanochat.app.tool_calls import split as split_tool_calls
@@ -179,6 +182,12 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         stated["stop"] = tuple(stops)
     if _flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
         stated["ignore_eos"] = True
+    for name, rule in REQUEST_RULES.items():   # nanochat's extra: the request's speculative proposer
+        value = body.get(name)
+        if value is not None:
+            if not accepts(rule, value):
+                raise _type_error(name, rule.text, value)
+            stated[name] = value
     sampling = {name: value for name, value in defaults.items() if name in SAMPLING_RULES and name != "max_tokens"}
     sampling.update(stated)
     sampling["max_tokens"] = min(stated.get("max_tokens", context), context)
@@ -716,6 +725,10 @@ class Api:
         model = self.client.model
         sampling = sampling_from(body, model.sampling_defaults if model else {},
                                  model.max_model_len if model else 1)
+        if sampling.speculative == "draft" and model is not None:   # an engine without a draft model refuses it
+            refusal = speculative_refusal("draft", model.speculative, "nanochat serve")
+            if refusal:
+                raise ApiError(400, refusal, param="speculative")
         stream = _flag(body, "stream")
         asked = logprobs_asked(body, chat)
         if asked is not None:

@@ -21,8 +21,8 @@ import argparse
 from nanochat.app.errors import UsageError
 from nanochat.engine.config import DEVICES, DTYPES, Config, valid_device
 from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REASONING_EFFORT,
-                                   REPETITION_PENALTY, SAMPLING_RULES, SEED, TEMPERATURE, TEMPLATE_RULES, THREADS,
-                                   TOP_K, TOP_P, Rule, accepts, shown)
+                                   REPETITION_PENALTY, SAMPLING_RULES, SEED, SPECULATIVE, SPECULATIVE_K, TEMPERATURE,
+                                   TEMPLATE_RULES, THREADS, TOP_K, TOP_P, Rule, accepts, shown)
 from nanochat.engine.sampling_params import SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
@@ -65,6 +65,48 @@ bench_tokens_int = arg_type(BENCH_TOKENS)
 bench_count_int = arg_type(BENCH_COUNT)
 bench_warmup_int = arg_type(BENCH_WARMUP)
 reasoning_effort_word = arg_type(REASONING_EFFORT)
+speculative_k_int = arg_type(SPECULATIVE_K)
+
+# SamplingParams fields a chat (/set) or an API request may state that are not sampling: the request's
+# speculative proposer (off, ngram, or the engine's draft model).
+REQUEST_RULES = {"speculative": SPECULATIVE}
+
+
+def engine_speculative(value) -> bool:
+    """Whether `value` may be the engine's proposer (Config.speculative, settings.json's `speculative`):
+    off, ngram, or a draft model's path or hub id. "draft" alone names no model."""
+    return isinstance(value, str) and bool(value.strip()) and value != "draft"
+
+
+def speculative_arg(raw: str) -> str:
+    """argparse `type=` for --speculative: off, ngram (any case), or a draft model's path or hub id, passed
+    through. A near miss of off or ngram that is no file (`ngarm`) is a typo, not a model."""
+    import difflib
+    import os
+
+    word = raw.strip().lower()
+    if word in ("off", "ngram"):
+        return word
+    if word in ("draft", "on"):
+        raise argparse.ArgumentTypeError(f"say which proposer: ngram, or a draft model's path or hub id, got {shown(raw)}")
+    if not engine_speculative(raw):
+        raise argparse.ArgumentTypeError(f"must be off, ngram or a draft model's path or hub id, got {shown(raw)}")
+    if not os.path.exists(raw) and difflib.get_close_matches(word, ("off", "ngram"), n=1, cutoff=0.6):
+        raise argparse.ArgumentTypeError(f"must be off, ngram or a draft model's path or hub id, got {shown(raw)} "
+                                         "(no such file)")
+    return raw
+
+
+def speculative_refusal(mode: str | None, engine_mode: str, command: str = "nanochat") -> str | None:
+    """Why a request's proposer `mode` (None: the engine's) cannot run on an engine that speculates with
+    `engine_mode` (ModelInfo.speculative: off, ngram or draft), in one line; None when it can. `command`: what
+    the user starts, for the advice."""
+    if mode == "draft" and engine_mode != "draft":
+        return f"speculative draft needs a draft model: start {command} with --speculative PATH_TO_DRAFT"
+    if mode == "ngram" and engine_mode == "off":
+        return ("this engine does not speculate (--speculative off, or a model whose state cannot be rolled "
+                "back): it changes nothing")
+    return None
 
 
 def device_name(raw: str) -> str:
@@ -112,6 +154,11 @@ def add_engine_options(parser, suppress: bool = False) -> None:
                help="materialise GGUF weights as dense tensors (more memory, exact fp32/bf16 maths)")
     add_option(parser, suppress, "--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
                help="split the model over N ranks (GPUs, or CPU processes); under torchrun, its WORLD_SIZE")
+    add_option(parser, suppress, "--speculative", type=speculative_arg, metavar="ngram|off|PATH",
+               help="speculative decoding: ngram (prompt lookup, the default), off, or a draft model's path or hub "
+                    "id (same tokenizer)")
+    add_option(parser, suppress, "--speculative-k", type=speculative_k_int, metavar="N",
+               help=f"most tokens proposed per step ({SPECULATIVE_K.text}; default 8)")
     add_option(parser, suppress, "--quantize", choices=["q8_0"],
                help="quantize a Hugging Face checkpoint's linears to Q8_0 at load (~4x less memory than fp32, "
                     "the fast CPU path)")
@@ -144,6 +191,8 @@ def engine_config(args, settings, **extra) -> dict:
            "kv_cache_gib": pick(args, "kv_cache_gib", settings.kv_cache_gib),
            "dequantize": True if getattr(args, "dequantize", False) else None,
            "quantize": getattr(args, "quantize", None),
+           "speculative": pick(args, "speculative", settings.speculative),
+           "speculative_k": pick(args, "speculative_k", settings.speculative_k),
            "tensor_parallel_size": getattr(args, "tensor_parallel_size", None), **extra}
     cfg = {k: v for k, v in cfg.items() if v is not None}
     try:

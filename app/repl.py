@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from nanochat.app.export import format_stats, model_name
 from nanochat.app.oneshot import ReplyPrinter
-from nanochat.app.options import effective_sampling, on_off
+from nanochat.app.options import effective_sampling, on_off, speculative_refusal
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal
 
 PROMPT = "> "
@@ -33,6 +33,8 @@ COMMANDS = {
     "/history": "show the conversation with per-turn stats",
     "/clear": "start over (keeps the system prompt, frees the conversation's KV cache)",
     "/system [TEXT]": "show the system prompt, or set it (starts over)",
+    "/set [NAME VALUE|NAME -]": "show or set this chat's sampling (temperature, top_p, ...) or speculative "
+                                "decoding (speculative off|ngram|draft); - : the default again",
     "/think on|off|-": "reasoning models: think before answering, or not (- : the model's default)",
     "/thinking": "show the last reply's thinking",
     "/exit": "leave (also /quit or Ctrl-D)",
@@ -132,12 +134,17 @@ class Repl:
 
         self.opts = opts
         self.client = client
-        self.sp = SamplingParams(**effective_sampling(opts.sampling, client.model.sampling_defaults))
+        self.own: dict = {}               # what /set states, over the flags' sampling
+        self.sp = SamplingParams(**self._sampling(self.own))
         self.term = _Terminal(interactive)
         self.system_prompt = opts.system
         self.session = client.open_session(opts.system)
         self.turns: list[_Turn] = []
         self.think: bool | None = None    # enable_thinking for the template (None: not given)
+
+    def _sampling(self, own: dict) -> dict:
+        """SamplingParams keywords: /set's over the flags' over the model file's over CHAT_DEFAULTS."""
+        return effective_sampling({**self.opts.sampling, **own}, self.client.model.sampling_defaults)
 
     # ------------------------------------------------------------------ loop
     def run(self, read_line) -> int:
@@ -220,6 +227,8 @@ class Repl:
             self.term.note("conversation cleared")
         elif name == "/system":
             self.system(arg.strip())
+        elif name == "/set":
+            self.set_option(arg.strip())
         elif name == "/think":
             self.set_think(arg.strip())
         elif name == "/thinking":
@@ -254,6 +263,37 @@ class Repl:
                     parts.append(st.finish_reason)
                 lines.append("    (" + " · ".join(parts) + ")")
         return "\n".join(lines)
+
+    def set_option(self, arg: str) -> None:
+        """/set NAME VALUE (or -: the default again) for this chat's next turns, checked as the chat app's /set is."""
+        from nanochat.app.controller import TURN_RULES, describe_settings, setting_value
+        from nanochat.engine import SamplingParams
+
+        if not arg:
+            self.term.info(f"settings: {describe_settings(self._sampling(self.own), self.own)}")
+            return
+        name, _, raw = arg.partition(" ")
+        raw = raw.strip()
+        if name not in TURN_RULES:
+            self.term.info(f"/set: unknown setting {name!r}; one of: {', '.join(TURN_RULES)}")
+            return
+        if not raw:
+            self.term.info(f"/set {name}: give a value, or - to use the default again")
+            return
+        own = {k: v for k, v in self.own.items() if k != name}
+        try:
+            value = None if raw == "-" else setting_value(name, raw)
+            if value is not None:
+                own[name] = value
+            sp = SamplingParams(**self._sampling(own))
+            refusal = speculative_refusal(value, self.client.model.speculative) if name == "speculative" else None
+            if refusal:
+                raise ValueError(refusal)
+        except ValueError as e:
+            self.term.info(f"/set {name}: {e}")
+            return
+        self.own, self.sp = own, sp
+        self.term.note(f"{name} {raw} from the next reply" if value is not None else f"{name}: back to the default")
 
     def set_think(self, arg: str) -> None:
         if not arg:

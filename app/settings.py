@@ -9,6 +9,7 @@ user's file survives for them to fix, whatever front end was running.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -16,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-from nanochat.app.options import DTYPE_NAMES, valid_device
-from nanochat.engine.rules import KV_CACHE_GIB, POSITIVE_INT, SAMPLING_RULES, accepts
+from nanochat.app.options import DTYPE_NAMES, speculative_arg, valid_device
+from nanochat.engine.rules import KV_CACHE_GIB, POSITIVE_INT, SAMPLING_RULES, SPECULATIVE_K, accepts
 
 MAX_RECENT = 10
 VERSION = 2
@@ -39,6 +40,16 @@ def _optional(rule, v) -> bool:
     return v is None or accepts(rule, v)
 
 
+def _speculative(v) -> bool:
+    """--speculative's rule, the value as written (a file's "Ngram" or "ngarm" is no model to load)."""
+    if v is None:
+        return True
+    try:
+        return isinstance(v, str) and speculative_arg(v) == v
+    except argparse.ArgumentTypeError:
+        return False
+
+
 # field -> check of a value read from the file (the command line's checks, app/options.py)
 _CHECKS = {
     "default_model": _optional_str,
@@ -50,6 +61,8 @@ _CHECKS = {
     "recent_models": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "kv_cache_gib": lambda v: v is None or accepts(KV_CACHE_GIB, v),
     "max_model_len": lambda v: v is None or accepts(POSITIVE_INT, v),
+    "speculative": _speculative,
+    "speculative_k": lambda v: v is None or accepts(SPECULATIVE_K, v),
 }
 
 
@@ -73,6 +86,8 @@ class Settings:
     kv_cache_gib: float | None = None     # None: the engine's default CPU KV budget
     max_model_len: int | None = None      # None: NANO_VLLM_MAX_MODEL_LEN, else the engine's default (a number
     # here by default would win over that variable, which then did nothing)
+    speculative: str | None = None        # off | ngram | a draft model; None: NANOCHAT_SPECULATIVE, else the engine's
+    speculative_k: int | None = None      # None: NANOCHAT_SPECULATIVE_K, else the engine's
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)   # not saved
 
     # ------------------------------------------------------------------ load / save

@@ -298,3 +298,60 @@ def test_bench_spec_dataclass_validation():
     with pytest.raises(ValueError, match="warmup"):
         BenchSpec(warmup=-1)
     assert BenchSpec().batched_tokens == 8 * 64
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+def test_a_variant_draws_other_ids_of_the_same_lengths_and_the_proposer_reaches_every_request():
+    from dataclasses import replace
+
+    base = spec_from("fast", seed=2)
+    a, b = make_workload(base, 320), make_workload(replace(base, variant=1, speculative="off"), 320)
+    assert [len(p) for p in a.prompts] == [len(p) for p in b.prompts] and a.prompts != b.prompts
+    assert [p.max_tokens for p in a.params] == [p.max_tokens for p in b.params]
+    assert {p.speculative for p in a.params} == {None} and {p.speculative for p in b.params} == {"off"}
+    with pytest.raises(ValueError, match="speculative must be off, ngram or draft"):
+        BenchSpec(speculative="fast")
+
+
+def test_a_run_counts_its_proposals_and_tokens_per_step(engine):
+    from dataclasses import replace
+
+    spec = spec_from("fast", **SMALL)
+    off = run_bench(engine, replace(spec, speculative="off")).iterations[0]
+    assert (off.spec_proposed, off.spec_accepted, off.spec_tokens_per_step) == (0, 0, 1.0)
+    engine._propose = lambda seq, room: [1] * min(room, 3)   # proposals the model mostly rejects
+    try:
+        it = run_bench(engine, replace(spec, speculative="ngram", variant=1)).iterations[0]
+    finally:
+        del engine._propose
+    assert it.spec_proposed > 0 and 0 <= it.spec_accepted <= it.spec_proposed
+    decoded = it.generated_tokens - it.num_requests          # the first tokens came from the prefill
+    assert it.spec_tokens_per_step == pytest.approx(decoded / (decoded - it.spec_accepted))
+    assert it.cached_tokens == 0                              # the variant's prompts are not the first run's
+    engine.block_manager.check_invariants()
+
+
+def test_cli_compares_speculation_with_off(tiny_models, tmp_path, capsys, monkeypatch):
+    from nanochat.app.cli import main
+
+    env = dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home"))
+    base = [sys.executable, "-m", "nanochat.app.cli", "bench", "--model", str(tiny_models[ARCH]), "--device", "cpu",
+            "--quiet", "--num-seqs", "2", "--max-input-len", "8", "--max-output-len", "12", "--fixed-lengths"]
+    r = subprocess.run(base + ["--speculative", "ngram", "--json"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["mode"] == "ngram" and d["off"]["spec"]["speculative"] == "off"
+    assert d["speculative"]["spec"]["speculative"] == "ngram" and d["speculative"]["spec"]["variant"] == 1
+    assert d["off"]["mean"]["spec_proposed"] == 0 and d["off"]["mean"]["spec_tokens_per_step"] == 1.0
+    assert d["speculative"]["mean"]["generated_tokens"] == d["off"]["mean"]["generated_tokens"] == 24
+    assert d["throughput_ratio"] == pytest.approx(d["speculative"]["mean"]["throughput_tok_s"]
+                                                  / d["off"]["mean"]["throughput_tok_s"])
+    r = subprocess.run(base + ["--speculative", "ngram"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["off"], ["ngram"])}
+    assert set(rows) == {"off", "ngram"} and rows["off"][-1] == "1.00"
+    assert re.search(r"ngram / off: \d+\.\d\dx tok/s, \d+\.\d\dx decode tok/s", r.stdout)
+    monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))
+    assert main(["bench", "--multi-turn", "--speculative", "ngram"]) == 2
+    assert "--multi-turn's seeded turns never speculate" in capsys.readouterr().err

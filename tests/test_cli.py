@@ -476,3 +476,49 @@ def test_a_reply_cut_by_the_context_says_so(home, tiny):
                  "--ignore-eos"], home)
     assert r.returncode == 0, r.stderr
     assert "context full (40 tokens)" in r.stderr and "max tokens reached" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+@pytest.mark.parametrize("command", [[], ["run"], ["repl"], ["info"], ["bench"], ["serve"]])
+def test_speculative_flags_reach_the_engine_config_on_every_command(home, tmp_path, command):
+    """--speculative and --speculative-k reach Config on every command that loads an engine; a flag wins
+    over settings.json, which wins over the engine's default."""
+    from nanochat.app.options import engine_config
+    from nanochat.engine.config import Config
+
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"")
+    settings = Settings(speculative="off", speculative_k=3)
+    for flags, want in ((["--speculative", "NGRAM", "--speculative-k", "5"], ("ngram", 5)),
+                        (["--speculative", str(draft)], (str(draft), 3)),
+                        ([], ("off", 3))):
+        args = cli.build_parser([*command, "x"]).parse_args([*command, *flags])
+        cfg = engine_config(args, settings)
+        made = Config.create("", **cfg)
+        assert (made.speculative, made.speculative_k) == want, (command, flags)
+    args = cli.build_parser(command).parse_args(command)
+    assert "speculative" not in engine_config(args, Settings())   # neither says: the engine's default (ngram)
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("draft", "say which proposer"), ("on", "say which proposer"), ("ngarm", "no such file"), ("", "got ''"),
+])
+def test_bad_speculative_values_are_one_line_usage_errors(home, capsys, value, fragment):
+    assert cli.main(["--prompt", "hi", "--speculative", value]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, 2, "--speculative", fragment)
+    for k in ("0", "33", "two"):
+        assert cli.main(["repl", "--speculative-k", k]) == 2
+        assert_one_line_error(2, capsys.readouterr().err, 2, "--speculative-k")
+
+
+def test_speculative_settings_follow_the_flags_rule(tmp_path):
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"version": 2, "speculative": "off", "speculative_k": 4}))
+    loaded = Settings.load(path)
+    assert not loaded.warnings and (loaded.speculative, loaded.speculative_k) == ("off", 4)
+    assert Settings.load(path).to_dict()["speculative"] == "off"   # saved back as read
+    for bad in ({"speculative": "draft"}, {"speculative": "Ngram"}, {"speculative": "ngarm"}, {"speculative": 1},
+                {"speculative_k": 0}, {"speculative_k": 2.5}):
+        path.write_text(json.dumps({"version": 2, **bad}))
+        loaded = Settings.load(path)
+        assert len(loaded.warnings) == 1 and loaded == Settings(), bad

@@ -741,3 +741,52 @@ def test_export_to_a_path_and_its_one_line_errors(tmp_path, monkeypatch):
     if os.path.isdir("/sys/kernel"):   # sysfs: no new files, even for root
         with pytest.raises(ChatError, match="^cannot write /sys/x.md: (permission denied|read-only file system)$"):
             write_export(conv, tmp_path / "exports", target="/sys/x.md")
+
+
+def test_set_speculative_reaches_the_next_turn_is_saved_per_chat_and_checked(tiny_models, tmp_path, monkeypatch):
+    """/set speculative: a SamplingParams field of the chat's next turns, saved with the chat; the engine speculates
+    (ngram, its default) unless the chat turns it off; a draft without a draft model is refused at /set. A fresh
+    engine: one whose step costs were measured under other tests' slowed steps may judge speculation not to pay."""
+    client = EngineClient()
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    chat = ChatController(client, ChatStore(tmp_path / "spec.db"), {**SAMPLING, "max_tokens": 24})
+    try:
+        _set_speculative(chat, tmp_path, monkeypatch)
+    finally:
+        chat.close()
+        chat.store.close()
+        client.shutdown()
+
+
+def _set_speculative(chat, tmp_path, monkeypatch):
+    conv = first(chat)
+    assert chat.client.model.speculative == "ngram"
+    sent = []
+    real = chat.client.submit_turn
+    monkeypatch.setattr(chat.client, "submit_turn", lambda session, text, sp, **kw: (sent.append(sp),
+                                                                                      real(session, text, sp, **kw))[1])
+    repeat = "Repeat exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9"
+    default = chat.wait(chat.send(conv, repeat))
+    assert sent[-1].speculative is None and default.reply.stats.spec_proposed > 0
+    assert default.reply.stats.spec_accepted <= default.reply.stats.spec_proposed
+    chat.set_setting(conv, "speculative", "off")
+    assert "speculative off*" in describe_settings(chat.sampling_for(conv), conv.settings)
+    off = chat.wait(chat.send(conv, repeat))
+    assert sent[-1].speculative == "off" and off.reply.stats.spec_proposed == 0
+    with pytest.raises(ChatError, match="draft model"):
+        chat.set_setting(conv, "speculative", "draft")
+    with pytest.raises(ChatError, match="speculative must be off, ngram or draft"):
+        chat.set_setting(conv, "speculative", "fast")
+    assert conv.settings == {"speculative": "off"}
+    reopened = ChatController(chat.client, ChatStore(tmp_path / "spec.db"), SAMPLING)
+    try:
+        assert reopened.conversations[conv.id].settings == {"speculative": "off"}
+        assert reopened.sampling_for(reopened.conversations[conv.id])["speculative"] == "off"
+    finally:
+        reopened.close()
+        reopened.store.close()
+    monkeypatch.setattr(chat.client.model, "speculative", "off")   # an engine started with --speculative off
+    with pytest.raises(ChatError, match="changes nothing"):
+        chat.set_setting(conv, "speculative", "ngram")
+    chat.set_setting(conv, "speculative", None)
+    assert conv.settings == {}

@@ -258,3 +258,34 @@ def test_the_thinking_is_shown_only_when_asked_for(env, thinking_model):
         assert "<think>" not in plain.before     # the answer only (none: it never closed its thinking)
     finally:
         plain.close(force=True)
+
+
+SPEC = r"spec (\d+)/(\d+) accepted"
+
+
+def test_set_speculative_applies_to_the_next_reply_and_its_stats_line_says_so(env, tiny_models):
+    """/set speculative off|ngram in the REPL reaches the next turn's request: the stats line counts proposals
+    while the engine speculates (ngram, its default) and says nothing once the chat turns it off."""
+    repeat = "Repeat exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9"
+    lines = "\n".join([repeat, "/set speculative off", "/set", repeat, "/set speculative draft", "/set speculative x",
+                       "/set speculative -", repeat, "/exit"]) + "\n"
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["qwen3"]),
+                        "--temperature", "0", "--max-tokens", "24", "--ignore-eos"],
+                       input=lines, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    stats = re.findall(r"\[[^\]]*\]", r.stderr)
+    assert len(stats) == 3, r.stderr
+    first, off, again = (re.search(SPEC, s) for s in stats)
+    assert first and int(first[1]) <= int(first[2]) and int(first[2]) > 0
+    assert off is None and again is not None
+    assert "speculative off*" in r.stdout   # /set shows the chat's settings, its own starred
+    assert "/set speculative: speculative draft needs a draft model" in r.stdout
+    assert "/set speculative: speculative must be off, ngram or draft, got 'x'" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_set_speculative_ngram_on_an_engine_started_with_it_off_is_refused(env, tiny_models):
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["qwen3"]),
+                        "--speculative", "off"], input="/set speculative ngram\n/exit\n", capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "changes nothing" in r.stdout, r.stdout + r.stderr

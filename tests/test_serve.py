@@ -776,3 +776,39 @@ def test_the_command_line(tiny_models, tmp_path):
         proc.send_signal(signal.SIGINT)   # how a server is stopped: not an error
         assert proc.wait(30) == 0
     assert proc.stderr.read().strip().endswith("stopped")
+
+
+def test_the_speculative_field_reaches_the_request_and_bad_values_are_400(tiny_models):
+    """`speculative` in a request body picks the request's proposer (off here: the engine proposes nothing for it,
+    and greedy replies are the same either way); other values are 400 with the rule in words. A fresh engine:
+    its step costs (which decide whether speculation pays) measured by this test alone."""
+    client = EngineClient()
+    client.load_model(str(tiny_models["llama"]), **ENGINE)
+    server = Server(client)
+    try:
+        _speculative_field(server)
+    finally:
+        server.stop()
+        client.shutdown()
+
+
+def _speculative_field(server):
+    sdk = server.sdk()
+    repeat = "Repeat exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9"
+    replies, proposed = {}, {}
+    for mode in ("off", "ngram"):
+        before = wait_idle(server).total_spec_proposed
+        done = sdk.completions.create(model=MODEL, prompt=repeat, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True, "speculative": mode})
+        replies[mode] = done.choices[0].text
+        proposed[mode] = wait_idle(server).total_spec_proposed - before
+    assert proposed["off"] == 0 and proposed["ngram"] > 0
+    assert replies["off"] == replies["ngram"]
+    for value, words in (("fast", "speculative must be off, ngram or draft, got \"fast\""),
+                         (1, "speculative must be off, ngram or draft, got 1"),
+                         ("draft", "speculative draft needs a draft model: start nanochat serve with --speculative")):
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                           ("/v1/completions", {"prompt": "x"})):
+            status, answer = raw(server, "POST", path, json.dumps({**body, "speculative": value}))
+            assert status == 400 and words in answer["error"]["message"], (path, answer)
+            assert answer["error"]["param"] == "speculative"

@@ -882,3 +882,64 @@ async def test_a_message_body_has_no_outer_blank_lines_as_it_grows(shared_client
         await pilot.pause()
         assert reply.body.children[-1] is not para and reply.body.children[-1].styles.margin.bottom == 0
         assert para.styles.margin.bottom > 0 and fence.styles.margin.top == 0    # no longer last: its margin back
+
+
+@sync
+async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(tiny_models, home):
+    """A copy-heavy turn on the engine's default proposer (ngram): the gauge panel shows the acceptance and the
+    tokens per step, the reply's footer its accepted proposals; /set speculative completes to what the engine
+    runs, and /set speculative off reaches the chat's next turn. A fresh engine, whose step costs no slowed step
+    of another test measured (they decide whether speculation pays)."""
+    client = EngineClient(in_process=True)
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    try:
+        await _speculation_in_the_app(client, home)
+    finally:
+        client.shutdown()
+
+
+async def _speculation_in_the_app(client, home):
+    from nanochat.app.tui.commands import matching, speculative_choices
+    from nanochat.app.tui.widgets import speculation_text
+    from nanochat.engine.output import EngineStats
+
+    app = make_app(client, home, max_tokens=24)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        spec = screen.query_one("#g-spec", Readout)
+        assert not spec.display                             # nothing proposed yet
+        await send(pilot, "Repeat this list exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9")
+        reply = await reply_done(pilot, screen.current)
+        assert reply.stats.spec_proposed > 0
+        assert f"spec {reply.stats.spec_accepted}/{reply.stats.spec_proposed} accepted" in footers(app)[-1]
+        await wait_for(pilot, lambda: spec.display, 10, "the speculation gauge")
+        assert re.fullmatch(r"spec  (\d+% · \d+\.\d tok/step|none accepted · 1\.0 tok/step|\d+% accepted in all)",
+                            spec.text), spec.text
+        box = app.query_one(ChatInput)
+        assert box.speculative == ("off", "ngram")            # no draft model: draft is not offered
+        assert [t for t, _ in matching("/set speculative ", speculative=box.speculative)] == \
+            ["/set speculative off", "/set speculative ngram"]
+        await send(pilot, "/set speculative off")
+        assert screen.current.settings == {"speculative": "off"}
+        assert "speculative off*" in str(screen.query_one("#g-sampling", Static).render())
+        await send(pilot, "Repeat this list exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9")
+        off = await reply_done(pilot, screen.current)
+        assert off.stats.spec_proposed == 0 and " spec " not in footers(app)[-1]
+    assert speculative_choices("off") == () and speculative_choices("draft") == ("off", "ngram", "draft")
+    assert speculation_text(EngineStats()) == ""
+    assert speculation_text(EngineStats(spec_acceptance=0.72, spec_tokens_per_step=2.31, total_spec_proposed=50,
+                                        total_spec_accepted=36)) == "spec  72% · 2.3 tok/step"
+    assert speculation_text(EngineStats(total_spec_proposed=80, total_spec_accepted=45)) == "spec  56% accepted in all"
+    assert speculation_text(EngineStats(spec_tokens_per_step=1.0, total_spec_proposed=80)) == \
+        "spec  none accepted · 1.0 tok/step"
+
+
+def test_the_bench_table_shows_speculation_only_when_it_proposed():
+    from nanochat.app.tui.screens import report_table
+
+    plain = {"iterations": [{"iteration": 0, "num_requests": 2}], "mean": {"generated_tokens": 24, "spec_proposed": 0}}
+    assert not any(row[0] == "tokens per step" for row in report_table(plain)[1])
+    spec = {"iterations": [{"iteration": 0, "num_requests": 2}],
+            "mean": {"spec_proposed": 40, "spec_accepted": 30, "spec_tokens_per_step": 2.5}}
+    rows = {row[0]: row[1] for row in report_table(spec)[1]}
+    assert (rows["proposed tokens"], rows["accepted tokens"], rows["tokens per step"]) == ("40", "30", "2.50")

@@ -113,6 +113,7 @@ class ChatScreen(GaugedScreen):
     async def on_mount(self) -> None:
         self.refresh_list()
         await self.show_conversation(self.current_id)
+        self._model_hints()   # a model loaded before the app started (no status change tells of it)
         self.query_one(ChatInput).focus()
 
     # ------------------------------------------------------------------ conversations
@@ -550,8 +551,15 @@ class ChatScreen(GaugedScreen):
     def watch_engine_status(self, old, new) -> None:
         if (old.model, old.detail) != (new.model, new.detail) and self.is_mounted:
             self.refresh_chat_status()   # another model: another context size and recommendations
-            model = self.controller.model   # and the reasoning efforts its template reads, for the input's hints
-            self.query_one(ChatInput).reasoning_efforts = model.reasoning_efforts if model else ()
+            self._model_hints()
+
+    def _model_hints(self) -> None:
+        """The input's hints for what the model and its engine take: the reasoning efforts its template reads
+        and the /set speculative values the engine runs."""
+        model = self.controller.model
+        chat_input = self.query_one(ChatInput)
+        chat_input.reasoning_efforts = model.reasoning_efforts if model else ()
+        chat_input.speculative = slash.speculative_choices(model.speculative) if model else ()
 
     # ------------------------------------------------------------------ actions
     @on(RunCommand)

@@ -7,7 +7,7 @@ import difflib
 from dataclasses import dataclass
 
 from nanochat.app.controller import CHAT_SETTINGS
-from nanochat.app.options import TEMPLATE_RULES
+from nanochat.app.options import REQUEST_RULES, TEMPLATE_RULES
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ SLASH_COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("edit", "/edit", "edit your last message and send it as a new version (a branch)"),
     SlashCommand("fork", "/fork", "copy this conversation's branch shown into a new conversation"),
     SlashCommand("set", "/set [NAME VALUE|NAME -]", "show or set this chat's sampling (temperature, top_p, top_k, "
-                 "seed, max_tokens, repetition_penalty, presence_penalty, frequency_penalty); - drops one"),
+                 "seed, max_tokens, repetition_penalty, presence_penalty, frequency_penalty) or speculative decoding "
+                 "(speculative off|ngram|draft); - drops one"),
     SlashCommand("think", "/think [on|off|-]", "show or switch this chat's thinking (reasoning models: the chat "
                  "template's enable_thinking); - goes back to the model's default"),
     SlashCommand("clear", "/clear", "forget this conversation's messages (keeps the system prompt, frees its KV)"),
@@ -75,24 +76,41 @@ def unknown_message(name: str) -> str:
     return f"Unknown command /{name}.{hint} Type /help for the list."
 
 
-def completions(theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+SPECULATIVE_HINTS = {"off": "this chat decodes one token per step", "ngram": "this chat's replies speculate on "
+                     "n-gram matches in the chat", "draft": "this chat's replies speculate with the draft model"}
+
+
+def speculative_choices(engine_mode: str) -> tuple[str, ...]:
+    """The /set speculative values worth offering on an engine that speculates with `engine_mode` (ModelInfo's):
+    none when it does not speculate, draft only with a draft model."""
+    if engine_mode == "off":
+        return ()
+    return ("off", "ngram", "draft") if engine_mode == "draft" else ("off", "ngram")
+
+
+def completions(theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = (),
+                speculative: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(text to insert, description) for every command and the arguments worth completing;
-    `reasoning_efforts`: the values the model's chat template reads (none: /set reasoning_effort is not offered)."""
+    `reasoning_efforts`: the values the model's chat template reads (none: /set reasoning_effort is not offered);
+    `speculative`: the /set speculative values the engine can run (speculative_choices)."""
     out = [(f"/{c.name}", c.help) for c in SLASH_COMMANDS]
     out += [(f"/bench {t}", f"bench, {t} tier") for t in BENCH_TIERS]
     out += [(f"/theme {t}", "theme") for t in theme_names]
     out += [("/copy code", "copy the last code block of the last reply")]
     out += [("/export json", "every branch of this conversation as JSON")]
-    out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS if name not in TEMPLATE_RULES]
+    out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS
+            if name not in TEMPLATE_RULES and name not in REQUEST_RULES]
     out += [(f"/set reasoning_effort {v}", "this chat's reasoning effort (gpt-oss)") for v in reasoning_efforts]
+    out += [(f"/set speculative {v}", SPECULATIVE_HINTS[v]) for v in speculative]
     out += [("/think on", "this chat's replies think first"), ("/think off", "this chat's replies answer at once")]
     return out
 
 
-def matching(prefix: str, theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+def matching(prefix: str, theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = (),
+             speculative: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     if not prefix.startswith("/") or "\n" in prefix:
         return []
-    items = completions(theme_names, reasoning_efforts)
+    items = completions(theme_names, reasoning_efforts, speculative)
     if " " not in prefix:   # first word: only the commands themselves
         items = [i for i in items if " " not in i[0]]
     return [i for i in items if i[0].startswith(prefix.lower()) and i[0] != prefix]

@@ -183,6 +183,14 @@ BENCH_METRICS = (
 )
 
 
+# Speculative decoding's rows, shown when the bench's requests proposed anything.
+SPEC_METRICS = (
+    ("proposed tokens", "spec_proposed", ""),
+    ("accepted tokens", "spec_accepted", ""),
+    ("tokens per step", "spec_tokens_per_step", ""),
+)
+
+
 def _dig(d: dict, dotted: str):
     for part in dotted.split("."):
         if not isinstance(d, dict):
@@ -208,7 +216,8 @@ def report_table(report: dict) -> tuple[list[str], list[list[str]]]:
     columns = ["Metric", "Mean"] + ([f"iter {it.get('iteration', i) + 1}" for i, it in enumerate(iterations)]
                                     if len(iterations) > 1 else [])
     rows = []
-    for label, key, unit in BENCH_METRICS:
+    metrics = BENCH_METRICS + (SPEC_METRICS if mean.get("spec_proposed") else ())
+    for label, key, unit in metrics:
         first = _dig(iterations[0], key) if iterations else None
         value = _dig(mean, key) if key != "num_requests" else first
         cells = [format_value(value)] + ([format_value(_dig(it, key)) for it in iterations]

@@ -501,6 +501,7 @@ class ChatInput(TextArea):
         self.input_history = history
         self.theme_names = theme_names
         self.reasoning_efforts: tuple[str, ...] = ()   # the loaded model's (its chat screen sets them)
+        self.speculative: tuple[str, ...] = ()         # the /set speculative values its engine runs (likewise)
 
     @property
     def hints(self) -> CommandHints | None:
@@ -574,7 +575,7 @@ class ChatInput(TextArea):
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
         hints = self.hints
         if hints is not None:
-            hints.show(matching(self.text, self.theme_names, self.reasoning_efforts))
+            hints.show(matching(self.text, self.theme_names, self.reasoning_efforts, self.speculative))
 
 
 class Readout(Widget):
@@ -633,6 +634,19 @@ class ChatStatus:
     sampling: str = ""
 
 
+def speculation_text(s: EngineStats) -> str:
+    """The speculation gauge: of the recent proposals how many were accepted, and the tokens a decoding
+    sequence gets per step of the model (1 without speculation); over all proposals when nothing decodes
+    now; "" (the gauge hidden) before the engine has proposed anything."""
+    if not s.total_spec_proposed:
+        return ""
+    if not s.spec_tokens_per_step:
+        return f"spec  {s.total_spec_accepted / s.total_spec_proposed * 100:.0f}% accepted in all"
+    if not s.spec_acceptance:   # nothing proposed of late (a chat with it off), or nothing kept
+        return f"spec  none accepted · {s.spec_tokens_per_step:.1f} tok/step"
+    return f"spec  {s.spec_acceptance * 100:.0f}% · {s.spec_tokens_per_step:.1f} tok/step"
+
+
 class GaugePanel(Vertical):
     """Live engine gauges: model, decode/prefill speed, TTFT, KV cache, prefix hits, batch; with
     `chat`, also the chat shown: its context use and sampling settings."""
@@ -651,6 +665,7 @@ class GaugePanel(Vertical):
         yield Static(sanitize(self.status.detail), id="g-device", classes="dim", markup=False)
         yield Horizontal(id="g-loading", classes="loading-row")
         yield Gauge("decode tok/s", id="g-decode")
+        yield Readout("", id="g-spec")   # shown once the engine has speculated
         yield Gauge("prefill tok/s", id="g-prefill")
         yield Readout("TTFT (last turn)  —", id="g-ttft")
         yield Readout("KV cache  —", id="g-kv-label")
@@ -678,6 +693,7 @@ class GaugePanel(Vertical):
 
     def on_mount(self) -> None:
         self.query_one("#g-loading").display = False
+        self.query_one("#g-spec").display = False
         self._show(None, self.status)
         self.watch_chat_status(self.chat_status)
 
@@ -717,6 +733,11 @@ class GaugePanel(Vertical):
     def _show_stats(self, s: EngineStats) -> None:
         self.query_one("#g-decode", Gauge).set_value(f"{s.decode_tok_s:.1f}", s.decode_tok_s)
         self.query_one("#g-prefill", Gauge).set_value(f"{s.prefill_tok_s:.0f}", s.prefill_tok_s)
+        spec = self.query_one("#g-spec", Readout)
+        text = speculation_text(s)
+        if spec.display != bool(text):   # toggled only when it changes: a change of display lays the panel out
+            spec.display = bool(text)
+        spec.text = text
         total = max(1, s.kv_blocks_total)
         bar = self.query_one("#g-kv", ProgressBar)
         if (bar.total, bar.progress) != (total, s.kv_blocks_used):

@@ -10,6 +10,11 @@ prompts the output lengths `randint(100, max_output_len)`; every request samples
 0.6 with ignore_eos, so it generates exactly its output length. Below 100 the lengths are drawn
 from [1, max] instead. Measured iteration i uses seed + i (iteration 0 is bench.py's workload),
 warmup iterations use other seeds, so no iteration hits blocks cached by an earlier one.
+
+Speculative decoding: `speculative` names the requests' proposer (SamplingParams.speculative; None: the
+engine's), and the report counts its proposals. A comparison runs the spec twice on one engine, the second
+time with another `variant`: the same lengths, other prompt ids, so it finds none of the first run's prompts
+in the prefix cache.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from nanochat.engine.output import Reply
+from nanochat.engine.rules import SPECULATIVE, accepts
 from nanochat.engine.sampling_params import SamplingParams
 
 WORKLOADS = ("random", "nano-vllm")
@@ -77,19 +83,23 @@ class BenchSpec:
     fixed_lengths: bool = False
     workload: str = "random"
     tier: str | None = None                 # informational: the preset it came from
+    speculative: str | None = None          # the requests' proposer: off, ngram or draft; None: the engine's
+    variant: int = 0                        # > 0: other prompt ids of the same lengths (a second run's)
 
     def __post_init__(self):
         for name in ("num_seqs", "max_input_len", "max_output_len", "max_model_len", "iters"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        for name in ("warmup", "seed"):
+        for name in ("warmup", "seed", "variant"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.max_batched_tokens is not None and (not isinstance(self.max_batched_tokens, int)
                                                     or self.max_batched_tokens < 1):
             raise ValueError(f"max-batched-tokens must be a positive integer, got {self.max_batched_tokens!r}")
+        if self.speculative is not None and not accepts(SPECULATIVE, self.speculative):
+            raise ValueError(f"speculative must be {SPECULATIVE.text}, got {self.speculative!r}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.max_input_len + self.max_output_len > self.max_model_len:
@@ -152,13 +162,19 @@ def _length(rng: random.Random, maximum: int, fixed: bool) -> int:
 
 def make_workload(spec: BenchSpec, vocab_size: int, seed: int | None = None) -> Workload:
     """The requests of one iteration, drawn in bench.py's order (all prompts, then all output lengths)."""
-    rng = random.Random(spec.seed if seed is None else seed)
+    seed = spec.seed if seed is None else seed
+    rng = random.Random(seed)
+    # A variant draws its ids apart, and the lengths as the spec's own workload does.
+    ids = rng if not spec.variant else random.Random(f"{seed}/{spec.variant}")
     prompts = []
     for _ in range(spec.num_seqs):
         n = _length(rng, spec.max_input_len, spec.fixed_lengths)
+        drawn = [rng.randint(0, PROMPT_ID_MAX) for _ in range(n)]
+        if ids is not rng:
+            drawn = [ids.randint(0, PROMPT_ID_MAX) for _ in range(n)]
         # Ids at or above a small test vocabulary are folded into it (real vocabularies are > 10000).
-        prompts.append([t % vocab_size for t in (rng.randint(0, PROMPT_ID_MAX) for _ in range(n))])
-    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+        prompts.append([t % vocab_size for t in drawn])
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, speculative=spec.speculative,
                              max_tokens=_length(rng, spec.max_output_len, spec.fixed_lengths))
               for _ in range(spec.num_seqs)]
     return Workload(prompts, params)
@@ -204,6 +220,9 @@ class IterationResult:
     ttft_ms: dict                    # {"mean", "p50", "p90", "p99"}
     tpot_ms: dict                    # per request (elapsed - ttft) / (n - 1)
     preemptions: int
+    spec_proposed: int = 0           # speculative decoding: tokens proposed, and accepted
+    spec_accepted: int = 0
+    spec_tokens_per_step: float = 1.0   # decode tokens a request got per step of the model (1: no speculation)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -211,7 +230,7 @@ class IterationResult:
 
 _MEAN_FIELDS = ("generated_tokens", "elapsed_s", "throughput_tok_s", "prefill_tok_s", "decode_tok_s",
                 "prompt_tokens", "cached_tokens", "prefill_tokens", "decode_tokens", "prefill_time_s",
-                "decode_time_s", "preemptions")
+                "decode_time_s", "preemptions", "spec_proposed", "spec_accepted", "spec_tokens_per_step")
 
 
 def mean_of(iterations: list[IterationResult]) -> dict:
@@ -389,6 +408,10 @@ def _iteration_result(index: int, batch: _Batch) -> IterationResult:
     ttfts = [s.ttft for s in stats if s.ttft is not None]
     tpots = [(s.elapsed - s.ttft) / (s.completion_tokens - 1)
              for s in stats if s.ttft is not None and s.completion_tokens > 1]
+    # Each decode step gives a request one token of the model's and its accepted proposals; the first token
+    # came from the prefill.
+    decoded = sum(max(0, s.completion_tokens - 1) for s in stats)
+    accepted = sum(s.spec_accepted for s in stats)
     t = batch.timing
     return IterationResult(
         iteration=index, num_requests=len(stats), prompt_tokens=sum(s.prompt_tokens for s in stats),
@@ -399,7 +422,9 @@ def _iteration_result(index: int, batch: _Batch) -> IterationResult:
         decode_tokens=t.decode_tokens, decode_time_s=t.decode_time,
         decode_tok_s=t.decode_tokens / t.decode_time if t.decode_time else 0.0,
         ttft_ms=_summary_ms(ttfts), tpot_ms=_summary_ms(tpots),
-        preemptions=batch.engine.scheduler.num_preemptions - batch.preempt0)
+        preemptions=batch.engine.scheduler.num_preemptions - batch.preempt0,
+        spec_proposed=sum(s.spec_proposed for s in stats), spec_accepted=accepted,
+        spec_tokens_per_step=decoded / (decoded - accepted) if decoded > accepted else 1.0)
 
 
 # ---------------------------------------------------------------------------------- batch bench

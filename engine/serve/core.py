@@ -188,7 +188,8 @@ class EngineCore:
                          thinking_switch=thinking_switch, thinking_opened=thinking_opened,
                          tools=engine.loaded.chat_template.takes_tools(),
                          harmony=engine.loaded.chat_template.harmony,
-                         reasoning_efforts=engine.loaded.chat_template.reasoning_efforts())
+                         reasoning_efforts=engine.loaded.chat_template.reasoning_efforts(),
+                         speculative=getattr(engine, "speculative", "off"))   # the lean engine does not speculate
 
     def create_engine(self, model: str, config: dict, progress):
         """The engine for op_load (engine/lean.py's core makes its own)."""

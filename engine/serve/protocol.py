@@ -54,6 +54,7 @@ class ModelInfo:
     tools: bool = False             # the chat template renders a `tools` list (function calling)
     harmony: bool = False           # replies are in the harmony format (gpt-oss): channels, not <think>
     reasoning_efforts: tuple = ()   # the reasoning_effort values the chat template reads (gpt-oss: low, medium, high)
+    speculative: str = "off"        # the engine's speculative proposer: off, ngram or draft (a request may pick another)
 
 
 class EngineError(RuntimeError):
