@@ -38,7 +38,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_option(p, True, "--seed", type=non_negative_int, metavar="N", help="workload seed (default 0)")
     add_option(p, True, "--json", action="store_true", help="print one JSON object on stdout instead of tables")
     add_option(p, True, "--quiet", "-q", action="store_true", help="no progress bar on stderr")
-    add_option(p, True, "--speculative", type=speculative_arg, metavar="ngram|off|PATH",
+    add_option(p, True, "--speculative", type=speculative_arg, metavar="auto|ngram|off|PATH",
                help="the engine's speculative decoding, and a comparison: the workload without speculation, then "
                     "with ngram or the draft model PATH, side by side (off: one run without)")
     add_engine_options(p, suppress=True)

@@ -555,7 +555,7 @@ class ChatController:
             SamplingParams(**{**self.sampling_for(conv), **{k: v for k, v in settings.items() if k in TURN_RULES}})
         except (TypeError, ValueError) as e:
             raise ChatError(one_line(e)) from None
-        refusal = speculative_refusal(value, self.client.model.speculative) \
+        refusal = speculative_refusal(value, self.client.model.speculative_modes) \
             if name == "speculative" and self.client.model is not None else None
         if refusal:
             raise ChatError(refusal)

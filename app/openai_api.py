@@ -726,7 +726,7 @@ class Api:
         sampling = sampling_from(body, model.sampling_defaults if model else {},
                                  model.max_model_len if model else 1)
         if sampling.speculative == "draft" and model is not None:   # an engine without a draft model refuses it
-            refusal = speculative_refusal("draft", model.speculative, "nanochat serve")
+            refusal = speculative_refusal("draft", model.speculative_modes, "nanochat serve")
             if refusal:
                 raise ApiError(400, refusal, param="speculative")
         stream = _flag(body, "stream")

@@ -74,39 +74,38 @@ REQUEST_RULES = {"speculative": SPECULATIVE}
 
 def engine_speculative(value) -> bool:
     """Whether `value` may be the engine's proposer (Config.speculative, settings.json's `speculative`):
-    off, ngram, or a draft model's path or hub id. "draft" alone names no model."""
+    auto, off, ngram, or a draft model's path or hub id. "draft" alone names no model."""
     return isinstance(value, str) and bool(value.strip()) and value != "draft"
 
 
 def speculative_arg(raw: str) -> str:
-    """argparse `type=` for --speculative: off, ngram (any case), or a draft model's path or hub id, passed
-    through. A near miss of off or ngram that is no file (`ngarm`) is a typo, not a model."""
+    """argparse `type=` for --speculative: auto, off, ngram (any case), or a draft model's path or hub id, passed
+    through. A near miss of those that is no file (`ngarm`) is a typo, not a model."""
     import difflib
     import os
 
     word = raw.strip().lower()
-    if word in ("off", "ngram"):
+    if word in ("auto", "off", "ngram"):
         return word
     if word in ("draft", "on"):
         raise argparse.ArgumentTypeError(f"say which proposer: ngram, or a draft model's path or hub id, got {shown(raw)}")
     if not engine_speculative(raw):
-        raise argparse.ArgumentTypeError(f"must be off, ngram or a draft model's path or hub id, got {shown(raw)}")
-    if not os.path.exists(raw) and difflib.get_close_matches(word, ("off", "ngram"), n=1, cutoff=0.6):
-        raise argparse.ArgumentTypeError(f"must be off, ngram or a draft model's path or hub id, got {shown(raw)} "
-                                         "(no such file)")
+        raise argparse.ArgumentTypeError(f"must be auto, off, ngram or a draft model's path or hub id, got {shown(raw)}")
+    if not os.path.exists(raw) and difflib.get_close_matches(word, ("auto", "off", "ngram"), n=1, cutoff=0.6):
+        raise argparse.ArgumentTypeError(f"must be auto, off, ngram or a draft model's path or hub id, "
+                                         f"got {shown(raw)} (no such file)")
     return raw
 
 
-def speculative_refusal(mode: str | None, engine_mode: str, command: str = "nanochat") -> str | None:
-    """Why a request's proposer `mode` (None: the engine's) cannot run on an engine that speculates with
-    `engine_mode` (ModelInfo.speculative: off, ngram or draft), in one line; None when it can. `command`: what
-    the user starts, for the advice."""
-    if mode == "draft" and engine_mode != "draft":
+def speculative_refusal(mode: str | None, modes: tuple, command: str = "nanochat") -> str | None:
+    """Why a request's proposer `mode` (None: the engine's) cannot run on an engine whose requests may pick
+    `modes` (ModelInfo.speculative_modes), in one line; None when it can. `command`: what the user starts, for
+    the advice."""
+    if mode is None or mode in modes:
+        return None
+    if mode == "draft":
         return f"speculative draft needs a draft model: start {command} with --speculative PATH_TO_DRAFT"
-    if mode == "ngram" and engine_mode == "off":
-        return ("this engine does not speculate (--speculative off, or a model whose state cannot be rolled "
-                "back): it changes nothing")
-    return None
+    return "this model cannot speculate (its recurrent state cannot be cut back to the accepted tokens)"
 
 
 def device_name(raw: str) -> str:
@@ -154,9 +153,9 @@ def add_engine_options(parser, suppress: bool = False) -> None:
                help="materialise GGUF weights as dense tensors (more memory, exact fp32/bf16 maths)")
     add_option(parser, suppress, "--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
                help="split the model over N ranks (GPUs, or CPU processes); under torchrun, its WORLD_SIZE")
-    add_option(parser, suppress, "--speculative", type=speculative_arg, metavar="ngram|off|PATH",
-               help="speculative decoding: ngram (prompt lookup, the default), off, or a draft model's path or hub "
-                    "id (same tokenizer)")
+    add_option(parser, suppress, "--speculative", type=speculative_arg, metavar="auto|ngram|off|PATH",
+               help="speculative decoding: auto (the default: prompt lookup where it is exact, GGUF weights on the "
+                    "CPU), ngram (prompt lookup), off, or a draft model's path or hub id (same tokenizer)")
     add_option(parser, suppress, "--speculative-k", type=speculative_k_int, metavar="N",
                help=f"most tokens proposed per step ({SPECULATIVE_K.text}; default 8)")
     add_option(parser, suppress, "--quantize", choices=["q8_0"],

@@ -286,7 +286,7 @@ class Repl:
             if value is not None:
                 own[name] = value
             sp = SamplingParams(**self._sampling(own))
-            refusal = speculative_refusal(value, self.client.model.speculative) if name == "speculative" else None
+            refusal = speculative_refusal(value, self.client.model.speculative_modes) if name == "speculative" else None
             if refusal:
                 raise ValueError(refusal)
         except ValueError as e:

@@ -225,6 +225,7 @@ class LeanEngine:
     device = "cpu"
     dtype = "float32"
     workers = None
+    speculative_modes = ("off", "ngram")   # prompt lookup, for greedy requests (accept_greedy)
 
     def __init__(self, plan: LeanPlan, load_progress=None):
         from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
@@ -249,6 +250,7 @@ class LeanEngine:
         self.requests: dict[str, _Request] = {}
         self._queue: list[str] = []
         self.speculation = SpeculationConfig(k_max=self.config.speculative_k)
+        self.speculative = "off" if self.config.speculative == "off" else "ngram"
         self.step_times = StepTimes(self.speculation.row_cost)
         self._model = None          # the LeanModel over the current KV caches
         self._blocks = 0            # their size in blocks

@@ -133,6 +133,13 @@ class LLMEngine:
         self.total_prefill_tokens = self.total_decode_tokens = 0
         self.total_spec_proposed = self.total_spec_accepted = 0
 
+    @property
+    def speculative_modes(self) -> tuple[str, ...]:
+        """The proposers a request may pick (SamplingParams.speculative)."""
+        if self.runner.is_hybrid:
+            return ("off",)
+        return ("off", "ngram", "draft") if self.draft is not None else ("off", "ngram")
+
     def _proposer(self, asked: str) -> str:
         """The engine's speculative mode: off, ngram or draft (config.speculative names a draft model). "auto" is
         ngram where a row's logits are the same bits however many rows its step computes, so proposals cannot

@@ -497,7 +497,7 @@ def test_speculative_flags_reach_the_engine_config_on_every_command(home, tmp_pa
         made = Config.create("", **cfg)
         assert (made.speculative, made.speculative_k) == want, (command, flags)
     args = cli.build_parser(command).parse_args(command)
-    assert "speculative" not in engine_config(args, Settings())   # neither says: the engine's default (ngram)
+    assert "speculative" not in engine_config(args, Settings())   # neither says: the engine's default (auto)
 
 
 @pytest.mark.parametrize("value, fragment", [

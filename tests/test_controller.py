@@ -745,10 +745,10 @@ def test_export_to_a_path_and_its_one_line_errors(tmp_path, monkeypatch):
 
 def test_set_speculative_reaches_the_next_turn_is_saved_per_chat_and_checked(tiny_models, tmp_path, monkeypatch):
     """/set speculative: a SamplingParams field of the chat's next turns, saved with the chat; the engine speculates
-    (ngram, its default) unless the chat turns it off; a draft without a draft model is refused at /set. A fresh
+    (ngram, as started) unless the chat turns it off; a draft without a draft model is refused at /set. A fresh
     engine: one whose step costs were measured under other tests' slowed steps may judge speculation not to pay."""
     client = EngineClient()
-    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE, speculative="ngram")
     chat = ChatController(client, ChatStore(tmp_path / "spec.db"), {**SAMPLING, "max_tokens": 24})
     try:
         _set_speculative(chat, tmp_path, monkeypatch)
@@ -785,8 +785,8 @@ def _set_speculative(chat, tmp_path, monkeypatch):
     finally:
         reopened.close()
         reopened.store.close()
-    monkeypatch.setattr(chat.client.model, "speculative", "off")   # an engine started with --speculative off
-    with pytest.raises(ChatError, match="changes nothing"):
+    monkeypatch.setattr(chat.client.model, "speculative_modes", ("off",))   # a hybrid model: no speculation
+    with pytest.raises(ChatError, match="cannot speculate"):
         chat.set_setting(conv, "speculative", "ngram")
     chat.set_setting(conv, "speculative", None)
     assert conv.settings == {}

@@ -270,7 +270,7 @@ def test_set_speculative_applies_to_the_next_reply_and_its_stats_line_says_so(en
     lines = "\n".join([repeat, "/set speculative off", "/set", repeat, "/set speculative draft", "/set speculative x",
                        "/set speculative -", repeat, "/exit"]) + "\n"
     r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["qwen3"]),
-                        "--temperature", "0", "--max-tokens", "24", "--ignore-eos"],
+                        "--temperature", "0", "--max-tokens", "24", "--ignore-eos", "--speculative", "ngram"],
                        input=lines, capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     stats = re.findall(r"\[[^\]]*\]", r.stderr)
@@ -284,8 +284,13 @@ def test_set_speculative_applies_to_the_next_reply_and_its_stats_line_says_so(en
     assert "Traceback" not in r.stderr
 
 
-def test_set_speculative_ngram_on_an_engine_started_with_it_off_is_refused(env, tiny_models):
+def test_set_speculative_ngram_speculates_on_an_engine_started_with_it_off(env, tiny_models):
+    """The engine's proposer is the default; a chat may still ask for prompt lookup."""
+    repeat = "Repeat exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9"
     r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["qwen3"]),
-                        "--speculative", "off"], input="/set speculative ngram\n/exit\n", capture_output=True,
+                        "--temperature", "0", "--max-tokens", "24", "--ignore-eos", "--speculative", "off"],
+                       input=f"{repeat}\n/set speculative ngram\n{repeat}\n/exit\n", capture_output=True,
                        text=True, env=env, timeout=60)
-    assert r.returncode == 0 and "changes nothing" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    first, second = (re.search(SPEC, s) for s in re.findall(r"\[[^\]]*\]", r.stderr))
+    assert first is None and second is not None and int(second[2]) > 0, r.stderr

@@ -783,7 +783,7 @@ def test_the_speculative_field_reaches_the_request_and_bad_values_are_400(tiny_m
     and greedy replies are the same either way); other values are 400 with the rule in words. A fresh engine:
     its step costs (which decide whether speculation pays) measured by this test alone."""
     client = EngineClient()
-    client.load_model(str(tiny_models["llama"]), **ENGINE)
+    client.load_model(str(tiny_models["llama"]), **ENGINE, speculative="ngram")
     server = Server(client)
     try:
         _speculative_field(server)

@@ -891,7 +891,7 @@ async def test_speculation_shows_in_the_gauges_the_footer_and_the_completions(ti
     runs, and /set speculative off reaches the chat's next turn. A fresh engine, whose step costs no slowed step
     of another test measured (they decide whether speculation pays)."""
     client = EngineClient(in_process=True)
-    client.load_model(str(tiny_models["qwen3"]), **ENGINE)
+    client.load_model(str(tiny_models["qwen3"]), **ENGINE, speculative="ngram")
     try:
         await _speculation_in_the_app(client, home)
     finally:
@@ -925,7 +925,7 @@ async def _speculation_in_the_app(client, home):
         await send(pilot, "Repeat this list exactly: 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9 5 6 7 8 9")
         off = await reply_done(pilot, screen.current)
         assert off.stats.spec_proposed == 0 and " spec " not in footers(app)[-1]
-    assert speculative_choices("off") == () and speculative_choices("draft") == ("off", "ngram", "draft")
+    assert speculative_choices(("off",)) == () and speculative_choices(("off", "ngram", "draft")) == ("off", "ngram", "draft")
     assert speculation_text(EngineStats()) == ""
     assert speculation_text(EngineStats(spec_acceptance=0.72, spec_tokens_per_step=2.31, total_spec_proposed=50,
                                         total_spec_accepted=36)) == "spec  72% · 2.3 tok/step"

@@ -559,7 +559,7 @@ class ChatScreen(GaugedScreen):
         model = self.controller.model
         chat_input = self.query_one(ChatInput)
         chat_input.reasoning_efforts = model.reasoning_efforts if model else ()
-        chat_input.speculative = slash.speculative_choices(model.speculative) if model else ()
+        chat_input.speculative = slash.speculative_choices(model.speculative_modes) if model else ()
 
     # ------------------------------------------------------------------ actions
     @on(RunCommand)

@@ -80,12 +80,10 @@ SPECULATIVE_HINTS = {"off": "this chat decodes one token per step", "ngram": "th
                      "n-gram matches in the chat", "draft": "this chat's replies speculate with the draft model"}
 
 
-def speculative_choices(engine_mode: str) -> tuple[str, ...]:
-    """The /set speculative values worth offering on an engine that speculates with `engine_mode` (ModelInfo's):
-    none when it does not speculate, draft only with a draft model."""
-    if engine_mode == "off":
-        return ()
-    return ("off", "ngram", "draft") if engine_mode == "draft" else ("off", "ngram")
+def speculative_choices(modes: tuple) -> tuple[str, ...]:
+    """The /set speculative values worth offering on an engine whose requests may pick `modes`
+    (ModelInfo.speculative_modes): none when it cannot speculate, draft only with a draft model."""
+    return tuple(modes) if len(modes) > 1 else ()
 
 
 def completions(theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str, ...] = (),

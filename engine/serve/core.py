@@ -189,7 +189,7 @@ class EngineCore:
                          tools=engine.loaded.chat_template.takes_tools(),
                          harmony=engine.loaded.chat_template.harmony,
                          reasoning_efforts=engine.loaded.chat_template.reasoning_efforts(),
-                         speculative=getattr(engine, "speculative", "off"))   # the lean engine does not speculate
+                         speculative=engine.speculative, speculative_modes=engine.speculative_modes)
 
     def create_engine(self, model: str, config: dict, progress):
         """The engine for op_load (engine/lean.py's core makes its own)."""

@@ -55,6 +55,7 @@ class ModelInfo:
     harmony: bool = False           # replies are in the harmony format (gpt-oss): channels, not <think>
     reasoning_efforts: tuple = ()   # the reasoning_effort values the chat template reads (gpt-oss: low, medium, high)
     speculative: str = "off"        # the engine's speculative proposer: off, ngram or draft (a request may pick another)
+    speculative_modes: tuple = ("off",)   # the proposers a request may pick here (draft: with a draft model loaded)
 
 
 class EngineError(RuntimeError):
