@@ -20,12 +20,12 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from nanochat.engine.config import Config, launched_rank
-from nanochat.engine.output import ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent
-from nanochat.engine.reply_text import add_token, request_stats, take_delta
+from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent
+from nanochat.engine.reply_text import add_token, check_prompt, request_stats, take_delta
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.serve.core import EngineCore
@@ -276,15 +276,7 @@ class LeanEngine:
                                    "frequency_penalty": sp.frequency_penalty, "logprobs": sp.logprobs}):
             raise RequestError("penalties, log-probabilities and seeded sampling need the full engine")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ContextExceeded(len(ids), limit)
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        check_prompt(ids, self.config.max_model_len, self.loaded.config.vocab_size)
         request_id = request_id or f"req-{len(self.requests)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")

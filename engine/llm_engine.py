@@ -15,9 +15,8 @@ from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, kv_window
-from nanochat.engine.output import (ContextExceeded, EngineStats, RequestError, RequestStats, TokenEvent,
-                                   TokenLogprobs)
-from nanochat.engine.reply_text import add_token, request_stats, take_delta
+from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent, TokenLogprobs
+from nanochat.engine.reply_text import add_token, check_prompt, request_stats, take_delta
 from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs, verify
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
@@ -245,15 +244,7 @@ class LLMEngine:
         return self.draft.propose(seq, spec.choose_k(room, with_draft) if room > 0 else 0)
 
     def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise RequestError("the prompt is empty")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ContextExceeded(len(ids), limit)
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        check_prompt(ids, self.config.max_model_len, self.loaded.config.vocab_size)
         if self.block_manager.num_blocks_for(len(ids) + 1) > len(self.block_manager.blocks):
             raise RequestError(f"the prompt needs {len(ids)} tokens of KV cache but the cache holds only "
                                f"{len(self.block_manager.blocks) * self.config.kvcache_block_size}; "

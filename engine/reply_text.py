@@ -1,13 +1,24 @@
-"""What both engines (engine/llm_engine.py, engine/lean.py) do with a sampled token: append it, grow the
-request's text, decide whether the request ends (stop token, stop string, max_tokens, the context), hand out
-the text that is final, and sum up the request. Imports no torch.
+"""What both engines (engine/llm_engine.py, engine/lean.py) do with a request's tokens: check its prompt ids;
+for each sampled token append it, grow the request's text, decide whether the request ends (stop token, stop
+string, max_tokens, the context) and hand out the text that is final; and sum up the request. Imports no torch.
 
 A request here is any object with `seq` (engine/sequence.py), `params` (SamplingParams), `detok`
 (an IncrementalDetokenizer), `text` and `emitted` (chars of `text` already sent)."""
 
 from __future__ import annotations
 
-from nanochat.engine.output import RequestStats
+from nanochat.engine.output import ContextExceeded, RequestError, RequestStats
+
+
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """RequestError unless the prompt is non-empty, leaves room for a token and names only the vocabulary's ids."""
+    if not ids:
+        raise RequestError("the prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ContextExceeded(len(ids), max_model_len)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
 
 def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int) -> str | None:

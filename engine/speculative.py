@@ -23,6 +23,8 @@ the tokens gained per step stop paying for the extra rows the sequence stops pro
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
@@ -40,17 +42,22 @@ class SpeculationConfig:
 
 class StepTimes:
     """What a decode step costs by the rows it computes (decode rows plus proposals), measured as the engine
-    runs: an EMA of seconds per row count. Rows never measured are estimated from the nearest measured ones
-    (or the prior `row_cost` per extra row). On the CPU an extra row is far from free (the int8 kernels are
-    compute-bound at a few rows, and their tiles come in steps), so k is chosen on measured costs."""
+    runs: the median of the last few steps of each row count (a step slowed by another process does not move
+    it). Rows never measured are estimated from the nearest measured ones (or the prior `row_cost` per extra
+    row). On the CPU an extra row is far from free (the int8 kernels are compute-bound at a few rows, and their
+    tiles come in steps), so k is chosen on measured costs."""
+
+    KEEP = 9   # steps remembered per row count
 
     def __init__(self, row_cost: float):
         self.row_cost = row_cost
+        self.samples: dict[int, deque[float]] = {}
         self.seconds: dict[int, float] = {}
 
     def record(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + 0.25 * (seconds - old)
+        kept = self.samples.setdefault(rows, deque(maxlen=self.KEEP))
+        kept.append(seconds)
+        self.seconds[rows] = statistics.median(kept)
 
     def estimate(self, rows: int) -> float | None:
         if rows in self.seconds:
