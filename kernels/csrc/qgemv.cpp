@@ -578,10 +578,8 @@ struct RowBlock {
   float dg[8][2], mg[8][2];  // d * sc and m * mn (32-element blocks: d and m), the kernels' fp32 products
 };
 
-// RowBlock's scale products, from d, m, sc and mn (and MXFP4's indices looked up as its codes).
-inline void scale_products(const Fmt& f, RowBlock& rb) {
-  if (f.type == MXFP4)
-    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
+// RowBlock's scale products, from d, m, sc and mn.
+inline void block_scales(const Fmt& f, RowBlock& rb) {
   if (f.elems != 256) {
     rb.dg[0][0] = rb.d;
     rb.mg[0][0] = rb.m;
@@ -592,6 +590,13 @@ inline void scale_products(const Fmt& f, RowBlock& rb) {
       rb.dg[s][h] = rb.d * static_cast<float>(rb.sc[s][h]);
       rb.mg[s][h] = rb.m * static_cast<float>(rb.mn[s][h]);
     }
+}
+
+// The scale products, and MXFP4's indices looked up as its codes.
+inline void scale_products(const Fmt& f, RowBlock& rb) {
+  if (f.type == MXFP4)
+    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
+  block_scales(f, rb);
 }
 
 // Integer dot products of codes with activation codes, written in the vector extensions of GCC and
@@ -645,23 +650,28 @@ void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
   scale_products(f, rb);
 }
 
-// A raw GGML block.
-void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
-  raw_codes(f.type, b, rb.c);
+// A raw GGML block's scales (d, m and the K-quants' sub-block scales, with their products).
+inline void raw_block_scales(const Fmt& f, const uint8_t* b, RowBlock& rb) {
   rb.d = rd_scale(f.type, b + raw_d(f.type));
   rb.m = f.m >= 0 ? rd_f16(b + raw_m(f.type)) : 0.0f;
   if (f.elems == 256)
     for (int s = 0; s < 8; ++s) sub_scales(f.type, b + raw_sc(f.type), s, rb.sc[s], rb.mn[s]);
-  scale_products(f, rb);
+  block_scales(f, rb);
 }
 
-// y += block kb of a weight row (rb) times row `row` of x: the fp32 operations of the SIMD kernels, in
-// their order.
-void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, float& y) {
+// A raw GGML block.
+void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
+  raw_codes(f.type, b, rb.c);
+  if (f.type == MXFP4)
+    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
+  raw_block_scales(f, b, rb);
+}
+
+// y += block kb of a weight row (scales in rb, sums: the integer dot products of each 16-element half with
+// row `row` of x) : the fp32 operations of the SIMD kernels, in their order.
+inline void apply_sums(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, const int* sums,
+                       float& y) {
   const int subs = f.elems / 32;
-  int sums[16];
-  dot_halves(rb.c, a.q + row * a.k + kb * f.elems, a.q2 ? a.q2 + row * a.k + kb * f.elems : nullptr, 2 * subs,
-             sums);
   for (int s = 0; s < subs; ++s) {
     // the sub-block's weight scale and min (per 16 elements: dg, mg)
     const float* dg = rb.dg[s];
@@ -689,6 +699,13 @@ void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, i
     else if (f.m >= 0)
       y = std::fma(cm, a.ds[row * (a.k / 32) + blk], y);
   }
+}
+
+void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, float& y) {
+  int sums[16];
+  dot_halves(rb.c, a.q + row * a.k + kb * f.elems, a.q2 ? a.q2 + row * a.k + kb * f.elems : nullptr,
+             f.elems / 16, sums);
+  apply_sums(f, rb, kb, a, row, sums, y);
 }
 
 void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o,
@@ -1412,6 +1429,146 @@ void raw_scalar(const Fmt& f, const uint8_t* w, int64_t row_stride, int64_t r0, 
     }
 }
 
+#if NC_HAS_NEON
+// NEON: raw_scalar's loop, its fp32 operations (apply_sums) on each row's block, with the codes unpacked and
+// dotted in vectors: per 16-element half one SDOT (or smull / smlal, two products summed in int16) and an add
+// across the lanes.
+
+// `bit` in byte j where bit j % 8 of byte j / 8 of the 16-bit mask m (elements 0..15 of a mask) is set.
+inline uint8x16_t mask_bits16(const uint8_t* m, uint8_t bit) {
+  const uint8x16_t spread = vcombine_u8(vdup_n_u8(m[0]), vdup_n_u8(m[1]));
+  return vandq_u8(vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull))), vdupq_n_u8(bit));
+}
+
+// The codes of a raw block, element e in c[e] as raw_codes gives them (MXFP4: looked up as MX_CODES).
+template <int TYPE>
+__attribute__((always_inline)) inline void raw_codes_neon(const uint8_t* b, int8_t* c) {
+  const uint8x16_t m4 = vdupq_n_u8(15);
+  auto st = [&](int e, uint8x16_t v) { vst1q_s8(c + e, vreinterpretq_s8_u8(v)); };
+  if constexpr (TYPE == Q8_0) {
+    std::memcpy(c, b + 2, 32);
+  } else if constexpr (fmt_of(TYPE).elems == 32) {
+    constexpr int QS = TYPE == MXFP4 ? 1 : TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;
+    const uint8x16_t q = vld1q_u8(b + QS);
+    uint8x16_t lo = vandq_u8(q, m4), hi = vshrq_n_u8(q, 4);
+    if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {  // bit j of qh: bit 4 of element j
+      const uint8_t* qh = b + (TYPE == Q5_0 ? 2 : 4);
+      lo = vorrq_u8(lo, mask_bits16(qh, 16));
+      hi = vorrq_u8(hi, mask_bits16(qh + 2, 16));
+    }
+    if constexpr (TYPE == MXFP4) {
+      const uint8x16_t tbl = vld1q_u8(reinterpret_cast<const uint8_t*>(MX_CODES));
+      lo = vqtbl1q_u8(tbl, lo);
+      hi = vqtbl1q_u8(tbl, hi);
+    }
+    st(0, lo);
+    st(16, hi);
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // 32 bytes per two sub-blocks: low nibbles, then high
+    const uint8_t* qs = b + (TYPE == Q4_K ? 16 : 48);
+    for (int p = 0; p < 4; ++p)
+      for (int j = 0; j < 2; ++j) {
+        const uint8x16_t q = vld1q_u8(qs + 32 * p + 16 * j);
+        uint8x16_t lo = vandq_u8(q, m4), hi = vshrq_n_u8(q, 4);
+        if constexpr (TYPE == Q5_K) {  // qh byte l, bit s: bit 4 of element l of sub-block s
+          const uint8x16_t qh = vld1q_u8(b + 16 + 16 * j);
+          lo = vorrq_u8(lo, vandq_u8(vtstq_u8(qh, vdupq_n_u8(1 << (2 * p))), vdupq_n_u8(16)));
+          hi = vorrq_u8(hi, vandq_u8(vtstq_u8(qh, vdupq_n_u8(2 << (2 * p))), vdupq_n_u8(16)));
+        }
+        st(64 * p + 16 * j, lo);
+        st(64 * p + 32 + 16 * j, hi);
+      }
+  } else if constexpr (TYPE == Q6_K) {  // per 128 elements: 64 bytes of nibbles, 32 of 2-bit fields
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 2; ++j) {
+        const uint8x16_t qh = vld1q_u8(b + 128 + 32 * h + 16 * j);
+        const uint8x16_t l0 = vld1q_u8(b + 64 * h + 16 * j), l1 = vld1q_u8(b + 64 * h + 32 + 16 * j);
+        const uint8x16_t m48 = vdupq_n_u8(48);
+        st(128 * h + 16 * j, vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(qh, 4), m48)));
+        st(128 * h + 32 + 16 * j, vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(qh, 2), m48)));
+        st(128 * h + 64 + 16 * j, vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(qh, m48)));
+        st(128 * h + 96 + 16 * j, vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(vshrq_n_u8(qh, 2), m48)));
+      }
+  } else {  // Q2_K, Q3_K: per 128 elements 32 bytes of four 2-bit fields; Q3_K's bit 2 in hmask bit 4h + j
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 2; ++l) {
+        const uint8x16_t q = vld1q_u8(b + (TYPE == Q2_K ? 16 : 32) + 32 * h + 16 * l);
+        [[maybe_unused]] const uint8x16_t hm = vld1q_u8(b + 16 * l);
+        const uint8x16_t f[4] = {vandq_u8(q, m3), vandq_u8(vshrq_n_u8(q, 2), m3), vandq_u8(vshrq_n_u8(q, 4), m3),
+                                 vshrq_n_u8(q, 6)};
+        for (int j = 0; j < 4; ++j) {
+          uint8x16_t v = f[j];
+          if constexpr (TYPE == Q3_K) v = vorrq_u8(v, vandq_u8(vtstq_u8(hm, vdupq_n_u8(1 << (4 * h + j))), vdupq_n_u8(4)));
+          st(128 * h + 32 * j + 16 * l, v);
+        }
+      }
+  }
+}
+
+// The dot product of 16 codes with 16 activation codes (|products| <= 128 * 127: two of them fit int16).
+inline int dot16_neon(const int8_t* c, const int8_t* x) {
+  const int8x16_t cv = vld1q_s8(c), xv = vld1q_s8(x);
+#if NC_HAS_DOTPROD
+  return vaddvq_s32(vdotq_s32(vdupq_n_s32(0), cv, xv));
+#else
+  return vaddlvq_s16(vmlal_high_s8(vmull_s8(vget_low_s8(cv), vget_low_s8(xv)), cv, xv));
+#endif
+}
+
+template <int TYPE>
+void raw_rows_neon(const uint8_t* w, int64_t row_stride, int64_t r0, int64_t r1, int64_t nblk, const Acts& a,
+                   const int64_t* idx, int64_t n, float* y, int64_t ldy) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int HALVES = f.elems / 16;
+  float acc[RAW_TOKENS];
+  RowBlock rb;
+  alignas(16) int8_t c[256];
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t t0 = 0; t0 < n; t0 += RAW_TOKENS) {
+      const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
+      std::fill(acc, acc + nt, 0.0f);
+      for (int64_t kb = 0; kb < nblk; ++kb) {
+        const uint8_t* b = w + r * row_stride + kb * f.raw_bytes;
+        if (t0 == 0) prefetch_lines<(f.raw_bytes + 63) / 64>(b + 4 * row_stride);  // the same block a few rows on
+        raw_codes_neon<TYPE>(b, c);
+        raw_block_scales(f, b, rb);
+        for (int64_t t = 0; t < nt; ++t) {
+          const int64_t row = idx ? idx[t0 + t] : t0 + t;
+          const int8_t* xq = a.q + row * a.k + kb * f.elems;
+          int sums[16];
+          for (int h = 0; h < HALVES; ++h) sums[h] = dot16_neon(c + 16 * h, xq + 16 * h);
+          if (a.q2) {  // combined code 256 q + q2: exact in int32
+            const int8_t* xq2 = a.q2 + row * a.k + kb * f.elems;
+            for (int h = 0; h < HALVES; ++h) sums[h] = 256 * sums[h] + dot16_neon(c + 16 * h, xq2 + 16 * h);
+          }
+          apply_sums(f, rb, kb, a, row, sums, acc[t]);
+        }
+      }
+      for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r - r0] = acc[t];
+    }
+}
+
+using RawNeonFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const Acts&, const int64_t*, int64_t,
+                           float*, int64_t);
+
+RawNeonFn pick_raw_neon(int type) {
+  switch (type) {
+    case Q4_0: return raw_rows_neon<Q4_0>;
+    case Q4_1: return raw_rows_neon<Q4_1>;
+    case Q5_0: return raw_rows_neon<Q5_0>;
+    case Q5_1: return raw_rows_neon<Q5_1>;
+    case Q8_0: return raw_rows_neon<Q8_0>;
+    case Q2_K: return raw_rows_neon<Q2_K>;
+    case Q3_K: return raw_rows_neon<Q3_K>;
+    case Q4_K: return raw_rows_neon<Q4_K>;
+    case Q5_K: return raw_rows_neon<Q5_K>;
+    case Q6_K: return raw_rows_neon<Q6_K>;
+    case MXFP4: return raw_rows_neon<MXFP4>;
+  }
+  return nullptr;
+}
+#endif
+
 #if NC_HAS_AVX2
 
 template <int N, class F>
@@ -1993,6 +2150,9 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
     }
     return;
   }
+#endif
+#if NC_HAS_NEON
+  if (g_simd >= NC_ISA_NEON) return pick_raw_neon(type)(w, row_stride, r0, r1, nblk, a, idx, n, y, ldy);
 #endif
   raw_scalar(f, w, row_stride, r0, r1, nblk, a, idx, n, y, ldy);
 }
