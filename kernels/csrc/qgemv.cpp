@@ -902,6 +902,16 @@ struct V512 {
 #endif
 
 #if NC_HAS_NEON
+// `bit` in byte j where bit j % 8 of byte j / 8 of the 16 bits at m is set: the two bytes broadcast by one
+// table lookup (element j of a group's mask, or of 16 elements' high bits).
+inline uint8x16_t mask_bits16(const uint8_t* m, uint8_t bit) {
+  uint16_t bits;
+  std::memcpy(&bits, m, 2);
+  const uint8x16_t spread = vqtbl1q_u8(vreinterpretq_u8_u16(vdupq_n_u16(bits)),
+                                       vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull))));
+  return vandq_u8(vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull))), vdupq_n_u8(bit));
+}
+
 // 128-bit NEON: 4 rows per vector, four quarters of a tile (HALVES = 4). The codes are below 128 (Q8_0's
 // are int8), so the signed int8 products of SDOT (dotprod) or of smull / smlal (baseline ASIMD, two groups
 // summed in int16: at most 2 * 128 * 127) give the same exact int32 sums as the x86 kernels' unsigned ones.
@@ -924,11 +934,19 @@ struct V128 {
     else if constexpr (SH == TO) return i32(vandq_u8(u8(v), m));
     else return i32(vandq_u8(vshrq_n_u8(u8(v), SH - TO), m));
   }
-  template <int BIT>  // rows 4h .. 4h + 3: mask bits 16h .. 16h + 15, bit j for byte j
-  static I setbit(I v, const uint8_t* mask, int h) {
-    const uint8x16_t spread = vcombine_u8(vdup_n_u8(mask[2 * h]), vdup_n_u8(mask[2 * h + 1]));
-    const uint8x16_t set = vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull)));
-    return i32(vorrq_u8(u8(v), vandq_u8(set, vdupq_n_u8(1 << BIT))));
+  // setbit for groups 0..7 (masks 8 bytes apart): rows 4h .. 4h + 3 are mask bytes 2h, 2h + 1, spread to bytes
+  // 0..7 and 8..15 by one table lookup in the 16 bytes that hold two groups' masks.
+  template <int BIT>
+  static void setbits8(I u[8], const uint8_t* qh, int h) {
+    const uint8x16_t idx = vaddq_u8(vdupq_n_u8(static_cast<uint8_t>(2 * h)),
+                                    vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull))));
+    const uint8x16_t idx2 = vaddq_u8(idx, vdupq_n_u8(8));
+    const uint8x16_t sel = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull)), bit = vdupq_n_u8(1 << BIT);
+    for (int p = 0; p < 4; ++p) {
+      const uint8x16_t m = vld1q_u8(qh + 16 * p);
+      u[2 * p] = i32(vorrq_u8(u8(u[2 * p]), vandq_u8(vtstq_u8(vqtbl1q_u8(m, idx), sel), bit)));
+      u[2 * p + 1] = i32(vorrq_u8(u8(u[2 * p + 1]), vandq_u8(vtstq_u8(vqtbl1q_u8(m, idx2), sel), bit)));
+    }
   }
   static constexpr int Q8_BIAS = 0;  // signed products: Q8_0's int8 as they are
   static constexpr bool WIDE_X2 = false;
@@ -1093,6 +1111,16 @@ __attribute__((always_inline)) inline void q3k_scales16(const uint8_t* planes, u
 #endif
 
 #if NC_HAS_SIMD
+// Bit BIT of the codes of groups 0..7 (half h) from their masks (8 bytes per group, from qh): the trait's own
+// for all 8 at once where it has one.
+template <class V, int BIT>
+__attribute__((always_inline)) inline void set_bits(typename V::I u[8], const uint8_t* qh, int h) {
+  if constexpr (requires { V::template setbits8<BIT>(u, qh, h); })
+    V::template setbits8<BIT>(u, qh, h);
+  else
+    for (int g = 0; g < 8; ++g) u[g] = V::template setbit<BIT>(u[g], qh + 8 * g, h);
+}
+
 // Unsigned codes of sub-block s (groups G = 0..7 of 4 elements) for half h of a tile block.
 template <class V, int TYPE>
 inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
@@ -1107,7 +1135,7 @@ inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
       u[p + 4] = V::hi4(c);
     }
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1)
-      for (int g = 0; g < 8; ++g) u[g] = V::template setbit<4>(u[g], b + f.qh + 8 * g, h);
+      set_bits<V, 4>(u, b + f.qh, h);
     if constexpr (TYPE == MXFP4)
       for (int g = 0; g < 8; ++g) u[g] = V::mx_codes(u[g]);
   } else {
@@ -1135,7 +1163,7 @@ inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
       }
     }
     if constexpr (TYPE == Q5_K || TYPE == Q3_K)
-      for (int g = 0; g < 8; ++g) u[g] = V::template setbit<TYPE == Q5_K ? 4 : 2>(u[g], b + f.qh + 64 * s + 8 * g, h);
+      set_bits<V, TYPE == Q5_K ? 4 : 2>(u, b + f.qh + 64 * s, h);
   }
 }
 
@@ -1433,12 +1461,6 @@ void raw_scalar(const Fmt& f, const uint8_t* w, int64_t row_stride, int64_t r0, 
 // NEON: raw_scalar's loop, its fp32 operations (apply_sums) on each row's block, with the codes unpacked and
 // dotted in vectors: per 16-element half one SDOT (or smull / smlal, two products summed in int16) and an add
 // across the lanes.
-
-// `bit` in byte j where bit j % 8 of byte j / 8 of the 16-bit mask m (elements 0..15 of a mask) is set.
-inline uint8x16_t mask_bits16(const uint8_t* m, uint8_t bit) {
-  const uint8x16_t spread = vcombine_u8(vdup_n_u8(m[0]), vdup_n_u8(m[1]));
-  return vandq_u8(vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull))), vdupq_n_u8(bit));
-}
 
 // The codes of a raw block, element e in c[e] as raw_codes gives them (MXFP4: looked up as MX_CODES).
 template <int TYPE>
