@@ -175,6 +175,12 @@ def simd_level() -> str:
     return SIMD_LEVELS[_need().nc_qg_simd()]
 
 
+def simd_compiled() -> str:
+    """The best code path the loaded build has ("scalar": a CPU with neither AVX2 nor NEON, or a forced scalar
+    build), whatever set_simd_level chose."""
+    return SIMD_LEVELS[_need().nc_qg_simd_compiled()]
+
+
 def set_simd_level(level: str | None) -> None:
     """Force a lower code path of this build's ladder, or scalar (tests); None restores the best compiled one."""
     lib = _need()

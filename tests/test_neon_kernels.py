@@ -179,3 +179,31 @@ def test_apple_flags_select_the_neon_levels(mcpu, macros):
     defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define")}
     assert {"__aarch64__", "__ARM_NEON", "__APPLE__"} | macros <= defined
     assert "__x86_64__" not in defined and "_OPENMP" not in defined
+
+
+# ---------------------------------------------------------------- the fallback order
+
+
+def test_auto_backend_skips_a_scalar_build():
+    """A CPU with no SIMD build (here: the scalar build forced) gets torch's int4 kernel (dense where the type has
+    none), which outruns the scalar q8 kernels (benchmarks/README.md); q8 stays selectable by name."""
+    import torch
+
+    from nanochat.kernels import gguf_quants as gq
+    from nanochat.kernels import quant_matmul as qm
+
+    native = cpu_qgemv.extension()
+    if native is None:
+        pytest.skip("no compiled kernels")
+    cpu = torch.device("cpu")
+    try:
+        cpu_qgemv.use_isa("scalar")
+        assert cpu_qgemv.simd_compiled() == "scalar"
+        want = "int4" if qm._INT4MM is not None and gq.Q4_1 in qm.CPU_INT4_TYPES else "dense"
+        assert qm._pick_backend(gq.Q4_1, cpu, torch.bfloat16, "auto") == want
+        assert qm._pick_backend(gq.Q6_K, cpu, torch.bfloat16, "auto") in ("int4", "dense")
+        assert qm._pick_backend(gq.Q4_1, cpu, torch.bfloat16, "q8") == "q8"
+    finally:
+        cpu_qgemv._kernels.replace(native)
+    if cpu_qgemv.simd_compiled() != "scalar":
+        assert qm._pick_backend(gq.Q4_1, cpu, torch.bfloat16, "auto") == "q8"
