@@ -56,17 +56,29 @@ def macs(body: list[str]) -> int:
     return sum(16 for i in body if i.split()[0] == "sdot") + sum(32 for i in body if i.split()[0] == "smmla")
 
 
-def block_loop(lines: list[str]) -> list[str]:
-    """The innermost loop (one that holds no other) with the most int8 multiply-accumulates; of several such (a
-    loop the compiler versioned, e.g. with and without prefetches), the longest."""
+def block_loops(lines: list[str]) -> list[list[str]]:
+    """The innermost loops (ones that hold no other) with the most int8 multiply-accumulates, longest first: one,
+    or the versions of one loop the compiler made (nanochat's tiles: with the prefetches of the first quarter of a
+    tile, and without them for the other three)."""
     labels = {line.split(":")[0]: i for i, line in enumerate(lines) if re.match(r"^\.LBB\w+:", line)}
     loops = [(labels[m.group(1)], j) for j, line in enumerate(lines)
              if (m := BRANCH.match(line)) and m.group(1) in labels and labels[m.group(1)] < j]
-    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    best = max(inner, key=lambda ab: (macs(body := instructions(lines[ab[0] + 1:ab[1] + 1])), len(body)), default=None)
-    if best is None or not macs(instructions(lines[best[0] + 1:best[1] + 1])):
+    inner = [instructions(lines[a + 1:b + 1]) for a, b in loops
+             if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    most = max((macs(body) for body in inner), default=0)
+    if not most:
         raise RuntimeError("no loop of integer dot products found")
-    return instructions(lines[best[0] + 1:best[1] + 1])
+    return sorted((body for body in inner if macs(body) == most), key=len, reverse=True)
+
+
+def block_loop(lines: list[str]) -> list[str]:
+    return block_loops(lines)[0]
+
+
+def tile_cycles(mca: str, versions: list[list[str]], model: str) -> float:
+    """Cycles per iteration of nanochat's block loop over a tile's 4 quarters: the longest version (the
+    prefetching one) for one quarter, the shortest for the other three."""
+    return (mca_cycles(mca, versions[0], model) + 3 * mca_cycles(mca, versions[-1], model)) / 4
 
 
 def mca_cycles(mca: str, body: list[str], model: str) -> float:
@@ -82,7 +94,7 @@ def compile_asm(cmd: list[str], out: Path) -> list[str]:
     return out.read_text().splitlines()
 
 
-def nanochat_asm(clang: str, tmp: Path) -> list[str]:
+def nanochat_asm(clang: str, tmp: Path, march: str) -> list[str]:
     src = tmp / "nc_tiles.cpp"
     lines = ['#include "qgemv.cpp"']
     for _, t, _, _ in TYPES:
@@ -92,8 +104,8 @@ def nanochat_asm(clang: str, tmp: Path) -> list[str]:
                              f"int64_t nblk, const Acts& a, const Out& o) {{ tile_simd<V128, {t}, {rows}, "
                              f"{str(x2).lower()}>(w, nblk, a, 0, o, 0); }}")
     src.write_text("\n".join(lines) + "\n")
-    cmd = [clang, *TARGET, DOTPROD, "-std=c++20", "-ffp-contract=off", f"-I{ROOT / 'kernels' / 'csrc'}", str(src)]
-    return compile_asm(cmd, tmp / "nc.s")
+    cmd = [clang, *TARGET, march, "-std=c++20", "-ffp-contract=off", f"-I{ROOT / 'kernels' / 'csrc'}", str(src)]
+    return compile_asm(cmd, tmp / f"nc{march.replace('+', '_')}.s")
 
 
 def wrapper(t: int, rows: int, x2: bool) -> str:
@@ -127,14 +139,14 @@ def main() -> int:
     clang_version = subprocess.run([args.clang, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        nc = nanochat_asm(args.clang, tmp)
+        nc = nanochat_asm(args.clang, tmp, DOTPROD)  # its i8mm level runs the same SDOT kernels
         gg = {"dotprod": ggml_asm(args.clang, args.llama_src, DOTPROD, tmp),
               "i8mm": ggml_asm(args.clang, args.llama_src, I8MM, tmp)}
         rows = []
         for name, t, elems, fn in TYPES:
             for tile, nrows in (("decode", 1), ("prefill", 8)):
-                bodies = {x2: block_loop(nanochat_kernel(nc, t, nrows, x2)) for x2 in (False, True)}
-                per = {x2: macs(b) / elems / (2 if x2 else 1) for x2, b in bodies.items()}
+                bodies = {x2: block_loops(nanochat_kernel(nc, t, nrows, x2)) for x2 in (False, True)}
+                per = {x2: macs(b[0]) / elems / (2 if x2 else 1) for x2, b in bodies.items()}
                 # ggml: decode is the one-row vec_dot (dotprod); prefill its i8mm 2 x 2 loop where the type has one
                 # and the CPU has i8mm, else the one-row loop for each row of x
                 dot = block_loop(function(gg["dotprod"], fn))
@@ -142,8 +154,8 @@ def main() -> int:
                 for model in MODELS:
                     body = i8 if (tile == "prefill" and model in I8MM_MODELS
                                   and any(i.split()[0] == "smmla" for i in i8)) else dot
-                    c1 = mca_cycles(args.mca, bodies[False], model) / per[False]
-                    c2 = mca_cycles(args.mca, bodies[True], model) / per[True]
+                    c1 = tile_cycles(args.mca, bodies[False], model) / per[False]
+                    c2 = tile_cycles(args.mca, bodies[True], model) / per[True]
                     cg = mca_cycles(args.mca, body, model) / (macs(body) / elems)
                     rows.append((name, tile, model, c1, c2, cg,
                                  "i8mm" if any(i.split()[0] == "smmla" for i in body) else "dotprod"))

@@ -4,8 +4,8 @@
 // Scheme for the quantized types (as llama.cpp does it): each row of x is quantized once per call to
 // int8 blocks of 32 (fp32 scale d = amax / 127, integer sums of every 16), so the inner products are
 // integer dot products of the weights' small unsigned codes with int8 activations (AVX-512 VNNI
-// `vpdpbusd`, AVX2 `maddubs`), scaled per 32-block (per 16 for Q2_K, Q3_K, Q6_K) and accumulated in
-// fp32. The result is x_hat @ W^T up to fp32 rounding, where x_hat is the int8-rounded x:
+// `vpdpbusd`, AVX2 `maddubs`, NEON `sdot` or `smull`), scaled per 32-block (per 16 for Q2_K, Q3_K, Q6_K)
+// and accumulated in fp32. The result is x_hat @ W^T up to fp32 rounding, where x_hat is the int8-rounded x:
 // |x_hat - x| <= d / 2 per element.
 //
 // "Two-level" mode (x2): the rounding residual is quantized again to int8 on a 256x finer grid
@@ -29,10 +29,10 @@
 // from DRAM, and the hardware prefetchers alone leave the K-quant kernels at a third to a half of the
 // memory bandwidth.
 //
-// Three code paths, the best one the build has (simd.h's NC_ISA) with a runtime override for tests:
-// AVX-512 VNNI, AVX2 (+FMA, F16C) and scalar. All three perform the same fp32 operations in the
-// same order, so their outputs are bit-identical, and a row's output does not depend on the
-// other rows of the batch.
+// Code paths, the best one the build has (simd.h's NC_ISA) with a runtime override for tests:
+// AVX-512 VNNI, AVX2 (+FMA, F16C), NEON (128 bits, 4 rows a vector; SDOT with dotprod) and scalar. All
+// perform the same fp32 operations in the same order, so their outputs are bit-identical, and a row's
+// output does not depend on the other rows of the batch.
 //
 // nc_qg_matmul_rows (and matmul_rows, for moe.cpp) computes the same products from weights left in
 // GGML's row layout (see "raw GGML rows"). nc_qg_dequant_rows reads rows back from the tiles (a tied
@@ -912,7 +912,9 @@ inline uint8x16_t mask_bits16(const uint8_t* m, uint8_t bit) {
   return vandq_u8(vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull))), vdupq_n_u8(bit));
 }
 
-// 128-bit NEON: 4 rows per vector, four quarters of a tile (HALVES = 4). The codes are below 128 (Q8_0's
+// 128-bit NEON: 4 rows per vector, four quarters of a tile (HALVES = 4). The i8mm level runs these SDOT kernels:
+// SMMLA on pairs of rows of x needs the 4-byte groups zipped into 8-byte rows and the 2 x 2 results unzipped,
+// and llvm-mca put that at 0.91-1.34x the SDOT prefill tile's cycles on Neoverse V1 (slower for the K-quants). The codes are below 128 (Q8_0's
 // are int8), so the signed int8 products of SDOT (dotprod) or of smull / smlal (baseline ASIMD, two groups
 // summed in int16: at most 2 * 128 * 127) give the same exact int32 sums as the x86 kernels' unsigned ones.
 struct V128 {
