@@ -1,11 +1,13 @@
 """The kernels' AArch64 builds, checked bit for bit on this x86-64 machine under emulation: the library's sources and
-tests/native/neon_harness.cpp cross-compiled (aarch64-linux-gnu-g++) for baseline ASIMD, +dotprod and +i8mm, and for
-no SIMD (NC_NO_SIMD), run under `qemu-aarch64 -cpu max`. The harness hashes the outputs of every matmul type on
-1, 3, 8 and 17 rows of x, one and two activation levels, 1 and 2 threads (tiles, raw GGML rows, row reads), the MoE
-experts (SwiGLU, gpt-oss's clamped SwiGLU with MXFP4) and a fused decoder step (two layers, a prefill chunk beside a
-decode row, fp16 and fp32 caches, SiLU and GELU, window and sinks). Every AArch64 build must give the x86 scalar
-build's hashes; the fused step and activations, whose vector code runs 8 fp32 lanes as the AVX2 build does, the
-x86 AVX2 build's. Also: the x86 kernels built with clang give g++'s bits, and the build flags per platform.
+tests/native/neon_harness.cpp cross-compiled (aarch64-linux-gnu-g++) for baseline ASIMD, for +dotprod (the i8mm
+level runs the same kernels: only its selection is checked) and for no SIMD (NC_NO_SIMD), run under
+`qemu-aarch64 -cpu max`. The harness hashes the outputs of every matmul type on 1, 3, 8 and 17 rows of x, one and
+two activation levels, 1 and 2 threads (tiles, raw GGML rows, row reads), the MoE experts (SwiGLU, gpt-oss's clamped
+SwiGLU with MXFP4) and a fused decoder step (two layers, a prefill chunk beside a decode row, fp16 and fp32 caches,
+SiLU and GELU, window and sinks). Every AArch64 build must give the x86 scalar build's hashes; the fused step and
+activations, whose vector code runs 8 fp32 lanes as the AVX2 build does, the x86 AVX2 build's. Also: the x86
+kernels built with clang give g++'s bits, and the build flags per platform. The builds are cached by their sources
+and flags: a cold run compiles 7 of them (1.5-3.5 min on 2 cores), a warm one takes seconds.
 
 Skips, saying why, where the cross compiler or qemu is missing (.ci/run installs them when it runs as root).
 """
@@ -34,7 +36,6 @@ BUILDS = {
     "x86-avx2": ("g++", ["-mavx2", "-mfma", "-mf16c"], 1),
     "arm-neon": (CROSS, ["-march=armv8-a"], 3),
     "arm-dotprod": (CROSS, ["-march=armv8.2-a+dotprod"], 4),
-    "arm-i8mm": (CROSS, ["-march=armv8.6-a+i8mm"], 5),
     "arm-scalar": (CROSS, ["-march=armv8-a", "-DNC_NO_SIMD"], 0),
 }
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
@@ -104,7 +105,7 @@ def test_harness_covers_every_type_row_count_and_thread_count(hashes):
     assert len({hashes["x86-scalar"][f"matmul {t} n=3 levels=2 threads=1"] for t in TYPES}) == len(TYPES)
 
 
-@pytest.mark.parametrize("build", ["arm-neon", "arm-dotprod", "arm-i8mm", "arm-scalar"])
+@pytest.mark.parametrize("build", ["arm-neon", "arm-dotprod", "arm-scalar"])
 def test_arm_build_gives_the_x86_scalar_bits(build, hashes):
     """Matmul tiles, raw-row (expert) kernels, row reads and the MoE experts: the x86 scalar build's bits."""
     got, want = hashes[build], hashes["x86-scalar"]
@@ -113,7 +114,7 @@ def test_arm_build_gives_the_x86_scalar_bits(build, hashes):
     assert not diff, f"{len(diff)} cases differ from the x86 scalar build, e.g. {diff[:5]}"
 
 
-@pytest.mark.parametrize("build", ["arm-neon", "arm-dotprod", "arm-i8mm"])
+@pytest.mark.parametrize("build", ["arm-neon", "arm-dotprod"])
 def test_arm_fused_step_gives_the_avx2_bits(build, hashes):
     """The fused decoder step (outputs and the K/V written) and the activations: the x86 AVX2 build's bits."""
     got, want = hashes[build], hashes["x86-avx2"]
@@ -121,6 +122,21 @@ def test_arm_fused_step_gives_the_avx2_bits(build, hashes):
     assert len(fused) == 29
     diff = [label for label in fused if got.get(label) != want[label]]
     assert not diff, f"{len(diff)} fused-step cases differ from the AVX2 build, e.g. {diff[:5]}"
+
+
+@pytest.mark.parametrize("flags,level", [(["-march=armv8-a"], 3), (["-march=armv8.2-a+dotprod"], 4),
+                                         (["-march=armv8.6-a+i8mm"], 5), (["-mcpu=neoverse-n1"], 4),
+                                         (["-march=armv8.6-a+i8mm", "-DNC_NO_SIMD"], 0)])
+def test_arm_levels_come_from_the_compiler_macros(flags, level, tmp_path):
+    """simd.h's level for each target (the i8mm level runs the dotprod kernels: no build of its own above)."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    src = tmp_path / "level.cpp"
+    src.write_text(f'#include "simd.h"\nstatic_assert(NC_ISA == {level}, "level");\n')
+    r = subprocess.run([CROSS, "-std=c++20", *flags, f"-I{ROOT / 'kernels' / 'csrc'}", "-fsyntax-only", str(src)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_arm_scalar_fused_step_gives_the_x86_scalar_bits(hashes):
