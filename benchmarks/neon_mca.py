@@ -160,7 +160,7 @@ def main() -> int:
                     rows.append((name, tile, model, c1, c2, cg,
                                  "i8mm" if any(i.split()[0] == "smmla" for i in body) else "dotprod"))
     head = ["type", "tile", "model", "nanochat 1 level", "nanochat 2 levels", "ggml", "ggml kernel", "1 level / ggml"]
-    print(f"llvm-mca: {version.splitlines()[0].strip()} {version.splitlines()[1].strip() if len(version.splitlines()) > 1 else ''}")
+    print("llvm-mca: " + " ".join(line.strip() for line in version.splitlines()[:2]))
     print(f"compiler: {clang_version}; nanochat {DOTPROD}, ggml {DOTPROD} (decode) / {I8MM} (prefill)")
     print("cycles per block-dot (one weight block x one row of x)")
     if args.markdown:

@@ -71,7 +71,8 @@ def arm_features(system: str | None = None, cpuinfo: str = "/proc/cpuinfo") -> f
 
         for name, key in (("dotprod", "FEAT_DotProd"), ("i8mm", "FEAT_I8MM")):
             try:
-                r = subprocess.run(["sysctl", "-n", f"hw.optional.arm.{key}"], capture_output=True, text=True, timeout=5)
+                r = subprocess.run(["sysctl", "-n", f"hw.optional.arm.{key}"], capture_output=True, text=True,
+                                   timeout=5)
             except (OSError, subprocess.SubprocessError):
                 continue
             if r.returncode == 0 and r.stdout.strip() == "1":

@@ -3,8 +3,8 @@
 y = x @ W^T (+ bias) for W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 MXFP4) or dense (F32, F16, BF16). For the block types each row of x is quantized per call to int8 blocks of
 32 (scale d = amax / 127), the dot products run in integer arithmetic (AVX-512 VNNI, AVX2, NEON with or
-without SDOT, or scalar C++) and are scaled per block in fp32. The result is x_hat @ W^T to fp32 rounding (~1e-6 relative),
-x_hat being x on the activation grid:
+without SDOT, or scalar C++) and are scaled per block in fp32. The result is x_hat @ W^T to fp32 rounding
+(~1e-6 relative), x_hat being x on the activation grid:
 
     |y - x @ W^T| <= sum over 32-blocks b of err_b * sum_{i in b} |W[o, i]|,
     levels=1 (llama.cpp's scheme):  err_b = amax_b(x) / 254      (int8 codes)
@@ -80,7 +80,8 @@ def _load_extension() -> ctypes.CDLL:
     return _bind(ctypes.CDLL(build_library(_SOURCES, variants)))
 
 
-def native_flags(system: str | None = None, machine: str | None = None, features: frozenset[str] | None = None) -> list[str]:
+def native_flags(system: str | None = None, machine: str | None = None,
+                 features: frozenset[str] | None = None) -> list[str]:
     """The target flags of this machine's build (defaults: platform.system(), platform.machine(), arm_features()).
     x86-64: -march=native. AArch64 Linux (g++ or clang): -mcpu=native. macOS on Apple Silicon: Apple's clang takes
     no -march=native, so -mcpu=apple-m1 (Armv8.5 with dotprod: every Apple Silicon CPU), plus +i8mm where the CPU

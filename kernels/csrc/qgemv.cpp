@@ -907,16 +907,16 @@ struct V512 {
 inline uint8x16_t mask_bits16(const uint8_t* m, uint8_t bit) {
   uint16_t bits;
   std::memcpy(&bits, m, 2);
-  const uint8x16_t spread = vqtbl1q_u8(vreinterpretq_u8_u16(vdupq_n_u16(bits)),
-                                       vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull))));
+  const uint8x16_t lanes = vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull)));
+  const uint8x16_t spread = vqtbl1q_u8(vreinterpretq_u8_u16(vdupq_n_u16(bits)), lanes);
   return vandq_u8(vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull))), vdupq_n_u8(bit));
 }
 
-// 128-bit NEON: 4 rows per vector, four quarters of a tile (HALVES = 4). The i8mm level runs these SDOT kernels:
-// SMMLA on pairs of rows of x needs the 4-byte groups zipped into 8-byte rows and the 2 x 2 results unzipped,
-// and llvm-mca put that at 0.91-1.34x the SDOT prefill tile's cycles on Neoverse V1 (slower for the K-quants). The codes are below 128 (Q8_0's
-// are int8), so the signed int8 products of SDOT (dotprod) or of smull / smlal (baseline ASIMD, two groups
-// summed in int16: at most 2 * 128 * 127) give the same exact int32 sums as the x86 kernels' unsigned ones.
+// 128-bit NEON: 4 rows per vector, four quarters of a tile (HALVES = 4). The codes are below 128 (Q8_0's are
+// int8), so the signed int8 products of SDOT (dotprod) or of smull / smlal (baseline ASIMD, two groups summed in
+// int16: at most 2 * 128 * 127) give the same exact int32 sums as the x86 kernels' unsigned ones. The i8mm level
+// runs these SDOT kernels: SMMLA on pairs of rows of x needs the 4-byte groups zipped into 8-byte rows and the
+// 2 x 2 results unzipped, and llvm-mca put that at 0.91-1.34x the SDOT prefill tile's cycles on Neoverse V1.
 struct V128 {
   static constexpr int L = 4, HALVES = 4;
   using I = int32x4_t;
@@ -940,8 +940,8 @@ struct V128 {
   // 0..7 and 8..15 by one table lookup in the 16 bytes that hold two groups' masks.
   template <int BIT>
   static void setbits8(I u[8], const uint8_t* qh, int h) {
-    const uint8x16_t idx = vaddq_u8(vdupq_n_u8(static_cast<uint8_t>(2 * h)),
-                                    vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull))));
+    const uint8x16_t lanes = vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull)));
+    const uint8x16_t idx = vaddq_u8(vdupq_n_u8(static_cast<uint8_t>(2 * h)), lanes);
     const uint8x16_t idx2 = vaddq_u8(idx, vdupq_n_u8(8));
     const uint8x16_t sel = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull)), bit = vdupq_n_u8(1 << BIT);
     for (int p = 0; p < 4; ++p) {
@@ -1522,7 +1522,8 @@ __attribute__((always_inline)) inline void raw_codes_neon(const uint8_t* b, int8
                                  vshrq_n_u8(q, 6)};
         for (int j = 0; j < 4; ++j) {
           uint8x16_t v = f[j];
-          if constexpr (TYPE == Q3_K) v = vorrq_u8(v, vandq_u8(vtstq_u8(hm, vdupq_n_u8(1 << (4 * h + j))), vdupq_n_u8(4)));
+          if constexpr (TYPE == Q3_K)
+            v = vorrq_u8(v, vandq_u8(vtstq_u8(hm, vdupq_n_u8(1 << (4 * h + j))), vdupq_n_u8(4)));
           st(128 * h + 32 * j + 16 * l, v);
         }
       }

@@ -214,7 +214,8 @@ void moe() {
                {"oai-mxfp4", MXFP4, MXFP4, MXFP4, 1}};
   for (const Case& c : cases) {
     const Type &tg = type_of(c.gate), &tu = type_of(c.up), &td = type_of(c.down);
-    const std::vector<uint8_t> g = raw_rows(c.gate, E * I, H), u = raw_rows(c.up, E * I, H), d = raw_rows(c.down, E * H, I);
+    const std::vector<uint8_t> g = raw_rows(c.gate, E * I, H), u = raw_rows(c.up, E * I, H);
+    const std::vector<uint8_t> d = raw_rows(c.down, E * H, I);
     const NcMat gm{c.gate, 0, g.data(), I * (H / tg.elems) * tg.bytes, H / tg.elems * tg.bytes, I, H};
     const NcMat um{c.up, 0, u.data(), I * (H / tu.elems) * tu.bytes, H / tu.elems * tu.bytes, I, H};
     const NcMat dm{c.down, 0, d.data(), H * (I / td.elems) * td.bytes, I / td.elems * td.bytes, H, I};
