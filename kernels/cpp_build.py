@@ -47,6 +47,8 @@ def build_root() -> Path:
 
 def cpu_fingerprint() -> str:
     flags = platform.machine()
+    if platform.system() == "Darwin":  # no /proc/cpuinfo: the features the build's flags depend on
+        return flags + " " + " ".join(sorted(arm_features("Darwin")))
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -56,6 +58,36 @@ def cpu_fingerprint() -> str:
     except OSError:
         pass
     return flags
+
+
+def arm_features(system: str | None = None, cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The AArch64 features the kernels use that this CPU has: "dotprod" (SDOT) and "i8mm" (SMMLA). Linux: the
+    Features line of /proc/cpuinfo (asimddp, i8mm); macOS: sysctl hw.optional.arm.FEAT_DotProd / FEAT_I8MM. Empty
+    where neither answers (another OS, or a CPU without them)."""
+    system = system or platform.system()
+    found = set()
+    if system == "Darwin":
+        import subprocess
+
+        for name, key in (("dotprod", "FEAT_DotProd"), ("i8mm", "FEAT_I8MM")):
+            try:
+                r = subprocess.run(["sysctl", "-n", f"hw.optional.arm.{key}"], capture_output=True, text=True,
+                                   timeout=5)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            if r.returncode == 0 and r.stdout.strip() == "1":
+                found.add(name)
+        return frozenset(found)
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("Features"):
+                    words = set(line.split(":", 1)[1].split())
+                    found |= {name for name, flag in (("dotprod", "asimddp"), ("i8mm", "i8mm")) if flag in words}
+                    break
+    except OSError:
+        pass
+    return frozenset(found)
 
 
 def build_library(sources: Path | list[Path], variants: list[tuple[str, list[str], list[str]]]) -> str:

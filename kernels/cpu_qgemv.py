@@ -2,9 +2,9 @@
 
 y = x @ W^T (+ bias) for W in GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 MXFP4) or dense (F32, F16, BF16). For the block types each row of x is quantized per call to int8 blocks of
-32 (scale d = amax / 127), the dot products run in integer arithmetic (AVX-512 VNNI, AVX2, or scalar
-C++) and are scaled per block in fp32. The result is x_hat @ W^T to fp32 rounding (~1e-6 relative),
-x_hat being x on the activation grid:
+32 (scale d = amax / 127), the dot products run in integer arithmetic (AVX-512 VNNI, AVX2, NEON with or
+without SDOT, or scalar C++) and are scaled per block in fp32. The result is x_hat @ W^T to fp32 rounding
+(~1e-6 relative), x_hat being x on the activation grid:
 
     |y - x @ W^T| <= sum over 32-blocks b of err_b * sum_{i in b} |W[o, i]|,
     levels=1 (llama.cpp's scheme):  err_b = amax_b(x) / 254      (int8 codes)
@@ -24,10 +24,10 @@ tied to the LM head: one copy). Outputs are bit-identical across the SIMD paths 
 the other rows of the batch. The routed MoE experts (kernels/moe_cpu.py) run on the same kernels
 straight from the raw rows, with the same products.
 
-The library is built on first use (kernels/cpp_build.py: g++ and ninja, cached per source and CPU,
--march=native) and called through ctypes (plain C ABI, no torch headers). Threads: each call's
-`threads` (KernelOptions.threads), else torch.get_num_threads() (the CPU count without torch); the kernels run on a small pool of
-their own (not OpenMP), where the caller never waits for a worker that has not started yet, so a call
+The library is built on first use (kernels/cpp_build.py: g++ or clang and ninja, cached per source and CPU,
+`native_flags()`) and called through ctypes (plain C ABI, no torch headers). Threads: each call's
+`threads` (KernelOptions.threads), else torch.get_num_threads() (the CPU count without torch); the kernels run
+on a small pool of their own (not OpenMP), where the caller never waits for a worker that has not started yet, so a call
 on a busy machine degrades to the 1-thread time instead of stalling for a scheduler tick. Each thread
 streams large contiguous shares of the weight, prefetched in software. When the compiler is missing,
 `available()` is False (after one warning) and callers fall back to the int4 backend.
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import threading
 from array import array
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nanochat.kernels import ggml_types as gq
-from nanochat.kernels.cpp_build import LazyLibrary, build_library
+from nanochat.kernels.cpp_build import LazyLibrary, arm_features, build_library
 from nanochat.kernels.qweight import QuantWeight, Shaped
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ DENSE_TYPES = {gq.F32: "float32", gq.F16: "float16", gq.BF16: "bfloat16"}
 KERNEL_TYPES = frozenset({gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q8_0, gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K,
                           gq.MXFP4, *DENSE_TYPES})
 ROWS_PER_TILE = 16
-SIMD_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
+# simd.h's NC_ISA levels: two ladders above scalar, x86-64 (1, 2) and AArch64 (3..5).
+SIMD_LEVELS = {0: "scalar", 1: "avx2", 2: "avx512-vnni", 3: "neon", 4: "neon-dotprod", 5: "neon-i8mm"}
 # decoder.cpp (the fused decode step, kernels/cpu_decoder.py) and moe.cpp (routed experts,
 # kernels/moe_cpu.py) share this library and its thread pool.
 _SOURCES = [Path(__file__).parent / "csrc" / f for f in ("qgemv.cpp", "decoder.cpp", "moe.cpp")]
@@ -79,10 +81,26 @@ _FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off"]
 
 def _load_extension() -> ctypes.CDLL:
     """Build (or reuse the cached build of) the library and bind its C functions. Raises on failure."""
-    # -march=native first; a plain (scalar) build if the compiler rejects it.
-    variants = [("nanochat_qgemv", _FLAGS + ["-march=native"], ["-pthread"]),
+    # This CPU's flags first; a plain build (scalar on x86, baseline NEON on AArch64) if the compiler rejects them.
+    variants = [("nanochat_qgemv", _FLAGS + native_flags(), ["-pthread"]),
                 ("nanochat_qgemv_plain", _FLAGS, ["-pthread"])]
     return _bind(ctypes.CDLL(build_library(_SOURCES, variants)))
+
+
+def native_flags(system: str | None = None, machine: str | None = None,
+                 features: frozenset[str] | None = None) -> list[str]:
+    """The target flags of this machine's build (defaults: platform.system(), platform.machine(), arm_features()).
+    x86-64: -march=native. AArch64 Linux (g++ or clang): -mcpu=native. macOS on Apple Silicon: Apple's clang takes
+    no -march=native, so -mcpu=apple-m1 (Armv8.5 with dotprod: every Apple Silicon CPU), plus +i8mm where the CPU
+    reports FEAT_I8MM (M2 and later). No OpenMP anywhere: the kernels run on their own thread pool."""
+    system = system or platform.system()
+    machine = (machine or platform.machine()).lower()
+    if machine not in ARM_MACHINES:
+        return ["-march=native"]
+    if system != "Darwin":
+        return ["-mcpu=native"]
+    features = arm_features(system) if features is None else features
+    return ["-mcpu=apple-m1+i8mm" if "i8mm" in features else "-mcpu=apple-m1"]
 
 
 def build_variant(name: str, arch_flags: list[str]) -> ctypes.CDLL:
@@ -92,17 +110,27 @@ def build_variant(name: str, arch_flags: list[str]) -> ctypes.CDLL:
                                                        ["-pthread"])])))
 
 
-# Builds for a lower ISA than the machine's (benchmarks, and tests on an AVX-512 machine).
+# Builds for a lower ISA than the machine's (benchmarks, and tests on an AVX-512 machine), per architecture.
+# AArch64 always has NEON (so a build with no -m flags is not scalar there): NC_NO_SIMD makes simd.h pick scalar.
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
+ARM_ISA_FLAGS = {"neon-i8mm": ["-march=armv8.6-a+i8mm"], "neon-dotprod": ["-march=armv8.2-a+dotprod"],
+                 "neon": ["-march=armv8-a"], "scalar": ["-march=armv8-a", "-DNC_NO_SIMD"]}
+ARM_MACHINES = ("aarch64", "arm64")
+
+
+def isa_flags(machine: str | None = None) -> dict[str, list[str]]:
+    """The lower ISA builds `use_isa` offers on this machine (default platform.machine()), by name."""
+    return ARM_ISA_FLAGS if (machine or platform.machine()).lower() in ARM_MACHINES else ISA_FLAGS
 
 
 def use_isa(isa: str) -> None:
-    """Make the kernels of a lower ISA build ("avx2", "scalar") the ones every caller gets, as on a CPU
-    that has no more than that. The tile layout is the same for every build, so weights packed by
-    another build stay valid."""
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"unknown CPU ISA {isa!r} (have {', '.join(ISA_FLAGS)})")
-    _kernels.replace(build_variant(isa, ISA_FLAGS[isa]))
+    """Make the kernels of a lower ISA build (x86: "avx2", "scalar"; AArch64: "neon-dotprod", "neon", "scalar")
+    the ones every caller gets, as on a CPU that has no more than that. The tile layout is the same for every
+    build, so weights packed by another build stay valid."""
+    flags = isa_flags()
+    if isa not in flags:
+        raise ValueError(f"unknown CPU ISA {isa!r} (have {', '.join(flags)})")
+    _kernels.replace(build_variant(isa, flags[isa]))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -151,16 +179,22 @@ def _need() -> ctypes.CDLL:
 
 
 def simd_level() -> str:
-    """The code path in use: "avx512-vnni", "avx2" or "scalar"."""
+    """The code path in use: "avx512-vnni", "avx2", "neon-i8mm", "neon-dotprod", "neon" or "scalar"."""
     return SIMD_LEVELS[_need().nc_qg_simd()]
 
 
+def simd_compiled() -> str:
+    """The best code path the loaded build has ("scalar": a CPU with neither AVX2 nor NEON, or a forced scalar
+    build), whatever set_simd_level chose."""
+    return SIMD_LEVELS[_need().nc_qg_simd_compiled()]
+
+
 def set_simd_level(level: str | None) -> None:
-    """Force a lower code path (tests); None restores the best compiled one."""
+    """Force a lower code path of this build's ladder, or scalar (tests); None restores the best compiled one."""
     lib = _need()
     best = lib.nc_qg_simd_compiled()
     want = best if level is None else {v: k for k, v in SIMD_LEVELS.items()}[level]
-    if want > best:
+    if want > best or (want and (want >= 3) != (best >= 3)):
         raise ValueError(f"{level} is not compiled in (best: {SIMD_LEVELS[best]})")
     lib.nc_qg_set_simd(want)
 

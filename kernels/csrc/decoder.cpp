@@ -19,7 +19,8 @@
 // fp32, written and read in place.
 //
 // SIMD: the attention and elementwise kernels are written once over a vector of VL floats, 16 lanes in
-// AVX-512 builds and 8 in AVX2 builds (simd.h's NC_ISA), with scalar loops in builds that have neither.
+// AVX-512 builds and 8 in AVX2 and NEON builds (simd.h's NC_ISA; NEON as two 128-bit halves, so its results are
+// the AVX2 build's bit for bit), with scalar loops in builds that have neither.
 //
 // Batch invariance: a row's result depends only on that row (its values, position and cached K/V),
 // never on the other rows of the step, their number, or where a prompt's chunks start: every
@@ -106,7 +107,7 @@ struct Batch {
 
 // ------------------------------------------------------------------ SIMD
 // vf: VL fp32 lanes. Loads and stores of uint16_t are fp16 (widened; rounded to nearest even).
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
 constexpr int VL = 16;
 using vf = __m512;
 inline vf vset(float a) { return _mm512_set1_ps(a); }
@@ -141,7 +142,7 @@ inline vf vkeep(vf v, int64_t k) { return _mm512_maskz_mov_ps(lanes(k), v); }
 inline vf vsmall(vf x, float t, vf a, vf b) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(x), vset(t), _CMP_LT_OQ), b, a);
 }
-#elif NC_ISA >= NC_ISA_AVX2
+#elif NC_HAS_AVX2
 constexpr int VL = 8;
 using vf = __m256;
 inline vf vset(float a) { return _mm256_set1_ps(a); }
@@ -182,9 +183,70 @@ inline vf vsmall(vf x, float t, vf a, vf b) {
   const vf abs = _mm256_andnot_ps(vset(-0.0f), x);
   return _mm256_blendv_ps(b, a, _mm256_cmp_ps(abs, vset(t), _CMP_LT_OQ));
 }
+#elif NC_HAS_NEON
+// NEON: 8 lanes as two 128-bit halves, the AVX2 build's vector width, so the attention and elementwise
+// kernels do the AVX2 build's fp32 operations lane for lane and reduce in its order: the same bits.
+constexpr int VL = 8;
+struct vf {
+  float32x4_t lo, hi;
+};
+inline vf vset(float a) { return {vdupq_n_f32(a), vdupq_n_f32(a)}; }
+inline vf vload(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+inline vf vload(const uint16_t* p) {
+  const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));
+  return {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+}
+inline void vstore(float* p, vf v) {
+  vst1q_f32(p, v.lo);
+  vst1q_f32(p + 4, v.hi);
+}
+inline void vstore(uint16_t* p, vf v) {  // fcvtn rounds to nearest even (default FPCR), as vcvtps2ph does here
+  vst1q_u16(p, vreinterpretq_u16_f16(vcvt_high_f16_f32(vcvt_f16_f32(v.lo), v.hi)));
+}
+inline vf vadd(vf a, vf b) { return {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; }
+inline vf vsub(vf a, vf b) { return {vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)}; }
+inline vf vmul(vf a, vf b) { return {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; }
+inline vf vdiv(vf a, vf b) { return {vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)}; }
+// x86's minps / maxps (a < b ? a : b, a > b ? a : b), not fmin / fmax: the same result for NaN and signed zeros.
+inline vf vmin(vf a, vf b) {
+  return {vbslq_f32(vcltq_f32(a.lo, b.lo), a.lo, b.lo), vbslq_f32(vcltq_f32(a.hi, b.hi), a.hi, b.hi)};
+}
+inline vf vmax(vf a, vf b) {
+  return {vbslq_f32(vcgtq_f32(a.lo, b.lo), a.lo, b.lo), vbslq_f32(vcgtq_f32(a.hi, b.hi), a.hi, b.hi)};
+}
+inline vf vfmadd(vf a, vf b, vf c) { return {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; }
+inline vf vfnmadd(vf a, vf b, vf c) { return {vfmsq_f32(c.lo, a.lo, b.lo), vfmsq_f32(c.hi, a.hi, b.hi)}; }
+inline vf vround(vf a) { return {vrndnq_f32(a.lo), vrndnq_f32(a.hi)}; }
+inline float vhmax(vf a) { return vmaxvq_f32(vmaxq_f32(a.lo, a.hi)); }  // max is exact: any order
+inline vf vscale2(vf y, vf n) {  // as the AVX2 build: 2^n built in the exponent field
+  auto e = [](float32x4_t m) {
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(m), vdupq_n_s32(127)), 23));
+  };
+  return {vmulq_f32(y.lo, e(n.lo)), vmulq_f32(y.hi, e(n.hi))};
+}
+inline vf vload_part(const float* p, int64_t k) {
+  float buf[VL] = {};
+  std::memcpy(buf, p, k * sizeof(float));
+  return vload(buf);
+}
+inline void vstore_part(float* p, vf v, int64_t k) {
+  float buf[VL];
+  vstore(buf, v);
+  std::memcpy(p, buf, k * sizeof(float));
+}
+inline vf vkeep(vf v, int64_t k) {
+  static const int32_t iota[VL] = {0, 1, 2, 3, 4, 5, 6, 7};
+  const int32x4_t kk = vdupq_n_s32(static_cast<int32_t>(k));
+  return {vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(v.lo), vcltq_s32(vld1q_s32(iota), kk))),
+          vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(v.hi), vcltq_s32(vld1q_s32(iota + 4), kk)))};
+}
+inline vf vsmall(vf x, float t, vf a, vf b) {
+  const float32x4_t tv = vdupq_n_f32(t);
+  return {vbslq_f32(vcltq_f32(vabsq_f32(x.lo), tv), a.lo, b.lo), vbslq_f32(vcltq_f32(vabsq_f32(x.hi), tv), a.hi, b.hi)};
+}
 #endif
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
 // Horizontal sums in one fixed order: (s0 + s2) + (s1 + s3) of s_l = a_l + a_{l+4}, a the 8 lanes of fold8.
 // vsum sums one vector, vsum8 eight at once with a transposing tree of the same additions, so an attention
 // score comes out the same whether its key is scored alone (decode) or beside others (prefill).
@@ -207,6 +269,20 @@ __attribute__((always_inline)) inline void vsum8(const vf v[8], float* out) {
   const __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(s[2], s[3]), _mm256_unpackhi_ps(s[2], s[3]));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x44), _mm256_shuffle_ps(t01, t23, 0xee)));
 }
+#elif NC_HAS_NEON
+// The AVX2 build's order: s = lo + hi, then (s0 + s2) + (s1 + s3).
+inline float32x2_t vsum_pairs(vf v) {  // s0 + s2, s1 + s3
+  const float32x4_t s = vaddq_f32(v.lo, v.hi);
+  return vadd_f32(vget_low_f32(s), vget_high_f32(s));
+}
+inline float vsum(vf v) { return vpadds_f32(vsum_pairs(v)); }
+__attribute__((always_inline)) inline void vsum8(const vf v[8], float* out) {
+  for (int c = 0; c < 8; c += 4) {
+    const float32x4_t a = vcombine_f32(vsum_pairs(v[c]), vsum_pairs(v[c + 1]));
+    const float32x4_t b = vcombine_f32(vsum_pairs(v[c + 2]), vsum_pairs(v[c + 3]));
+    vst1q_f32(out + c, vpaddq_f32(a, b));
+  }
+}
 #endif
 
 using nc::f16_to_f32;
@@ -219,8 +295,8 @@ inline float widen(uint16_t h) { return f16_to_f32(h); }
 inline const float* as_f32(const float* row, int64_t, float*) { return row; }
 inline const float* as_f32(const uint16_t* row, int64_t n, float* buf) {
   int64_t i = 0;
-#if NC_ISA >= NC_ISA_AVX2
-  for (; i + VL <= n; i += VL) vstore(buf + i, vload(row + i));
+#if NC_HAS_SIMD
+  for (; i < n / VL * VL; i += VL) vstore(buf + i, vload(row + i));  // (i + VL <= n: a false g++ 12 warning)
 #endif
   for (; i < n; ++i) buf[i] = f16_to_f32(row[i]);
   return buf;
@@ -230,7 +306,7 @@ inline const float* as_f32(const uint16_t* row, int64_t n, float* buf) {
 inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   for (; i + VL <= n; i += VL) vstore(dst + i, vload(src + i));
 #endif
   for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
@@ -256,7 +332,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // else the scalar loops (fp16 widened into buf, d floats).
 template <int D, class T>
 inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   if constexpr (D > 0 && D % VL == 0) {
     vf acc = vmul(vload(a), vload(b));
     for (int c = 1; c < D / VL; ++c) acc = vfmadd(vload(a + VL * c), vload(b + VL * c), acc);
@@ -268,7 +344,7 @@ inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
 
 template <int D, class T>
 inline void head_axpy(float* o, float w, const T* b, int64_t d) {
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   if constexpr (D > 0 && D % VL == 0) {
     const vf wv = vset(w);
     for (int c = 0; c < D / VL; ++c) vstore(o + VL * c, vfmadd(wv, vload(b + VL * c), vload(o + VL * c)));
@@ -281,7 +357,7 @@ inline void head_axpy(float* o, float w, const T* b, int64_t d) {
 // s[c] = head_dot(q, k + c * d) for the 8 fp32 key rows from k: the same lanes and sums.
 template <int D>
 __attribute__((always_inline)) inline void head_dots8(const float* q, const float* k, int64_t d, float* s) {
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   if constexpr (D > 0 && D % VL == 0) {
     vf acc[8];
     const vf q0 = vload(q);
@@ -343,7 +419,7 @@ void prepare_qkv(const Model& m, const int64_t* L, const Batch& b, float* qkv) {
 // exp over an array (attention probabilities, SiLU): exp(x) = 2^n e^r with n = round(x / ln 2),
 // r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' degree-6 polynomial: within 2 ulp of std::exp
 // for x in [-87, 88]. std::exp in builds without SIMD.
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
 inline vf vexp(vf x) {
   x = vmin(vmax(x, vset(-87.3f)), vset(88.3f));   // so n is in [-126, 127]
   const vf n = vround(vmul(x, vset(1.44269504088896341f)));
@@ -361,7 +437,7 @@ inline vf vexp(vf x) {
 float max_of(const float* s, int64_t n) {
   int64_t i = 0;
   float mx = s[0];
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   if (n >= VL) {
     vf acc = vload(s);
     for (i = VL; i + VL <= n; i += VL) acc = vmax(acc, vload(s + i));
@@ -376,7 +452,7 @@ float max_of(const float* s, int64_t n) {
 float exp_shifted(float* s, int64_t n, float shift) {
   int64_t i = 0;
   float sum = 0.f;
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   vf acc = vset(0.f);
   const vf sh = vset(shift);
   for (; i + VL <= n; i += VL) {
@@ -399,7 +475,7 @@ float exp_shifted(float* s, int64_t n, float shift) {
 // out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u.
 void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   const vf one = vset(1.0f);
   for (; i + VL <= n; i += VL) {
     const vf x = vload(g + i);
@@ -424,7 +500,7 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
     return;
   }
   int64_t i = 0;
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   const vf one = vset(1.0f);
   auto f = [&](vf v) {
     if (op == 3) return vexp(v);
@@ -632,7 +708,7 @@ void merge_parts(AttnJob& j) {
   }
 }
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
 // Columns (of VL floats) of the output that weighted_values<D, NV> accumulates per pass over the
 // keys: NV x cols accumulators, at most 16 of AVX-512's 32 registers (one pass for the sizes used);
 // on AVX2 as many as fit its 16 beside the cols values and one broadcast weight (12 for NV = 6).
@@ -646,9 +722,9 @@ constexpr int pass_cols() {
 
 // Query vectors per pass over a block's values (weighted_values' NV): each value row loaded once per
 // pass serves them all. AVX2: 6 x 2 vectors of accumulators, 12 independent FMA chains (its 2 FMA units
-// x 4 cycles of latency need 8) in 15 of its 16 registers.
+// x 4 cycles of latency need 8) in 15 of its 16 registers; NEON's 8-lane vectors take 2 of its 32 each, alike.
 template <int D>
-constexpr int values_per_pass() { return NC_ISA == NC_ISA_AVX2 ? 6 : D > 64 ? 2 : 4; }
+constexpr int values_per_pass() { return NC_HAS_AVX2 && !NC_HAS_AVX512 ? 6 : NC_HAS_NEON ? 6 : D > 64 ? 2 : 4; }
 
 // out[v][e] (+)= sum_p w[v][p] * vals[p][e] for NV query vectors over the same n keys, whose values
 // are fp32 rows of d in `vals`: each value row is loaded once per pass for all NV. accumulate: add to
@@ -656,7 +732,7 @@ constexpr int values_per_pass() { return NC_ISA == NC_ISA_AVX2 ? 6 : D > 64 ? 2 
 template <int D, int NV>
 void weighted_values(const float* const* w, int64_t n, const float* vals, int64_t d, bool accumulate,
                      float* const* out) {
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   if constexpr (D > 0 && D % VL == 0) {
     constexpr int CW = pass_cols<D, NV>();
     for (int c0 = 0; c0 < D / VL; c0 += CW) {

@@ -4,8 +4,8 @@
 // Scheme for the quantized types (as llama.cpp does it): each row of x is quantized once per call to
 // int8 blocks of 32 (fp32 scale d = amax / 127, integer sums of every 16), so the inner products are
 // integer dot products of the weights' small unsigned codes with int8 activations (AVX-512 VNNI
-// `vpdpbusd`, AVX2 `maddubs`), scaled per 32-block (per 16 for Q2_K, Q3_K, Q6_K) and accumulated in
-// fp32. The result is x_hat @ W^T up to fp32 rounding, where x_hat is the int8-rounded x:
+// `vpdpbusd`, AVX2 `maddubs`, NEON `sdot` or `smull`), scaled per 32-block (per 16 for Q2_K, Q3_K, Q6_K)
+// and accumulated in fp32. The result is x_hat @ W^T up to fp32 rounding, where x_hat is the int8-rounded x:
 // |x_hat - x| <= d / 2 per element.
 //
 // "Two-level" mode (x2): the rounding residual is quantized again to int8 on a 256x finer grid
@@ -29,10 +29,10 @@
 // from DRAM, and the hardware prefetchers alone leave the K-quant kernels at a third to a half of the
 // memory bandwidth.
 //
-// Three code paths, the best one the build has (simd.h's NC_ISA) with a runtime override for tests:
-// AVX-512 VNNI, AVX2 (+FMA, F16C) and scalar. All three perform the same fp32 operations in the
-// same order, so their outputs are bit-identical, and a row's output does not depend on the
-// other rows of the batch.
+// Code paths, the best one the build has (simd.h's NC_ISA) with a runtime override for tests:
+// AVX-512 VNNI, AVX2 (+FMA, F16C), NEON (128 bits, 4 rows a vector; SDOT with dotprod) and scalar. All
+// perform the same fp32 operations in the same order, so their outputs are bit-identical, and a row's
+// output does not depend on the other rows of the batch.
 //
 // nc_qg_matmul_rows (and matmul_rows, for moe.cpp) computes the same products from weights left in
 // GGML's row layout (see "raw GGML rows"). nc_qg_dequant_rows reads rows back from the tiles (a tied
@@ -341,7 +341,7 @@ void quantize_row(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, flo
   }
 }
 
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
 // quantize_row for float32 x with AVX-512: the same fp32 operations (cvtps rounds to nearest even
 // like nearbyint; products and differences are separate ops), so the codes are identical.
 inline __m512 load16(const void* x, int bf16, int64_t i) {  // 16 floats from float32 or bf16 input
@@ -382,7 +382,7 @@ void quantize_row_avx512(const void* x, int bf16, int64_t k, int8_t* q, int8_t* 
 }
 #endif
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
 // quantize_row with AVX2, for the same reason and with the same fp32 operations (identical codes): prefill
 // quantizes every row of x for each matmul, ~10% of an AVX2 prefill step when done in scalar code.
 inline __m256 load8(const void* x, int bf16, int64_t i) {  // 8 floats from float32 or bf16 input
@@ -446,12 +446,66 @@ void quantize_row_avx2(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2
 }
 #endif
 
+#if NC_HAS_NEON
+// quantize_row with NEON, for the same reason and with the same fp32 operations: fcvtns rounds to nearest
+// even as nearbyint does, products and differences are separate ops, so the codes are identical.
+inline float32x4_t load4(const void* x, int bf16, int64_t i) {  // 4 floats from float32 or bf16 input
+  if (!bf16) return vld1q_f32(static_cast<const float*>(x) + i);
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(static_cast<const uint16_t*>(x) + i), 16));
+}
+
+void quantize_row_neon(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, float* d, int32_t* s16,
+                       float* ds) {
+  const int32x4_t lim = vdupq_n_s32(127), nlim = vdupq_n_s32(-127);
+  auto codes = [&](float32x4_t v) { return vmaxq_s32(nlim, vminq_s32(lim, vcvtnq_s32_f32(v))); };
+  // 32 int32 codes in [-127, 127] -> 32 int8 (the narrowing is exact)
+  auto store = [](int8_t* dst, const int32x4_t c[8]) {
+    for (int h = 0; h < 2; ++h) {
+      const int16x8_t a = vcombine_s16(vmovn_s32(c[4 * h]), vmovn_s32(c[4 * h + 1]));
+      const int16x8_t b = vcombine_s16(vmovn_s32(c[4 * h + 2]), vmovn_s32(c[4 * h + 3]));
+      vst1q_s8(dst + 16 * h, vcombine_s8(vmovn_s16(a), vmovn_s16(b)));
+    }
+  };
+  for (int64_t b = 0; b < k / 32; ++b) {
+    float32x4_t xs[8];
+    float32x4_t m = vdupq_n_f32(0.0f);
+    for (int j = 0; j < 8; ++j) {
+      xs[j] = load4(x, bf16, 32 * b + 4 * j);
+      m = vmaxq_f32(m, vabsq_f32(xs[j]));
+    }
+    const float amax = vmaxvq_f32(m);
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32x4_t c[8];
+    for (int j = 0; j < 8; ++j) c[j] = codes(vmulq_n_f32(xs[j], inv));
+    store(q + 32 * b, c);
+    if (q2) {
+      const float32x4_t vs = vdupq_n_f32(scale);
+      int32x4_t r[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = codes(vmulq_n_f32(vsubq_f32(xs[j], vmulq_f32(vs, vcvtq_f32_s32(c[j]))), 256.0f * inv));
+      store(q2 + 32 * b, r);
+      for (int j = 0; j < 8; ++j) c[j] = vaddq_s32(vshlq_n_s32(c[j], 8), r[j]);
+    }
+    const int sum0 = vaddvq_s32(vaddq_s32(vaddq_s32(c[0], c[1]), vaddq_s32(c[2], c[3])));
+    const int sum1 = vaddvq_s32(vaddq_s32(vaddq_s32(c[4], c[5]), vaddq_s32(c[6], c[7])));
+    d[b] = q2 ? scale * (1.0f / 256.0f) : scale;
+    s16[2 * b] = sum0;
+    s16[2 * b + 1] = sum1;
+    ds[b] = d[b] * static_cast<float>(sum0 + sum1);
+  }
+}
+#endif
+
 void quantize_any(const void* x, int bf16, int64_t k, int8_t* q, int8_t* q2, float* d, int32_t* s16, float* ds) {
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
   if (g_simd >= NC_ISA_AVX512) return quantize_row_avx512(x, bf16, k, q, q2, d, s16, ds);
 #endif
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
   if (g_simd >= NC_ISA_AVX2) return quantize_row_avx2(x, bf16, k, q, q2, d, s16, ds);
+#endif
+#if NC_HAS_NEON
+  if (g_simd >= NC_ISA_NEON) return quantize_row_neon(x, bf16, k, q, q2, d, s16, ds);
 #endif
   quantize_row(x, bf16, k, q, q2, d, s16, ds);
 }
@@ -524,10 +578,8 @@ struct RowBlock {
   float dg[8][2], mg[8][2];  // d * sc and m * mn (32-element blocks: d and m), the kernels' fp32 products
 };
 
-// RowBlock's scale products, from d, m, sc and mn (and MXFP4's indices looked up as its codes).
-inline void scale_products(const Fmt& f, RowBlock& rb) {
-  if (f.type == MXFP4)
-    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
+// RowBlock's scale products, from d, m, sc and mn.
+inline void block_scales(const Fmt& f, RowBlock& rb) {
   if (f.elems != 256) {
     rb.dg[0][0] = rb.d;
     rb.mg[0][0] = rb.m;
@@ -538,6 +590,13 @@ inline void scale_products(const Fmt& f, RowBlock& rb) {
       rb.dg[s][h] = rb.d * static_cast<float>(rb.sc[s][h]);
       rb.mg[s][h] = rb.m * static_cast<float>(rb.mn[s][h]);
     }
+}
+
+// The scale products, and MXFP4's indices looked up as its codes.
+inline void scale_products(const Fmt& f, RowBlock& rb) {
+  if (f.type == MXFP4)
+    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
+  block_scales(f, rb);
 }
 
 // Integer dot products of codes with activation codes, written in the vector extensions of GCC and
@@ -591,23 +650,28 @@ void tile_row_block(const Fmt& f, const uint8_t* b, int r, RowBlock& rb) {
   scale_products(f, rb);
 }
 
-// A raw GGML block.
-void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
-  raw_codes(f.type, b, rb.c);
+// A raw GGML block's scales (d, m and the K-quants' sub-block scales, with their products).
+inline void raw_block_scales(const Fmt& f, const uint8_t* b, RowBlock& rb) {
   rb.d = rd_scale(f.type, b + raw_d(f.type));
   rb.m = f.m >= 0 ? rd_f16(b + raw_m(f.type)) : 0.0f;
   if (f.elems == 256)
     for (int s = 0; s < 8; ++s) sub_scales(f.type, b + raw_sc(f.type), s, rb.sc[s], rb.mn[s]);
-  scale_products(f, rb);
+  block_scales(f, rb);
 }
 
-// y += block kb of a weight row (rb) times row `row` of x: the fp32 operations of the SIMD kernels, in
-// their order.
-void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, float& y) {
+// A raw GGML block.
+void raw_row_block(const Fmt& f, const uint8_t* b, RowBlock& rb) {
+  raw_codes(f.type, b, rb.c);
+  if (f.type == MXFP4)
+    for (int e = 0; e < 32; ++e) rb.c[e] = MX_CODES[rb.c[e]];
+  raw_block_scales(f, b, rb);
+}
+
+// y += block kb of a weight row (scales in rb, sums: the integer dot products of each 16-element half with
+// row `row` of x) : the fp32 operations of the SIMD kernels, in their order.
+inline void apply_sums(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, const int* sums,
+                       float& y) {
   const int subs = f.elems / 32;
-  int sums[16];
-  dot_halves(rb.c, a.q + row * a.k + kb * f.elems, a.q2 ? a.q2 + row * a.k + kb * f.elems : nullptr, 2 * subs,
-             sums);
   for (int s = 0; s < subs; ++s) {
     // the sub-block's weight scale and min (per 16 elements: dg, mg)
     const float* dg = rb.dg[s];
@@ -637,6 +701,13 @@ void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, i
   }
 }
 
+void scalar_block(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts& a, int64_t row, float& y) {
+  int sums[16];
+  dot_halves(rb.c, a.q + row * a.k + kb * f.elems, a.q2 ? a.q2 + row * a.k + kb * f.elems : nullptr,
+             f.elems / 16, sums);
+  apply_sums(f, rb, kb, a, row, sums, y);
+}
+
 void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o,
                  int64_t row0) {
   float acc[TMAX][ROWS] = {};
@@ -653,7 +724,7 @@ void tile_scalar(const Fmt& f, const uint8_t* w, int64_t nblk, const Acts& a, in
 // ------------------------------------------------------------------ SIMD kernels
 // One kernel body for AVX-512 (16 rows per vector) and AVX2 (8 rows per vector, two halves).
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
 // The 8 E8M0 bytes in the low half of e as fp32 lanes: e8m0_half's bits.
 inline __m256 e8m0_lanes(__m128i e) {
   const __m256i v = _mm256_cvtepu8_epi32(e);
@@ -764,7 +835,7 @@ struct V256 {
 };
 #endif
 
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
 struct V512 {
   static constexpr int L = 16, HALVES = 1;
   using I = __m512i;
@@ -830,7 +901,171 @@ struct V512 {
 };
 #endif
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_NEON
+// `bit` in byte j where bit j % 8 of byte j / 8 of the 16 bits at m is set: the two bytes broadcast by one
+// table lookup (element j of a group's mask, or of 16 elements' high bits).
+inline uint8x16_t mask_bits16(const uint8_t* m, uint8_t bit) {
+  uint16_t bits;
+  std::memcpy(&bits, m, 2);
+  const uint8x16_t lanes = vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull)));
+  const uint8x16_t spread = vqtbl1q_u8(vreinterpretq_u8_u16(vdupq_n_u16(bits)), lanes);
+  return vandq_u8(vtstq_u8(spread, vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull))), vdupq_n_u8(bit));
+}
+
+// 128-bit NEON: 4 rows per vector, four quarters of a tile (HALVES = 4). The codes are below 128 (Q8_0's are
+// int8), so the signed int8 products of SDOT (dotprod) or of smull / smlal (baseline ASIMD, two groups summed in
+// int16: at most 2 * 128 * 127) give the same exact int32 sums as the x86 kernels' unsigned ones. The i8mm level
+// runs these SDOT kernels: SMMLA on pairs of rows of x needs the 4-byte groups zipped into 8-byte rows and the
+// 2 x 2 results unzipped, and llvm-mca put that at 0.91-1.34x the SDOT prefill tile's cycles on Neoverse V1.
+struct V128 {
+  static constexpr int L = 4, HALVES = 4;
+  using I = int32x4_t;
+  using F = float32x4_t;
+  static uint8x16_t u8(I v) { return vreinterpretq_u8_s32(v); }
+  static int8x16_t s8(I v) { return vreinterpretq_s8_s32(v); }
+  static I i32(uint8x16_t v) { return vreinterpretq_s32_u8(v); }
+  static I load(const uint8_t* p) { return i32(vld1q_u8(p)); }
+  static I zero() { return vdupq_n_s32(0); }
+  static I lo4(I v) { return i32(vandq_u8(u8(v), vdupq_n_u8(15))); }
+  static I hi4(I v) { return i32(vshrq_n_u8(u8(v), 4)); }
+  static I or_(I a, I b) { return vorrq_s32(a, b); }
+  template <int SH, int TO>  // bits SH..SH+1 of each byte moved to TO..TO+1, the others cleared
+  static I bits2(I v) {
+    const uint8x16_t m = vdupq_n_u8(3 << TO);
+    if constexpr (SH < TO) return i32(vandq_u8(vshlq_n_u8(u8(v), TO - SH), m));
+    else if constexpr (SH == TO) return i32(vandq_u8(u8(v), m));
+    else return i32(vandq_u8(vshrq_n_u8(u8(v), SH - TO), m));
+  }
+  // setbit for groups 0..7 (masks 8 bytes apart): rows 4h .. 4h + 3 are mask bytes 2h, 2h + 1, spread to bytes
+  // 0..7 and 8..15 by one table lookup in the 16 bytes that hold two groups' masks.
+  template <int BIT>
+  static void setbits8(I u[8], const uint8_t* qh, int h) {
+    const uint8x16_t lanes = vreinterpretq_u8_u64(vcombine_u64(vdup_n_u64(0), vdup_n_u64(0x0101010101010101ull)));
+    const uint8x16_t idx = vaddq_u8(vdupq_n_u8(static_cast<uint8_t>(2 * h)), lanes);
+    const uint8x16_t idx2 = vaddq_u8(idx, vdupq_n_u8(8));
+    const uint8x16_t sel = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull)), bit = vdupq_n_u8(1 << BIT);
+    for (int p = 0; p < 4; ++p) {
+      const uint8x16_t m = vld1q_u8(qh + 16 * p);
+      u[2 * p] = i32(vorrq_u8(u8(u[2 * p]), vandq_u8(vtstq_u8(vqtbl1q_u8(m, idx), sel), bit)));
+      u[2 * p + 1] = i32(vorrq_u8(u8(u[2 * p + 1]), vandq_u8(vtstq_u8(vqtbl1q_u8(m, idx2), sel), bit)));
+    }
+  }
+  static constexpr int Q8_BIAS = 0;  // signed products: Q8_0's int8 as they are
+  static constexpr bool WIDE_X2 = false;
+  // Integer dot products of one 32-block (codes u, 8 groups of 4 per row) with one row's activation codes xq:
+  // lo for groups 0..3, hi for 4..7 (lane r: row r).
+  static void dot32(const I u[8], const int8_t* xq, I& lo, I& hi) {
+    const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
+#if NC_HAS_DOTPROD
+    lo = vdotq_laneq_s32(vdupq_n_s32(0), s8(u[0]), x0, 0);
+    hi = vdotq_laneq_s32(vdupq_n_s32(0), s8(u[4]), x1, 0);
+    lo = vdotq_laneq_s32(lo, s8(u[1]), x0, 1);
+    hi = vdotq_laneq_s32(hi, s8(u[5]), x1, 1);
+    lo = vdotq_laneq_s32(lo, s8(u[2]), x0, 2);
+    hi = vdotq_laneq_s32(hi, s8(u[6]), x1, 2);
+    lo = vdotq_laneq_s32(lo, s8(u[3]), x0, 3);
+    hi = vdotq_laneq_s32(hi, s8(u[7]), x1, 3);
+#else
+    lo = dot4(u, x0);
+    hi = dot4(u + 4, x1);
+#endif
+  }
+#if !NC_HAS_DOTPROD
+  // Four groups (rows 0..3, 4 codes each) against the 4 x 4 activation codes in x.
+  static I dot4(const I u[4], int8x16_t x) {
+    auto xg = [&](int g) { return vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), g)); };
+    int32x4_t a01 = vdupq_n_s32(0), a23 = vdupq_n_s32(0);  // rows 0, 1 | rows 2, 3: two lanes each
+    for (int g = 0; g < 4; g += 2) {
+      const int8x16_t x0 = xg(g), x1 = xg(g + 1);
+      int16x8_t p01 = vmull_s8(vget_low_s8(s8(u[g])), vget_low_s8(x0));
+      int16x8_t p23 = vmull_high_s8(s8(u[g]), x0);
+      p01 = vmlal_s8(p01, vget_low_s8(s8(u[g + 1])), vget_low_s8(x1));
+      p23 = vmlal_high_s8(p23, s8(u[g + 1]), x1);
+      a01 = vpadalq_s16(a01, p01);
+      a23 = vpadalq_s16(a23, p23);
+    }
+    return vpaddq_s32(a01, a23);
+  }
+#endif
+  static I add(I a, I b) { return vaddq_s32(a, b); }
+  static I set1(int v) { return vdupq_n_s32(v); }
+  static I sub(I a, I b) { return vsubq_s32(a, b); }
+  static I shl8(I a) { return vshlq_n_s32(a, 8); }
+  static uint32x4_t u8x4(const uint8_t* p) {  // 4 bytes widened to 4 lanes
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(v))));
+  }
+  static F f16(const uint8_t* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(v)));
+  }
+  static F e8m0(const uint8_t* p) {  // e8m0_half of 4 bytes
+    const uint32x4_t v = u8x4(p);
+    const uint32x4_t norm = vshlq_n_u32(vsubq_u32(v, vdupq_n_u32(1)), 23);
+    const uint32x4_t sub = vshlq_u32(vdupq_n_u32(0x00200000), vreinterpretq_s32_u32(v));
+    return vreinterpretq_f32_u32(vbslq_u32(vcltq_u32(v, vdupq_n_u32(2)), sub, norm));
+  }
+  static I mx_codes(I v) { return i32(vqtbl1q_u8(vld1q_u8(reinterpret_cast<const uint8_t*>(MX_CODES)), u8(v))); }
+  static F bf16(const uint8_t* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return vreinterpretq_f32_u32(vshll_n_u16(vcreate_u16(v), 16));
+  }
+  static F loadf(const uint8_t* p) { return vld1q_f32(reinterpret_cast<const float*>(p)); }
+  static F u8f(const uint8_t* p) { return vcvtq_f32_u32(u8x4(p)); }
+  static F s8f(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(v)))));
+  }
+  static F cvt(I v) { return vcvtq_f32_s32(v); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static F addf(F a, F b) { return vaddq_f32(a, b); }
+  static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+  static F fnma(F a, F b, F c) { return vfmsq_f32(c, a, b); }
+  static F set1f(float v) { return vdupq_n_f32(v); }
+  static F zerof() { return vdupq_n_f32(0.0f); }
+  static void store(float* p, F v) { vst1q_f32(p, v); }
+};
+
+// The K-quants' scale planes as k_scales16, q2k_scales16 and q3k_scales16 below decode them (the same bytes).
+__attribute__((always_inline)) inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][16]) {
+  uint8x16_t p[12];
+  for (int k = 0; k < 12; ++k) p[k] = vld1q_u8(planes + 16 * k);
+  const uint8x16_t m63 = vdupq_n_u8(63), m15 = vdupq_n_u8(15), m48 = vdupq_n_u8(48);
+  for (int j = 0; j < 4; ++j) {
+    vst1q_u8(sc[j], vandq_u8(p[j], m63));
+    vst1q_u8(mn[j], vandq_u8(p[j + 4], m63));
+    vst1q_u8(sc[j + 4], vorrq_u8(vandq_u8(p[j + 8], m15), vandq_u8(vshrq_n_u8(p[j], 2), m48)));
+    vst1q_u8(mn[j + 4], vorrq_u8(vshrq_n_u8(p[j + 8], 4), vandq_u8(vshrq_n_u8(p[j + 4], 2), m48)));
+  }
+}
+
+__attribute__((always_inline)) inline void q2k_scales16(const uint8_t* planes, uint8_t sc[16][16], uint8_t mn[16][16]) {
+  for (int j = 0; j < 16; ++j) {
+    const uint8x16_t p = vld1q_u8(planes + 16 * j);
+    vst1q_u8(sc[j], vandq_u8(p, vdupq_n_u8(15)));
+    vst1q_u8(mn[j], vshrq_n_u8(p, 4));
+  }
+}
+
+__attribute__((always_inline)) inline void q3k_scales16(const uint8_t* planes, uint8_t sc[16][16]) {
+  uint8x16_t p[12];
+  for (int k = 0; k < 12; ++k) p[k] = vld1q_u8(planes + 16 * k);
+  const uint8x16_t m15 = vdupq_n_u8(15), m48 = vdupq_n_u8(48), m32 = vdupq_n_u8(32);
+  for (int i = 0; i < 4; ++i) {  // bits 2 (j / 4) of plane 8 + j % 4 land on bits 4..5
+    const uint8x16_t h = p[8 + i];
+    vst1q_u8(sc[i], vsubq_u8(vorrq_u8(vandq_u8(p[i], m15), vandq_u8(vshlq_n_u8(h, 4), m48)), m32));
+    vst1q_u8(sc[i + 4], vsubq_u8(vorrq_u8(vandq_u8(p[i + 4], m15), vandq_u8(vshlq_n_u8(h, 2), m48)), m32));
+    vst1q_u8(sc[i + 8], vsubq_u8(vorrq_u8(vshrq_n_u8(p[i], 4), vandq_u8(h, m48)), m32));
+    vst1q_u8(sc[i + 12], vsubq_u8(vorrq_u8(vshrq_n_u8(p[i + 4], 4), vandq_u8(vshrq_n_u8(h, 2), m48)), m32));
+  }
+}
+#endif
+
+#if NC_HAS_AVX2
 // Q4_K / Q5_K: the 16 rows' 6-bit scales and mins of all 8 sub-blocks from the 12 byte planes.
 __attribute__((always_inline)) inline void k_scales16(const uint8_t* planes, uint8_t sc[8][16], uint8_t mn[8][16]) {
   __m128i p[12];
@@ -875,6 +1110,18 @@ __attribute__((always_inline)) inline void q3k_scales16(const uint8_t* planes, u
   for (int j = 0; j < 16; ++j)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(sc[j]), _mm_sub_epi8(_mm_or_si128(lo[j], hi[j]), _mm_set1_epi8(32)));
 }
+#endif
+
+#if NC_HAS_SIMD
+// Bit BIT of the codes of groups 0..7 (half h) from their masks (8 bytes per group, from qh): the trait's own
+// for all 8 at once where it has one.
+template <class V, int BIT>
+__attribute__((always_inline)) inline void set_bits(typename V::I u[8], const uint8_t* qh, int h) {
+  if constexpr (requires { V::template setbits8<BIT>(u, qh, h); })
+    V::template setbits8<BIT>(u, qh, h);
+  else
+    for (int g = 0; g < 8; ++g) u[g] = V::template setbit<BIT>(u[g], qh + 8 * g, h);
+}
 
 // Unsigned codes of sub-block s (groups G = 0..7 of 4 elements) for half h of a tile block.
 template <class V, int TYPE>
@@ -890,7 +1137,7 @@ inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
       u[p + 4] = V::hi4(c);
     }
     if constexpr (TYPE == Q5_0 || TYPE == Q5_1)
-      for (int g = 0; g < 8; ++g) u[g] = V::template setbit<4>(u[g], b + f.qh + 8 * g, h);
+      set_bits<V, 4>(u, b + f.qh, h);
     if constexpr (TYPE == MXFP4)
       for (int g = 0; g < 8; ++g) u[g] = V::mx_codes(u[g]);
   } else {
@@ -918,22 +1165,26 @@ inline void unpack(const uint8_t* b, int s, int h, typename V::I u[8]) {
       }
     }
     if constexpr (TYPE == Q5_K || TYPE == Q3_K)
-      for (int g = 0; g < 8; ++g) u[g] = V::template setbit<TYPE == Q5_K ? 4 : 2>(u[g], b + f.qh + 64 * s + 8 * g, h);
+      set_bits<V, TYPE == Q5_K ? 4 : 2>(u, b + f.qh + 64 * s, h);
   }
 }
 
 // Integer dot products of one 32-block for one row of x: groups 0..3 and 4..7 separately.
 template <class V, int TYPE>
 inline void dot32(const typename V::I u[8], const int8_t* xq, typename V::I& lo, typename V::I& hi) {
-  lo = V::zero();
-  hi = V::zero();
-  for (int g = 0; g < 4; ++g) {
-    if constexpr (TYPE == Q8_0) {
-      lo = V::dot8(lo, u[g], V::bcast(xq + 4 * g));
-      hi = V::dot8(hi, u[g + 4], V::bcast(xq + 16 + 4 * g));
-    } else {
-      lo = V::dotu(lo, u[g], V::bcast(xq + 4 * g));
-      hi = V::dotu(hi, u[g + 4], V::bcast(xq + 16 + 4 * g));
+  if constexpr (requires { V::dot32(u, xq, lo, hi); }) {  // a trait's own (NEON: lane-indexed products)
+    V::dot32(u, xq, lo, hi);
+  } else {
+    lo = V::zero();
+    hi = V::zero();
+    for (int g = 0; g < 4; ++g) {
+      if constexpr (TYPE == Q8_0) {
+        lo = V::dot8(lo, u[g], V::bcast(xq + 4 * g));
+        hi = V::dot8(hi, u[g + 4], V::bcast(xq + 16 + 4 * g));
+      } else {
+        lo = V::dotu(lo, u[g], V::bcast(xq + 4 * g));
+        hi = V::dotu(hi, u[g + 4], V::bcast(xq + 16 + 4 * g));
+      }
     }
   }
 }
@@ -1084,7 +1335,7 @@ void dense_scalar(const Fmt& f, const uint8_t* w, int64_t k, const Acts& a, int6
   for (int t = 0; t < nt; ++t) store_rows(o, t0 + t, row0, acc[t]);
 }
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
 template <class V, int TYPE>
 inline typename V::F dense_load(const uint8_t* p) {
   if constexpr (TYPE == F32) return V::loadf(p);
@@ -1142,7 +1393,7 @@ using TileFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, int, cons
 
 template <class V>
 TileFn simd_fn(int type) {
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_SIMD
   switch (type) {
     case Q4_0: return tile_any<V, Q4_0>;
     case Q4_1: return tile_any<V, Q4_1>;
@@ -1165,11 +1416,14 @@ TileFn simd_fn(int type) {
 }
 
 TileFn pick(int type) {
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
   if (g_simd >= NC_ISA_AVX512) return simd_fn<V512>(type);
 #endif
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
   if (g_simd >= NC_ISA_AVX2) return simd_fn<V256>(type);
+#endif
+#if NC_HAS_NEON
+  if (g_simd >= NC_ISA_NEON) return simd_fn<V128>(type);
 #endif
   return nullptr;
 }
@@ -1205,7 +1459,142 @@ void raw_scalar(const Fmt& f, const uint8_t* w, int64_t row_stride, int64_t r0, 
     }
 }
 
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_NEON
+// NEON: raw_scalar's loop, its fp32 operations (apply_sums) on each row's block, with the codes unpacked and
+// dotted in vectors: per 16-element half one SDOT (or smull / smlal, two products summed in int16) and an add
+// across the lanes.
+
+// The codes of a raw block, element e in c[e] as raw_codes gives them (MXFP4: looked up as MX_CODES).
+template <int TYPE>
+__attribute__((always_inline)) inline void raw_codes_neon(const uint8_t* b, int8_t* c) {
+  const uint8x16_t m4 = vdupq_n_u8(15);
+  auto st = [&](int e, uint8x16_t v) { vst1q_s8(c + e, vreinterpretq_s8_u8(v)); };
+  if constexpr (TYPE == Q8_0) {
+    std::memcpy(c, b + 2, 32);
+  } else if constexpr (fmt_of(TYPE).elems == 32) {
+    constexpr int QS = TYPE == MXFP4 ? 1 : TYPE == Q4_0 ? 2 : TYPE == Q4_1 ? 4 : TYPE == Q5_0 ? 6 : 8;
+    const uint8x16_t q = vld1q_u8(b + QS);
+    uint8x16_t lo = vandq_u8(q, m4), hi = vshrq_n_u8(q, 4);
+    if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {  // bit j of qh: bit 4 of element j
+      const uint8_t* qh = b + (TYPE == Q5_0 ? 2 : 4);
+      lo = vorrq_u8(lo, mask_bits16(qh, 16));
+      hi = vorrq_u8(hi, mask_bits16(qh + 2, 16));
+    }
+    if constexpr (TYPE == MXFP4) {
+      const uint8x16_t tbl = vld1q_u8(reinterpret_cast<const uint8_t*>(MX_CODES));
+      lo = vqtbl1q_u8(tbl, lo);
+      hi = vqtbl1q_u8(tbl, hi);
+    }
+    st(0, lo);
+    st(16, hi);
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // 32 bytes per two sub-blocks: low nibbles, then high
+    const uint8_t* qs = b + (TYPE == Q4_K ? 16 : 48);
+    for (int p = 0; p < 4; ++p)
+      for (int j = 0; j < 2; ++j) {
+        const uint8x16_t q = vld1q_u8(qs + 32 * p + 16 * j);
+        uint8x16_t lo = vandq_u8(q, m4), hi = vshrq_n_u8(q, 4);
+        if constexpr (TYPE == Q5_K) {  // qh byte l, bit s: bit 4 of element l of sub-block s
+          const uint8x16_t qh = vld1q_u8(b + 16 + 16 * j);
+          lo = vorrq_u8(lo, vandq_u8(vtstq_u8(qh, vdupq_n_u8(1 << (2 * p))), vdupq_n_u8(16)));
+          hi = vorrq_u8(hi, vandq_u8(vtstq_u8(qh, vdupq_n_u8(2 << (2 * p))), vdupq_n_u8(16)));
+        }
+        st(64 * p + 16 * j, lo);
+        st(64 * p + 32 + 16 * j, hi);
+      }
+  } else if constexpr (TYPE == Q6_K) {  // per 128 elements: 64 bytes of nibbles, 32 of 2-bit fields
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 2; ++j) {
+        const uint8x16_t qh = vld1q_u8(b + 128 + 32 * h + 16 * j);
+        const uint8x16_t l0 = vld1q_u8(b + 64 * h + 16 * j), l1 = vld1q_u8(b + 64 * h + 32 + 16 * j);
+        const uint8x16_t m48 = vdupq_n_u8(48);
+        st(128 * h + 16 * j, vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(qh, 4), m48)));
+        st(128 * h + 32 + 16 * j, vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(qh, 2), m48)));
+        st(128 * h + 64 + 16 * j, vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(qh, m48)));
+        st(128 * h + 96 + 16 * j, vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(vshrq_n_u8(qh, 2), m48)));
+      }
+  } else {  // Q2_K, Q3_K: per 128 elements 32 bytes of four 2-bit fields; Q3_K's bit 2 in hmask bit 4h + j
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 2; ++l) {
+        const uint8x16_t q = vld1q_u8(b + (TYPE == Q2_K ? 16 : 32) + 32 * h + 16 * l);
+        [[maybe_unused]] const uint8x16_t hm = vld1q_u8(b + 16 * l);
+        const uint8x16_t f[4] = {vandq_u8(q, m3), vandq_u8(vshrq_n_u8(q, 2), m3), vandq_u8(vshrq_n_u8(q, 4), m3),
+                                 vshrq_n_u8(q, 6)};
+        for (int j = 0; j < 4; ++j) {
+          uint8x16_t v = f[j];
+          if constexpr (TYPE == Q3_K)
+            v = vorrq_u8(v, vandq_u8(vtstq_u8(hm, vdupq_n_u8(1 << (4 * h + j))), vdupq_n_u8(4)));
+          st(128 * h + 32 * j + 16 * l, v);
+        }
+      }
+  }
+}
+
+// The dot product of 16 codes with 16 activation codes (|products| <= 128 * 127: two of them fit int16).
+inline int dot16_neon(const int8_t* c, const int8_t* x) {
+  const int8x16_t cv = vld1q_s8(c), xv = vld1q_s8(x);
+#if NC_HAS_DOTPROD
+  return vaddvq_s32(vdotq_s32(vdupq_n_s32(0), cv, xv));
+#else
+  return vaddlvq_s16(vmlal_high_s8(vmull_s8(vget_low_s8(cv), vget_low_s8(xv)), cv, xv));
+#endif
+}
+
+template <int TYPE>
+void raw_rows_neon(const uint8_t* w, int64_t row_stride, int64_t r0, int64_t r1, int64_t nblk, const Acts& a,
+                   const int64_t* idx, int64_t n, float* y, int64_t ldy) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int HALVES = f.elems / 16;
+  float acc[RAW_TOKENS];
+  RowBlock rb;
+  alignas(16) int8_t c[256];
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t t0 = 0; t0 < n; t0 += RAW_TOKENS) {
+      const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
+      std::fill(acc, acc + nt, 0.0f);
+      for (int64_t kb = 0; kb < nblk; ++kb) {
+        const uint8_t* b = w + r * row_stride + kb * f.raw_bytes;
+        if (t0 == 0) prefetch_lines<(f.raw_bytes + 63) / 64>(b + 4 * row_stride);  // the same block a few rows on
+        raw_codes_neon<TYPE>(b, c);
+        raw_block_scales(f, b, rb);
+        for (int64_t t = 0; t < nt; ++t) {
+          const int64_t row = idx ? idx[t0 + t] : t0 + t;
+          const int8_t* xq = a.q + row * a.k + kb * f.elems;
+          int sums[16];
+          for (int h = 0; h < HALVES; ++h) sums[h] = dot16_neon(c + 16 * h, xq + 16 * h);
+          if (a.q2) {  // combined code 256 q + q2: exact in int32
+            const int8_t* xq2 = a.q2 + row * a.k + kb * f.elems;
+            for (int h = 0; h < HALVES; ++h) sums[h] = 256 * sums[h] + dot16_neon(c + 16 * h, xq2 + 16 * h);
+          }
+          apply_sums(f, rb, kb, a, row, sums, acc[t]);
+        }
+      }
+      for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r - r0] = acc[t];
+    }
+}
+
+using RawNeonFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const Acts&, const int64_t*, int64_t,
+                           float*, int64_t);
+
+RawNeonFn pick_raw_neon(int type) {
+  switch (type) {
+    case Q4_0: return raw_rows_neon<Q4_0>;
+    case Q4_1: return raw_rows_neon<Q4_1>;
+    case Q5_0: return raw_rows_neon<Q5_0>;
+    case Q5_1: return raw_rows_neon<Q5_1>;
+    case Q8_0: return raw_rows_neon<Q8_0>;
+    case Q2_K: return raw_rows_neon<Q2_K>;
+    case Q3_K: return raw_rows_neon<Q3_K>;
+    case Q4_K: return raw_rows_neon<Q4_K>;
+    case Q5_K: return raw_rows_neon<Q5_K>;
+    case Q6_K: return raw_rows_neon<Q6_K>;
+    case MXFP4: return raw_rows_neon<MXFP4>;
+  }
+  return nullptr;
+}
+#endif
+
+#if NC_HAS_AVX2
 
 template <int N, class F>
 __attribute__((always_inline)) inline void unroll(F&& f) {
@@ -1364,7 +1753,7 @@ __attribute__((always_inline)) inline __m256i raw_dot(__m256i u, __m256i q, __m2
     if constexpr (X2) q2 = _mm256_sign_epi8(q2, u);
     u = _mm256_abs_epi8(u);
   }
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
   if constexpr (VNNI) {
     __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q);
     if constexpr (X2) v = _mm256_dpbusd_epi32(_mm256_slli_epi32(v, 8), u, q2);
@@ -1484,7 +1873,7 @@ using RawFn = void (*)(const uint8_t* const*, int64_t, int64_t, const Acts&, con
 
 template <int TYPE>
 RawFn raw_fn(bool x2, bool wide, bool vnni, bool one) {
-#if NC_ISA >= NC_ISA_AVX512
+#if NC_HAS_AVX512
   if (vnni && one) return x2 ? raw_rows8<TYPE, true, false, true, 1> : raw_rows8<TYPE, false, false, true, 1>;
   if (vnni) return x2 ? raw_rows8<TYPE, true, false, true, 0> : raw_rows8<TYPE, false, false, true, 0>;
 #endif
@@ -1563,6 +1952,8 @@ using RangeFn = void (*)(const void* ctx, int64_t i0, int64_t i1);
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
 #else
   std::this_thread::yield();
 #endif
@@ -1759,7 +2150,7 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
                  const int64_t* idx, int64_t n, float* y, int64_t ldy, int64_t pf_end) {
   const Fmt& f = *find_fmt(type);
   const int64_t nblk = a.k / f.elems;
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
   if (g_simd >= NC_ISA_AVX2) {
     const RawFn fn = pick_raw(type, a.q2 != nullptr, a.c16 != nullptr && n > 1, g_simd >= NC_ISA_AVX512, n == 1);
     // Prefetch the rows a few groups of 8 ahead (the next ones this thread reads when rows are contiguous),
@@ -1785,6 +2176,9 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
     return;
   }
 #endif
+#if NC_HAS_NEON
+  if (g_simd >= NC_ISA_NEON) return pick_raw_neon(type)(w, row_stride, r0, r1, nblk, a, idx, n, y, ldy);
+#endif
   raw_scalar(f, w, row_stride, r0, r1, nblk, a, idx, n, y, ldy);
 }
 
@@ -1795,7 +2189,11 @@ extern "C" {
 int nc_qg_simd_compiled() { return NC_ISA; }
 int nc_qg_simd() { return g_simd; }
 int nc_qg_last_threads() { return g_pool->last_threads.load(std::memory_order_relaxed); }
-void nc_qg_set_simd(int level) { g_simd = std::max(0, std::min(level, nc_qg_simd_compiled())); }
+// A level of this build's ladder (x86 or Arm), at most the compiled one; another ladder's level is scalar.
+void nc_qg_set_simd(int level) {
+  const bool same_ladder = (level >= NC_ISA_NEON) == (NC_ISA_BASE == NC_ISA_NEON);
+  g_simd = level > NC_ISA_SCALAR && same_ladder ? std::min(level, nc_qg_simd_compiled()) : NC_ISA_SCALAR;
+}
 
 // The pool for other kernels of this library (decoder.cpp): fn over [0, items) in chunks.
 void nc_qg_parallel_for(int64_t items, int64_t chunk, int threads, void (*fn)(const void*, int64_t, int64_t),
@@ -1903,7 +2301,7 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
     a.ldx = k;
   } else {
     // The V256 kernels' widened passes read the combined codes (a pass has at most n rows).
-#if NC_ISA >= NC_ISA_AVX2
+#if NC_HAS_AVX2
     const bool wide = g_simd == NC_ISA_AVX2 && V256::widens(type, n);
 #else
     const bool wide = false;
