@@ -107,7 +107,9 @@ class Settings:
             return settings
         unchosen = V1_SAMPLING_DEFAULTS if raw.get("version", 1) < VERSION else {}
         for name, check in _CHECKS.items():
-            if name not in raw or (name in unchosen and raw[name] == unchosen[name]):
+            # a version-1 file's untouched default is no choice (False == 0.0 in Python: a bool is never one)
+            if name not in raw or (name in unchosen and raw[name] == unchosen[name]
+                                   and not isinstance(raw[name], bool)):
                 continue
             value = raw[name]
             if check(value):

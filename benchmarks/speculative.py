@@ -3,7 +3,7 @@ llama-cpp-python plain and with its prompt-lookup decoding (LlamaPromptLookupDec
 replies copy from the prompt and on open ones.
 
     python benchmarks/speculative.py [--model FILE] [--peer-python /path/to/python] [--repeats 3]
-                                     [--max-tokens 256] [--draft FILE] [--threads 2] [--json]
+                                     [--max-tokens 256] [--draft FILE [--draft-k K]] [--threads 2] [--json]
 
 Every turn is rendered with the model's chat template (nanochat's renderer; llama.cpp gets the same ids) and
 runs until the end of the reply or --max-tokens. tok/s: completion tokens after the first over the time after
@@ -76,6 +76,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="a GGUF file (default: the built-in SmolLM2-135M Q4_1)")
     p.add_argument("--peer-python", help="an interpreter with llama-cpp-python (default: none, nanochat only)")
     p.add_argument("--draft", help="also run nanochat with this model drafting")
+    p.add_argument("--draft-k", type=int, default=0,
+                   help="the draft proposes this many tokens every step, whether it pays or not (default: the "
+                        "engine's choice, which stops a draft that does not pay)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -87,6 +90,11 @@ def main(argv=None) -> int:
     from nanochat.models.formats.catalog import embedded_model_path
 
     model = args.model or str(embedded_model_path())
+    if args.draft_k:
+        from nanochat.engine.speculative import Speculation
+        chosen = Speculation.choose_k
+        Speculation.choose_k = lambda self, room, ratio: (min(room, args.draft_k) if self.mode == "draft"
+                                                          else chosen(self, room, ratio))
     common = dict(max_model_len=4096, cpu_threads=args.threads)
     engines = {"off": LLMEngine(model, speculative="off", **common),
                "ngram": LLMEngine(model, speculative="ngram", **common)}

@@ -7,6 +7,7 @@ from here); the methods that need torch import it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,16 @@ def valid_device(name) -> bool:
     """cpu, cuda, cuda:N (N digits) or auto."""
     return isinstance(name, str) and (name in ("cpu", "cuda", "auto")
                                       or (name.startswith("cuda:") and name[5:].isascii() and name[5:].isdigit()))
+
+
+def names_a_model(value: str) -> bool:
+    """Whether `value` can name a model to load: a .gguf file, a folder with a config.json, or (when no such
+    path exists) a hub id "owner/name". A typo of a word (`ngarm`) or a stray path is refused up front."""
+    path = os.path.expanduser(value)
+    if os.path.exists(path):
+        return (os.path.isfile(path) and path.lower().endswith(".gguf")) or \
+            os.path.isfile(os.path.join(path, "config.json"))
+    return re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", value) is not None
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -199,8 +210,9 @@ class Config:
         if self.device == "cpu" and (local or self.tensor_parallel_size) > cpus:
             raise ValueError(f"tensor_parallel_size must be at most {cpus} on the CPU (this machine's CPUs: each "
                              f"rank needs one), got {self.tensor_parallel_size}")
-        if not isinstance(self.speculative, str) or not self.speculative or self.speculative == "draft":
-            raise ValueError(f"speculative must be auto, off, ngram or a draft model's path, "
+        if not isinstance(self.speculative, str) or not (self.speculative in ("auto", "off", "ngram")
+                                                         or names_a_model(self.speculative)):
+            raise ValueError(f"speculative must be auto, off, ngram or a draft model's path or hub id, "
                              f"got {shown(self.speculative)}")
         check("speculative_k", SPECULATIVE_K, self.speculative_k)
         if self.act_levels not in ACT_LEVELS:

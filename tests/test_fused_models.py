@@ -1,7 +1,9 @@
 """The CPU fast path (models/layers/fused_forward.py) on whole models: tiny GGUFs with the type mixes real files
 have (every kernel type in every projection position, q/k/v and gate/up of different types, quantized
 heads, tied and untied embeddings, a vocab that is not a multiple of the kernels' 16-row tiles), against
-the module-by-module forward of the same model, and the 16-bit KV cache against the fp32 one."""
+the module-by-module forward of the same model, and the 16-bit KV cache against the fp32 one.
+The engines decode without speculation: the tests compare every step's logits rows, which proposals would add
+(tests/test_speculative.py checks that they change no token)."""
 
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 51)), list(range(900, 918))]   # r
 @pytest.mark.parametrize("index,arch,tie", MODELS, ids=[f"m{i}-{a}-{'tied' if t else 'untied'}" for i, a, t in MODELS])
 def test_fused_forward_on_mixed_types(index, arch, tie, mixed_models):
     from nanochat.engine import LLM
-    llm = LLM(str(mixed_models[index]), dtype="float32", max_model_len=128, enable_prefix_caching=False,
+    llm = LLM(str(mixed_models[index]), dtype="float32", speculative="off", max_model_len=128, enable_prefix_caching=False,
               max_num_batched_tokens=24)   # prompts prefilled in chunks, mixed with decode rows
     model = llm.engine.runner.model
     assert model.fused.why_not is None
@@ -97,8 +99,8 @@ def test_mixed_qkv_matches_the_dequantized_model(mixed_models):
     """The segments are the right rows in the right order: the quantized model agrees with the same file
     dequantized to fp32 (module path, F.linear) to the activation-quantization error."""
     from nanochat.engine import LLM
-    quant = LLM(str(mixed_models[1]), dtype="float32", max_model_len=128)
-    dense = LLM(str(mixed_models[1]), dtype="float32", max_model_len=128, dequantize=True)
+    quant = LLM(str(mixed_models[1]), dtype="float32", speculative="off", max_model_len=128)
+    dense = LLM(str(mixed_models[1]), dtype="float32", speculative="off", max_model_len=128, dequantize=True)
     assert quant.engine.runner.model.layers[0].self_attn.qkv_proj.segments is not None
     assert "dense" in dense.engine.runner.model.fused.why_not
     _, a = _greedy(quant, PROMPTS[:1], 4)
@@ -110,7 +112,7 @@ def test_kv_cache_16_bit(mixed_models):
     """fp16 K/V (the CPU default) against the fp32 cache: logits within 1e-2 of their range here (fp16
     keeps 11 significant bits; attention widens to fp32), greedy tokens equal."""
     from nanochat.engine import LLM
-    llms = {dt: LLM(str(mixed_models[2]), dtype="float32", max_model_len=128, kv_cache_dtype=dt)
+    llms = {dt: LLM(str(mixed_models[2]), dtype="float32", speculative="off", max_model_len=128, kv_cache_dtype=dt)
             for dt in ("float16", "float32")}
     assert llms["float16"].engine.runner.model.layers[0].self_attn.k_cache.dtype == torch.float16
     assert llms["float32"].engine.runner.model.layers[0].self_attn.k_cache.dtype == torch.float32
@@ -156,7 +158,7 @@ def test_fused_forward_matches_module_forward(arch, budget, q8_models):
     """budget 12: prompts are prefilled in chunks of up to 12 tokens, mixed with other rows' decode."""
     from nanochat.engine import LLM
     # no prefix caching: the second run must compute every token itself, with the first run's schedule
-    llm = LLM(str(q8_models[arch]), dtype="float32", max_model_len=256, kvcache_block_size=16,
+    llm = LLM(str(q8_models[arch]), dtype="float32", speculative="off", max_model_len=256, kvcache_block_size=16,
               max_num_batched_tokens=budget, enable_prefix_caching=False)
     fused = llm.engine.runner.model.fused
     assert fused.why_not is None
@@ -176,7 +178,7 @@ def test_fused_forward_matches_module_forward(arch, budget, q8_models):
 
 def test_fused_forward_rebuilds_plan_for_a_new_cache(q8_models):
     from nanochat.engine import LLM
-    llm = LLM(str(q8_models["llama"]), dtype="float32", max_model_len=128)
+    llm = LLM(str(q8_models["llama"]), dtype="float32", speculative="off", max_model_len=128)
     model = llm.engine.runner.model
     first, _ = _greedy(llm, [[1, 2, 3, 4]], 6)
     old = model.fused._decoder
@@ -189,17 +191,17 @@ def test_fused_forward_rebuilds_plan_for_a_new_cache(q8_models):
 
 def test_fused_forward_only_where_it_applies(q8_models, monkeypatch):
     from nanochat.engine import LLM
-    dense = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128, dequantize=True)
+    dense = LLM(str(q8_models["qwen3"]), dtype="float32", speculative="off", max_model_len=128, dequantize=True)
     assert "dense" in dense.engine.runner.model.fused.why_not
-    bf16 = LLM(str(q8_models["qwen3"]), dtype="bfloat16", max_model_len=128)
+    bf16 = LLM(str(q8_models["qwen3"]), dtype="bfloat16", speculative="off", max_model_len=128)
     assert "float32" in bf16.engine.runner.model.fused.why_not
     monkeypatch.setenv("NANOCHAT_FUSED_FORWARD", "0")
-    off = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128)
+    off = LLM(str(q8_models["qwen3"]), dtype="float32", speculative="off", max_model_len=128)
     assert "NANOCHAT_FUSED_FORWARD=0" in off.engine.runner.model.fused.why_not
     monkeypatch.delenv("NANOCHAT_FUSED_FORWARD")
-    off = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128, fused_forward=False)
+    off = LLM(str(q8_models["qwen3"]), dtype="float32", speculative="off", max_model_len=128, fused_forward=False)
     assert "fused_forward=False" in off.engine.runner.model.fused.why_not
-    on = LLM(str(q8_models["qwen3"]), dtype="float32", max_model_len=128)   # the next engine's default: on
+    on = LLM(str(q8_models["qwen3"]), dtype="float32", speculative="off", max_model_len=128)   # the next engine's default: on
     assert on.engine.runner.model.fused.why_not is None
 
 
@@ -211,9 +213,9 @@ def test_preemption_recompute_equals_decode(mixed_models):
     and a prompt plus 20 generated tokens prefilled at once gives decode step 20's logits bit for bit."""
     from nanochat.engine import LLM
     path = str(mixed_models[0])
-    solo = LLM(path, dtype="float32", max_model_len=128)
+    solo = LLM(path, dtype="float32", speculative="off", max_model_len=128)
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]
-    tight = LLM(path, dtype="float32", max_model_len=128, num_kvcache_blocks=6, kvcache_block_size=16)
+    tight = LLM(path, dtype="float32", speculative="off", max_model_len=128, num_kvcache_blocks=6, kvcache_block_size=16)
     preempted, _ = _greedy(tight, prompts, 40)
     assert tight.engine.scheduler.num_preemptions > 0
     for prompt, got in zip(prompts, preempted):

@@ -48,8 +48,8 @@ def test_quantized_checkpoint_equals_its_q8_0_gguf(name, tiny_models, tmp_path):
     path = tmp_path / "model.gguf"
     write_gguf_from_hf(src, path, name, T.Q8_0, embed_qtype=T.F32)   # embeddings stay dense in both
     shutil.copy(src / "tokenizer.json", tmp_path / "tokenizer.json")
-    quantized = LLM(str(src), dtype="float32", max_model_len=128, quantize="q8_0")
-    from_gguf = LLM(str(path), dtype="float32", max_model_len=128)
+    quantized = LLM(str(src), dtype="float32", speculative="off", max_model_len=128, quantize="q8_0")
+    from_gguf = LLM(str(path), dtype="float32", speculative="off", max_model_len=128)
     model = quantized.engine.runner.model
     assert model.fused.why_not is None                    # every linear on the q8 kernels
     assert model.layers[0].self_attn.qkv_proj.quant.ggml_type == T.Q8_0

@@ -127,6 +127,8 @@ ENV_DOMAINS = {   # README "Environment variables"; an empty value is an unset o
     "NANOCHAT_CPU_ISA": one_of("auto", "avx2", "scalar"), "NANOCHAT_QUANT_BACKEND": one_of(*QUANT_BACKENDS),
     "NANOCHAT_FUSED_FORWARD": flag_word, "NANOCHAT_ACT_LEVELS": int_in(1, 2), "NANOCHAT_BATCH_INVARIANT": flag_word,
     "NANO_VLLM_TENSOR_PARALLEL_SIZE": int_in(1, os.cpu_count() or 1),
+    # a word, or a draft model: none of the pool's paths names one ("../..", "/dev/null"), nor an "owner/name"
+    "NANOCHAT_SPECULATIVE": one_of("auto", "off", "ngram"), "NANOCHAT_SPECULATIVE_K": int_in(1, 32),
 }
 DEBUG_OFF = ("", "0", "false", "no", "off")
 
