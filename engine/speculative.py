@@ -169,7 +169,9 @@ class Speculation:
             value = expected_tokens(alpha, k) / ratio(k)
             if value > best_value * 1.02:   # a near tie goes to fewer rows
                 best, best_value = k, value
-        if best == 0 and room > 0 and self.measured:
+        if best == 0 and room > 0:
+            if not self.measured:   # never judged: one proposal measures this sequence's own acceptance
+                return 1
             self._pause()
         return best
 

@@ -49,8 +49,8 @@ def test_k_follows_acceptance_and_costs_and_pauses_when_it_does_not_pay():
     spec = Speculation(cfg, "ngram")
     flat = spec.choose_k(8, lambda k: 1.0)           # free rows, 60%: up to where one more adds under 2%
     assert 5 <= flat < 8
-    costly = spec.choose_k(8, lambda k: 1.0 + 0.7 * k)   # 0.7 of a step per row at 60% acceptance: none pays
-    assert costly == 0 and spec.paused == 0          # (no pause before anything was measured)
+    costly = spec.choose_k(8, lambda k: 1.0 + 0.7 * k)   # 0.7 of a step per row at 60% acceptance: none pays,
+    assert costly == 1 and spec.paused == 0          # but one proposal measures a sequence never judged
     stepped = spec.choose_k(8, lambda k: 1.05 if k <= 3 else 2.0)   # a 4-row tile is cheap, 5 rows are not
     assert stepped == 3
     for _ in range(6):                               # everything accepted: k grows to the cap
