@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from nanochat.app.errors import UsageError
-from nanochat.engine.config import DEVICES, DTYPES, Config, valid_device
+from nanochat.engine.config import DEVICES, DTYPES, Config, names_a_model, valid_device
 from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REASONING_EFFORT,
                                    REPETITION_PENALTY, SAMPLING_RULES, SEED, SPECULATIVE, SPECULATIVE_K, TEMPERATURE,
                                    TEMPLATE_RULES, THREADS, TOP_K, TOP_P, Rule, accepts, shown)
@@ -72,16 +72,9 @@ speculative_k_int = arg_type(SPECULATIVE_K)
 REQUEST_RULES = {"speculative": SPECULATIVE}
 
 
-def engine_speculative(value) -> bool:
-    """Whether `value` may be the engine's proposer (Config.speculative, settings.json's `speculative`):
-    auto, off, ngram, or a draft model's path or hub id. "draft" alone names no model."""
-    return isinstance(value, str) and bool(value.strip()) and value != "draft"
-
-
 def speculative_arg(raw: str) -> str:
-    """argparse `type=` for --speculative: auto, off, ngram (any case), or a draft model's path or hub id, passed
-    through. A near miss of those that is no file (`ngarm`) is a typo, not a model."""
-    import difflib
+    """argparse `type=` for --speculative: auto, off, ngram (any case), or what Config accepts as a draft model
+    (engine/config.py names_a_model: a .gguf file, a model folder, a hub id), passed through."""
     import os
 
     word = raw.strip().lower()
@@ -89,12 +82,11 @@ def speculative_arg(raw: str) -> str:
         return word
     if word in ("draft", "on"):
         raise argparse.ArgumentTypeError(f"say which proposer: ngram, or a draft model's path or hub id, got {shown(raw)}")
-    if not engine_speculative(raw):
-        raise argparse.ArgumentTypeError(f"must be auto, off, ngram or a draft model's path or hub id, got {shown(raw)}")
-    if not os.path.exists(raw) and difflib.get_close_matches(word, ("auto", "off", "ngram"), n=1, cutoff=0.6):
-        raise argparse.ArgumentTypeError(f"must be auto, off, ngram or a draft model's path or hub id, "
-                                         f"got {shown(raw)} (no such file)")
-    return raw
+    if names_a_model(raw):
+        return raw
+    why = "" if not word else " (no such file)" if not os.path.exists(os.path.expanduser(raw)) \
+        else " (not a .gguf file or a model folder)"
+    raise argparse.ArgumentTypeError(f"must be auto, off, ngram or a draft model's path or hub id, got {shown(raw)}{why}")
 
 
 def speculative_refusal(mode: str | None, modes: tuple, command: str = "nanochat") -> str | None:

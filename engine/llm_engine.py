@@ -241,7 +241,7 @@ class LLMEngine:
         def with_draft(k: int) -> float:   # the draft's k steps come on top of the target's step
             return ratio(k) + (k * self.draft.token_seconds / plain if plain else 0.0)
 
-        return self.draft.propose(seq, spec.choose_k(room, with_draft) if room > 0 else 0)
+        return self.draft.propose(seq, spec.choose_k(room, with_draft))
 
     def _check_prompt(self, ids: list[int]) -> None:
         check_prompt(ids, self.config.max_model_len, self.loaded.config.vocab_size)
@@ -309,7 +309,7 @@ class LLMEngine:
                 emitted[i] = self._verify(c, logits[first[i]:first[i + 1]], logprobs, i)
         now = time.perf_counter()
         self._record_throughput(chunks, sum(map(len, emitted)), now - t0, now)
-        if all(c.num_tokens == 1 for c in chunks):   # a decode step: what its rows cost (speculation's k)
+        if not self.runner.is_hybrid and all(c.num_tokens == 1 for c in chunks):   # a decode step's cost, for k
             self.step_times.record(sum(c.stop - c.start for c in chunks), now - t0)
         for c in chunks:
             if not c.draft:

@@ -1,5 +1,5 @@
 """Batched sampling: repetition / presence / frequency penalties, then greedy, temperature, top-k, top-p,
-with reproducible per-request seeds; and the verification of speculative proposals (`Sampler.verify`)."""
+with reproducible per-request seeds; and the verification of speculative proposals (`verify`)."""
 
 from __future__ import annotations
 

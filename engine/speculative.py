@@ -3,7 +3,7 @@
 A decode step reads every weight once whether it scores one row or several, so the engine lets a
 sequence's decode chunk carry k proposed tokens (`ScheduledChunk.draft`): the target scores the last real
 token and the k proposals in one forward over k + 1 positions, and the sampler
-(`sampler.Sampler.verify`) keeps the longest prefix the target agrees with plus one token of its own.
+(`sampler.verify`) keeps the longest prefix the target agrees with plus one token of its own.
 Greedy output is unchanged token for token; sampled output keeps the target's distribution (rejection
 sampling, Leviathan et al. 2023 / Chen et al. 2023). The KV slots written for rejected proposals lie
 past the sequence's end: the next step overwrites them, no block holding them is ever hashed, and the
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SpeculationConfig:
@@ -141,8 +141,6 @@ class Speculation:
     failures: int = 0               # times in a row it stopped paying (the back-off doubles)
     proposed: int = 0               # totals, for the stats
     accepted: int = 0
-    steps: int = 0
-    draft_state: object = field(default=None, repr=False)   # engine/draft.py: the draft's own sequence
 
     def __post_init__(self):
         if self.mode == "ngram":
@@ -182,7 +180,7 @@ class Speculation:
         self.measured = 0            # judged afresh, from the prior, after the pause
 
     def propose_ngram(self, tokens: list[int], room: int, ratio) -> list[int]:
-        k = self.choose_k(room, ratio) if room > 0 else 0
+        k = self.choose_k(room, ratio)
         return self.lookup.propose(tokens, k) if k else []
 
     def record(self, proposed: int, accepted: int) -> None:
@@ -191,7 +189,6 @@ class Speculation:
             return
         self.proposed += proposed
         self.accepted += accepted
-        self.steps += 1
         alpha = 2.0 / (self.config.window + 1)
         rejected = 1.0 if accepted < proposed else 0.0
         if self.measured == 0:
