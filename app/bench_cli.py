@@ -280,7 +280,7 @@ def comparison_mode(args) -> str | None:
         return None
     if args.multi_turn:
         raise UsageError("--speculative compares the batch workload; --multi-turn's seeded turns never speculate")
-    return "ngram" if engine == "ngram" else "draft"
+    return "ngram" if engine in ("auto", "ngram") else "draft"   # anything else names a draft model
 
 
 def _multi_turn_spec(args, spec):

@@ -355,3 +355,17 @@ def test_cli_compares_speculation_with_off(tiny_models, tmp_path, capsys, monkey
     monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))
     assert main(["bench", "--multi-turn", "--speculative", "ngram"]) == 2
     assert "--multi-turn's seeded turns never speculate" in capsys.readouterr().err
+
+
+def test_the_speculative_comparison_names_the_requests_proposer():
+    """--speculative auto and ngram compare prompt lookup with off; a model's path compares its drafts; off and no
+    flag compare nothing."""
+    from types import SimpleNamespace
+
+    from nanochat.app.bench_cli import comparison_mode
+
+    def mode(value):
+        return comparison_mode(SimpleNamespace(speculative=value, multi_turn=False))
+
+    assert [mode(v) for v in ("auto", "ngram", "/models/draft.gguf", "off", None)] == \
+        ["ngram", "ngram", "draft", None, None]
