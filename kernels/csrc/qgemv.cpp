@@ -1702,9 +1702,9 @@ __attribute__((always_inline)) inline void raw_scales8(const uint8_t* const b[8]
   auto st = [](uint8_t* dst, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), v); };
   const __m128i m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48), m63 = _mm_set1_epi8(63);
   if constexpr (TYPE == MXFP4) {
-    uint8_t e[16] = {};
-    for (int r = 0; r < 8; ++r) e[r] = b[r][0];
-    d = e8m0_lanes(load16(e));
+    auto byte = [&](int r) { return static_cast<uint64_t>(b[r][0]) << (8 * r); };
+    const uint64_t e = ((byte(0) | byte(1)) | (byte(2) | byte(3))) | ((byte(4) | byte(5)) | (byte(6) | byte(7)));
+    d = e8m0_lanes(_mm_cvtsi64_si128(static_cast<long long>(e)));
   } else if constexpr (TYPE != Q4_K && TYPE != Q5_K && TYPE != Q3_K) {
     d = f16_lanes(b, raw_d(TYPE));
     if constexpr (f.m >= 0) m = f16_lanes(b, raw_m(TYPE));

@@ -231,7 +231,20 @@ def _open_checked(path: str) -> tuple[mmap.mmap, int, int]:
             raise GGUFError(f"{path}: unsupported GGUF version {version} (need 2 or 3; the file is corrupt "
                             "or from a newer llama.cpp)")
         n_tensors, n_kv = _U64.unpack_from(head, 8)[0], _U64.unpack_from(head, 16)[0]
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), n_tensors, n_kv
+        return _map(f), n_tensors, n_kv
+
+
+def _map(f) -> mmap.mmap:
+    """The file mapped read-only, asking for huge pages: a decode step streams gigabytes of weights where
+    they lie (the experts of a MoE model), and read in 2 MiB folios they cost one TLB entry per 2 MiB
+    instead of 512 (where the kernel and file system support it; elsewhere the advice is ignored)."""
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mm
 
 
 def _corrupt(path: str, e: _Corrupt) -> GGUFError:
