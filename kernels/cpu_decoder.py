@@ -3,7 +3,8 @@
 Decode on the CPU is one row per sequence: beside the int8 matmuls, the ~25 small torch ops per layer
 around them took as long again. `FusedDecoder.forward` runs every layer
 (RMSNorm, fused qkv matmul + bias, q/k head norms, RoPE, paged KV store, causal softmax attention,
-o_proj, residuals (with Gemma 3's output norms), SwiGLU or GeGLU MLP) and the final norm inside the library
+o_proj, residuals (with Gemma 3's output norms), SwiGLU or GeGLU MLP, or a sparse MoE MLP: router, top-k and the
+routed experts where they lie, Qwen3-MoE and gpt-oss) and the final norm inside the library
 of cpu_qgemv, on its thread pool, for any ragged batch: decode rows and prefill chunks (rows after cached keys
 included).
 
@@ -36,7 +37,12 @@ if TYPE_CHECKING:
     import torch
 
 _ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table",
-           5: "the rows of a sequence do not end at its context length"}
+           5: "the rows of a sequence do not end at its context length",
+           6: "the routed experts failed (an unsupported weight type or shape, or a bad top-k)"}
+# A sparse MoE layer's routing (csrc/decoder.cpp ROUTE_*), as models/layers/moe.py's route names it (with its
+# renormalize flag for softmax_topk).
+_ROUTING = {("softmax_topk", False): 0, ("softmax_topk", True): 1, ("topk_softmax", False): 2,
+            ("topk_softmax", True): 2}
 # Row segments per layer in the plan (csrc/decoder.cpp: QKV_SEGS, GU_SEGS).
 _QKV_SEGMENTS, _GATE_UP_SEGMENTS = 3, 2
 _KV_DTYPES = ("float16", "float32")
@@ -59,6 +65,20 @@ class DecoderDims:
 
 
 @dataclass
+class MoeMlp:
+    """A sparse MoE MLP in place of a layer's gated MLP: router [experts, hidden] (packed, any type the matmul takes)
+    and its bias (fp32 [experts] or None); routing as models/layers/moe.py's route (mode, renormalize); the routed
+    experts on kernels/moe_cpu's kernel (`HostExperts` with backend "kernel": its weights stay where they lie)."""
+
+    router: cpu_qgemv.PackedWeight
+    experts: object                   # kernels.moe_cpu.HostExperts
+    top_k: int
+    routing: str = "softmax_topk"
+    renormalize: bool = False
+    router_bias: torch.Tensor | None = None
+
+
+@dataclass
 class DecoderLayer:
     """One layer's buffers (torch tensors or numpy arrays; "fp32" below: float32). qkv: row segments in output order whose rows add up to
     (heads + 2 kv_heads) * head_dim (one fused q|k|v weight, or q, k, v, or any other split in 2-3);
@@ -69,14 +89,15 @@ class DecoderLayer:
     else W (a query at position p sees keys p - W + 1 .. p). attn_out_norm / mlp_out_norm: RMSNorm weights
     (fp32) on the attention and MLP outputs before their residual adds (Gemma 3), or None. sinks: the attention
     sinks (fp32 [heads]: one logit per query head that joins the softmax's denominator and has no value, gpt-oss),
-    or None."""
+    or None. o_bias: the output projection's bias (fp32 [hidden]) or None. moe: a sparse MoE MLP in place of
+    gate_up and down (then None)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: list[cpu_qgemv.PackedWeight]
     o: cpu_qgemv.PackedWeight
-    gate_up: list[cpu_qgemv.PackedWeight]
-    down: cpu_qgemv.PackedWeight
+    gate_up: list[cpu_qgemv.PackedWeight] | None
+    down: cpu_qgemv.PackedWeight | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     qkv_bias: torch.Tensor | None = None
@@ -89,6 +110,8 @@ class DecoderLayer:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    moe: MoeMlp | None = None
 
 
 def _bits(v: float) -> int:
@@ -171,9 +194,9 @@ class FusedDecoder:
     def _layer_fields(self, i: int, layer: DecoderLayer) -> list[int]:
         d = self.dims
         for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm",
-                     "sinks"):
+                     "sinks", "o_bias"):
             self._keep.append(_fp32(getattr(layer, name), f"layer {i} {name}"))
-        for name in ("attn_out_norm", "mlp_out_norm"):
+        for name in ("attn_out_norm", "mlp_out_norm", "o_bias"):
             if getattr(layer, name) is not None and getattr(layer, name).shape != (d.hidden,):
                 raise ValueError(f"fused decoder: layer {i} {name} must have {d.hidden} values")
         if layer.sinks is not None and layer.sinks.shape != (d.heads,):
@@ -192,9 +215,14 @@ class FusedDecoder:
         if layer.qkv_bias is not None and layer.qkv_bias.shape != (qkv_rows,):
             raise ValueError(f"fused decoder: layer {i} qkv_bias must have {qkv_rows} values")
         qkv = self._segments(i, "qkv", layer.qkv, _QKV_SEGMENTS, qkv_rows, d.hidden)
-        gate_up = self._segments(i, "gate_up", layer.gate_up, _GATE_UP_SEGMENTS, 2 * d.intermediate, d.hidden)
         o = self._weight(i, "o", layer.o, d.hidden, d.heads * d.head_dim)
-        down = self._weight(i, "down", layer.down, d.hidden, d.intermediate)
+        if layer.moe is None:
+            gate_up = self._segments(i, "gate_up", layer.gate_up, _GATE_UP_SEGMENTS, 2 * d.intermediate, d.hidden)
+            down = self._weight(i, "down", layer.down, d.hidden, d.intermediate)
+            moe = 0
+        else:
+            gate_up, down = [0] * (_GATE_UP_SEGMENTS * 3), [0, 0]
+            moe = self._moe(i, layer.moe)
         cos, sin = (layer.cos, layer.sin) if layer.cos is not None else self._cos_sin
         table = (self._cos_sin[0].shape[0], d.rotary_dim // 2)
         for name, t in (("cos", cos), ("sin", sin)):
@@ -206,7 +234,30 @@ class FusedDecoder:
         rope = (_ptr(cos), _ptr(sin)) if layer.rope else (0, 0)
         return [_ptr(layer.input_norm), _ptr(layer.post_norm), *qkv, _ptr(layer.qkv_bias), _ptr(layer.q_norm),
                 _ptr(layer.k_norm), *o, *gate_up, *down, _ptr(layer.k_cache), _ptr(layer.v_cache), *rope,
-                layer.window, _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), _ptr(layer.sinks)]
+                layer.window, _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), _ptr(layer.sinks),
+                _ptr(layer.o_bias), moe]
+
+    def _moe(self, i: int, moe: MoeMlp) -> int:
+        """The address of layer i's MoE description (csrc/decoder.cpp M_FIELDS), kept alive by the plan."""
+        from nanochat.kernels.moe_cpu import ACTIVATIONS
+
+        x = moe.experts
+        if getattr(x, "backend", None) != "kernel" or x.hidden_size != self.dims.hidden:
+            raise ValueError(f"fused decoder: layer {i} experts must be HostExperts on the kernel backend "
+                             f"with hidden size {self.dims.hidden}")
+        if not 1 <= moe.top_k <= x.num_experts or (moe.routing, moe.renormalize) not in _ROUTING:
+            raise ValueError(f"fused decoder: layer {i} routing {moe.routing!r} top-{moe.top_k} of {x.num_experts}")
+        if moe.router_bias is not None and tuple(moe.router_bias.shape) != (x.num_experts,):
+            raise ValueError(f"fused decoder: layer {i} router bias must have {x.num_experts} values")
+        self._keep += [x, _fp32(moe.router_bias, f"layer {i} router bias")]
+        router = self._weight(i, "router", moe.router, x.num_experts, self.dims.hidden)
+        fields = array("q", [x.num_experts, moe.top_k, _ROUTING[moe.routing, moe.renormalize], *router,
+                             _ptr(moe.router_bias), *(ctypes.addressof(m) for m in x.mats), ACTIVATIONS[x.activation],
+                             _bits(x.alpha), _bits(x.limit), _ptr(x.gate_bias), _ptr(x.up_bias), _ptr(x.down_bias)])
+        if len(fields) != self.lib.nc_dec_moe_fields():
+            raise RuntimeError("fused decoder: MoE plan layout does not match the library")
+        self._keep.append(fields)
+        return fields.buffer_info()[0]
 
     def _weight(self, i: int, name: str, w: cpu_qgemv.PackedWeight, rows: int, cols: int) -> list[int]:
         """(type, tiles) of a packed [rows, cols] weight, kept alive by the plan."""

@@ -153,7 +153,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nc_dec_activation.argtypes = [c_int, p, i64, p, i64, i64, i64, p, i64, c_int]
     lib.nc_gdn_recurrent.argtypes = [p, p, p, p, p, i64, i64, p, p, p, i64, i64, i64, p, p, c_int]
     for fn in ("nc_dec_forward", "nc_dec_attention", "nc_dec_activation", "nc_gdn_recurrent", "nc_dec_header_fields",
-               "nc_dec_layer_fields", "nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts",
+               "nc_dec_layer_fields", "nc_dec_moe_fields", "nc_qg_matmul", "nc_qg_matmul_packed", "nc_qg_repack", "nc_qg_dequantized_acts",
                "nc_qg_dequant_rows", "nc_qg_simd", "nc_qg_simd_compiled", "nc_qg_matmul_rows", "nc_moe_forward",
                "nc_qg_last_threads"):
         getattr(lib, fn).restype = c_int

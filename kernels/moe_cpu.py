@@ -52,7 +52,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 
 
 class _Mat(ctypes.Structure):
-    """Mirror of NcMat in moe.cpp: one projection of every expert."""
+    """Mirror of NcMat in csrc/moe.h: one projection of every expert."""
 
     _fields_ = [("type", ctypes.c_int32), ("reserved", ctypes.c_int32), ("data", ctypes.c_void_p),
                 ("expert_stride", ctypes.c_int64), ("row_stride", ctypes.c_int64),
@@ -186,9 +186,9 @@ class HostExperts:
                                f"{sorted(gq.type_name(t) for t in types)}")
         self.backend = "kernel" if lib is not None else "torch"
         self._lib = lib
-        if lib is not None:
-            self._mats = [self._mat(w) for w in (gate, up, down)]
-            self._mat_refs = tuple(ctypes.byref(m) for m in self._mats)
+        # the kernel's view of gate, up and down (NcMat, csrc/moe.h); the fused decoder step's plan points at them too
+        self.mats = [self._mat(w) for w in (gate, up, down)] if lib is not None else []
+        self._mat_refs = tuple(ctypes.byref(m) for m in self.mats)
 
     @staticmethod
     def _bias(b: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:

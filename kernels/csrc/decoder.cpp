@@ -36,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "moe.h"
 #include "qgemv.h"
 #include "simd.h"
 
@@ -51,6 +52,9 @@ namespace {
 // and MLP outputs before their residual adds (L_ATTN_OUT_NORM, L_MLP_OUT_NORM: 0 = none; Gemma 3). H_ACT: the gated
 // MLP's activation (ACT_SILU, ACT_GELU_TANH); H_SCALE_BITS: the attention scale (a double's bits). L_SINKS: the
 // layer's attention sinks (fp32 [heads], one logit per query head in the softmax's denominator, gpt-oss), 0 = none.
+// L_O_BIAS: the output projection's bias (fp32 [hidden], gpt-oss), 0 = none. L_MOE: 0 for the gated MLP above, else
+// the address of the layer's sparse MoE MLP (M_FIELDS int64, below), which replaces it: a router, top-k routing
+// and the routed experts where they lie (moe.cpp's nc_moe_forward, the module path's own kernel).
 constexpr int SEG_FIELDS = 3, QKV_SEGS = 3, GU_SEGS = 2;
 enum Header : int {
   H_LAYERS, H_HIDDEN, H_HEADS, H_KV_HEADS, H_HEAD_DIM, H_INTER, H_ROT_DIM, H_BLOCK_SIZE, H_MAX_POS,
@@ -59,10 +63,21 @@ enum Header : int {
 enum Layer : int {
   L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS = L_QKV + QKV_SEGS * SEG_FIELDS, L_Q_NORM, L_K_NORM, L_O_TYPE,
   L_O_W, L_GU, L_DOWN_TYPE = L_GU + GU_SEGS * SEG_FIELDS, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_COS, L_SIN, L_WINDOW,
-  L_ATTN_OUT_NORM, L_MLP_OUT_NORM, L_SINKS, L_FIELDS
+  L_ATTN_OUT_NORM, L_MLP_OUT_NORM, L_SINKS, L_O_BIAS, L_MOE, L_FIELDS
 };
+// A sparse MoE MLP: E experts, k per token; the router (type, tiles: [E, hidden]) and its bias (fp32 [E] or 0);
+// M_ROUTING one of ROUTE_*; the experts' gate, up and down projections (addresses of NcMat, moe.h), their
+// activation (moe.cpp's ACT_*) with alpha and limit (floats' bits), and their biases (fp32 [E, inter], [E, inter],
+// [E, hidden], each 0 = none).
+enum Moe : int {
+  M_EXPERTS, M_TOP_K, M_ROUTING, M_ROUTER_TYPE, M_ROUTER_W, M_ROUTER_BIAS, M_GATE, M_UP, M_DOWN, M_ACT,
+  M_ALPHA_BITS, M_LIMIT_BITS, M_GATE_BIAS, M_UP_BIAS, M_DOWN_BIAS, M_FIELDS
+};
+// Routing, as models/layers/moe.py's route: softmax over all experts then the top k (their probabilities as
+// weights, or renormalized to sum to 1), or the top k logits then a softmax over those (gpt-oss).
+enum : int { ROUTE_SOFTMAX_TOPK = 0, ROUTE_SOFTMAX_TOPK_NORM = 1, ROUTE_TOPK_SOFTMAX = 2 };
 enum : int { ACT_SILU = 0, ACT_GELU_TANH = 1 };
-enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5 };
+enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5, ERR_MOE = 6 };
 
 template <class T>
 T* ptr(int64_t v) {
@@ -980,7 +995,9 @@ void attention(AttnJob& job, int threads) {
 }
 
 struct Scratch {
-  std::vector<float> normed, qkv, attn, proj, gate_up, act;
+  std::vector<float> normed, qkv, attn, proj, gate_up, act, logits, route_w;
+  std::vector<int64_t> route_ids;
+  std::vector<int> order;
   AttnJob attn_job;
   void fit(const Model& m, int64_t n) {
     normed.resize(n * m.hidden);
@@ -994,10 +1011,11 @@ struct Scratch {
 
 struct Matmul {
   int x2, threads;
-  // y [n, rows] = x [n, k] @ W^T for W = (type, tiles) at plan fields [field, field + 1].
-  bool operator()(const int64_t* L, int field, int64_t rows, int64_t k, const float* x, int64_t n, float* y) const {
+  // y [n, rows] = x [n, k] @ W^T (+ bias) for W = (type, tiles) at plan fields [field, field + 1].
+  bool operator()(const int64_t* L, int field, int64_t rows, int64_t k, const float* x, int64_t n, float* y,
+                  const float* bias = nullptr) const {
     return nc_qg_matmul(static_cast<int>(L[field]), ptr<const uint8_t>(L[field + 1]), rows, k, x, 0, n, k, y, 0,
-                        rows, nullptr, x2, threads) == 0;
+                        rows, bias, x2, threads) == 0;
   }
   // y [n, ldy] = x [n, k] @ [W_0; W_1; ...]^T (+ bias) for the row segments at plan field `field`:
   // one call per segment (its own weight type) into its columns of y, with its slice of the bias.
@@ -1021,6 +1039,58 @@ void add_normed(float* x, float* y, const float* w, int64_t n, int64_t H, float 
   for (int64_t i = 0; i < n * H; ++i) x[i] += y[i];
 }
 
+float bits_float(int64_t v) {
+  double d;
+  std::memcpy(&d, &v, sizeof d);
+  return static_cast<float>(d);
+}
+
+// One row's routing: the k experts (ids) and their weights from the router's E logits (M_ROUTING). The top k
+// by logit, highest first, ties to the lower id (softmax keeps the logits' order).
+void route_row(const float* logits, int64_t E, int64_t k, int routing, int* order, int64_t* ids, float* w) {
+  for (int e = 0; e < E; ++e) order[e] = e;
+  std::partial_sort(order, order + k, order + E, [&](int a, int b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  const float top = logits[order[0]];
+  float total = 0.f;
+  if (routing == ROUTE_TOPK_SOFTMAX) {
+    for (int64_t j = 0; j < k; ++j) total += (w[j] = std::exp(logits[order[j]] - top));
+  } else {
+    for (int64_t e = 0; e < E; ++e) total += std::exp(logits[e] - top);
+    for (int64_t j = 0; j < k; ++j) w[j] = std::exp(logits[order[j]] - top) / total;
+    if (routing == ROUTE_SOFTMAX_TOPK) total = 1.f;
+    else {
+      total = 0.f;
+      for (int64_t j = 0; j < k; ++j) total += w[j];
+    }
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    ids[j] = order[j];
+    w[j] /= total;
+  }
+}
+
+// y [n, hidden] = the sparse MoE MLP (M_FIELDS at mp) of x [n, hidden].
+int moe_forward(const Model& m, const int64_t* mp, const float* x, int64_t n, float* y, Scratch& s, const Matmul& mm) {
+  const int64_t E = mp[M_EXPERTS], k = mp[M_TOP_K], H = m.hidden;
+  if (k < 1 || k > E) return ERR_MOE;
+  s.logits.resize(n * E);
+  s.route_ids.resize(n * k);
+  s.route_w.resize(n * k);
+  s.order.resize(E);
+  if (!mm(mp, M_ROUTER_TYPE, E, H, x, n, s.logits.data(), ptr<const float>(mp[M_ROUTER_BIAS]))) return ERR_MATMUL;
+  for (int64_t t = 0; t < n; ++t)
+    route_row(&s.logits[t * E], E, k, static_cast<int>(mp[M_ROUTING]), s.order.data(), &s.route_ids[t * k],
+              &s.route_w[t * k]);
+  return nc_moe_forward(x, n, H, s.route_ids.data(), s.route_w.data(), k, E, ptr<const NcMat>(mp[M_GATE]),
+                        ptr<const NcMat>(mp[M_UP]), ptr<const NcMat>(mp[M_DOWN]), y, static_cast<int>(mp[M_ACT]),
+                        bits_float(mp[M_ALPHA_BITS]), bits_float(mp[M_LIMIT_BITS]), ptr<const float>(mp[M_GATE_BIAS]),
+                        ptr<const float>(mp[M_UP_BIAS]), ptr<const float>(mp[M_DOWN_BIAS]), mm.x2, mm.threads)
+             ? ERR_MOE
+             : OK;
+}
+
 int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Scratch& s, const Matmul& mm) {
   const int64_t n = b.n, H = m.hidden, qkv_w = m.q_size() + 2 * m.kv_size();
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * H, ptr<const float>(L[L_IN_NORM]), H, m.eps, &s.normed[t * H]);
@@ -1033,10 +1103,16 @@ int layer_forward(const Model& m, const int64_t* L, const Batch& b, float* x, Sc
   s.attn_job.bind(m, b, s.qkv.data(), qkv_w, m.scale, ptr<const void>(L[L_K_CACHE]), ptr<const void>(L[L_V_CACHE]),
                   s.attn.data(), L[L_WINDOW], ptr<const float>(L[L_SINKS]));
   attention(s.attn_job, mm.threads);
-  if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data())) return ERR_MATMUL;
+  if (!mm(L, L_O_TYPE, H, m.q_size(), s.attn.data(), n, s.proj.data(), ptr<const float>(L[L_O_BIAS])))
+    return ERR_MATMUL;
   add_normed(x, s.proj.data(), ptr<const float>(L[L_ATTN_OUT_NORM]), n, H, m.eps);
 
   for (int64_t t = 0; t < n; ++t) rms_norm(x + t * H, ptr<const float>(L[L_POST_NORM]), H, m.eps, &s.normed[t * H]);
+  if (L[L_MOE]) {
+    if (const int rc = moe_forward(m, ptr<const int64_t>(L[L_MOE]), s.normed.data(), n, s.proj.data(), s, mm)) return rc;
+    add_normed(x, s.proj.data(), ptr<const float>(L[L_MLP_OUT_NORM]), n, H, m.eps);
+    return OK;
+  }
   if (!mm.segments(L, L_GU, GU_SEGS, H, s.normed.data(), n, s.gate_up.data(), 2 * m.inter)) return ERR_MATMUL;
   for (int64_t t = 0; t < n; ++t) {
     const float* g = &s.gate_up[t * 2 * m.inter];
@@ -1058,6 +1134,7 @@ extern "C" {
 
 int nc_dec_header_fields() { return H_FIELDS; }
 int nc_dec_layer_fields() { return L_FIELDS; }
+int nc_dec_moe_fields() { return M_FIELDS; }
 
 // x [n, hidden] fp32: the embedded tokens (times any embedding scale) in, the final-normed hidden states out. Rows
 // as in Batch. window_slots / window_tables (null: none): the windowed layers' own cache slots and block tables,

@@ -25,6 +25,7 @@
 #include <numeric>
 #include <vector>
 
+#include "moe.h"
 #include "qgemv.h"
 
 namespace {
@@ -55,17 +56,6 @@ int64_t chunk_of(int64_t items, int threads, int64_t per_thread = CHUNKS_PER_THR
 }  // namespace
 
 extern "C" {
-
-// One projection of every expert: row r of expert e at data + e * expert_stride + r * row_stride.
-struct NcMat {
-  int32_t type;
-  int32_t reserved;
-  const uint8_t* data;
-  int64_t expert_stride;
-  int64_t row_stride;
-  int64_t rows;
-  int64_t cols;
-};
 
 // out [T, H] as above for x [T, H], ids / weights [T, k] (experts [0, E)); act (ACT_*) with alpha and limit
 // (ACT_SWIGLU_OAI); biases gate_bias / up_bias [E, I] and down_bias [E, H], each may be null; x2: two-level

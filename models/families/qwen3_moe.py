@@ -14,6 +14,7 @@ from nanochat.models.layers.attention import AttentionBackend, AttnMetadata
 from nanochat.models.config import ModelConfig
 from nanochat.models.families.dense import DenseAttention
 from nanochat.models.families.spec import MOE_BLOCK_TENSORS, FamilySpec
+from nanochat.models.layers.fused_forward import FusedForward
 from nanochat.models.layers.common import GatedMLP, RMSNorm, RotaryEmbedding, WeightLoader, embedding_and_head, head_logits
 from nanochat.models.layers.moe import SparseMoeBlock
 
@@ -32,6 +33,13 @@ class MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(w.dense(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp = load_mlp(cfg, w, i)
 
+    # the fused step's view of the layer (models/layers/fused_forward.py): no output norms
+    attn_out_norm = mlp_out_norm = None
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.post_attention_layernorm
+
     def forward(self, positions, x, meta):
         h = x + self.self_attn(positions, self.input_layernorm(x), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -49,12 +57,15 @@ class MoeForCausalLM(nn.Module):
         self.layers = nn.ModuleList(MoeDecoderLayer(cfg, w, i, self.backend, self.rotary)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(w.dense("model.norm.weight"), cfg.rms_norm_eps)
+        self.fused = FusedForward(self, w.kernels)
 
     def attention_layers(self) -> list[DenseAttention]:
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused.usable():
+            return self.fused.run(x, positions, meta)
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)

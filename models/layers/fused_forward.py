@@ -1,9 +1,10 @@
-"""The CPU fast path of dense models: each engine step's whole layer stack in one compiled call.
+"""The CPU fast path of dense and MoE models: each engine step's whole layer stack in one compiled call.
 
-`FusedForward.run` replaces DenseForCausalLM's module-by-module forward for every step (decode rows,
+`FusedForward.run` replaces DenseForCausalLM's and MoeForCausalLM's module-by-module forward for every step (decode rows,
 prefill chunks, mixes of both) when the model can run on kernels/cpu_decoder.py: on the CPU in
 float32, every linear on the q8 backend (each projection in the file's own type: q/k/v or gate/up of
-different types run as separate kernel calls inside the one compiled step). Anything else (dense or
+different types run as separate kernel calls inside the one compiled step; a sparse MoE layer's router on the q8
+kernels and its routed experts on kernels/moe_cpu's kernel, where they lie). Anything else (dense or
 int4 weights, other dtypes, GPUs) runs the module forward, which also stays the reference the fused path is tested against.
 The engine's fused_forward=False (env NANOCHAT_FUSED_FORWARD=0, KernelOptions.fused_forward) turns it off.
 
@@ -49,6 +50,31 @@ def _why_not_q8(name: str, linear) -> str:
     return f"{name} ({gq.type_name(off.ggml_type)}) is on the {off.backend} backend, not the q8 kernels"
 
 
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "top_k")
+
+
+def _moe_why_not(mlp) -> str | None:
+    """Why a sparse MoE block (models/layers/moe.py SparseMoeBlock) cannot run in the compiled step, or None."""
+    if mlp.shared_expert is not None:
+        return "a shared expert (not in the compiled step)"
+    host = getattr(mlp.experts, "host", None)
+    if host is None:
+        return "experts not on the host kernels (moe_offload)"
+    if host.backend != "kernel":
+        return "expert weight types without a CPU kernel"
+    return None
+
+
+def _moe(mlp):
+    from nanochat.kernels.cpu_decoder import MoeMlp
+
+    gate = mlp.gate
+    return MoeMlp(router=_packed(gate)[0], experts=mlp.experts.host, top_k=mlp.top_k, routing=mlp.router,
+                  renormalize=mlp.renormalize,
+                  router_bias=None if gate.bias is None else gate.bias.data.float().contiguous())
+
+
 class FusedForward:
     """Builds the fused decoder for a model on first use (after the KV cache exists) and rebuilds it if
     the cache is reallocated. `why_not` says why a model cannot use it (None when it can)."""
@@ -75,8 +101,15 @@ class FusedForward:
             return "the CPU kernels are not available"
         for i, layer in enumerate(model.layers):
             a, m = layer.self_attn, layer.mlp
-            for name, lin in (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up_proj", m.gate_up_proj),
-                              ("down_proj", m.down_proj)):
+            linears = [("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj)]
+            if _is_moe(m):
+                why = _moe_why_not(m)
+                if why:
+                    return f"layer {i} MoE MLP: {why}"
+                linears.append(("router", m.gate))
+            else:
+                linears += [("gate_up_proj", m.gate_up_proj), ("down_proj", m.down_proj)]
+            for name, lin in linears:
                 if _packed(lin) is None:
                     return f"layer {i} {name}: " + _why_not_q8(name, lin)
         return None
@@ -115,18 +148,23 @@ class FusedForward:
         model = self._model()
         cfg = model.config
         attn0 = model.layers[0].self_attn
+        dense = next((layer.mlp for layer in model.layers if not _is_moe(layer.mlp)), None)   # MoE models: maybe none
         dims = DecoderDims(layers=len(model.layers), hidden=cfg.hidden_size, heads=attn0.num_heads,
                            kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
-                           intermediate=_packed(model.layers[0].mlp.down_proj)[0].in_features,
+                           intermediate=0 if dense is None else _packed(dense.down_proj)[0].in_features,
                            rotary_dim=model.rotary.rotary_dim, block_size=block_size,
-                           eps=model.norm.eps, activation=model.layers[0].mlp.act, attention_scale=attn0.scale)
+                           eps=model.norm.eps, activation="silu" if dense is None else dense.act,
+                           attention_scale=attn0.scale)
         layers = []
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
+            moe = _is_moe(m)
             layers.append(DecoderLayer(
                 input_norm=layer.input_layernorm.weight.data, post_norm=layer.mlp_norm.weight.data,
-                qkv=_packed(a.qkv_proj), o=_packed(a.o_proj)[0], gate_up=_packed(m.gate_up_proj),
-                down=_packed(m.down_proj)[0], k_cache=a.k_cache if caches else None,
+                qkv=_packed(a.qkv_proj), o=_packed(a.o_proj)[0], gate_up=None if moe else _packed(m.gate_up_proj),
+                down=None if moe else _packed(m.down_proj)[0], moe=_moe(m) if moe else None,
+                o_bias=None if a.o_proj.bias is None else a.o_proj.bias.data.float().contiguous(),
+                k_cache=a.k_cache if caches else None,
                 v_cache=a.v_cache if caches else None,
                 qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.data.float().contiguous(),
                 q_norm=None if a.q_norm is None else a.q_norm.weight.data,
@@ -142,7 +180,8 @@ class FusedForward:
         """Write the lean plan beside the pack cache `cache` (models/formats/pack_cache.PackCache) unless one for
         this many positions is there. Nothing is written when the lean path could not run the model the way
         the engine does: the fused step off, an embedding that is not the tied head's packed tiles, a head off the
-        q8 kernels, tiles that are not in the cache file."""
+        q8 kernels, tiles that are not in the cache file, MoE layers (their experts are views of the model file,
+        which the lean one-shot does not map)."""
         import torch
 
         from nanochat.kernels.cpu_qgemv import PackedWeight
@@ -153,6 +192,8 @@ class FusedForward:
         if not self.usable() or (kept is not None and kept[0].get("max_positions") == max_positions):
             return
         model = self._model()
+        if any(_is_moe(layer.mlp) for layer in model.layers):
+            return
         head = model.lm_head
         embed = getattr(model.embed_tokens, "packed", None)
         head_parts = head.quant_parts() if head.gather is None and head.reduce is None else None
