@@ -160,16 +160,21 @@ def test_fused_forward_matches_module_forward(arch, budget, q8_models):
     # no prefix caching: the second run must compute every token itself, with the first run's schedule
     llm = LLM(str(q8_models[arch]), dtype="float32", speculative="off", max_model_len=256, kvcache_block_size=16,
               max_num_batched_tokens=budget, enable_prefix_caching=False)
+    assert_fused_matches_module(llm, [[5, 17, 42, 99, 3], list(range(20, 51)), list(range(100, 118))])
+
+
+def assert_fused_matches_module(llm, prompts, tokens: int = 24) -> None:
+    """Greedy decoding of `prompts` through the fused step (every step through it) and then through the module
+    forward: the same tokens, every step's logits within 1e-3 of the largest."""
     fused = llm.engine.runner.model.fused
     assert fused.why_not is None
-    prompts = [[5, 17, 42, 99, 3], list(range(20, 51)), list(range(100, 118))]   # ragged, crossing blocks
     calls = []
     real_run = fused.run
     fused.run = lambda *a: calls.append(1) or real_run(*a)
-    ids_fused, logits_fused = _greedy(llm, prompts, 24)
+    ids_fused, logits_fused = _greedy(llm, prompts, tokens)
     assert len(calls) >= len(logits_fused)    # every step went through the fused call
     fused.why_not = "disabled for the comparison"
-    ids_ref, logits_ref = _greedy(llm, prompts, 24)
+    ids_ref, logits_ref = _greedy(llm, prompts, tokens)
     assert ids_fused == ids_ref
     assert len(logits_fused) == len(logits_ref)
     for a, b in zip(logits_fused, logits_ref):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from nanochat.engine import LLM, SamplingParams
+from nanochat.engine import LLM
 from nanochat.kernels import cpu_qgemv
 from tests.gguf_writer import T, write_gguf_from_hf
+from tests.test_fused_models import _greedy, assert_fused_matches_module
 
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(), reason="the CPU kernels cannot be built here")
 
@@ -32,18 +33,6 @@ def moe_models(tmp_path_factory):
     return {"qwen3moe": qwen, "gpt-oss": gpt_oss}
 
 
-def _greedy(llm, prompts, tokens):
-    """Greedy token ids per prompt and the logits of every step."""
-    model = llm.engine.runner.model
-    logits, orig = [], model.compute_logits
-    model.compute_logits = lambda h: logits.append(orig(h)) or logits[-1]
-    try:
-        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    finally:
-        del model.compute_logits
-    return [r.token_ids for r in out], logits
-
-
 @pytest.mark.parametrize("arch,budget,renormalize,blocks", [
     ("qwen3moe", 512, False, None), ("qwen3moe", 12, True, None), ("gpt-oss", 512, False, None),
     ("gpt-oss", 12, False, None), ("gpt-oss", 512, False, 6)],
@@ -55,24 +44,12 @@ def test_fused_moe_step_matches_the_module_forward(arch, budget, renormalize, bl
     llm = LLM(str(moe_models[arch]), dtype="float32", speculative="off", max_model_len=256, kvcache_block_size=16,
               max_num_batched_tokens=budget, enable_prefix_caching=False, **kw)
     model = llm.engine.runner.model
-    fused = model.fused
-    assert fused.why_not is None
     moe_layers = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
     assert moe_layers and len(moe_layers) < len(model.layers) if arch == "qwen3moe" else len(moe_layers) == 4
     for mlp in moe_layers:
         mlp.renormalize = renormalize
-    calls = []
-    real_run = fused.run
-    fused.run = lambda *a: calls.append(1) or real_run(*a)
-    ids_fused, logits_fused = _greedy(llm, PROMPTS, 24)
-    assert len(calls) >= len(logits_fused)     # every step went through the compiled call
+    assert_fused_matches_module(llm, PROMPTS)
     assert (llm.engine.scheduler.num_preemptions > 0) == (blocks is not None)
-    fused.why_not = "disabled for the comparison"
-    ids_ref, logits_ref = _greedy(llm, PROMPTS, 24)
-    assert ids_fused == ids_ref
-    assert len(logits_fused) == len(logits_ref)
-    for a, b in zip(logits_fused, logits_ref):
-        assert (a - b).abs().max().item() <= 1e-3 * b.abs().max().item()
 
 
 def test_the_comparison_can_fail(moe_models):
