@@ -239,8 +239,6 @@ class FusedDecoder:
 
     def _moe(self, i: int, moe: MoeMlp) -> int:
         """The address of layer i's MoE description (csrc/decoder.cpp M_FIELDS), kept alive by the plan."""
-        from nanochat.kernels.moe_cpu import ACTIVATIONS
-
         x = moe.experts
         if getattr(x, "backend", None) != "kernel" or x.hidden_size != self.dims.hidden:
             raise ValueError(f"fused decoder: layer {i} experts must be HostExperts on the kernel backend "
@@ -252,7 +250,7 @@ class FusedDecoder:
         self._keep += [x, _fp32(moe.router_bias, f"layer {i} router bias")]
         router = self._weight(i, "router", moe.router, x.num_experts, self.dims.hidden)
         fields = array("q", [x.num_experts, moe.top_k, _ROUTING[moe.routing, moe.renormalize], *router,
-                             _ptr(moe.router_bias), *(ctypes.addressof(m) for m in x.mats), ACTIVATIONS[x.activation],
+                             _ptr(moe.router_bias), *(ctypes.addressof(m) for m in x.mats), x.act_id,
                              _bits(x.alpha), _bits(x.limit), _ptr(x.gate_bias), _ptr(x.up_bias), _ptr(x.down_bias)])
         if len(fields) != self.lib.nc_dec_moe_fields():
             raise RuntimeError("fused decoder: MoE plan layout does not match the library")

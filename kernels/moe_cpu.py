@@ -171,6 +171,7 @@ class HostExperts:
         self.gate, self.up, self.down = gate, up, down
         self.num_experts, self.hidden_size, self.intermediate_size = e, hidden, inter
         self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
+        self.act_id = ACTIVATIONS[activation]   # the kernel's code for it (csrc/moe.cpp ACT_*)
         self.gate_bias, self.up_bias, self.down_bias = (
             self._bias(b, (e, n), f"{name}.{what}_bias")
             for b, n, what in ((gate_bias, inter, "gate"), (up_bias, inter, "up"), (down_bias, hidden, "down")))

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "../../kernels/csrc/moe.h"
+
 extern "C" {
 int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void* x, int x_bf16, int64_t n,
                  int64_t ldx, void* y, int y_bf16, int64_t ldy, const float* bias, int x2, int threads);
@@ -28,17 +30,9 @@ int nc_qg_dequant_rows(int type, const uint8_t* tiles, int64_t rows, int64_t k, 
 int nc_qg_matmul_rows(int type, const uint8_t* w, int64_t rows, int64_t k, int64_t row_stride, const float* x,
                       int64_t n, int64_t ldx, float* y, int64_t ldy, int x2, int threads);
 int nc_qg_simd();
-struct NcMat {
-  int32_t type, reserved;
-  const uint8_t* data;
-  int64_t expert_stride, row_stride, rows, cols;
-};
-int nc_moe_forward(const float* x, int64_t T, int64_t H, const int64_t* ids, const float* weights, int64_t k,
-                   int64_t E, const NcMat* gate, const NcMat* up, const NcMat* down, float* out, int act, float alpha,
-                   float limit, const float* gate_bias, const float* up_bias, const float* down_bias, int x2,
-                   int threads);
 int nc_dec_header_fields();
 int nc_dec_layer_fields();
+int nc_dec_moe_fields();
 int nc_dec_forward(const int64_t* plan, float* x, int64_t n, const int64_t* positions, const int64_t* slots,
                    int64_t seqs, const int32_t* cu_q, const int32_t* block_tables, int64_t table_stride,
                    const int32_t* context_lens, const int64_t* window_slots, const int32_t* window_tables,
@@ -248,7 +242,9 @@ enum : int { H_LAYERS, H_HIDDEN, H_HEADS, H_KV_HEADS, H_HEAD_DIM, H_INTER, H_ROT
              H_FINAL_NORM, H_EPS_BITS, H_KV_F16, H_ACT, H_SCALE_BITS, H_FIELDS };
 enum : int { L_IN_NORM, L_POST_NORM, L_QKV, L_QKV_BIAS = L_QKV + 9, L_Q_NORM, L_K_NORM, L_O_TYPE, L_O_W, L_GU,
              L_DOWN_TYPE = L_GU + 6, L_DOWN_W, L_K_CACHE, L_V_CACHE, L_COS, L_SIN, L_WINDOW, L_ATTN_OUT_NORM,
-             L_MLP_OUT_NORM, L_SINKS, L_FIELDS };
+             L_MLP_OUT_NORM, L_SINKS, L_O_BIAS, L_MOE, L_FIELDS };
+enum : int { M_EXPERTS, M_TOP_K, M_ROUTING, M_ROUTER_TYPE, M_ROUTER_W, M_ROUTER_BIAS, M_GATE, M_UP, M_DOWN, M_ACT,
+             M_ALPHA_BITS, M_LIMIT_BITS, M_GATE_BIAS, M_UP_BIAS, M_DOWN_BIAS, M_FIELDS };
 
 int64_t as_int(const void* p) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(p)); }
 int64_t double_bits(double v) {
@@ -260,6 +256,16 @@ int64_t double_bits(double v) {
 struct Stack {  // everything a plan points to
   std::vector<std::vector<uint8_t>> bytes;
   std::vector<std::vector<float>> f32;
+  std::vector<NcMat> mats = std::vector<NcMat>(3);
+  std::vector<int64_t> moe = std::vector<int64_t>(M_FIELDS);
+  // `rows` x k raw rows (GGML's own layout, as a file holds them)
+  NcMat* raw(int i, int type, int64_t experts, int64_t rows, int64_t k) {
+    bytes.push_back(raw_rows(type, experts * rows, k));
+    const Type& ty = type_of(type);
+    const int64_t row_bytes = k / ty.elems * ty.bytes;
+    mats[i] = NcMat{type, 0, bytes.back().data(), rows * row_bytes, row_bytes, rows, k};
+    return &mats[i];
+  }
   const uint8_t* weight(int type, int64_t rows, int64_t k) {
     bytes.push_back(packed(type, raw_rows(type, rows, k), rows, k));
     return bytes.back().data();
@@ -336,6 +342,27 @@ void decoder_case(const char* name, int64_t hidden, int64_t heads, int64_t kv_he
       L[L_SINKS] = as_int(st.values(heads, 1.0f));
       L[L_ATTN_OUT_NORM] = as_int(st.values(hidden, 0.5f, 1.0f));
       L[L_MLP_OUT_NORM] = as_int(st.values(hidden, 0.5f, 1.0f));
+      // gpt-oss's MLP in place of the gated one: 4 experts, top 2 by logit then a softmax over them; a biased Q8_0
+      // router, MXFP4 gate / up and Q8_0 down rows where they lie, the clamped SwiGLU with biases; an o bias
+      L[L_O_BIAS] = as_int(st.values(hidden, 0.2f));
+      const int64_t E = 4;
+      int64_t* M = st.moe.data();
+      M[M_EXPERTS] = E;
+      M[M_TOP_K] = 2;
+      M[M_ROUTING] = 2;
+      M[M_ROUTER_TYPE] = Q8_0;
+      M[M_ROUTER_W] = as_int(st.weight(Q8_0, E, hidden));
+      M[M_ROUTER_BIAS] = as_int(st.values(E, 0.5f));
+      M[M_GATE] = as_int(st.raw(0, MXFP4, E, inter, hidden));
+      M[M_UP] = as_int(st.raw(1, MXFP4, E, inter, hidden));
+      M[M_DOWN] = as_int(st.raw(2, Q8_0, E, hidden, inter));
+      M[M_ACT] = 1;
+      M[M_ALPHA_BITS] = double_bits(1.702);
+      M[M_LIMIT_BITS] = double_bits(7.0);
+      M[M_GATE_BIAS] = as_int(st.values(E * inter, 0.5f));
+      M[M_UP_BIAS] = as_int(st.values(E * inter, 0.5f));
+      M[M_DOWN_BIAS] = as_int(st.values(E * hidden, 0.5f));
+      L[L_MOE] = as_int(M);
     }
   }
   const int32_t tables[4] = {0, 1, 2, 3};  // sequence 0: blocks 0, 1; sequence 1: blocks 2, 3
@@ -372,7 +399,7 @@ void decoder_case(const char* name, int64_t hidden, int64_t heads, int64_t kv_he
 }
 
 void decoder() {
-  if (nc_dec_header_fields() != H_FIELDS || nc_dec_layer_fields() != L_FIELDS) {
+  if (nc_dec_header_fields() != H_FIELDS || nc_dec_layer_fields() != L_FIELDS || nc_dec_moe_fields() != M_FIELDS) {
     std::fprintf(stderr, "the harness's plan layout is not decoder.cpp's\n");
     std::exit(1);
   }
