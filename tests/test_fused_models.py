@@ -228,3 +228,19 @@ def test_preemption_recompute_equals_decode(mixed_models):
         assert got == want
         _, (prefill, *_) = _greedy(solo, [prompt + want[:20]], 1)
         assert torch.equal(prefill[-1], steps[20][-1])
+
+
+def test_fused_forward_adds_every_attention_bias(tmp_path):
+    """Llama with attention_bias: q, k, v and the output projection carry biases (the output's went missing in
+    the fused step once)."""
+    from conftest import make_hf_model
+    from gguf_writer import write_gguf_from_hf
+
+    from nanochat.engine import LLM
+    src = make_hf_model("llama", tmp_path / "hf", seed=5, attention_bias=True)
+    path = write_gguf_from_hf(src, tmp_path / "model.gguf", "llama", T.Q8_0)
+    shutil.copy(src / "tokenizer.json", tmp_path / "tokenizer.json")
+    llm = LLM(str(path), dtype="float32", speculative="off", max_model_len=256, kvcache_block_size=16,
+              enable_prefix_caching=False)
+    assert llm.engine.runner.model.layers[0].self_attn.o_proj.bias is not None
+    assert_fused_matches_module(llm, [[5, 17, 42, 99, 3], list(range(20, 51))])
