@@ -1046,7 +1046,8 @@ float bits_float(int64_t v) {
 }
 
 // One row's routing: the k experts (ids) and their weights from the router's E logits (M_ROUTING). The top k
-// by logit, highest first, ties to the lower id (softmax keeps the logits' order).
+// by logit, highest first, ties to the lower id (softmax keeps the logits' order). A renormalized softmax over all
+// experts is the softmax over the top k, so only ROUTE_SOFTMAX_TOPK divides by the sum over every expert.
 void route_row(const float* logits, int64_t E, int64_t k, int routing, int* order, int64_t* ids, float* w) {
   for (int e = 0; e < E; ++e) order[e] = e;
   std::partial_sort(order, order + k, order + E, [&](int a, int b) {
@@ -1054,21 +1055,13 @@ void route_row(const float* logits, int64_t E, int64_t k, int routing, int* orde
   });
   const float top = logits[order[0]];
   float total = 0.f;
-  if (routing == ROUTE_TOPK_SOFTMAX) {
-    for (int64_t j = 0; j < k; ++j) total += (w[j] = std::exp(logits[order[j]] - top));
-  } else {
-    for (int64_t e = 0; e < E; ++e) total += std::exp(logits[e] - top);
-    for (int64_t j = 0; j < k; ++j) w[j] = std::exp(logits[order[j]] - top) / total;
-    if (routing == ROUTE_SOFTMAX_TOPK) total = 1.f;
-    else {
-      total = 0.f;
-      for (int64_t j = 0; j < k; ++j) total += w[j];
-    }
-  }
   for (int64_t j = 0; j < k; ++j) {
     ids[j] = order[j];
-    w[j] /= total;
+    total += (w[j] = std::exp(logits[order[j]] - top));
   }
+  if (routing == ROUTE_SOFTMAX_TOPK)
+    for (int64_t e = k; e < E; ++e) total += std::exp(logits[order[e]] - top);
+  for (int64_t j = 0; j < k; ++j) w[j] /= total;
 }
 
 // y [n, hidden] = the sparse MoE MLP (M_FIELDS at mp) of x [n, hidden].
