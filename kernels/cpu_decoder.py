@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 _ERRORS = {3: "a quantized matmul failed", 4: "a position is outside the RoPE table",
            5: "the rows of a sequence do not end at its context length",
            6: "the routed experts failed (an unsupported weight type or shape, or a bad top-k)"}
-# A sparse MoE layer's routing (csrc/decoder.cpp ROUTE_*), as models/layers/moe.py's route names it (with its
-# renormalize flag for softmax_topk).
-_ROUTING = {("softmax_topk", False): 0, ("softmax_topk", True): 1, ("topk_softmax", False): 2,
-            ("topk_softmax", True): 2}
+# A sparse MoE layer's routing (csrc/decoder.cpp ROUTE_*) by models/layers/moe.py's route's (mode, renormalize):
+# a softmax over all experts renormalized over the top k is the softmax over the top k.
+_ROUTING = {("softmax_topk", False): 0, ("softmax_topk", True): 1, ("topk_softmax", False): 1,
+            ("topk_softmax", True): 1}
 # Row segments per layer in the plan (csrc/decoder.cpp: QKV_SEGS, GU_SEGS).
 _QKV_SEGMENTS, _GATE_UP_SEGMENTS = 3, 2
 _KV_DTYPES = ("float16", "float32")

@@ -73,15 +73,23 @@ enum Moe : int {
   M_EXPERTS, M_TOP_K, M_ROUTING, M_ROUTER_TYPE, M_ROUTER_W, M_ROUTER_BIAS, M_GATE, M_UP, M_DOWN, M_ACT,
   M_ALPHA_BITS, M_LIMIT_BITS, M_GATE_BIAS, M_UP_BIAS, M_DOWN_BIAS, M_FIELDS
 };
-// Routing, as models/layers/moe.py's route: softmax over all experts then the top k (their probabilities as
-// weights, or renormalized to sum to 1), or the top k logits then a softmax over those (gpt-oss).
-enum : int { ROUTE_SOFTMAX_TOPK = 0, ROUTE_SOFTMAX_TOPK_NORM = 1, ROUTE_TOPK_SOFTMAX = 2 };
+// Routing, as models/layers/moe.py's route: softmax over all experts then the top k, their probabilities as the
+// weights (ROUTE_SOFTMAX_TOPK); or a softmax over the top k logits (ROUTE_TOPK_SOFTMAX: gpt-oss, and the same
+// weights as a softmax over all experts renormalized over the top k).
+enum : int { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
 enum : int { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum : int { OK = 0, ERR_MATMUL = 3, ERR_POSITION = 4, ERR_BATCH = 5, ERR_MOE = 6 };
 
 template <class T>
 T* ptr(int64_t v) {
   return reinterpret_cast<T*>(static_cast<intptr_t>(v));
+}
+
+// A plan field holding a double's bits, as a float.
+float bits_float(int64_t v) {
+  double d;
+  std::memcpy(&d, &v, sizeof d);
+  return static_cast<float>(d);
 }
 
 struct Model {
@@ -95,14 +103,9 @@ struct Model {
   explicit Model(const int64_t* p)
       : layers(p[H_LAYERS]), hidden(p[H_HIDDEN]), heads(p[H_HEADS]), kv_heads(p[H_KV_HEADS]),
         head_dim(p[H_HEAD_DIM]), inter(p[H_INTER]), rot_dim(p[H_ROT_DIM]), block_size(p[H_BLOCK_SIZE]),
-        max_pos(p[H_MAX_POS]), final_norm(ptr<const float>(p[H_FINAL_NORM])), kv_f16(p[H_KV_F16] != 0),
-        act(static_cast<int>(p[H_ACT])) {
-    double e, sc;
-    std::memcpy(&e, &p[H_EPS_BITS], sizeof e);
-    std::memcpy(&sc, &p[H_SCALE_BITS], sizeof sc);
-    eps = static_cast<float>(e);
-    scale = static_cast<float>(sc);
-  }
+        max_pos(p[H_MAX_POS]), final_norm(ptr<const float>(p[H_FINAL_NORM])),
+        eps(bits_float(p[H_EPS_BITS])), scale(bits_float(p[H_SCALE_BITS])), kv_f16(p[H_KV_F16] != 0),
+        act(static_cast<int>(p[H_ACT])) {}
   int64_t q_size() const { return heads * head_dim; }
   int64_t kv_size() const { return kv_heads * head_dim; }
 };
@@ -1039,15 +1042,8 @@ void add_normed(float* x, float* y, const float* w, int64_t n, int64_t H, float 
   for (int64_t i = 0; i < n * H; ++i) x[i] += y[i];
 }
 
-float bits_float(int64_t v) {
-  double d;
-  std::memcpy(&d, &v, sizeof d);
-  return static_cast<float>(d);
-}
-
 // One row's routing: the k experts (ids) and their weights from the router's E logits (M_ROUTING). The top k
-// by logit, highest first, ties to the lower id (softmax keeps the logits' order). A renormalized softmax over all
-// experts is the softmax over the top k, so only ROUTE_SOFTMAX_TOPK divides by the sum over every expert.
+// by logit, highest first, ties to the lower id (softmax keeps the logits' order).
 void route_row(const float* logits, int64_t E, int64_t k, int routing, int* order, int64_t* ids, float* w) {
   for (int e = 0; e < E; ++e) order[e] = e;
   std::partial_sort(order, order + k, order + E, [&](int a, int b) {

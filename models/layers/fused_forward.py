@@ -51,7 +51,9 @@ def _why_not_q8(name: str, linear) -> str:
 
 
 def _is_moe(mlp) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "top_k")
+    from nanochat.models.layers.moe import SparseMoeBlock
+
+    return isinstance(mlp, SparseMoeBlock)
 
 
 def _moe_why_not(mlp) -> str | None:

@@ -349,7 +349,7 @@ void decoder_case(const char* name, int64_t hidden, int64_t heads, int64_t kv_he
       int64_t* M = st.moe.data();
       M[M_EXPERTS] = E;
       M[M_TOP_K] = 2;
-      M[M_ROUTING] = 2;
+      M[M_ROUTING] = 1;  // ROUTE_TOPK_SOFTMAX
       M[M_ROUTER_TYPE] = Q8_0;
       M[M_ROUTER_W] = as_int(st.weight(Q8_0, E, hidden));
       M[M_ROUTER_BIAS] = as_int(st.values(E, 0.5f));
