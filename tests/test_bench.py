@@ -334,7 +334,8 @@ def test_a_run_counts_its_proposals_and_tokens_per_step(engine):
 def test_cli_compares_speculation_with_off(tiny_models, tmp_path, capsys, monkeypatch):
     from nanochat.app.cli import main
 
-    env = dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home"))
+    # wide enough that the table never squeezes a column (it cut "1.00" to "1." once the figures were wider)
+    env = dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home"), COLUMNS="200")
     base = [sys.executable, "-m", "nanochat.app.cli", "bench", "--model", str(tiny_models[ARCH]), "--device", "cpu",
             "--quiet", "--num-seqs", "2", "--max-input-len", "8", "--max-output-len", "12", "--fixed-lengths"]
     r = subprocess.run(base + ["--speculative", "ngram", "--json"], env=env, capture_output=True, text=True,
