@@ -4,7 +4,7 @@
 //   g++ -O3 -std=c++20 -ffp-contract=off -march=native -pthread benchmarks/qgemv_tiles.cpp -o /tmp/qgemv_tiles
 //   /tmp/qgemv_tiles TYPE ROWS K N LEVELS [SECONDS] [THREADS]
 //
-// TYPE: Q4_0 Q5_0 Q8_0 Q4_K Q5_K Q6_K MXFP4; ROWS x K: the weight; N: rows of x; LEVELS: activation levels
+// TYPE: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K MXFP4; ROWS x K: the weight; N: rows of x; LEVELS: activation levels
 // (1 or 2); THREADS: the kernels' threads (default 1). A call quantizes x and runs the tiles. Prints
 // the best of 20-call batches over SECONDS (default 1) and a checksum of y, which a variant of the
 // kernels must reproduce bit for bit, and the same on any THREADS. With ROWS x K a few hundred KB the
@@ -31,7 +31,7 @@ struct Raw {  // a GGML block: its bytes, values per block, where its fp16 scale
   const char* name;
   int type, bytes, elems, d0, d1;
 };
-constexpr Raw RAWS[] = {{"Q4_0", Q4_0, 18, 32, 0, -1}, {"Q5_0", Q5_0, 22, 32, 0, -1}, {"Q8_0", Q8_0, 34, 32, 0, -1},
+constexpr Raw RAWS[] = {{"Q4_0", Q4_0, 18, 32, 0, -1}, {"Q4_1", Q4_1, 20, 32, 0, 2}, {"Q5_0", Q5_0, 22, 32, 0, -1}, {"Q8_0", Q8_0, 34, 32, 0, -1},
                         {"Q4_K", Q4_K, 144, 256, 0, 2}, {"Q5_K", Q5_K, 176, 256, 0, 2}, {"Q6_K", Q6_K, 210, 256, 208, -1},
                         {"MXFP4", MXFP4, 17, 32, -2, -1}};
 
@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   const double secs = argc > 6 ? std::atof(argv[6]) : 1.0;
   const int threads = argc > 7 ? std::atoi(argv[7]) : 1;
   if (!raw || rows <= 0 || rows % ROWS || k <= 0 || k % raw->elems || n <= 0 || threads < 1) {
-    std::fprintf(stderr, "bad arguments: TYPE one of Q4_0 Q5_0 Q8_0 Q4_K Q5_K Q6_K MXFP4, ROWS a multiple of %d, "
+    std::fprintf(stderr, "bad arguments: TYPE one of Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K MXFP4, ROWS a multiple of %d, "
                          "K of the block size, THREADS >= 1\n", ROWS);
     return 2;
   }

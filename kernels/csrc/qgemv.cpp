@@ -1285,10 +1285,14 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
 
 template <class V, int TYPE, bool X2>
 void tile_split(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
-  // Split nt into 8/4/2/1: per row of x the arithmetic is the same whatever the split.
+  // Split nt into passes of 8, 6, 5, 4, 3, 2, 1: per row of x the arithmetic is the same whatever the split, and
+  // a pass of 3 or 5 costs less than 2 + 1 or 4 + 1 (speculative verification steps have any number of rows).
   while (nt > 0) {
     if (nt >= 8) { tile_simd<V, TYPE, 8, X2>(w, nblk, a, t0, o, row0); t0 += 8; nt -= 8; }
+    else if (nt >= 6) { tile_simd<V, TYPE, 6, X2>(w, nblk, a, t0, o, row0); t0 += 6; nt -= 6; }
+    else if (nt >= 5) { tile_simd<V, TYPE, 5, X2>(w, nblk, a, t0, o, row0); t0 += 5; nt -= 5; }
     else if (nt >= 4) { tile_simd<V, TYPE, 4, X2>(w, nblk, a, t0, o, row0); t0 += 4; nt -= 4; }
+    else if (nt >= 3) { tile_simd<V, TYPE, 3, X2>(w, nblk, a, t0, o, row0); t0 += 3; nt -= 3; }
     else if (nt >= 2) { tile_simd<V, TYPE, 2, X2>(w, nblk, a, t0, o, row0); t0 += 2; nt -= 2; }
     else { tile_simd<V, TYPE, 1, X2>(w, nblk, a, t0, o, row0); t0 += 1; nt -= 1; }
   }
