@@ -82,6 +82,9 @@ SCHEDULES = {
     "token by token": [[(0, p, p + 1)] for p in range(LENGTHS[0])],
     "mixed": [[(0, 0, 37), (1, 0, 1), (2, 0, 7)], [(0, 37, 38), (1, 1, 70)], [(0, 38, 130), (1, 70, 71)],
               [(1, 71, 150), (0, 130, 200)]],
+    # chunks of a few rows deep into a sequence (speculative verification: attended row by row) beside longer ones
+    "short chunks": [[(0, 0, 120), (1, 0, 5)], [(0, 120, 125), (1, 5, 150), (2, 0, 3)], [(0, 125, 133), (2, 3, 7)],
+                     [(0, 133, 142)], [(0, 142, 200)]],
 }
 
 
@@ -102,7 +105,7 @@ def _assert_schedules_agree(dec, dims, layers) -> tuple[list, list, dict]:
     tables = [blocks[:13], blocks[13:23], blocks[23:24]]
     x = [torch.randn(n, dims.hidden, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(LENGTHS)]
     runs = {name: _run_schedule(dec, dims, layers, tables, x, sched) for name, sched in SCHEDULES.items()}
-    for name in ("token by token", "mixed"):
+    for name in ("token by token", "mixed", "short chunks"):
         differ = [key for key, row in runs[name].items() if not torch.equal(row, runs["alone"][key])]
         assert not differ, f"{name}: {len(differ)} rows differ from the sequence run alone, first {differ[0]}"
     return tables, x, runs["alone"]

@@ -345,9 +345,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// a . b and o += w * b over one head of D dims (D = 0: d, known at run time), b in a KV cache row:
-// decode attention's inner loops, FMA in VL lanes with one horizontal sum per dot where D allows,
-// else the scalar loops (fp16 widened into buf, d floats).
+// a . b over one head of D dims (D = 0: d, known at run time), b in a KV cache row: FMA in VL lanes with one
+// horizontal sum per dot where D allows, else the scalar loop (fp16 widened into buf, d floats).
 template <int D, class T>
 inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
 #if NC_HAS_SIMD
@@ -358,18 +357,6 @@ inline float head_dot(const float* a, const T* b, int64_t d, float* buf) {
   }
 #endif
   return dot(a, as_f32(b, d, buf), d);
-}
-
-template <int D, class T>
-inline void head_axpy(float* o, float w, const T* b, int64_t d) {
-#if NC_HAS_SIMD
-  if constexpr (D > 0 && D % VL == 0) {
-    const vf wv = vset(w);
-    for (int c = 0; c < D / VL; ++c) vstore(o + VL * c, vfmadd(wv, vload(b + VL * c), vload(o + VL * c)));
-    return;
-  }
-#endif
-  for (int64_t e = 0; e < d; ++e) o[e] += w * widen(b[e]);
 }
 
 // s[c] = head_dot(q, k + c * d) for the 8 fp32 key rows from k: the same lanes and sums.
@@ -568,11 +555,12 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
 //   dim, in key order);
 // - the parts merged in order: sum exp(m - M) o / sum exp(m - M) l, M their largest m (merge_part).
 // Work items for the pool:
-// - PART: whole parts of a one-row sequence (a decode row, or a chunk of one token), all its query heads;
-//   keys read a whole cached row (all KV heads) at a time, block by block. With fewer sequences than
+// - PART: whole parts of one query row's keys, all its query heads, reading the cache where it lies. The rows
+//   that go this way: a one-row sequence (a decode row, or a chunk of one token) and each row of a short chunk
+//   (up to SHORT_ROWS: speculative verification), whose keys end at its own position. With fewer rows than
 //   threads a long context is several items ("split-K" as in flash-decoding) that the threads share.
-// - WIDEN: the keys of a several-row sequence (a prefill chunk) for one KV head, as fp32 rows, once for
-//   all its row blocks.
+// - WIDEN: the keys of a longer several-row sequence (a prefill chunk) for one KV head, as fp32 rows, once
+//   for all its row blocks.
 // - ROWS: up to ROW_BLOCK rows of a several-row sequence x one KV head: the scores of all their query
 //   heads, 8 keys at a time, then per part a causal softmax and the weighted values, each value row
 //   loaded once per pass for several query vectors.
@@ -582,11 +570,19 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
 // prefill still sum the same keys in the same order. In a block of prefill rows, the keys before a row's
 // window get weight 0, as those past its last key do.
 constexpr int64_t ROW_BLOCK = 16, PART = 128;
+// Chunks of up to this many rows attend row by row (PART items): widening a long context's keys to fp32 for a
+// few rows read and wrote the cache twice over, and their KV heads were too few items to share out.
+constexpr int64_t SHORT_ROWS = 8;
 
 enum class Work { PART, WIDEN, ROWS };
 
+// A query row attended part by part: its sequence, its batch row and the keys it sees (its position + 1).
+struct OneRow {
+  int64_t seq, row, keys;
+};
+
 struct Item {
-  int64_t seq;
+  int64_t seq;      // PART: the OneRow; WIDEN, ROWS: the sequence
   int64_t lo, hi;   // PART: keys [lo, hi) (whole parts but the last); ROWS: batch rows [lo, hi)
   int64_t index;    // PART: the first part's index in ml / o; WIDEN, ROWS: the KV head
   Work work;
@@ -604,7 +600,8 @@ struct AttnJob {
   int64_t window;                   // 0: full attention, else the window W (keys p - W + 1 .. p)
   const float* sinks;               // [heads]: a logit per query head in the denominator only, or null
   std::vector<Item> items;
-  std::vector<int64_t> first_part;  // [seqs + 1]: parts of sequence t (one-row sequences only)
+  std::vector<OneRow> one_rows;     // the rows attended part by part
+  std::vector<int64_t> first_part;  // [one_rows + 1]: parts of one_rows[i]
   std::vector<float> ml;            // [parts, heads, 2]: m, l
   std::vector<float> o;             // [parts, heads, head_dim]
   // Several-row sequences: their keys' cache slots and fp32 keys [kv_heads][context][head_dim].
@@ -645,6 +642,7 @@ struct AttnJob {
 // where the query is.
 struct Local {
   std::vector<float> scores, row, vals, ml, l_sum, top, o;
+  std::vector<int64_t> slots;
   std::vector<const float*> queries;
 };
 
@@ -661,62 +659,17 @@ inline void merge_end(float* dst, float l_sum, int64_t d) {
   for (int64_t e = 0; e < d; ++e) dst[e] *= inv;
 }
 
-// Scores, exp and weighted values of the keys [p0, p1) of one part of one-row sequence t, for all query
-// heads, into part `index` of ml / o. Keys and values are read a whole cache row (all KV heads) at a time,
-// in order: passes per KV head, as attend_rows makes them, stream a long context's cache slower. D: the head
-// dimension as in attend_rows. Not inlined: inside the pool's loop with attend_rows its loops ran ~15%
-// slower (decode at 2,000 keys, AVX2).
-template <int D, class T>
-__attribute__((noinline)) void attend_part(AttnJob& j, int64_t t, int64_t p0, int64_t p1, int64_t index,
-                                           Local& local) {
-  const Model& m = *j.m;
-  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim, bs = m.block_size;
-  const int64_t len = p1 - p0, kv = m.kv_size();
-  const float* q = j.qkv + j.b->cu_q[t] * j.ldq;
-  const T* k_cache = static_cast<const T*>(j.k_cache);
-  const T* v_cache = static_cast<const T*>(j.v_cache);
-  std::vector<float>& scores = local.scores;
-  scores.resize(heads * len);
-  local.row.resize(d);
-  auto for_keys = [&](auto&& body) {  // body(p - p0, slot of position p), block by block
-    for (int64_t p = p0; p < p1;) {
-      const int64_t end = std::min(p1, (p / bs + 1) * bs), base = j.slot(t, p) - p;
-      for (; p < end; ++p) body(p - p0, base + p);
-    }
-  };
-  for_keys([&](int64_t i, int64_t slot) {
-    const T* krow = k_cache + slot * kv;
-    for (int64_t g = 0, h = 0; g < m.kv_heads; ++g)
-      for (int64_t u = 0; u < group; ++u, ++h)
-        scores[h * len + i] = head_dot<D>(q + h * d, krow + g * d, d, local.row.data()) * j.scale;
-  });
-  float* ml = &j.ml[(index * heads) * 2];
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * len;
-    ml[2 * h] = max_of(s, len);
-    ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
-  }
-  float* o = &j.o[index * heads * d];
-  std::fill(o, o + heads * d, 0.f);
-  for_keys([&](int64_t i, int64_t slot) {
-    const T* vrow = v_cache + slot * kv;
-    for (int64_t g = 0, h = 0; g < m.kv_heads; ++g)
-      for (int64_t u = 0; u < group; ++u, ++h) head_axpy<D>(o + h * d, scores[h * len + i], vrow + g * d, d);
-  });
-}
-
-// The parts of each one-row sequence, merged into its output row.
+// The parts of each row attended part by part, merged into its output row.
 void merge_parts(AttnJob& j) {
   const Model& m = *j.m;
   const int64_t H = m.heads, d = m.head_dim;
-  for (int64_t t = 0; t < j.b->seqs; ++t) {
-    if (j.first_part[t + 1] == j.first_part[t]) continue;
+  for (int64_t t = 0; t < static_cast<int64_t>(j.one_rows.size()); ++t) {
     for (int64_t h = 0; h < H; ++h) {
       float top = j.top_start(h);
       for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
         top = std::max(top, j.ml[(part * H + h) * 2]);
       float l_sum = j.l_start(h, top);
-      float* dst = j.out + j.b->cu_q[t] * m.q_size() + h * d;
+      float* dst = j.out + j.one_rows[t].row * m.q_size() + h * d;
       std::fill(dst, dst + d, 0.f);
       for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
         merge_part(dst, l_sum, top, j.ml[(part * H + h) * 2], j.ml[(part * H + h) * 2 + 1], &j.o[(part * H + h) * d],
@@ -744,12 +697,12 @@ constexpr int pass_cols() {
 template <int D>
 constexpr int values_per_pass() { return NC_HAS_AVX2 && !NC_HAS_AVX512 ? 6 : NC_HAS_NEON ? 6 : D > 64 ? 2 : 4; }
 
-// out[v][e] (+)= sum_p w[v][p] * vals[p][e] for NV query vectors over the same n keys, whose values
-// are fp32 rows of d in `vals`: each value row is loaded once per pass for all NV. accumulate: add to
-// what out holds (the sums over the keys before these), in the same order as one pass over all.
-template <int D, int NV>
-void weighted_values(const float* const* w, int64_t n, const float* vals, int64_t d, bool accumulate,
-                     float* const* out) {
+// out[v][e] (+)= sum_p w[v][p] * row(p)[e] for NV query vectors over the same n keys, whose values are rows
+// of d (fp32, or fp16 bits widened as they are loaded): each value row is loaded once per pass for all NV.
+// accumulate: add to what out holds (the sums over the keys before these), in the same order as one pass over
+// all. Per output dim one FMA chain from 0 in key order.
+template <int D, int NV, class Row>
+void weighted_values(const float* const* w, int64_t n, Row row, int64_t d, bool accumulate, float* const* out) {
 #if NC_HAS_SIMD
   if constexpr (D > 0 && D % VL == 0) {
     constexpr int CW = pass_cols<D, NV>();
@@ -758,9 +711,9 @@ void weighted_values(const float* const* w, int64_t n, const float* vals, int64_
       for (int u = 0; u < NV; ++u)
         for (int c = 0; c < CW; ++c) acc[u][c] = accumulate ? vload(out[u] + VL * (c0 + c)) : vset(0.f);
       for (int64_t p = 0; p < n; ++p) {
-        const float* row = vals + p * D + c0 * VL;
+        const auto* r = row(p) + c0 * VL;
         vf v[CW];
-        for (int c = 0; c < CW; ++c) v[c] = vload(row + VL * c);
+        for (int c = 0; c < CW; ++c) v[c] = vload(r + VL * c);
         for (int u = 0; u < NV; ++u) {
           const vf wp = vset(w[u][p]);
           for (int c = 0; c < CW; ++c) acc[u][c] = vfmadd(wp, v[c], acc[u][c]);
@@ -774,8 +727,82 @@ void weighted_values(const float* const* w, int64_t n, const float* vals, int64_
 #endif
   for (int u = 0; u < NV; ++u) {
     if (!accumulate) std::fill(out[u], out[u] + d, 0.f);
-    for (int64_t p = 0; p < n; ++p)
-      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * vals[p * d + e];
+    for (int64_t p = 0; p < n; ++p) {
+      const auto* r = row(p);
+      for (int64_t e = 0; e < d; ++e) out[u][e] += w[u][p] * widen(r[e]);
+    }
+  }
+}
+
+// weighted_values for nv <= PV query vectors.
+template <int D, int PV, class Row>
+void weighted_values_n(int64_t nv, const float* const* w, int64_t n, Row row, int64_t d, bool accumulate,
+                       float* const* out) {
+  switch (nv) {
+    case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, n, row, d, accumulate, out); break;
+    case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, n, row, d, accumulate, out); break;
+    case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, n, row, d, accumulate, out); break;
+    case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, n, row, d, accumulate, out); break;
+    case 2: weighted_values<D, 2>(w, n, row, d, accumulate, out); break;
+    default: weighted_values<D, 1>(w, n, row, d, accumulate, out);
+  }
+}
+
+// Scores, exp and weighted values of the keys [p0, p1) of one part of query row qr, for all its query
+// heads, into part `index` of ml / o. The scores read a whole cached key row (all KV heads) at a time, in
+// order: a part's K from memory streams best so (decode's case). The values go in blocks of VBLOCK keys, each
+// KV head's query heads sharing every load of a value row (weighted_values), the sums in registers: one FMA
+// chain per output dim in key order, as attend_rows makes them. D: the head dimension as in attend_rows. Not
+// inlined: inside the pool's loop with attend_rows its loops ran ~15% slower (decode at 2,000 keys, AVX2).
+template <int D, class T>
+__attribute__((noinline)) void attend_part(AttnJob& j, const OneRow& qr, int64_t p0, int64_t p1, int64_t index,
+                                           Local& local) {
+  const Model& m = *j.m;
+  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim, bs = m.block_size;
+  const int64_t len = p1 - p0, kv = m.kv_size();
+  const float* q = j.qkv + qr.row * j.ldq;
+  const T* k_cache = static_cast<const T*>(j.k_cache);
+  const T* v_cache = static_cast<const T*>(j.v_cache);
+  std::vector<float>& scores = local.scores;
+  scores.resize(heads * len);
+  local.row.resize(d);
+  std::vector<int64_t>& slots = local.slots;   // the keys' cache rows
+  slots.resize(len);
+  for (int64_t p = p0; p < p1;) {
+    const int64_t end = std::min(p1, (p / bs + 1) * bs), base = j.slot(qr.seq, p) - p;
+    for (; p < end; ++p) slots[p - p0] = (base + p) * kv;
+  }
+  float* const sc = scores.data();
+  for (int64_t i = 0; i < len; ++i) {
+    const T* krow = k_cache + slots[i];
+    for (int64_t g = 0, h = 0; g < m.kv_heads; ++g)
+      for (int64_t u = 0; u < group; ++u, ++h)
+        sc[h * len + i] = head_dot<D>(q + h * d, krow + g * d, d, local.row.data()) * j.scale;
+  }
+  float* ml = &j.ml[(index * heads) * 2];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores.data() + h * len;
+    ml[2 * h] = max_of(s, len);
+    ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
+  }
+  float* o = &j.o[index * heads * d];
+  constexpr int PV = values_per_pass<D>();
+  constexpr int64_t VBLOCK = 32;
+  for (int64_t i0 = 0; i0 < len; i0 += VBLOCK) {
+    const int64_t n = std::min(VBLOCK, len - i0);
+    for (int64_t g = 0; g < m.kv_heads; ++g) {
+      const T* vg = v_cache + g * d;
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += PV) {
+        const int64_t nv = std::min<int64_t>(PV, (g + 1) * group - h0);
+        const float* w[PV];
+        float* out[PV];
+        for (int64_t u = 0; u < nv; ++u) {
+          w[u] = sc + (h0 + u) * len + i0;
+          out[u] = o + (h0 + u) * d;
+        }
+        weighted_values_n<D, PV>(nv, w, n, [&](int64_t i) { return vg + slots[i0 + i]; }, d, i0 > 0, out);
+      }
+    }
   }
 }
 
@@ -882,15 +909,7 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
           out[u] = &local.o[(i0 + u) * d];
         }
         const float* vals = local.vals.data();
-        const bool acc = p0 > start;
-        switch (nv) {
-          case 6: if constexpr (PV >= 6) weighted_values<D, 6>(w, n, vals, d, acc, out); break;
-          case 5: if constexpr (PV >= 5) weighted_values<D, 5>(w, n, vals, d, acc, out); break;
-          case 4: if constexpr (PV >= 4) weighted_values<D, 4>(w, n, vals, d, acc, out); break;
-          case 3: if constexpr (PV >= 3) weighted_values<D, 3>(w, n, vals, d, acc, out); break;
-          case 2: weighted_values<D, 2>(w, n, vals, d, acc, out); break;
-          default: weighted_values<D, 1>(w, n, vals, d, acc, out);
-        }
+        weighted_values_n<D, PV>(nv, w, n, [&](int64_t p) { return vals + p * d; }, d, p0 > start, out);
       }
     }
     for (int64_t i = first; i < last; ++i) {
@@ -904,9 +923,10 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
 // The parts of a PART item, each on its own (the item's bounds follow the threads; a part's do not).
 template <int D, class T>
 void attend_parts(AttnJob& j, const Item& it, Local& local) {
-  const int64_t from = j.first_key(j.b->context_lens[it.seq] - 1);
+  const OneRow& qr = j.one_rows[it.seq];
+  const int64_t from = j.first_key(qr.keys - 1);
   for (int64_t p = it.lo; p < it.hi; p += PART)
-    attend_part<D, T>(j, it.seq, std::max(p, from), std::min(it.hi, p + PART), it.index + (p - it.lo) / PART, local);
+    attend_part<D, T>(j, qr, std::max(p, from), std::min(it.hi, p + PART), it.index + (p - it.lo) / PART, local);
 }
 
 template <class T>
@@ -943,53 +963,55 @@ void run_items(AttnJob& job, int threads) {
 void attention(AttnJob& job, int threads) {
   const Model& m = *job.m;
   const Batch& b = *job.b;
-  int64_t keys = 0, longest = 0, one_row = 0;
+  int64_t keys = 0, longest = 0;
+  job.one_rows.clear();
   for (int64_t t = 0; t < b.seqs; ++t) {
-    const int64_t from = job.first_key(b.context_lens[t] - 1);
-    keys += (b.context_lens[t] - from) * (b.cu_q[t + 1] - b.cu_q[t]);
-    if (b.cu_q[t + 1] - b.cu_q[t] == 1) {
-      longest = std::max<int64_t>(longest, b.context_lens[t] - from / PART * PART);   // from its first part
-      ++one_row;
+    const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
+    keys += (b.context_lens[t] - job.first_key(b.context_lens[t] - 1)) * (r1 - r0);
+    if (r1 - r0 > SHORT_ROWS) continue;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t seen = b.context_lens[t] - (r1 - 1 - r);   // a sequence's rows end at its context length
+      job.one_rows.push_back({t, r, seen});
+      longest = std::max<int64_t>(longest, seen - job.first_key(seen - 1) / PART * PART);   // from its first part
     }
   }
+  const int64_t one_row = static_cast<int64_t>(job.one_rows.size());
   // Small contexts: a second thread costs more than the work (~16 KB of K/V per 64 keys here).
   const int nt = keys * m.kv_size() < (32 << 10) ? 1 : threads;
-  // Parts per PART item: a one-row sequence's all, or with too few sequences to keep every thread busy
-  // (decode alone) a share of the longest's.
+  // Parts per PART item: a row's all, or with too few rows to keep every thread busy (decode alone, or a
+  // verification chunk) a share of the longest's.
   int64_t per_item = std::max<int64_t>(1, (longest + PART - 1) / PART);
-  if (one_row < 2 * nt && b.n == one_row) per_item = (per_item + 2 * nt - 1) / (2 * nt);
+  if (one_row < 2 * nt && b.n == one_row) per_item = std::max<int64_t>(1, (per_item * one_row + 2 * nt - 1) / (2 * nt));
   job.items.clear();
-  job.first_part.assign(b.seqs + 1, 0);
+  job.first_part.assign(one_row + 1, 0);
+  for (int64_t i = 0; i < one_row; ++i) {
+    const OneRow& qr = job.one_rows[i];
+    job.first_part[i + 1] = job.first_part[i];
+    for (int64_t p = job.first_key(qr.keys - 1) / PART * PART; p < qr.keys; p += per_item * PART) {  // from the window's first part
+      job.items.push_back({i, p, std::min<int64_t>(qr.keys, p + per_item * PART), job.first_part[i + 1], Work::PART});
+      job.first_part[i + 1] += (job.items.back().hi - p + PART - 1) / PART;
+    }
+  }
   job.slots.clear();
   job.slots_at.assign(b.seqs, -1);
   job.keys_at.assign(b.seqs, -1);
   int64_t keys_size = 0;
   for (int64_t t = 0; t < b.seqs; ++t) {
-    const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
-    job.first_part[t + 1] = job.first_part[t];
-    if (r1 - r0 == 1) {
-      const int64_t first = job.first_key(b.context_lens[t] - 1) / PART * PART;   // the window's first part
-      for (int64_t p = first; p < b.context_lens[t]; p += per_item * PART) {
-        job.items.push_back({t, p, std::min<int64_t>(b.context_lens[t], p + per_item * PART), job.first_part[t + 1],
-                             Work::PART});
-        job.first_part[t + 1] += (job.items.back().hi - p + PART - 1) / PART;
-      }
-    } else {
-      job.slots_at[t] = static_cast<int64_t>(job.slots.size());
-      for (int64_t p = 0; p < b.context_lens[t]; ++p) job.slots.push_back(job.slot(t, p));
-      job.keys_at[t] = keys_size;
-      keys_size += m.kv_heads * b.context_lens[t] * m.head_dim;
-      for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, 0, 0, g, Work::WIDEN});
-    }
+    if (b.cu_q[t + 1] - b.cu_q[t] <= SHORT_ROWS) continue;
+    job.slots_at[t] = static_cast<int64_t>(job.slots.size());
+    for (int64_t p = 0; p < b.context_lens[t]; ++p) job.slots.push_back(job.slot(t, p));
+    job.keys_at[t] = keys_size;
+    keys_size += m.kv_heads * b.context_lens[t] * m.head_dim;
+    for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, 0, 0, g, Work::WIDEN});
   }
-  job.ml.resize(job.first_part[b.seqs] * m.heads * 2);
-  job.o.resize(job.first_part[b.seqs] * m.heads * m.head_dim);
+  job.ml.resize(job.first_part[one_row] * m.heads * 2);
+  job.o.resize(job.first_part[one_row] * m.heads * m.head_dim);
   job.keys.resize(keys_size);
-  run_items(job, nt);   // decode parts and key widening
+  run_items(job, nt);   // row parts and key widening
   job.items.clear();
   for (int64_t t = 0; t < b.seqs; ++t) {
     const int64_t r0 = b.cu_q[t], r1 = b.cu_q[t + 1];
-    if (r1 - r0 > 1)
+    if (r1 - r0 > SHORT_ROWS)
       for (int64_t r = r0; r < r1; r += ROW_BLOCK)
         for (int64_t g = 0; g < m.kv_heads; ++g) job.items.push_back({t, r, std::min(r1, r + ROW_BLOCK), g, Work::ROWS});
   }
