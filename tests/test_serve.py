@@ -336,7 +336,10 @@ def test_logprobs_through_the_sdk(server, hf_models):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob) and entry.logprob <= 0
     chunks = list(sdk.chat.completions.create(**kw, stream=True))
     streamed = [e for c in chunks for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # The second request prefills only past the prefix cache: the tiny fp32 model's linears run on torch's GEMM,
+    # whose rounding depends on the number of rows (AVX-512 MKL), so its log-probabilities may move by an ulp.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-6, abs=1e-6)
     plain = sdk.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
 
