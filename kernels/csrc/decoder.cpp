@@ -663,15 +663,15 @@ inline void merge_end(float* dst, float l_sum, int64_t d) {
 void merge_parts(AttnJob& j) {
   const Model& m = *j.m;
   const int64_t H = m.heads, d = m.head_dim;
-  for (int64_t t = 0; t < static_cast<int64_t>(j.one_rows.size()); ++t) {
+  for (int64_t i = 0; i < static_cast<int64_t>(j.one_rows.size()); ++i) {
     for (int64_t h = 0; h < H; ++h) {
       float top = j.top_start(h);
-      for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
+      for (int64_t part = j.first_part[i]; part < j.first_part[i + 1]; ++part)
         top = std::max(top, j.ml[(part * H + h) * 2]);
       float l_sum = j.l_start(h, top);
-      float* dst = j.out + j.one_rows[t].row * m.q_size() + h * d;
+      float* dst = j.out + j.one_rows[i].row * m.q_size() + h * d;
       std::fill(dst, dst + d, 0.f);
-      for (int64_t part = j.first_part[t]; part < j.first_part[t + 1]; ++part)
+      for (int64_t part = j.first_part[i]; part < j.first_part[i + 1]; ++part)
         merge_part(dst, l_sum, top, j.ml[(part * H + h) * 2], j.ml[(part * H + h) * 2 + 1], &j.o[(part * H + h) * d],
                    d);
       merge_end(dst, l_sum, d);
