@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
     if (type == MXFP4) b[0] = static_cast<uint8_t>(119 + (rng() & 3));
     else if (type == Q6_K) std::memcpy(b + 208, &h, 2);
     else std::memcpy(b, &h, 2);
-    if (type == Q4_K || type == Q5_K || type == Q2_K) std::memcpy(b + (type == Q2_K ? 82 : 2), &h, 2);
+    if (type == Q4_K || type == Q5_K || type == Q2_K || type == Q4_1 || type == Q5_1)  // dmin, m
+      std::memcpy(b + (type == Q2_K ? 82 : 2), &h, 2);
     if (type == Q2_K) std::memcpy(b + 80, &h, 2);
     if (type == Q3_K) std::memcpy(b + 108, &h, 2);
   }

@@ -165,12 +165,14 @@ constexpr Fmt fmt_of(int type) {
 // the block's loads, where behind a runtime branch they go out as a burst before them and Q8_0 streams
 // 20% slower. (The runtime test costs the 8-row Q6_K kernel 2-4% in cache; a template parameter instead
 // cost Q8_0 prefill 8%.) F32 weights are not prefetched: the hardware keeps up with that kernel.
+// The lines go to L2, not L1 (prefetcht1): on a Zen 4 one thread then streams MXFP4 raw rows from DRAM at
+// 12-15 GB/s instead of 10-11, and Q4_K tiles at 24-38 GMAC/s instead of 20-25; in cache it is the same.
 constexpr int PF_AHEAD = 12 << 10;
 
 template <int LINES>
 __attribute__((always_inline)) inline void prefetch_lines(const uint8_t* p) {
 #pragma GCC unroll 16
-  for (int i = 0; i < LINES; ++i) __builtin_prefetch(p + 64 * i, 0, 3);
+  for (int i = 0; i < LINES; ++i) __builtin_prefetch(p + 64 * i, 0, 2);  // prefetcht1: into L2
 }
 
 using nc::bf16_to_f32;
@@ -1438,8 +1440,10 @@ TileFn pick(int type) {
 // fp32 operations on them are those of the tile kernels, in their order, so a row's result equals the
 // tiled matmul's bit for bit on every code path. The scalar path decodes a row's block at a time; the
 // SIMD path (raw_rows8) runs 8 rows with one vector lane per row for the fp32 work, as tile_simd's
-// lanes: each row's 32 codes of a sub-block are dotted with the activations in one vector, and the 8
-// rows' partial sums are folded into one vector (one per 16-element half) by horizontal adds.
+// lanes. Where a sub-block has one scale (all types but Q2_K, Q3_K, Q6_K) two rows share a vector, their
+// halves side by side, and each dot sums all 32 products; the others dot each row's 32 codes in a vector
+// of its own and keep the 16-element halves apart. Horizontal adds then fold the 8 rows' partial sums into
+// one vector. Groups of fewer than 8 rows (a matrix's last) take the scalar path.
 
 constexpr int RAW_TOKENS = 32;  // rows of x per pass over 8 weight rows: their activations stay in L2
 
@@ -1770,6 +1774,58 @@ __attribute__((always_inline)) inline __m256i raw_dot(__m256i u, __m256i q, __m2
   else return _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q2), _mm256_set1_epi16(1)));
 }
 
+// Codes of sub-block S of two raw blocks, halves side by side: lo = [b0's elements 0..15 | b1's 0..15],
+// hi = the same of elements 16..31. The 4-bit types split one load of both blocks' nibbles.
+template <int TYPE, int S>
+__attribute__((always_inline)) inline void raw_codes_pair(const uint8_t* b0, const uint8_t* b1, __m256i& lo,
+                                                          __m256i& hi) {
+  if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == MXFP4) {
+    constexpr int QS = TYPE == MXFP4 ? 1 : TYPE == Q4_0 ? 2 : 4;
+    const __m256i m4 = _mm256_set1_epi8(15), q = _mm256_set_m128i(load16(b1 + QS), load16(b0 + QS));
+    lo = _mm256_and_si256(q, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if constexpr (TYPE == MXFP4) {
+      lo = V256::mx_codes(lo);
+      hi = V256::mx_codes(hi);
+    }
+  } else {
+    const __m256i u0 = raw_codes32<TYPE, S>(b0), u1 = raw_codes32<TYPE, S>(b1);
+    lo = _mm256_permute2x128_si256(u0, u1, 0x20);
+    hi = _mm256_permute2x128_si256(u0, u1, 0x31);
+  }
+}
+
+// 8 x int32 for two rows whose halves raw_codes_pair gives (ul, uh): lanes 0..3 add up to the first row's dot
+// product of all 32 elements with x, lanes 4..7 to the second's. q, q2: x's two levels, laid out as the codes
+// (xl = [x 0..15 | x 0..15], xh = [x 16..31 | x 16..31]).
+template <int TYPE, bool X2, bool VNNI>
+__attribute__((always_inline)) inline __m256i raw_dot_pair(__m256i ul, __m256i uh, __m256i ql, __m256i qh,
+                                                           __m256i q2l, __m256i q2h) {
+  if constexpr (TYPE == Q8_0) {
+    return _mm256_add_epi32(raw_dot<TYPE, X2, VNNI>(ul, ql, q2l), raw_dot<TYPE, X2, VNNI>(uh, qh, q2h));
+  } else if constexpr (!VNNI) {  // codes <= 31, |x| <= 127: both halves' pair sums add up within int16
+    auto sum16 = [&](__m256i a, __m256i b) {
+      return _mm256_add_epi16(_mm256_maddubs_epi16(ul, a), _mm256_maddubs_epi16(uh, b));
+    };
+    const __m256i v = _mm256_madd_epi16(sum16(ql, qh), _mm256_set1_epi16(X2 ? 256 : 1));
+    if constexpr (!X2) return v;
+    else return _mm256_add_epi32(v, _mm256_madd_epi16(sum16(q2l, q2h), _mm256_set1_epi16(1)));
+  } else {
+#if NC_HAS_AVX512
+    __m256i v = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ul, ql), uh, qh);
+    if constexpr (X2) v = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_slli_epi32(v, 8), ul, q2l), uh, q2h);
+    return v;
+#else
+    static_assert(!VNNI);
+#endif
+  }
+}
+
+// v[p] of raw_dot_pair for rows p and p + 4 -> lane r: row r's sum of all 32 elements.
+__attribute__((always_inline)) inline __m256i fold_pairs4(const __m256i v[4]) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+}
+
 // v[r] of raw_dot for 8 rows -> lo (lane r: row r's sum of elements 0..15) and hi (16..31).
 __attribute__((always_inline)) inline void fold_rows8(const __m256i v[8], __m256i& lo, __m256i& hi) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -1778,13 +1834,13 @@ __attribute__((always_inline)) inline void fold_rows8(const __m256i v[8], __m256
   hi = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
-// acc[t] (8 rows' fp32 sums for row t0 + t of x) += blocks [0, nblk) of 8 weight rows (row r's blocks at
-// rows[r]) times x rows idx[t0 + t] (or t0 + t), t < n. WIDE: two-level dots on the combined int16 codes (AVX2, several rows
+// acc[t] (8 rows' fp32 sums for row t0 + t of x) += blocks [0, nblk) of 8 weight rows (row r at w + r * stride)
+// times x rows idx[t0 + t] (or t0 + t), t < n. WIDE: two-level dots on the combined int16 codes (AVX2, several rows
 // of x: the codes widened once per row serve them all). pf: prefetch distance (0: none). NT = 1: n is 1, and
 // its sums stay in a register (in memory, each sub-block's fp32 chain waits on a store and a load).
 template <int TYPE, bool X2, bool WIDE, bool VNNI, int NT>
-void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Acts& a, const int64_t* idx, int64_t t0,
-               int64_t n, __m256* acc_out) {
+void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const Acts& a, const int64_t* idx,
+               int64_t t0, int64_t n, __m256* acc_out) {
   using V = V256;
   __m256 acc_reg = acc_out[0];
   __m256* acc = NT == 1 ? &acc_reg : acc_out;
@@ -1792,19 +1848,28 @@ void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Act
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32, RAW = f.raw_bytes;
   constexpr int OFF = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == MXFP4 ? MX_OFF : 0;
+  // One scale for all 32 elements of a sub-block: rows are dotted two per vector, both halves summed in the dot.
+  constexpr bool PAIRED = !WIDE && TYPE != Q2_K && TYPE != Q3_K && TYPE != Q6_K;
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
-  for (int64_t kb = 0; kb < nblk; ++kb) {
+  // Rows 4..7 addressed from rows 0..3 (+ s4): 8 row pointers would not fit the general registers.
+  const int64_t s4 = 4 * stride;
+  const uint8_t* p[4] = {w, w + stride, w + 2 * stride, w + 3 * stride};
+  const int64_t row1 = NT == 1 ? (idx ? idx[t0] : t0) : 0;  // NT = 1: x's row, its pointers hoisted
+  constexpr int PF_EVERY = std::max(1, 64 / RAW);  // blocks per prefetch of each row
+  for (int64_t kb = 0; kb < nblk; ++kb, p[0] += RAW, p[1] += RAW, p[2] += RAW, p[3] += RAW) {
     const uint8_t* b[8];
-    for (int r = 0; r < 8; ++r) b[r] = rows[r] + kb * RAW;
-    if (pf)
-      for (int r = 0; r < 8; ++r) prefetch_lines<RAW / 64 + 1>(b[r] + pf);
+    for (int r = 0; r < 4; ++r) {
+      b[r] = p[r];
+      b[r + 4] = p[r] + s4;
+    }
+    // Blocks are contiguous: an address every 64 bytes or less reaches every line.
+    if (pf && kb % PF_EVERY == 0)
+      for (int r = 0; r < 8; ++r) prefetch_lines<(RAW + 63) / 64>(b[r] + pf);
     __m256 d, m = V::zerof();
     alignas(16) uint8_t sc[16][8], mn[16][8];
     raw_scales8<TYPE>(b, d, m, sc, mn);
     unroll<SUBS>([&](auto S_) {
       constexpr int S = S_;
-      __m256i u[8];
-      for (int r = 0; r < 8; ++r) u[r] = raw_codes32<TYPE, S>(b[r]);
       __m256 dsc = d, cm = m, dg0 = d, dg1 = d, cm0 = m, cm1 = m;
       if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
         dsc = V::mul(d, V::u8f(sc[S]));
@@ -1818,61 +1883,93 @@ void raw_rows8(const uint8_t* const rows[8], int64_t nblk, int64_t pf, const Act
         cm0 = V::mul(m, V::u8f(mn[2 * S]));
         cm1 = V::mul(m, V::u8f(mn[2 * S + 1]));
       }
-      [[maybe_unused]] __m256i wl[8], wh[8];  // WIDE: the codes as int16, elements 0..7 | 16..23 and 8..15 | 24..31
-      if constexpr (WIDE)
-        for (int r = 0; r < 8; ++r) {
-          const __m256i ext = TYPE == Q8_0 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), u[r]) : _mm256_setzero_si256();
-          wl[r] = _mm256_unpacklo_epi8(u[r], ext);
-          wh[r] = _mm256_unpackhi_epi8(u[r], ext);
-        }
-      const int64_t blk = kb * SUBS + S;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t row = idx ? idx[t0 + t] : t0 + t;
-        __m256i v[8];
-        if constexpr (WIDE) {
-          const int16_t* c = a.c16 + row * a.k + 32 * blk;
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 16));
-          const __m256i ca = _mm256_permute2x128_si256(x0, x1, 0x20), cb = _mm256_permute2x128_si256(x0, x1, 0x31);
-          for (int r = 0; r < 8; ++r) v[r] = _mm256_add_epi32(_mm256_madd_epi16(wl[r], ca), _mm256_madd_epi16(wh[r], cb));
-        } else {
+      if constexpr (PAIRED) {
+        __m256i ul[4], uh[4];
+        for (int p = 0; p < 4; ++p) raw_codes_pair<TYPE, S>(b[p], b[p + 4], ul[p], uh[p]);
+        const int64_t blk = kb * SUBS + S;
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = NT == 1 ? row1 : idx ? idx[t0 + t] : t0 + t;
           const __m256i q = load32(reinterpret_cast<const uint8_t*>(a.q + row * a.k + 32 * blk));
-          const __m256i q2 = X2 ? load32(reinterpret_cast<const uint8_t*>(a.q2 + row * a.k + 32 * blk)) : q;
-          for (int r = 0; r < 8; ++r) v[r] = raw_dot<TYPE, X2, VNNI>(u[r], q, q2);
-        }
-        __m256i lo, hi;
-        fold_rows8(v, lo, hi);
-        // from here on tile_simd's operations, lane for lane
-        const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
-        const __m256 dx = V::set1f(a.d[row * kb32 + blk]);
-        __m256 y = acc[t];
-        if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-          constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
-          y = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(OFF16 * s16[0]))), y);
-          y = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(OFF16 * s16[1]))), y);
-        } else if constexpr (TYPE == Q2_K) {
-          const float dxs = a.d[row * kb32 + blk];
-          y = V::fma(V::mul(dg0, dx), V::cvt(lo), y);
-          y = V::fma(V::mul(dg1, dx), V::cvt(hi), y);
-          y = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), y);
-          y = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), y);
-        } else {
-          __m256i tot = V::add(lo, hi);
+          const __m256i ql = _mm256_permute4x64_epi64(q, 0x44), qh = _mm256_permute4x64_epi64(q, 0xee);
+          __m256i q2l = ql, q2h = qh;
+          if constexpr (X2) {
+            const __m256i q2 = load32(reinterpret_cast<const uint8_t*>(a.q2 + row * a.k + 32 * blk));
+            q2l = _mm256_permute4x64_epi64(q2, 0x44);
+            q2h = _mm256_permute4x64_epi64(q2, 0xee);
+          }
+          __m256i v[4];
+          for (int p = 0; p < 4; ++p) v[p] = raw_dot_pair<TYPE, X2, VNNI>(ul[p], uh[p], ql, qh, q2l, q2h);
+          __m256i tot = fold_pairs4(v);
+          // from here on tile_simd's operations, lane for lane
+          const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
           if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
-          y = V::fma(V::mul(dsc, dx), V::cvt(tot), y);
+          __m256 y = V::fma(V::mul(dsc, V::set1f(a.d[row * kb32 + blk])), V::cvt(tot), acc[t]);
           if constexpr (TYPE == Q4_K || TYPE == Q5_K)
             y = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
           else if constexpr (f.m >= 0)
             y = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+          acc[t] = y;
         }
-        acc[t] = y;
+      } else {
+        __m256i u[8];
+        for (int r = 0; r < 8; ++r) u[r] = raw_codes32<TYPE, S>(b[r]);
+        // WIDE: the codes as int16, elements 0..7 | 16..23 and 8..15 | 24..31
+        [[maybe_unused]] __m256i wl[8], wh[8];
+        if constexpr (WIDE)
+          for (int r = 0; r < 8; ++r) {
+            const __m256i ext = TYPE == Q8_0 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), u[r]) : _mm256_setzero_si256();
+            wl[r] = _mm256_unpacklo_epi8(u[r], ext);
+            wh[r] = _mm256_unpackhi_epi8(u[r], ext);
+          }
+        const int64_t blk = kb * SUBS + S;
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = NT == 1 ? row1 : idx ? idx[t0 + t] : t0 + t;
+          __m256i v[8];
+          if constexpr (WIDE) {
+            const int16_t* c = a.c16 + row * a.k + 32 * blk;
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 16));
+            const __m256i ca = _mm256_permute2x128_si256(x0, x1, 0x20), cb = _mm256_permute2x128_si256(x0, x1, 0x31);
+            for (int r = 0; r < 8; ++r) v[r] = _mm256_add_epi32(_mm256_madd_epi16(wl[r], ca), _mm256_madd_epi16(wh[r], cb));
+          } else {
+            const __m256i q = load32(reinterpret_cast<const uint8_t*>(a.q + row * a.k + 32 * blk));
+            const __m256i q2 = X2 ? load32(reinterpret_cast<const uint8_t*>(a.q2 + row * a.k + 32 * blk)) : q;
+            for (int r = 0; r < 8; ++r) v[r] = raw_dot<TYPE, X2, VNNI>(u[r], q, q2);
+          }
+          __m256i lo, hi;
+          fold_rows8(v, lo, hi);
+          // from here on tile_simd's operations, lane for lane
+          const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+          const __m256 dx = V::set1f(a.d[row * kb32 + blk]);
+          __m256 y = acc[t];
+          if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+            constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
+            y = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(OFF16 * s16[0]))), y);
+            y = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(OFF16 * s16[1]))), y);
+          } else if constexpr (TYPE == Q2_K) {
+            const float dxs = a.d[row * kb32 + blk];
+            y = V::fma(V::mul(dg0, dx), V::cvt(lo), y);
+            y = V::fma(V::mul(dg1, dx), V::cvt(hi), y);
+            y = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), y);
+            y = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), y);
+          } else {
+            __m256i tot = V::add(lo, hi);
+            if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+            y = V::fma(V::mul(dsc, dx), V::cvt(tot), y);
+            if constexpr (TYPE == Q4_K || TYPE == Q5_K)
+              y = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+            else if constexpr (f.m >= 0)
+              y = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+          }
+          acc[t] = y;
+        }
       }
     });
   }
   if constexpr (NT == 1) acc_out[0] = acc_reg;
 }
 
-using RawFn = void (*)(const uint8_t* const*, int64_t, int64_t, const Acts&, const int64_t*, int64_t, int64_t,
+using RawFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const Acts&, const int64_t*, int64_t, int64_t,
                       __m256*);
 
 template <int TYPE>
@@ -2161,22 +2258,16 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
     // up to row pf_end.
     const int64_t group = 8 * row_stride, ahead = (PF_AHEAD + group - 1) / group * 8, pf = ahead * row_stride;
     pf_end = std::max(pf_end, r1);
+    int64_t g = r0;
     alignas(32) __m256 acc[RAW_TOKENS];
-    alignas(32) float out[8];
-    for (int64_t g = r0; g < r1; g += 8) {
-      const int nr = static_cast<int>(std::min<int64_t>(8, r1 - g));
-      const uint8_t* rows[8];
-      for (int r = 0; r < 8; ++r) rows[r] = w + (g + std::min(r, nr - 1)) * row_stride;
+    for (; g + 8 <= r1; g += 8)
       for (int64_t t0 = 0; t0 < n; t0 += RAW_TOKENS) {
         const int64_t nt = std::min<int64_t>(RAW_TOKENS, n - t0);
         for (int64_t t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
-        fn(rows, nblk, t0 == 0 && g + ahead < pf_end ? pf : 0, a, idx, t0, nt, acc);
-        for (int64_t t = 0; t < nt; ++t) {
-          _mm256_store_ps(out, acc[t]);
-          std::memcpy(y + (t0 + t) * ldy + g - r0, out, nr * sizeof(float));
-        }
+        fn(w + g * row_stride, row_stride, nblk, t0 == 0 && g + ahead < pf_end ? pf : 0, a, idx, t0, nt, acc);
+        for (int64_t t = 0; t < nt; ++t) _mm256_storeu_ps(y + (t0 + t) * ldy + g - r0, acc[t]);
       }
-    }
+    if (g < r1) raw_scalar(f, w, row_stride, g, r1, nblk, a, idx, n, y + (g - r0), ldy);  // the same bits
     return;
   }
 #endif
