@@ -165,8 +165,8 @@ constexpr Fmt fmt_of(int type) {
 // the block's loads, where behind a runtime branch they go out as a burst before them and Q8_0 streams
 // 20% slower. (The runtime test costs the 8-row Q6_K kernel 2-4% in cache; a template parameter instead
 // cost Q8_0 prefill 8%.) F32 weights are not prefetched: the hardware keeps up with that kernel.
-// The lines go to L2, not L1 (prefetcht1): on a Zen 4 one thread then streams MXFP4 raw rows from DRAM at
-// 12-15 GB/s instead of 10-11, and Q4_K tiles at 24-38 GMAC/s instead of 20-25; in cache it is the same.
+// The lines go to L2, not L1 (prefetcht1): weights then stream from DRAM faster, the same in cache
+// (benchmarks/README.md, "Weights prefetched into L2").
 constexpr int PF_AHEAD = 12 << 10;
 
 template <int LINES>
@@ -1883,10 +1883,19 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
         cm0 = V::mul(m, V::u8f(mn[2 * S]));
         cm1 = V::mul(m, V::u8f(mn[2 * S + 1]));
       }
+      const int64_t blk = kb * SUBS + S;
+      // y += a sub-block with one scale: its 32-element sums tot for x row `row` (tile_simd's operations)
+      auto one_scale = [&](__m256 y, __m256i tot, int64_t row) {
+        const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+        if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+        y = V::fma(V::mul(dsc, V::set1f(a.d[row * kb32 + blk])), V::cvt(tot), y);
+        if constexpr (TYPE == Q4_K || TYPE == Q5_K) return V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+        else if constexpr (f.m >= 0) return V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+        else return y;
+      };
       if constexpr (PAIRED) {
         __m256i ul[4], uh[4];
         for (int p = 0; p < 4; ++p) raw_codes_pair<TYPE, S>(b[p], b[p + 4], ul[p], uh[p]);
-        const int64_t blk = kb * SUBS + S;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = NT == 1 ? row1 : idx ? idx[t0 + t] : t0 + t;
           const __m256i q = load32(reinterpret_cast<const uint8_t*>(a.q + row * a.k + 32 * blk));
@@ -1899,16 +1908,7 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
           }
           __m256i v[4];
           for (int p = 0; p < 4; ++p) v[p] = raw_dot_pair<TYPE, X2, VNNI>(ul[p], uh[p], ql, qh, q2l, q2h);
-          __m256i tot = fold_pairs4(v);
-          // from here on tile_simd's operations, lane for lane
-          const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
-          if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
-          __m256 y = V::fma(V::mul(dsc, V::set1f(a.d[row * kb32 + blk])), V::cvt(tot), acc[t]);
-          if constexpr (TYPE == Q4_K || TYPE == Q5_K)
-            y = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
-          else if constexpr (f.m >= 0)
-            y = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
-          acc[t] = y;
+          acc[t] = one_scale(acc[t], fold_pairs4(v), row);
         }
       } else {
         __m256i u[8];
@@ -1921,7 +1921,6 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
             wl[r] = _mm256_unpacklo_epi8(u[r], ext);
             wh[r] = _mm256_unpackhi_epi8(u[r], ext);
           }
-        const int64_t blk = kb * SUBS + S;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = NT == 1 ? row1 : idx ? idx[t0 + t] : t0 + t;
           __m256i v[8];
@@ -1953,13 +1952,7 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
             y = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), y);
             y = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), y);
           } else {
-            __m256i tot = V::add(lo, hi);
-            if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
-            y = V::fma(V::mul(dsc, dx), V::cvt(tot), y);
-            if constexpr (TYPE == Q4_K || TYPE == Q5_K)
-              y = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
-            else if constexpr (f.m >= 0)
-              y = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
+            y = one_scale(y, V::add(lo, hi), row);
           }
           acc[t] = y;
         }
