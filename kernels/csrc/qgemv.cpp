@@ -770,6 +770,9 @@ struct V256 {
   static I dotu(I acc, I u, I x) {  // u <= 63: the int16 pair sums cannot saturate
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
   }
+  static I pairs16(I u, I x) { return _mm256_maddubs_epi16(u, x); }  // u <= 63: no int16 saturation
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen_pairs(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
   static constexpr int Q8_BIAS = 0;
   static I dot8(I acc, I w, I x) {  // signed weights: |w| times x with w's sign
     const I p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
@@ -1176,6 +1179,22 @@ template <class V, int TYPE>
 inline void dot32(const typename V::I u[8], const int8_t* xq, typename V::I& lo, typename V::I& hi) {
   if constexpr (requires { V::dot32(u, xq, lo, hi); }) {  // a trait's own (NEON: lane-indexed products)
     V::dot32(u, xq, lo, hi);
+  } else if constexpr (requires { V::pairs16(u[0], u[0]); } && TYPE != Q8_0) {
+    // Without VNNI (AVX2): the int16 pair sums of G groups are added before one vpmaddwd widens them to
+    // the rows' int32 sums. Exact: a pair sum is at most 2 * 127 * the largest code, so G of them stay
+    // below 2^15 (codes <= 31: 4 groups; Q6_K's <= 63: 2).
+    constexpr int G = TYPE == Q6_K ? 2 : 4;
+    auto half = [&](const typename V::I* uh, const int8_t* xh) {
+      typename V::I acc = V::zero();
+      for (int g0 = 0; g0 < 4; g0 += G) {
+        typename V::I p = V::pairs16(uh[g0], V::bcast(xh + 4 * g0));
+        for (int g = g0 + 1; g < g0 + G; ++g) p = V::add16(p, V::pairs16(uh[g], V::bcast(xh + 4 * g)));
+        acc = g0 ? V::add(acc, V::widen_pairs(p)) : V::widen_pairs(p);
+      }
+      return acc;
+    };
+    lo = half(u, xq);
+    hi = half(u + 4, xq + 16);
   } else {
     lo = V::zero();
     hi = V::zero();
