@@ -791,8 +791,9 @@ struct V256 {
     std::memcpy(&v, p, 8);
     return _mm256_set1_epi64x(v);
   }
-  // For rows t < T of x (combined codes c + t * ld): lo[t], hi[t] as dot32 gives them.
-  template <int T, bool SIGNED>
+  // For rows t < T of x (combined codes c + t * ld): lo[t], hi[t] as dot32 gives them, less OFF times the
+  // sums of c over their 16 elements: the codes are widened as code - OFF, so the offset costs nothing per row.
+  template <int T, bool SIGNED, int OFF>
   static void dots_wide(const I u[8], const int16_t* c, int64_t ld, I* lo, I* hi) {
     for (int half = 0; half < 2; ++half) {
       I wl[4], wh[4];  // group g: rows 0, 1 | 4, 5 (wl) and 2, 3 | 6, 7 (wh), 4 codes each
@@ -800,6 +801,10 @@ struct V256 {
         const I v = u[4 * half + g], ext = SIGNED ? _mm256_cmpgt_epi8(zero(), v) : zero();
         wl[g] = _mm256_unpacklo_epi8(v, ext);
         wh[g] = _mm256_unpackhi_epi8(v, ext);
+        if constexpr (OFF != 0) {
+          wl[g] = _mm256_sub_epi16(wl[g], _mm256_set1_epi16(OFF));
+          wh[g] = _mm256_sub_epi16(wh[g], _mm256_set1_epi16(OFF));
+        }
       }
       for (int t = 0; t < T; ++t) {
         const int16_t* ct = c + t * ld + 16 * half;
@@ -1258,8 +1263,12 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
           cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
         }
         const int64_t blk = kb * SUBS + s;
+        // The codes' offset (Q6_K's 32, Q3_K's 4, OFF), subtracted from the integer sums as sums of x; WIDE
+        // dots take it out of the widened codes instead.
+        constexpr int OFF16 = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : OFF;
         [[maybe_unused]] typename V::I wide_lo[T], wide_hi[T];
-        if constexpr (WIDE) V::template dots_wide<T, TYPE == Q8_0>(u, a.c16 + t0 * a.k + 32 * blk, a.k, wide_lo, wide_hi);
+        if constexpr (WIDE)
+          V::template dots_wide<T, TYPE == Q8_0, OFF16>(u, a.c16 + t0 * a.k + 32 * blk, a.k, wide_lo, wide_hi);
         for (int t = 0; t < T; ++t) {
           const int64_t row = t0 + t;
           typename V::I lo, hi;
@@ -1278,9 +1287,12 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
           const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
           const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
           if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-            constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
-            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(OFF16 * s16[0]))), acc[t]);
-            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(OFF16 * s16[1]))), acc[t]);
+            if constexpr (!WIDE) {
+              lo = V::sub(lo, V::set1(OFF16 * s16[0]));
+              hi = V::sub(hi, V::set1(OFF16 * s16[1]));
+            }
+            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
+            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
           } else if constexpr (TYPE == Q2_K) {
             const float dxs = a.d[row * kb32 + blk];
             acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
@@ -1289,7 +1301,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
             acc[t] = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), acc[t]);
           } else {
             typename V::I tot = V::add(lo, hi);
-            if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+            if constexpr (OFF != 0 && !WIDE) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
             acc[t] = V::fma(V::mul(dsc, dx), V::cvt(tot), acc[t]);
             if constexpr (TYPE == Q4_K || TYPE == Q5_K)
               acc[t] = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
@@ -1904,9 +1916,9 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
       }
       const int64_t blk = kb * SUBS + S;
       // y += a sub-block with one scale: its 32-element sums tot for x row `row` (tile_simd's operations)
-      auto one_scale = [&](__m256 y, __m256i tot, int64_t row) {
+      auto one_scale = [&](__m256 y, __m256i tot, int64_t row, bool offset = true) {
         const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
-        if constexpr (OFF != 0) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+        if (OFF != 0 && offset) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
         y = V::fma(V::mul(dsc, V::set1f(a.d[row * kb32 + blk])), V::cvt(tot), y);
         if constexpr (TYPE == Q4_K || TYPE == Q5_K) return V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
         else if constexpr (f.m >= 0) return V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), y);
@@ -1932,13 +1944,14 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
       } else {
         __m256i u[8];
         for (int r = 0; r < 8; ++r) u[r] = raw_codes32<TYPE, S>(b[r]);
-        // WIDE: the codes as int16, elements 0..7 | 16..23 and 8..15 | 24..31
+        // WIDE: the codes less their offset as int16 (tile_simd's dots_wide), elements 0..7 | 16..23 and 8..15 | 24..31
+        constexpr int OFF16 = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : OFF;
         [[maybe_unused]] __m256i wl[8], wh[8];
         if constexpr (WIDE)
           for (int r = 0; r < 8; ++r) {
             const __m256i ext = TYPE == Q8_0 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), u[r]) : _mm256_setzero_si256();
-            wl[r] = _mm256_unpacklo_epi8(u[r], ext);
-            wh[r] = _mm256_unpackhi_epi8(u[r], ext);
+            wl[r] = _mm256_sub_epi16(_mm256_unpacklo_epi8(u[r], ext), _mm256_set1_epi16(OFF16));
+            wh[r] = _mm256_sub_epi16(_mm256_unpackhi_epi8(u[r], ext), _mm256_set1_epi16(OFF16));
           }
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = NT == 1 ? row1 : idx ? idx[t0 + t] : t0 + t;
@@ -1961,9 +1974,12 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
           const __m256 dx = V::set1f(a.d[row * kb32 + blk]);
           __m256 y = acc[t];
           if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-            constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
-            y = V::fma(V::mul(dg0, dx), V::cvt(V::sub(lo, V::set1(OFF16 * s16[0]))), y);
-            y = V::fma(V::mul(dg1, dx), V::cvt(V::sub(hi, V::set1(OFF16 * s16[1]))), y);
+            if constexpr (!WIDE) {
+              lo = V::sub(lo, V::set1(OFF16 * s16[0]));
+              hi = V::sub(hi, V::set1(OFF16 * s16[1]));
+            }
+            y = V::fma(V::mul(dg0, dx), V::cvt(lo), y);
+            y = V::fma(V::mul(dg1, dx), V::cvt(hi), y);
           } else if constexpr (TYPE == Q2_K) {
             const float dxs = a.d[row * kb32 + blk];
             y = V::fma(V::mul(dg0, dx), V::cvt(lo), y);
@@ -1971,7 +1987,7 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
             y = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), y);
             y = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), y);
           } else {
-            y = one_scale(y, V::add(lo, hi), row);
+            y = one_scale(y, V::add(lo, hi), row, !WIDE);
           }
           acc[t] = y;
         }
