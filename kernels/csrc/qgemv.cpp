@@ -1929,13 +1929,17 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
         for (int p = 0; p < 4; ++p) raw_codes_pair<TYPE, S>(b[p], b[p + 4], ul[p], uh[p]);
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = NT == 1 ? row1 : idx ? idx[t0 + t] : t0 + t;
-          const __m256i q = load32(reinterpret_cast<const uint8_t*>(a.q + row * a.k + 32 * blk));
-          const __m256i ql = _mm256_permute4x64_epi64(q, 0x44), qh = _mm256_permute4x64_epi64(q, 0xee);
+          // x's halves, each in both 128-bit lanes: broadcast loads, no shuffles (the kernel's bound on Zen)
+          auto both = [](const int8_t* p) {
+            return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          };
+          const int8_t* xq = a.q + row * a.k + 32 * blk;
+          const __m256i ql = both(xq), qh = both(xq + 16);
           __m256i q2l = ql, q2h = qh;
           if constexpr (X2) {
-            const __m256i q2 = load32(reinterpret_cast<const uint8_t*>(a.q2 + row * a.k + 32 * blk));
-            q2l = _mm256_permute4x64_epi64(q2, 0x44);
-            q2h = _mm256_permute4x64_epi64(q2, 0xee);
+            const int8_t* xq2 = a.q2 + row * a.k + 32 * blk;
+            q2l = both(xq2);
+            q2h = both(xq2 + 16);
           }
           __m256i v[4];
           for (int p = 0; p < 4; ++p) v[p] = raw_dot_pair<TYPE, X2, VNNI>(ul[p], uh[p], ql, qh, q2l, q2h);
