@@ -23,7 +23,7 @@ import torch
 from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.model_runner import ModelRunner, kv_window
-from nanochat.engine.sampler import draw, target_probs
+from nanochat.engine.sampler import argmax_rows, draw, target_probs
 from nanochat.engine.scheduler import ScheduledChunk
 from nanochat.engine.sequence import Sequence
 
@@ -75,7 +75,7 @@ class DraftModel:
                 break
             row = logits[0, :self.vocab_size]
             if sp.greedy:
-                token = int(row.argmax())
+                token = argmax_rows(row)
             else:
                 q = torch.zeros(self.vocab_size)
                 q[:row.shape[0]] = target_probs(row, sp)

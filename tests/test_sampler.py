@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat.engine.sampler import FIRST_GUESS, Sampler, TokenHistory, apply_penalties, candidates, draw
+from nanochat.engine.sampler import (FIRST_GUESS, Sampler, TokenHistory, apply_penalties, argmax_rows, candidates,
+                                     draw)
 from nanochat.engine.sampling_params import SamplingParams
 
 
@@ -173,6 +174,17 @@ def test_a_mixed_batch_equals_its_rows_sampled_one_by_one():
         assert got[i] == want, f"row {i}"
         assert torch.equal(batch[i], logits[i]) == (not sp.penalized)   # penalized in place, the rest untouched
     assert got[1] != int(logits[1].argmax()) and got[5] != int(logits[5].argmax())  # the penalties mattered
+
+
+def test_argmax_rows_equals_torch_on_ties_nans_views_and_other_dtypes():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (9, 513), generator=g).float()     # many ties: the first must win
+    logits[2, 7] = logits[4, 0] = logits[4, 9] = float("nan")          # NaN counts as the largest
+    logits[5] = -float("inf")
+    with torch.inference_mode():
+        for x in (logits, logits[1:7], logits[:, 100:], logits.T.contiguous().T, logits[3], logits.double(),
+                  logits.half()):
+            assert argmax_rows(x) == x.argmax(-1).tolist()
 
 
 def test_greedy_takes_the_argmax_after_a_repetition_penalty():
