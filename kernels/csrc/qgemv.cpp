@@ -2096,8 +2096,10 @@ class Pool {
  public:
   static constexpr int64_t MAX_CHUNKS = 0xffff;
   // After a job a worker polls with `pause` for HOT, then with sched_yield (any other runnable thread,
-  // e.g. torch's OpenMP worker, gets the core at once) until SPIN, then sleeps.
-  static constexpr auto HOT = std::chrono::microseconds(20), SPIN = std::chrono::microseconds(300);
+  // e.g. torch's OpenMP worker, gets the core at once) until SPIN, then sleeps. SPIN outlasts the engine's
+  // Python between two steps (0.3-1 ms): a sleeping worker woke late (on a VM, most of a millisecond) while
+  // the caller ran the next step's first matmuls alone.
+  static constexpr auto HOT = std::chrono::microseconds(20), SPIN = std::chrono::microseconds(3000);
   std::atomic<int> last_threads{1};  // threads the last job could use (tests: the count reaches the pool)
 
   // Run fn over [0, items) in chunks of `chunk` items on up to `threads` threads (the caller included).
