@@ -141,11 +141,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int],
     return [(chosen[i], ids[i][:ks[i]], values[i][:ks[i]]) for i in range(len(tokens))]
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (the first on ties, NaN counting as the largest, as in torch). CPU rows go through
-    numpy: torch 2.x's CPU argmax takes ~90 us for one row of a 49k vocabulary, and for several rows wakes its
-    OpenMP threads, which wait for cores the kernels' own pool holds (milliseconds a speculative step);
-    numpy's takes 7 us a row."""
+def argmax_rows(logits: torch.Tensor) -> list[int] | int:
+    """Each row's argmax as `logits.argmax(-1).tolist()` gives it: a list for [B, V], an int for one row [V]
+    (the first on ties, NaN counting as the largest). CPU rows go through numpy: torch's CPU argmax is an
+    order of magnitude slower, and over several rows wakes OpenMP threads that wait for the cores the kernels'
+    own pool holds (benchmarks/README.md, "Two costs outside the kernels")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
