@@ -222,6 +222,14 @@ class Config:
         """The engine's CPU threads (torch's and the kernels'): cpu_threads, else this rank's share of the CPUs."""
         return self.cpu_threads or max(1, (os.cpu_count() or 2) // self.tensor_parallel_size)
 
+    def use_cpu_isa(self) -> None:
+        """Load the lower-ISA build of the CPU kernels that cpu_isa forces, for this process ("auto": the native
+        build stays)."""
+        if self.cpu_isa != "auto":
+            from nanochat.kernels import cpu_qgemv
+
+            cpu_qgemv.use_isa(self.cpu_isa)
+
     def kernel_options(self):
         """The options this engine hands its model and kernels (kernels/options.py): each engine its own."""
         from nanochat.kernels.options import KernelOptions

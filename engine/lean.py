@@ -99,7 +99,7 @@ def _config_supported(c: Config) -> bool:
     return (c.device == "cpu" and c.dtype in _FLOAT32 and c.kv_cache_dtype in _KV_DTYPES
             and c.speculative in ("auto", "off", "ngram")
             and c.tensor_parallel_size == 1 and not c.dequantize and c.quantize is None
-            and c.quant_backend in ("auto", "q8") and c.fused_forward and c.pack_cache and c.cpu_isa == "auto"
+            and c.quant_backend in ("auto", "q8") and c.fused_forward and c.pack_cache
             and c.kv_cache_gib == default.kv_cache_gib and c.num_kvcache_blocks is None)
 
 
@@ -233,6 +233,7 @@ class LeanEngine:
         from nanochat.models.formats.loader import load_tokenizer_and_template
 
         started = time.perf_counter()
+        plan.config.use_cpu_isa()
         if cpu_qgemv.extension() is None:
             raise RuntimeError("the CPU kernels are not available")
         self.plan, self.config = plan, plan.config

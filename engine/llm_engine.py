@@ -78,9 +78,7 @@ class LLMEngine:
         self.device = config.resolved_device()
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_thread_count())
-            if config.cpu_isa != "auto":
-                from nanochat.kernels import cpu_qgemv
-                cpu_qgemv.use_isa(config.cpu_isa)
+            config.use_cpu_isa()
         self.loaded = loaded or load(model, cache=config.pack_cache)
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
         self.kernels = config.kernel_options()

@@ -226,9 +226,7 @@ def run_worker() -> int:
     group.use_device(device)
     if device.type == "cpu":
         torch.set_num_threads(config.cpu_thread_count())
-        if config.cpu_isa != "auto":
-            from nanochat.kernels import cpu_qgemv
-            cpu_qgemv.use_isa(config.cpu_isa)
+        config.use_cpu_isa()
     dtype = config.resolved_dtype(device)
     built, error = None, None
     try:
