@@ -4,7 +4,8 @@
 
 1. the machine: GPUs, driver, torch / triton / flash-attn versions;
 2. the GPU tests (tests/test_gpu.py: Triton kernels compiled for real against the torch references,
-   CUDA graphs against eager, flash-attn, the expert offload's CUDA side, TP over NCCL on two GPUs);
+   CUDA graphs against eager, windowed models against the CPU, flash-attn, the expert offload's CUDA side,
+   TP over NCCL on two GPUs);
 3. nano-vllm's bench.py workload (256 sequences, prompt and reply lengths 100-1024, max_model_len 4096)
    on Qwen3-0.6B's shapes with random bf16 weights, at TP 1 and, with two GPUs or more, TP 2.
 
@@ -57,16 +58,19 @@ def machine() -> dict:
     return info
 
 
-def gpu_tests(timeout: float) -> dict:
+def gpu_tests(timeout: float, log: Path) -> dict:
+    """Runs tests/test_gpu.py; pytest's whole output goes to `log` (the report keeps its last lines)."""
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     started = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-p", "no:cacheprovider",
-                               "-m", "gpu", f"--junitxml={junit}", "-o", "addopts="],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-v", "--durations=15",
+                               "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}", "-o", "addopts="],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:   # what it printed so far (bytes, whatever text= said)
+        log.write_text(e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
         return {"ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": round(time.monotonic() - started)}
+    log.write_text(proc.stdout + proc.stderr)
     result = {"ok": proc.returncode == 0, "seconds": round(time.monotonic() - started, 1),
               "tail": proc.stdout.strip().splitlines()[-3:]}
     if junit.exists():
@@ -76,7 +80,7 @@ def gpu_tests(timeout: float) -> dict:
             for kind in ("failure", "error", "skipped"):
                 node = case.find(kind)
                 if node is not None:
-                    outcome, message = kind, (node.get("message") or "")[:300]
+                    outcome, message = kind, (node.get("message") or "")[:800]
             tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
                           **({"message": message} if message else {})})
         result["tests"] = tests
@@ -170,7 +174,7 @@ def main() -> int:
         report["error"] = "torch sees no CUDA device"
         save()
         return 1
-    report["gpu_tests"] = gpu_tests(timeout=max(60.0, 0.5 * left()))
+    report["gpu_tests"] = gpu_tests(max(60.0, 0.5 * left()), Path(args.report).with_suffix(".tests.log"))
     save()
     with tempfile.TemporaryDirectory() as tmp:
         model = random_qwen3(Path(tmp) / "qwen3-0.6b-random")

@@ -1,6 +1,7 @@
-"""On a CUDA GPU, for real: the Triton kernels compiled (not interpreted) against the torch references,
-CUDA graphs against eager, flash-attn when installed, the expert offload's CUDA side, and tensor
-parallelism over NCCL when there are two GPUs. Skipped without CUDA (CI); benchmarks/gpu_check.sh runs
+"""On a CUDA GPU, for real: the Triton kernels compiled (not interpreted) against the torch references
+(every GGUF block type; windows and sinks), CUDA graphs against eager and the CPU, windowed models against
+the CPU, flash-attn when installed, the expert offload's CUDA side, and tensor parallelism over NCCL when
+there are two GPUs. Skipped without CUDA (CI); benchmarks/gpu_check.sh runs
 this file on a GPU machine and puts the outcome in its report."""
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ def _paged_case(seqs, q_lens, heads=8, kv_heads=2, head_dim=128, block=16, dtype
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [37, 1, 200]], ids=["decode", "mixed"])
-def test_triton_paged_attention_compiled_matches_torch(dtype, q_lens):
+@pytest.mark.parametrize("window,sinks", [(0, False), (64, True)], ids=["full", "window-sinks"])
+def test_triton_paged_attention_compiled_matches_torch(dtype, q_lens, window, sinks):
     from nanochat.kernels.attention import paged_attention
     from nanochat.kernels.triton_attention import paged_attention_triton, store_kvcache_triton
 
     seqs = [300, 17, 1000]
     q, kc, vc, cu, lens, tables = _paged_case(seqs, q_lens, dtype=dtype)
-    ref = paged_attention(q.float(), kc.float(), vc.float(), cu, lens, tables, 128 ** -0.5)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(5)) if sinks else None
+    ref = paged_attention(q.float(), kc.float(), vc.float(), cu, lens, tables, 128 ** -0.5, window=window, sinks=sink)
     ours = paged_attention_triton(q.to(CUDA), kc.to(CUDA), vc.to(CUDA), cu.to(CUDA), lens.to(CUDA),
-                                  tables.to(CUDA), 128 ** -0.5)
+                                  tables.to(CUDA), 128 ** -0.5, window=window,
+                                  sinks=sink.to(CUDA) if sinks else None)
     tol = 2e-2 if dtype != torch.float32 else 2e-3
     assert (ours.float().cpu() - ref).abs().max().item() < tol
     # the store: every written slot holds its row, the others are untouched
@@ -69,25 +73,25 @@ def test_triton_paged_attention_compiled_matches_torch(dtype, q_lens):
     assert torch.equal(flat[5], before.view(-1, 2, 128)[5])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                   "MXFP4"])
+@pytest.mark.parametrize("m", [1, 300])
 def test_triton_gguf_matmul_compiled_matches_torch(qtype, m):
-    import gguf
+    import numpy as np
 
     from nanochat.kernels import gguf_quants as gq
     from nanochat.kernels.triton_gguf import gguf_dequantize, gguf_linear
+    from tests.kquant_pack import random_rows
 
-    t = gguf.GGMLQuantizationType[qtype]
-    g = torch.Generator().manual_seed(m)
-    w = torch.randn(384, 512, generator=g)
-    raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), t))
-    dense = gq.dequantize_raw(int(t), raw, (384, 512), torch.float32)
-    assert torch.equal(gguf_dequantize(raw.to(CUDA), int(t), 384, 512).cpu(), dense)
-    x = torch.randn(m, 512, generator=g)
+    t = int(getattr(gq, qtype))
+    raw = torch.from_numpy(random_rows(t, 384, 512, np.random.default_rng(m)))
+    dense = gq.dequantize_raw(t, raw, (384, 512), torch.float32)
+    assert torch.equal(gguf_dequantize(raw.to(CUDA), t, 384, 512).cpu(), dense)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
     ref = x @ dense.T
-    fp32 = gguf_linear(x.to(CUDA), raw.to(CUDA), int(t), 384, 512).cpu()
+    fp32 = gguf_linear(x.to(CUDA), raw.to(CUDA), t, 384, 512).cpu()
     assert (fp32 - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
-    bf16 = gguf_linear(x.to(CUDA, torch.bfloat16), raw.to(CUDA), int(t), 384, 512).float().cpu()
+    bf16 = gguf_linear(x.to(CUDA, torch.bfloat16), raw.to(CUDA), t, 384, 512).float().cpu()
     assert (bf16 - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
@@ -125,6 +129,22 @@ def test_cuda_graphs_match_eager_and_the_cpu(tiny_models):
     assert [r.token_ids for r in eager.generate(PROMPTS, GREEDY)] == cpu
     bf16 = LLM(path, device="cuda", max_model_len=256).generate(PROMPTS, GREEDY)   # the default dtype runs
     assert all(len(r.token_ids) == GREEDY.max_tokens for r in bf16)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_windowed_models_on_cuda_match_the_cpu(family, tmp_path):
+    """Windowed layers (and gpt-oss's sinks and experts) on the GPU: the prompts outrun the window. (Two KV
+    groups, windowed and global, run eagerly: the captured graphs hold one block table.)"""
+    if family == "gemma3":
+        from test_gemma3 import make_gemma3 as make
+    else:
+        from test_gpt_oss import make_gpt_oss as make
+    path = str(make(tmp_path / family))
+    cpu = [r.token_ids for r in LLM(path, dtype="float32", max_model_len=256).generate(PROMPTS, GREEDY)]
+    cuda = LLM(path, device="cuda", dtype="float32", max_model_len=256)
+    got = [r.token_ids for r in cuda.generate(PROMPTS, GREEDY)]
+    same = sum(x == y for r, s in zip(got, cpu) for x, y in zip(r, s))
+    assert same >= 0.9 * sum(len(r) for r in cpu), (got, cpu)   # fp32 on both: a wrong window breaks most tokens
 
 
 def test_flash_attn_matches_triton(tiny_models):
