@@ -24,7 +24,7 @@ from textual.widgets._markdown import MarkdownParagraph
 from textual.widgets import Label, Static
 
 from nanochat.app.controller import EngineState
-from nanochat.app.conversation import DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE
+from nanochat.app.conversation import DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, Message
 from nanochat.app.export import format_stats
 from nanochat.app.paths import get_paths
 from nanochat.app.settings import Settings
@@ -336,6 +336,29 @@ async def test_a_message_longer_than_the_context_offers_a_choice_and_loses_nothi
         assert any("does not fit" in m for m in notifications(app))
         assert app.query_one(ChatInput).text == too_long
         untitled(app, home, conv)
+
+
+@sync
+async def test_a_reply_view_taken_apart_lets_the_stream_tick_pass():
+    """Textual takes a removed view's children away before the view. A stream tick in between (a refused
+    turn's view goes while the app shows what its reply gained) once crashed the app in CI."""
+    from textual.app import App
+
+    reply = Message("assistant", "", streaming=True)
+
+    class Host(App):
+        def compose(self):
+            yield MessageView(reply)
+
+    async with Host().run_test() as pilot:
+        view = pilot.app.query_one(MessageView)
+        await view.remove_children()
+        reply.content, reply.generated_tokens, reply.streaming = "late words", 2, False
+        await view.sync()
+        await view.finish()
+        view.refresh_footer()
+        await pilot.pause()
+        assert pilot.app.is_running and view.is_attached and not view.intact
 
 
 def untitled(app, home, conv) -> None:

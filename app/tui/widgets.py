@@ -184,7 +184,7 @@ class MessageView(Vertical, can_focus=True):
     @property
     def intact(self) -> bool:
         """On screen with its parts: Textual takes a removed view's children away before the view."""
-        return self.is_attached and bool(self.query_children(".body"))
+        return self.is_attached and bool(self.query_children(".body")) and bool(self.query_children(".footer"))
 
     def watch_room(self, room: int) -> None:
         if self.intact:
@@ -208,6 +208,8 @@ class MessageView(Vertical, can_focus=True):
     async def sync(self) -> None:
         """Show what the message gained since the last call. The message text is the source of truth,
         so text that arrived before this view was mounted is never lost or doubled."""
+        if not self.intact:   # a stream tick while the view is taken apart (a refused turn's goes)
+            return
         self._show_thinking()
         new = self.message.content[self._shown:]
         self._shown = len(self.message.content)    # before the await: a second call adds only what is newer
@@ -247,6 +249,8 @@ class MessageView(Vertical, can_focus=True):
         last block. Inline styles, set on the blocks that start or stop being an edge: a CSS rule with
         :last-child would restyle every block of the body at each mount, and a CSS class the block and
         its subtree (~2 ms a block), several times a second while a reply streams."""
+        if not self.intact:   # (after sync's await: the view may have begun to go)
+            return
         blocks = self.body.children
         edges = (blocks[0], blocks[-1]) if blocks else (None, None)
         if edges == self._edges:
@@ -270,6 +274,8 @@ class MessageView(Vertical, can_focus=True):
         self.refresh_footer()
 
     def refresh_footer(self) -> None:
+        if not self.intact:
+            return
         footer = self.query_one(".footer", Static)
         text = self._footer_text()
         footer.update(text)
