@@ -131,7 +131,7 @@ def test_a_one_shot_on_a_terminal_says_it_repacks_a_new_file(q8_gguf, tmp_path):
     assert code == 0 and "repacking" not in second, second
 
 
-@pytest.mark.slow   # a full compile of the kernels: 20-60 s on 2 cores
+@pytest.mark.slow   # a full compile of the kernels: about 60 s on 2 idle cores
 @needs_kernels
 def test_a_one_shot_on_a_terminal_says_it_compiles_the_kernels(q8_gguf, tmp_path):
     env = one_shot_env(tmp_path / "home", NANOCHAT_KERNEL_DIR=str(tmp_path / "kernels"))

@@ -325,6 +325,9 @@ async def test_a_message_longer_than_the_context_offers_a_choice_and_loses_nothi
         too_long = "fox " * 400                          # more than the 256-token context
         await fill_until_refused(pilot, app, conv, too_long, most=1)
         assert conv.path == [] and ChatStore(home.chat_db).messages(conv.id) == []
+        title = app.screen.query_one(".title", Label)      # the question wraps in its box, all of it shown
+        assert "context holds 256" in str(title.render()) and title.size.height >= 2
+        assert title.region.right <= title.parent.content_region.right
         await pilot.press("escape")                      # cancel
         await pilot.pause()
         assert app.query_one(ChatInput).text == too_long    # nothing typed is lost
