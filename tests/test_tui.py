@@ -425,6 +425,29 @@ async def test_input_history_newline_and_completion(shared_client, home):
 
 
 # ---------------------------------------------------------------------------------- commands
+def test_help_shows_every_command_usage_whole():
+    """The help's table: one row per command, its usage and help whole (a "|" in them once split the cells:
+    `/set [NAME VALUE|NAME -]` showed as `/set [NAME` and `NAME -]`)."""
+    from markdown_it import MarkdownIt
+
+    from nanochat.app.tui.commands import help_markdown
+
+    tokens = MarkdownIt("gfm-like").parse(help_markdown(("dark",)))   # Textual's Markdown widget's parser
+    rows, row = [], None
+    for t in tokens:
+        if t.type == "tr_open":
+            row = []
+        elif t.type == "inline" and row is not None:
+            row.append("".join(c.content for c in t.children))
+        elif t.type == "tr_close":
+            rows.append(row)
+            row = None
+    commands = {cells[0]: cells for cells in rows if cells[0].startswith("/")}
+    assert all(len(cells) == 2 for cells in rows)
+    assert {c.usage: c.help for c in SLASH_COMMANDS} == {usage: help for usage, help in commands.values()}
+    assert "/set [NAME VALUE|NAME -]" in commands
+
+
 @sync
 async def test_slash_commands(shared_client, home):
     app = make_app(shared_client, home, max_tokens=4)

@@ -115,7 +115,10 @@ def matching(prefix: str, theme_names: tuple[str, ...] = (), reasoning_efforts: 
 
 
 def help_markdown(theme_names: tuple[str, ...] = ()) -> str:
-    rows = "\n".join(f"| `{c.usage}` | {c.help} |" for c in SLASH_COMMANDS)
+    def cell(text: str) -> str:   # a table's "|" splits cells, inside code spans too, unless escaped
+        return text.replace("|", "\\|")
+
+    rows = "\n".join(f"| `{cell(c.usage)}` | {cell(c.help)} |" for c in SLASH_COMMANDS)
     return f"""# nanochat
 
 | Command | What it does |
