@@ -624,8 +624,9 @@ async def test_model_picker_switches_and_survives_a_broken_model(tiny_models, ho
             await wait_for(pilot, lambda: table.row_count >= 1, 10, "the model list")
             assert str(other) in [k.value for k in table.rows]
 
-            picker.query_one("#picker-path").value = str(broken)
-            picker.query_one("#picker-path").focus()
+            assert picker.focused is table
+            await pilot.press(*str(broken))                              # typed with the list focused: to the field
+            assert picker.query_one("#picker-path").value == str(broken)
             await pilot.press("enter")
             await wait_for(pilot, lambda: not picker._loading, 30, "the failed load")
             await pilot.pause()

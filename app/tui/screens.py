@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -90,8 +90,9 @@ class ModelPicker(ModalScreen[str | None]):
         with Vertical(id="picker"):
             yield Label("Choose a model", classes="title")
             yield Static(sanitize(f"loaded: {self._current or 'none'}"), id="picker-current", markup=False)
+            # select_on_focus off: a key typed on the list focuses the field, and the next would replace it
             yield Input(placeholder="a .gguf file, a model folder, or a Hugging Face id (org/name) + Enter",
-                        id="picker-path")
+                        id="picker-path", select_on_focus=False)
             yield DataTable(id="picker-table", cursor_type="row", zebra_stripes=True)
             with Horizontal(id="picker-status"):
                 yield LoadingIndicator(id="picker-loading")
@@ -128,6 +129,15 @@ class ModelPicker(ModalScreen[str | None]):
             table.focus()
         else:
             self.query_one(Input).focus()
+
+    def on_key(self, event: events.Key) -> None:
+        """Typing while the list has the focus types into the path field (it was lost, and the Enter after it
+        loaded the highlighted model instead)."""
+        field = self.query_one("#picker-path", Input)
+        if event.is_printable and self.focused is not field:
+            field.focus()
+            field.insert_text_at_cursor(event.character)
+            event.stop()
 
     @on(Input.Submitted, "#picker-path")
     def _path_submitted(self, event: Input.Submitted) -> None:
