@@ -1,5 +1,5 @@
 """A Hugging Face hub on loopback for the pull tests: the API and file routes huggingface_hub and
-models/formats/hub_gguf.py use (model info, HEAD/GET resolve with Range), and ways to fail as networks do."""
+models/formats/hub_gguf.py use (model info, file tree, HEAD/GET resolve with Range), and ways to fail as networks do."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class Repo:
     files: dict[str, bytes]
     commit: str = "0123456789abcdef0123456789abcdef01234567"
+    gated: bool = False             # its routes answer 403 GatedRepo (terms not accepted)
 
 
 @dataclass
@@ -53,13 +54,24 @@ class FakeHub:
             repo = self.repos.get(m[1])
             if repo is None:
                 return self._error(h, 404, "RepoNotFound")
+            if repo.gated:
+                return self._error(h, 403, "GatedRepo")
             info = {"id": m[1], "modelId": m[1], "sha": repo.commit, "private": False,
                     "siblings": [{"rfilename": name} for name in repo.files]}
             return self._send(h, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
+        if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+", path):   # snapshot_download's file list
+            repo = self.repos.get(m[1])
+            if repo is None or repo.gated:
+                return self._error(h, 404 if repo is None else 403, "RepoNotFound" if repo is None else "GatedRepo")
+            tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                    for name, data in repo.files.items()]
+            return self._send(h, 200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, body)
         if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
             repo = self.repos.get(m[1])
             if repo is None:
                 return self._error(h, 404, "RepoNotFound")
+            if repo.gated:
+                return self._error(h, 403, "GatedRepo")
             data = repo.files.get(m[3])
             if data is None:
                 return self._error(h, 404, "EntryNotFound")

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import pytest
@@ -18,6 +19,8 @@ from nanochat.models.errors import ModelLoadError
 from nanochat.models.formats.hub_gguf import HubRef, fetch, file_tag, parse_ref, pick
 
 REPO = "tiny-org/Tiny-GGUF"
+GATED = "tiny-org/Gated"
+FOLDER = "tiny-org/Tiny"        # a Transformers checkpoint (its files are never read here)
 FILES = ["README.md", "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "mmproj-Tiny-F16.gguf", "Tiny.IQ4_XS.gguf",
          "Big-Q2_K-00001-of-00002.gguf", "Big-Q2_K-00002-of-00002.gguf"]
 
@@ -44,7 +47,8 @@ def test_references_and_file_choice_follow_llama_cpp():
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     files = {name: os.urandom(3000 + 100 * i) for i, name in enumerate(FILES)}
-    with FakeHub({REPO: Repo(files)}) as server:
+    with FakeHub({REPO: Repo(files), GATED: Repo({"model.safetensors": b"x", "Gated-Q8_0.gguf": b"x"}, gated=True),
+                  FOLDER: Repo({"config.json": b"{}", "model.safetensors": b"x"})}) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
         monkeypatch.setattr("nanochat.models.formats.hub_gguf._CHUNK", 512)    # several chunks per file
@@ -115,6 +119,8 @@ def test_clear_errors_for_a_missing_tag_repo_split_or_network(hub, tmp_path, mon
         fetch(HubRef("tiny-org/Nothing-GGUF", None))
     with pytest.raises(ModelLoadError, match="split into 2 files"):
         fetch(HubRef(REPO, "Q2_K"))
+    with pytest.raises(ModelLoadError, match="^tiny-org/Gated: a gated repo; accept its terms"):
+        fetch(HubRef(GATED, "Q8_0"))
     cached = fetch(HubRef(REPO, "Q8_0"))
     with socket.socket() as s:                # a port nothing listens on: no network
         s.bind(("127.0.0.1", 0))
@@ -122,6 +128,24 @@ def test_clear_errors_for_a_missing_tag_repo_split_or_network(hub, tmp_path, mon
     assert fetch(HubRef(REPO, "Q8_0")) == cached                                 # offline: the cache serves
     with pytest.raises(ModelLoadError, match=r"cannot reach the Hugging Face hub .* no Q4_K_M file of it is in the cache"):
         fetch(HubRef(REPO, "Q4_K_M"))
+
+
+def test_a_checkpoint_hub_id_says_what_failed(hub, tmp_path, monkeypatch):
+    """`--model org/name` of a Transformers checkpoint: the same one-line reasons as a pull, not an exception's name."""
+    from nanochat.models.formats.hf_source import resolve_hub_id
+
+    assert (Path(resolve_hub_id(FOLDER)) / "config.json").read_bytes() == b"{}"
+    with pytest.raises(ModelLoadError, match="^tiny-org/Nothing: no such model repo on http://127"):
+        resolve_hub_id("tiny-org/Nothing")
+    with pytest.raises(ModelLoadError, match="^tiny-org/Gated: a gated repo; accept its terms"):
+        resolve_hub_id(GATED)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
+    assert (Path(resolve_hub_id(FOLDER)) / "config.json").is_file()                   # offline: the cache serves
+    offline = r"^tiny-org/Other: cannot reach the Hugging Face hub \(http://127\.0\.0\.1:\d+: .+\), and it is not"
+    with pytest.raises(ModelLoadError, match=offline + r" a local path, nor in the cache \("):
+        resolve_hub_id("tiny-org/Other")
 
 
 def test_pull_and_model_ref_from_the_command_line(tiny_models, tmp_path):
@@ -139,7 +163,8 @@ def test_pull_and_model_ref_from_the_command_line(tiny_models, tmp_path):
                   "tokenizer.ggml.merges": MetaValue(["\u0120 t"], VT.ARRAY, VT.STRING)})
     write_gguf_from_hf(tiny_models["qwen3"], model, "qwen3", gguf.GGMLQuantizationType.Q8_0, tokenizer=vocab)
     files = {"Tiny-Q8_0.gguf": model.read_bytes(), "README.md": b"tiny"}
-    with FakeHub({REPO: Repo(files)}) as server:
+    with FakeHub({REPO: Repo(files), GATED: Repo({"model.safetensors": b"x", "Gated-Q8_0.gguf": b"x"}, gated=True),
+                  FOLDER: Repo({"config.json": b"{}", "model.safetensors": b"x"})}) as server:
         env = dict(os.environ, HF_ENDPOINT=server.url, HF_HUB_CACHE=str(tmp_path / "hub"),
                    NANOCHAT_HOME=str(tmp_path / "home"))
 

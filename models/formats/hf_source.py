@@ -16,6 +16,7 @@ from safetensors import safe_open
 from nanochat.models.config import check_config, expected_shapes, fused_rows, required_tensors
 from nanochat.models.errors import ModelLoadError
 from nanochat.models.families import registry
+from nanochat.models.formats.hub_gguf import hub_cache_dir, hub_endpoint, hub_error
 
 # Multimodal checkpoints keep the text model under `model.language_model.` (Qwen3.5/3.6, Gemma 3 from
 # transformers 4.52 on) or `language_model.model.` (Gemma 3 before); we expose it under the plain text names
@@ -311,13 +312,13 @@ def resolve_hub_id(model: str) -> str:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
-    cache_dir = os.environ.get("HF_HUB_CACHE") or None   # read now: huggingface_hub reads it at import
+    # read now: huggingface_hub reads HF_HUB_CACHE and HF_ENDPOINT when it is imported
+    cache_dir, endpoint = str(hub_cache_dir()), hub_endpoint()
     try:
         return snapshot_download(model, allow_patterns=patterns, local_files_only=True, cache_dir=cache_dir)
     except Exception:
         pass
     try:
-        return snapshot_download(model, allow_patterns=patterns, cache_dir=cache_dir)
+        return snapshot_download(model, allow_patterns=patterns, cache_dir=cache_dir, endpoint=endpoint)
     except Exception as e:
-        raise ModelLoadError(f"{model}: not a local path, and the Hugging Face hub could not provide it "
-                             f"({e.__class__.__name__})") from None
+        raise hub_error(model, e, "it is not a local path, nor in the cache") from None

@@ -87,24 +87,16 @@ def fetch(ref: HubRef, progress: Progress | None = None) -> Path:
     """The local path of the GGUF `ref` names: from the hub (downloaded or resumed), else, when the hub
     cannot be reached, from the cache."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError
 
-    endpoint, cache = _endpoint(), hub_cache_dir()
+    endpoint, cache = hub_endpoint(), hub_cache_dir()
     try:
         info = HfApi(endpoint=endpoint).model_info(ref.repo)
-    except RepositoryNotFoundError:
-        raise ModelLoadError(f"{ref.repo}: no such model repo on {endpoint} (a private repo needs HF_TOKEN)") from None
-    except GatedRepoError:
-        raise ModelLoadError(f"{ref.repo}: a gated repo; accept its terms on the hub and set HF_TOKEN") from None
-    except HfHubHTTPError as e:
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        raise ModelLoadError(f"{ref.repo}: the hub answered {status or 'an error'} ({endpoint})") from None
-    except Exception as e:   # no network, refused, timed out (the HTTP client's own errors, not OSErrors)
-        cached = _from_cache(cache, ref)
+    except Exception as e:   # no network, refused, timed out: the cache may still have the file
+        cached = None if isinstance(e, HfHubHTTPError) else _from_cache(cache, ref)
         if cached is not None:
             return cached
-        raise ModelLoadError(f"{ref.repo}: cannot reach the Hugging Face hub ({endpoint}: {_reason(e)}), and no "
-                             f"{ref.tag or 'GGUF'} file of it is in the cache ({cache})") from None
+        raise hub_error(ref.repo, e, f"no {ref.tag or 'GGUF'} file of it is in the cache") from None
     files = [s.rfilename for s in info.siblings or []]
     name = pick(ref.repo, files, ref.tag)
     count = file_tag(name)[2]
@@ -235,7 +227,7 @@ def _from_cache(cache: Path, ref: HubRef) -> Path | None:
     return None
 
 
-def _endpoint() -> str:
+def hub_endpoint() -> str:
     # Read per call, not at import as huggingface_hub does: a test or a caller may set it later.
     return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
@@ -244,6 +236,25 @@ def hub_cache_dir() -> Path:
     """The hub cache, HF_HUB_CACHE read now (huggingface_hub's modules bind it when they are imported)."""
     from huggingface_hub import constants
     return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
+
+
+def hub_error(repo: str, e: Exception, offline: str) -> ModelLoadError:
+    """The one line for a hub request about `repo` that failed with `e`; `offline`: what the cache lacks, said
+    when the hub could not be reached."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    endpoint = hub_endpoint()
+    if isinstance(e, GatedRepoError):   # (a RepositoryNotFoundError too: asked first)
+        return ModelLoadError(f"{repo}: a gated repo; accept its terms on the hub and set HF_TOKEN")
+    if isinstance(e, RepositoryNotFoundError):
+        return ModelLoadError(f"{repo}: no such model repo on {endpoint} (a private repo needs HF_TOKEN)")
+    if isinstance(e, HfHubHTTPError):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        return ModelLoadError(f"{repo}: the hub answered {status or 'an error'} ({endpoint})")
+    # the HTTP client's own errors (no network, refused, timed out), or huggingface_hub's "not in the cache"
+    cause = e.__cause__ or e.__context__ if type(e).__name__ == "LocalEntryNotFoundError" else e
+    return ModelLoadError(f"{repo}: cannot reach the Hugging Face hub ({endpoint}: {_reason(cause or e)}), and "
+                          f"{offline} ({hub_cache_dir()})")
 
 
 def _reason(e: BaseException) -> str:
