@@ -103,15 +103,18 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
             if not state["done"] and not state["started"]:
                 progress.start()
                 done, total = state["at"]
-                state["task"] = progress.add_task(state["label"], total=total or None, completed=done)
+                state["task"] = progress.add_task(shown(), total=total or None, completed=done)
                 state["started"] = True
 
+    def shown() -> str:   # a file's path and the engine's words: their escape sequences and [markup] as text
+        return escape(sanitize(state["label"]))
+
     def status(text: str) -> None:
-        state["label"] = escape(sanitize(f"{label} · {text}"))   # text from the engine process: not markup
+        state["label"] = f"{label} · {text}"
         start()
         with lock:
             if state["task"] is not None:
-                progress.update(state["task"], description=state["label"])
+                progress.update(state["task"], description=shown())
 
     timer = threading.Timer(delay, start)
     timer.daemon = True

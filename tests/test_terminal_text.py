@@ -183,6 +183,31 @@ def test_a_one_shot_on_a_pty_writes_no_escape_sequence_of_the_model():
     assert "\x1b" not in out and clean(out.replace("\r\n", "\n"))
 
 
+LOADING_ON_A_PTY = """
+import time
+from nanochat.app.oneshot import loading_indicator
+
+with loading_indicator({label!r}, delay=0) as (update, status):
+    time.sleep(0.3)
+    status("[red]compiling\x1b[2J")
+    time.sleep(0.3)
+print("done")
+"""
+
+
+def test_the_load_progress_shows_a_hostile_file_name_as_text():
+    """The one-shot's progress line names the model file: its path's escape sequences and [markup] are shown."""
+    pexpect = pytest.importorskip("pexpect")
+    label = f"Loading /tmp/{TITLE_ATTACK}[bold]x.gguf"
+    child = pexpect.spawn(sys.executable, ["-c", LOADING_ON_A_PTY.format(label=label)], encoding="utf-8",
+                          timeout=30, env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200"))
+    out = child.read()
+    child.close()
+    assert child.exitstatus == 0, out
+    assert "Loading /tmp/␛]2;PWNED␇[bold]x.gguf" in out and "[red]compiling␛[2J" in out
+    assert "PWNED\x07" not in out and "\x1b]" not in out and "\x1b[2J" not in out
+
+
 # ---------------------------------------------------------------------------------- REPL
 def test_repl_writes_through_the_sanitizer_on_a_terminal(capsys):
     term = _Terminal(interactive=False)
