@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError,
                                  debug_enabled, one_line, report)
@@ -215,9 +216,14 @@ def cmd_info(args, settings) -> int:
 
     from nanochat.app.oneshot import load_client
 
-    client, _ = load_client(resolve_model(args, settings), engine_config(args, settings), quiet=False)
+    from nanochat.app.export import model_name
+
+    model = resolve_model(args, settings)
+    client, _ = load_client(model, engine_config(args, settings), quiet=False)
+    # what the other front ends call it (the "model" row is the name the file gives itself)
+    name = model_name(model)
     try:
-        rows = client.describe()
+        rows = [("file", model if name in (model, Path(model).name) else f"{name}: {model}"), *client.describe()]
     finally:
         client.shutdown()
     if getattr(args, "json", False):

@@ -128,6 +128,7 @@ def test_info_names_the_path(mixed_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path))
     assert main(["info", "--model", str(mixed_models[0]), "--max-model-len", "64"]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["file", str(mixed_models[0])]
     assert "fused whole-stack CPU kernel" in out and "KV cache" in out and "float16" in out
     assert main(["info", "--model", str(mixed_models[0]), "--dequantize"]) == 0
     assert "module by module (layer 0 qkv_proj" in capsys.readouterr().out
