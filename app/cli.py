@@ -214,9 +214,8 @@ def cmd_info(args, settings) -> int:
     """`nanochat info`: what the model runs on, and why not the CPU fast path when it does not."""
     import json
 
-    from nanochat.app.oneshot import load_client
-
     from nanochat.app.export import model_name
+    from nanochat.app.oneshot import load_client
 
     model = resolve_model(args, settings)
     client, _ = load_client(model, engine_config(args, settings), quiet=False)

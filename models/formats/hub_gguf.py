@@ -241,7 +241,7 @@ def hub_cache_dir() -> Path:
 def hub_error(repo: str, e: Exception, offline: str) -> ModelLoadError:
     """The one line for a hub request about `repo` that failed with `e`; `offline`: what the cache lacks, said
     when the hub could not be reached."""
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     endpoint = hub_endpoint()
     if isinstance(e, GatedRepoError):   # (a RepositoryNotFoundError too: asked first)
@@ -252,8 +252,10 @@ def hub_error(repo: str, e: Exception, offline: str) -> ModelLoadError:
         status = getattr(getattr(e, "response", None), "status_code", None)
         return ModelLoadError(f"{repo}: the hub answered {status or 'an error'} ({endpoint})")
     # the HTTP client's own errors (no network, refused, timed out), or huggingface_hub's "not in the cache"
-    cause = e.__cause__ or e.__context__ if type(e).__name__ == "LocalEntryNotFoundError" else e
-    return ModelLoadError(f"{repo}: cannot reach the Hugging Face hub ({endpoint}: {_reason(cause or e)}), and "
+    # raised over the network error that is the reason
+    if isinstance(e, LocalEntryNotFoundError):
+        e = e.__cause__ or e.__context__ or e
+    return ModelLoadError(f"{repo}: cannot reach the Hugging Face hub ({endpoint}: {_reason(e)}), and "
                           f"{offline} ({hub_cache_dir()})")
 
 
