@@ -142,7 +142,8 @@ class EngineClient:
     `lean=True` (a one-shot): a load that the lean engine can serve (engine/lean.py: a GGUF the full engine has
     loaded before, CPU, fused step; `lean_sampling`, the SamplingParams keywords the caller will use, within what
     it samples) runs it in this process, on the same core and messages, without importing torch; any other load,
-    or a lean load that fails, starts the engine process as usual. `lean_used` says which one answered."""
+    or a lean load that fails, starts the engine process as usual. `lean_used` says which one answered, and
+    `lean_refused` why the lean engine did not (None: it did, or was not asked)."""
 
     def __init__(self, in_process: bool = False, log_path: str | os.PathLike | None = None, lean: bool = False,
                  lean_sampling: dict | None = None):
@@ -151,6 +152,7 @@ class EngineClient:
         self.lean = lean
         self.lean_sampling = lean_sampling
         self.lean_used = False
+        self.lean_refused: str | None = None
         self._lean_plan = None              # the plan the next start serves in this process
         self.model: ModelInfo | None = None
         self.epoch = 0                      # engine incarnations so far (a start or a model load makes one)
@@ -490,23 +492,25 @@ class EngineClient:
 
         try:
             plan = plan_for(model, dict(config), self.lean_sampling)
-        except Exception:   # whatever the check trips over, the full engine loads it and says what is wrong
-            plan = None
+        except Exception as e:   # whatever the check trips over, the full engine loads it and says what is wrong
+            plan, self.lean_refused = None, f"the check failed: {e!r}"
         if plan is None:
+            self.lean_refused = self.lean_refused or "no lean plan applies (engine/lean.py: plan_for)"
             return None
         with self._lock:
             self._lean_plan = plan
             try:
                 self.start()
                 info = self._call("load", progress=progress, status=status, model=model, config=dict(config))
-            except Exception:
+            except Exception as e:
+                self.lean_refused = f"the lean load failed: {e!r}"
                 self.shutdown()
                 return None
             finally:
                 self._lean_plan = None
             self.model, self._config = info, dict(config)
             self._new_incarnation()
-            self.lean_used = True
+            self.lean_used, self.lean_refused = True, None
         return info
 
     def stats(self, fresh: bool = False) -> EngineStats:
