@@ -22,7 +22,7 @@ from typing import Callable
 
 from nanochat.kernels.notices import announce
 
-# What a load says while the kernels compile (15-25 s of g++ on 2 idle cores, once per CPU and source).
+# What a load says while the kernels compile (once per CPU and source).
 COMPILING = "compiling the CPU kernels for this machine (once, a minute or two)…"
 
 

@@ -51,27 +51,20 @@ class FakeHub:
     def _serve(self, h, body: bool) -> None:
         path = h.path.split("?", 1)[0]
         if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path):
-            repo = self.repos.get(m[1])
-            if repo is None:
-                return self._error(h, 404, "RepoNotFound")
-            if repo.gated:
-                return self._error(h, 403, "GatedRepo")
+            if (repo := self._repo(h, m[1])) is None:
+                return
             info = {"id": m[1], "modelId": m[1], "sha": repo.commit, "private": False,
                     "siblings": [{"rfilename": name} for name in repo.files]}
             return self._send(h, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
         if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+", path):   # snapshot_download's file list
-            repo = self.repos.get(m[1])
-            if repo is None or repo.gated:
-                return self._error(h, 404 if repo is None else 403, "RepoNotFound" if repo is None else "GatedRepo")
+            if (repo := self._repo(h, m[1])) is None:
+                return
             tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
                     for name, data in repo.files.items()]
             return self._send(h, 200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, body)
         if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
-            repo = self.repos.get(m[1])
-            if repo is None:
-                return self._error(h, 404, "RepoNotFound")
-            if repo.gated:
-                return self._error(h, 403, "GatedRepo")
+            if (repo := self._repo(h, m[1])) is None:
+                return
             data = repo.files.get(m[3])
             if data is None:
                 return self._error(h, 404, "EntryNotFound")
@@ -86,6 +79,14 @@ class FakeHub:
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             return self._send(h, 206 if start else 200, data[start:], headers, body, cut=body)
         self._error(h, 404, "RepoNotFound")
+
+    def _repo(self, h, name: str) -> Repo | None:
+        """The repo a route names, or None once the error the hub gives for it is sent."""
+        repo = self.repos.get(name)
+        if repo is None or repo.gated:
+            self._error(h, *((404, "RepoNotFound") if repo is None else (403, "GatedRepo")))
+            return None
+        return repo
 
     def _error(self, h, status: int, code: str) -> None:
         self._send(h, status, json.dumps({"error": code}).encode(), {"X-Error-Code": code,

@@ -163,8 +163,7 @@ def test_pull_and_model_ref_from_the_command_line(tiny_models, tmp_path):
                   "tokenizer.ggml.merges": MetaValue(["\u0120 t"], VT.ARRAY, VT.STRING)})
     write_gguf_from_hf(tiny_models["qwen3"], model, "qwen3", gguf.GGMLQuantizationType.Q8_0, tokenizer=vocab)
     files = {"Tiny-Q8_0.gguf": model.read_bytes(), "README.md": b"tiny"}
-    with FakeHub({REPO: Repo(files), GATED: Repo({"model.safetensors": b"x", "Gated-Q8_0.gguf": b"x"}, gated=True),
-                  FOLDER: Repo({"config.json": b"{}", "model.safetensors": b"x"})}) as server:
+    with FakeHub({REPO: Repo(files)}) as server:
         env = dict(os.environ, HF_ENDPOINT=server.url, HF_HUB_CACHE=str(tmp_path / "hub"),
                    NANOCHAT_HOME=str(tmp_path / "home"))
 

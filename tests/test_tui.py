@@ -442,9 +442,9 @@ def test_help_shows_every_command_usage_whole():
         elif t.type == "tr_close":
             rows.append(row)
             row = None
-    commands = {cells[0]: cells for cells in rows if cells[0].startswith("/")}
     assert all(len(cells) == 2 for cells in rows)
-    assert {c.usage: c.help for c in SLASH_COMMANDS} == {usage: help for usage, help in commands.values()}
+    commands = dict(cells for cells in rows if cells[0].startswith("/"))
+    assert {c.usage: c.help for c in SLASH_COMMANDS} == commands
     assert "/set [NAME VALUE|NAME -]" in commands
 
 

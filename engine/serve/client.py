@@ -492,10 +492,11 @@ class EngineClient:
 
         try:
             plan = plan_for(model, dict(config), self.lean_sampling)
+            refused = "no lean plan applies (engine/lean.py: plan_for)"
         except Exception as e:   # whatever the check trips over, the full engine loads it and says what is wrong
-            plan, self.lean_refused = None, f"the check failed: {e!r}"
+            plan, refused = None, f"the check failed: {e!r}"
         if plan is None:
-            self.lean_refused = self.lean_refused or "no lean plan applies (engine/lean.py: plan_for)"
+            self.lean_refused = refused
             return None
         with self._lock:
             self._lean_plan = plan
