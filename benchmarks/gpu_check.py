@@ -58,17 +58,22 @@ def machine() -> dict:
     return info
 
 
-def gpu_tests(timeout: float, log: Path) -> dict:
-    """Runs tests/test_gpu.py; pytest's whole output goes to `log` (the report keeps its last lines)."""
+def gpu_tests(timeout: float, log: Path, select: str | None = None) -> dict:
+    """Runs tests/test_gpu.py (those `select`, a pytest -k expression, names); pytest's whole output goes to
+    `log` (the report keeps its last lines). A test gets at most 120 s: one that hangs is a failure, not the
+    end of the run."""
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     started = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-v", "--durations=15",
-                               "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}", "-o", "addopts="],
+                               "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}", "-o", "addopts=", "--timeout", "120",
+                               *(("-k", select) if select else ())],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:   # what it printed so far (bytes, whatever text= said)
-        log.write_text(e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
+    except subprocess.TimeoutExpired as e:
+        # what it printed so far (bytes, whatever text= said); a test past its --timeout has its stack on stderr
+        log.write_text("".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                               for x in (e.stdout, e.stderr)))
         return {"ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": round(time.monotonic() - started)}
     log.write_text(proc.stdout + proc.stderr)
     result = {"ok": proc.returncode == 0, "seconds": round(time.monotonic() - started, 1),
@@ -154,6 +159,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("report")
     ap.add_argument("--budget", type=float, default=420, help="seconds for all the steps (default 420)")
+    ap.add_argument("--tests", metavar="EXPR", help="only the GPU tests this pytest -k expression selects")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script on a machine without a GPU: the bench step on the CPU, 2 short sequences")
     args = ap.parse_args()
@@ -174,7 +180,8 @@ def main() -> int:
         report["error"] = "torch sees no CUDA device"
         save()
         return 1
-    report["gpu_tests"] = gpu_tests(max(60.0, 0.5 * left()), Path(args.report).with_suffix(".tests.log"))
+    report["gpu_tests"] = gpu_tests(max(60.0, 0.5 * left()), Path(args.report).with_suffix(".tests.log"),
+                                    args.tests)
     save()
     with tempfile.TemporaryDirectory() as tmp:
         model = random_qwen3(Path(tmp) / "qwen3-0.6b-random")

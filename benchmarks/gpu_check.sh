@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: one script for a CUDA machine, under 8 minutes, one JSON report.
 #
-#   benchmarks/gpu_check.sh [REPORT [--smoke]]   (default REPORT: $OUT/gpu_check.json when OUT is set,
-#                                                  else ./gpu_check.json; --smoke: a dry run without a GPU;
-#                                                  pytest's output lands beside it, REPORT.tests.log)
+#   benchmarks/gpu_check.sh [REPORT [--smoke] [--tests EXPR]]
+#       REPORT: $OUT/gpu_check.json when OUT is set, else ./gpu_check.json; pytest's output lands beside it
+#       (REPORT.tests.log); --smoke: a dry run without a GPU; --tests: only the GPU tests a pytest -k
+#       expression selects (a rerun of what failed)
 #
 # On a bare machine with only this repository: makes a venv (.gpu-venv) that sees the packages of the
 # python it starts from (a venv's too), so a CUDA build of torch already there is used as it is; installs

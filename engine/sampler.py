@@ -167,6 +167,11 @@ class Sampler:
             logits = logits.contiguous()       # a no-op for the engine's logits
             apply_penalties(logits, rows, params, histories)
         greedy = argmax_rows(logits)
+        if logits.device.type != "cpu":
+            sampled = [i for i, sp in enumerate(params) if not sp.greedy]
+            drawn = dict(zip(sampled, sample_rows(logits[sampled], [params[i] for i in sampled],
+                                                  [generators[i] for i in sampled]))) if sampled else {}
+            return [drawn.get(i, g) for i, g in enumerate(greedy)]
         out = []
         for i, sp in enumerate(params):
             if sp.greedy:
@@ -180,6 +185,41 @@ class Sampler:
                 ids, probs = kept
                 out.append(int(ids[draw(probs, generators[i])]))
         return out
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every row's distribution at once, as `target_probs` gives it one row at a time: (probs [B, V], None) in
+    vocabulary order when no row sets top-k or top-p, else (probs, ids) in each row's descending order,
+    zero past its top-k and its top-p nucleus and renormalized. For a GPU: one batched sort costs less there
+    than a launch per row; on a CPU `candidates` avoids the sort."""
+    temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temps[:, None]
+    vocab = logits.shape[-1]
+    top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
+    top_p = [sp.top_p for sp in params]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return scaled.softmax(-1), None
+    scaled, ids = scaled.sort(-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.tensor(top_k, device=logits.device)
+    probs = scaled.masked_fill(rank >= k[:, None], float("-inf")).softmax(-1)
+    p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)
+    # a token stays while the mass before it is below top_p; the first always does
+    keep = ((probs.cumsum(-1) - probs) < p[:, None]) | (p[:, None] >= 1.0) | (rank == 0)
+    probs = probs * keep
+    return probs / probs.sum(-1, keepdim=True), ids
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits` [B, V] for sampled (not greedy) requests, batched on the logits' device:
+    `filtered_probs`, then `draw`'s inverse CDF in float64 with one uniform from each row's generator."""
+    probs, ids = filtered_probs(logits, params)
+    u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=g)) for g in generators],
+                     dtype=torch.float64, device=logits.device)
+    cdf = probs.double().cumsum(-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
+    return (picked if ids is None else ids.gather(1, picked))[:, 0].tolist()
 
 
 def target_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat.engine.sampler import (FIRST_GUESS, Sampler, TokenHistory, apply_penalties, argmax_rows, candidates,
-                                     draw)
+                                     draw, filtered_probs, sample_rows, target_probs)
 from nanochat.engine.sampling_params import SamplingParams
 
 
@@ -89,6 +89,35 @@ def test_unfiltered_sampling_over_a_large_vocabulary():
     got = torch.stack([(draws == i).float().mean() for i in (7, 70_000, 151_935)])
     assert got.sum() == 1.0
     torch.testing.assert_close(got, want, atol=0.04, rtol=0)
+
+
+def test_the_batched_filters_give_each_rows_own_distribution():
+    """The GPU's batched path (filtered_probs): per row, the distribution the per-row path draws from, rows with
+    and without filters mixed in one batch."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=g) * torch.tensor([0.5, 2.0, 4.0, 1.0, 8.0, 3.0])[:, None]
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.2, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, top_k=50, top_p=0.6),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.5, top_k=1000, top_p=0.999)]
+    probs, ids = filtered_probs(logits, params)
+    full = torch.zeros_like(probs).scatter_(1, ids, probs)
+    for i, sp in enumerate(params):
+        torch.testing.assert_close(full[i], target_probs(logits[i], sp), atol=1e-6, rtol=0)
+    plain, none = filtered_probs(logits[:1], params[:1])     # no filter anywhere: no sort
+    assert none is None
+    torch.testing.assert_close(plain[0], target_probs(logits[0], params[0]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=3, top_p=0.9)],
+                         ids=["temperature", "top-k-top-p"])
+def test_batched_draws_follow_the_distribution_and_their_seeds(sp):
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    want = target_probs(logits[0], sp)
+    draws = [sample_rows(logits, [sp], [torch.Generator().manual_seed(s)])[0] for s in range(4000)]
+    assert draws == [sample_rows(logits, [sp], [torch.Generator().manual_seed(s)])[0] for s in range(4000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=6).float() / len(draws)
+    assert (freq[want == 0] == 0).all()
+    torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
 
 
 # ---------------------------------------------------------------- penalties
