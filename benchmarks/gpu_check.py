@@ -3,8 +3,8 @@
     python benchmarks/gpu_check.py REPORT.json [--budget SECONDS]
 
 1. the machine: GPUs, driver, torch / triton / flash-attn versions;
-2. the GPU tests (tests/test_gpu.py: Triton kernels compiled for real against the torch references,
-   CUDA graphs against eager, windowed models against the CPU, flash-attn, the expert offload's CUDA side,
+2. the CPU's C++ kernels built (the tests compare with the CPU), then the GPU tests (tests/test_gpu.py:
+   Triton kernels compiled for real against the torch references, CUDA graphs against eager, windowed models against the CPU, flash-attn, the expert offload's CUDA side,
    TP over NCCL on two GPUs);
 3. nano-vllm's bench.py workload (256 sequences, prompt and reply lengths 100-1024, max_model_len 4096)
    on Qwen3-0.6B's shapes with random bf16 weights, at TP 1 and, with two GPUs or more, TP 2.
@@ -91,6 +91,20 @@ def gpu_tests(timeout: float, log: Path, select: str | None = None) -> dict:
         result["tests"] = tests
         result["counts"] = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failure", "error", "skipped")}
     return result
+
+
+def cpu_kernels(timeout: float) -> dict:
+    """Builds the CPU's C++ kernels ahead (kernels/cpp_build.py): a fresh machine compiles them once."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nanochat.kernels.cpp_build"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    out = {"ok": proc.returncode == 0, "seconds": round(time.monotonic() - started, 1)}
+    if proc.returncode:
+        out["stderr"] = proc.stderr.strip().splitlines()[-5:]
+    return out
 
 
 def random_qwen3(folder: Path) -> Path:
@@ -180,6 +194,9 @@ def main() -> int:
         report["error"] = "torch sees no CUDA device"
         save()
         return 1
+    # The tests that compare with the CPU need its C++ kernels: built once here, not inside a test's time limit.
+    report["cpu_kernels"] = cpu_kernels(max(60.0, 0.3 * left()))
+    save()
     report["gpu_tests"] = gpu_tests(max(60.0, 0.5 * left()), Path(args.report).with_suffix(".tests.log"),
                                     args.tests)
     save()
