@@ -7,7 +7,9 @@
    Triton kernels compiled for real against the torch references, CUDA graphs against eager, windowed models against the CPU, flash-attn, the expert offload's CUDA side,
    TP over NCCL on two GPUs);
 3. nano-vllm's bench.py workload (256 sequences, prompt and reply lengths 100-1024, max_model_len 4096)
-   on Qwen3-0.6B's shapes with random bf16 weights, at TP 1 and, with two GPUs or more, TP 2.
+   on Qwen3-0.6B's shapes with random bf16 weights, at TP 1 and, with two GPUs or more, TP 2;
+4. where a decode step of that workload spends its time (benchmarks/gpu_profile.py): the host's phases and
+   the device's top kernels.
 
 Each step has a share of the time budget and the report says what ran, what passed and how long it
 took; a step that fails or runs out of time is recorded, and the next one still runs.
@@ -169,6 +171,21 @@ def bench(model: Path, tp: int, timeout: float, device: str = "cuda", num_seqs: 
     return out
 
 
+def step_profile(model: Path, timeout: float, smoke: bool) -> dict:
+    """benchmarks/gpu_profile.py on the bench's model: the host's phases and the device's top kernels."""
+    cmd = [sys.executable, "benchmarks/gpu_profile.py", str(model), "--json"]
+    if smoke:
+        cmd += ["--device", "cpu", "--num-seqs", "2", "--steps", "2"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    try:
+        return {"ok": proc.returncode == 0, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    except (json.JSONDecodeError, IndexError):
+        return {"ok": False, "stderr": proc.stderr.strip().splitlines()[-5:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("report")
@@ -205,9 +222,13 @@ def main() -> int:
         sizes = [1, 2] if torch.cuda.device_count() >= 2 or args.smoke else [1]
         report["bench"] = []
         for i, tp in enumerate(sizes):
-            timeout = max(30.0, left() / (len(sizes) - i) - 5)
+            profiled = tp == 1     # then where its decode step's time goes: 60 s kept for that
+            timeout = max(30.0, (left() - 60 * profiled) / (len(sizes) - i) - 5)
             report["bench"].append(bench(model, tp, timeout, *(("cpu", 2) if args.smoke else ())))
             save()
+            if profiled:
+                report["profile"] = step_profile(model, max(60.0, left() / (len(sizes) - i) - 5), args.smoke)
+                save()
     ok = report["gpu_tests"].get("ok") and all(b["ok"] for b in report["bench"])
     report["ok"] = bool(ok)
     save()
