@@ -1,6 +1,6 @@
 """Where a batched decode step's time goes on a GPU: the host's share and the device's kernels.
 
-    python benchmarks/gpu_profile.py MODEL [--device cuda] [--num-seqs 256] [--steps 20] [--json]
+    python benchmarks/gpu_profile.py MODEL [--device cuda] [--num-seqs 256] [--steps 20] [--max-input-len N] [--json]
 
 Starts nano-vllm's bench workload (engine/serve/bench.py make_workload: prompts of 100-1024 random ids,
 temperature 0.6), steps the engine until every sequence has been prefilled, then times `--steps` pure decode
@@ -34,13 +34,13 @@ def _timed(obj, name: str, totals: dict, sync) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile(model: str, device: str, num_seqs: int, steps: int) -> dict:
+def profile(model: str, device: str, num_seqs: int, steps: int, max_input_len: int | None = None) -> dict:
     import torch
 
     from nanochat.engine import LLM
     from nanochat.engine.serve.bench import make_workload, spec_from
 
-    spec = spec_from(workload="nano-vllm", num_seqs=num_seqs)
+    spec = spec_from(workload="nano-vllm", num_seqs=num_seqs, max_input_len=max_input_len)
     llm = LLM(model, device=device, max_model_len=spec.max_model_len, max_num_seqs=num_seqs,
               max_num_batched_tokens=16384)
     engine = llm.engine
@@ -97,9 +97,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-input-len", type=int, help="prompts up to this long (default: the workload's 1024)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args()
-    out = profile(args.model, args.device, args.num_seqs, args.steps)
+    out = profile(args.model, args.device, args.num_seqs, args.steps, args.max_input_len)
     if args.json:
         print(json.dumps(out))
         return 0

@@ -233,13 +233,13 @@ class LLMEngine:
             return self.step_times.ratio(base, k)
 
         if spec.mode == "ngram":
-            return spec.propose_ngram(seq.token_ids, room, ratio)
+            return spec.propose_ngram(seq.token_ids, room, ratio, base)
         plain = self.step_times.estimate(base)
 
         def with_draft(k: int) -> float:   # the draft's k steps come on top of the target's step
             return ratio(k) + (k * self.draft.token_seconds / plain if plain else 0.0)
 
-        return self.draft.propose(seq, spec.choose_k(room, with_draft))
+        return self.draft.propose(seq, spec.choose_k(room, with_draft, base))
 
     def _check_prompt(self, ids: list[int]) -> None:
         check_prompt(ids, self.config.max_model_len, self.loaded.config.vocab_size)

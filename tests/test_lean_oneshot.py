@@ -226,7 +226,7 @@ def test_lean_speculates_on_greedy_replies_and_keeps_the_engines_tokens(home, mo
     from nanochat.engine import SamplingParams
     from nanochat.engine.speculative import Speculation
 
-    monkeypatch.setattr(Speculation, "choose_k", lambda self, room, ratio: min(room, 4))
+    monkeypatch.setattr(Speculation, "choose_k", lambda self, room, ratio, batch=1: min(room, 4))
     from nanochat.engine.serve.client import EngineClient
     from nanochat.models.formats.catalog import embedded_model_path
 

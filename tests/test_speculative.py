@@ -66,6 +66,25 @@ def test_k_follows_acceptance_and_costs_and_pauses_when_it_does_not_pay():
     assert spec.proposed == 54 and spec.accepted == 18
 
 
+def test_in_a_batch_the_rows_a_sequence_adds_are_weighed_against_the_whole_step():
+    """Every sequence of a batch waits for one sequence's extra rows: on a compute-bound step (64 sequences, each
+    row its 64th of the time) even proposals that are always accepted do not pay; on a memory-bound one they do;
+    alone, the same costs pay."""
+    def sure():
+        spec = Speculation(SpeculationConfig(k_max=8), "ngram")
+        for _ in range(4):
+            spec.record(4, 4)
+        return spec
+
+    compute_bound = lambda k: (64 + k) / 64  # noqa: E731
+    assert sure().choose_k(8, compute_bound, batch=64) == 0
+    fresh = Speculation(SpeculationConfig(k_max=8), "ngram")      # never measured: no probe where none could pay,
+    assert fresh.choose_k(8, compute_bound, batch=64) == 0 and fresh.paused == 0   # and no pause: batches change
+    assert fresh.choose_k(8, compute_bound, batch=1) > 0
+    assert sure().choose_k(8, lambda k: 1 + 0.001 * k, batch=64) == 8
+    assert sure().choose_k(8, compute_bound, batch=1) == 8
+
+
 def test_step_times_interpolate_and_fall_back_on_the_prior():
     t = StepTimes(row_cost=0.2)
     assert t.ratio(1, 3) == pytest.approx(1.6)        # nothing measured: the prior
@@ -78,6 +97,29 @@ def test_step_times_interpolate_and_fall_back_on_the_prior():
     t.record(1, 0.500)                                # a step slowed by another process: the median stays
     assert t.estimate(1) == pytest.approx(0.014)
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 3) == 4
+
+
+def test_a_batchs_step_cost_is_a_line_through_noisy_measurements():
+    """From StepTimes.BATCH rows on, neighbours' medians that disagree by more than a row costs (here 38 rows
+    measured faster than 36) do not make extra rows look free: the ratio comes from a line through them all."""
+    import random
+
+    rng, t = random.Random(0), StepTimes(row_cost=0.15)
+    for n in range(2, 80, 3):
+        t.record(n, (0.01 + 0.002 * n) * rng.uniform(0.9, 1.1))
+    t.record(36, 0.090)
+    t.record(36, 0.090)
+    t.record(38, 0.080)
+    t.record(38, 0.080)
+    assert t.estimate(38) < t.estimate(36)                       # the measurements alone: an extra row is free
+    for base, extra in ((36, 2), (64, 5), (12, 1)):
+        want = (0.01 + 0.002 * (base + extra)) / (0.01 + 0.002 * base)
+        assert t.ratio(base, extra) == pytest.approx(want, rel=0.03)
+    assert t.ratio(1, 2) == pytest.approx(t.estimate(3) / t.estimate(1))   # one stream: the measured points
+    steep = StepTimes(row_cost=0.15)       # costs that grow faster than the rows: no line starts below zero
+    for n in range(2, 80, 3):
+        steep.record(n, 0.001 * n * n)
+    assert steep.ratio(36, 4) == pytest.approx(40 / 36)
 
 
 # ---------------------------------------------------------------------------------- verification
@@ -345,7 +387,7 @@ def test_config_checks_the_proposer(kw, msg):
 @pytest.fixture
 def fixed_k(monkeypatch):
     """Propose 4 tokens every step (the real choice of k stops a draft as costly as its target)."""
-    monkeypatch.setattr(Speculation, "choose_k", lambda self, room, ratio: min(room, 4))
+    monkeypatch.setattr(Speculation, "choose_k", lambda self, room, ratio, batch=1: min(room, 4))
 
 
 def draft_free(engine: LLMEngine) -> None:
