@@ -191,10 +191,11 @@ class Speculation:
         if self.paused > 0:
             self.paused -= 1
             return 0
+        alpha = self.acceptance
         best, best_value, could_pay = 0, 1.0, False
         for k in range(1, min(room, self.config.k_max) + 1):
             cost = batch * ratio(k)
-            value = (batch - 1 + expected_tokens(self.acceptance, k)) / cost
+            value = (batch - 1 + expected_tokens(alpha, k)) / cost
             if value > best_value * 1.02:   # a near tie goes to fewer rows
                 best, best_value = k, value
             could_pay = could_pay or (batch + k) / cost > 1.02    # were every proposal accepted
