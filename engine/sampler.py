@@ -42,12 +42,18 @@ def candidates(row: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tenso
     return ids, probs / probs.sum()
 
 
+def uniform(generator: torch.Generator | None) -> float:
+    """One float64 draw in [0, 1) from a request's generator (None: torch's global one): each token drawn, on
+    either sampling path or in verification, spends exactly one."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """An index of the 1-D distribution `probs` (any positive total), from one uniform draw of `generator`
     through the inverse of its CDF (accumulated in float64): on a large vocabulary torch.multinomial
     costs a sizeable share of a CPU decode step, and this a fraction of it."""
     cdf = probs.double().cumsum(0)
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    u = uniform(generator) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
 
 
@@ -215,8 +221,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     """One token per row of `logits` [B, V] for sampled (not greedy) requests, batched on the logits' device:
     `filtered_probs`, then `draw`'s inverse CDF in float64 with one uniform from each row's generator."""
     probs, ids = filtered_probs(logits, params)
-    u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=g)) for g in generators],
-                     dtype=torch.float64, device=logits.device)
+    u = torch.tensor([uniform(g) for g in generators], dtype=torch.float64, device=logits.device)
     cdf = probs.double().cumsum(-1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
     return (picked if ids is None else ids.gather(1, picked))[:, 0].tolist()
@@ -264,7 +269,7 @@ def verify(logits: torch.Tensor, draft: list[int], sp: SamplingParams, generator
         d = draft[j]
         q = None if draft_probs is None else draft_probs[j].to(p.device, torch.float32)
         q_d = 1.0 if q is None else float(q[d])
-        u = float(torch.rand((), dtype=torch.float64, generator=generator))
+        u = uniform(generator)
         if u * q_d < float(p[d]):
             out.append(d)
             continue

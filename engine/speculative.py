@@ -81,12 +81,12 @@ class StepTimes:
         through the row counts measured from 2 rows on: a batch's steps are measured at many row counts, each a
         few times, and two neighbours' medians can differ by more than one row costs (a ratio below 1 made
         every sequence of a batch propose)."""
-        if base >= self.BATCH and self._fit is None:
-            self._fit = self._line() or ()
-        line = self._fit if base >= self.BATCH else None
-        if line:
-            a, b = line
-            return (a + b * (base + extra)) / (a + b * base)
+        if base >= self.BATCH:
+            if self._fit is None:
+                self._fit = self._line() or ()
+            if self._fit:
+                a, b = self._fit
+                return (a + b * (base + extra)) / (a + b * base)
         t0, t1 = self.estimate(base), self.estimate(base + extra)
         if t0 is None or t1 is None or t0 <= 0:
             return 1 + self.row_cost * extra / base
