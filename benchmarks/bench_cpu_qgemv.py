@@ -1,6 +1,6 @@
 """Per-call time of the CPU quantized linear backends on SmolLM2-135M's shapes.
 
-    python benchmarks/bench_cpu_qgemv.py [--threads 1 2] [--rows 1 4 16 64] [--repeats 7]
+    python benchmarks/bench_cpu_qgemv.py [--threads 1 2] [--rows 1 4 16 64] [--repeats 7] [--isa avx2]
 
 For each (shape, type) and rows of x: the int8 kernels ("q8": two-level activations, the default;
 "q8x1": one level, as llama.cpp; kernels/cpu_qgemv.py), torch's int4 kernel ("int4") and a dense
@@ -47,7 +47,7 @@ def random_weight(t: int, out_f: int, in_f: int, seed: int = 0) -> QuantWeight:
     rng = np.random.default_rng(seed)
     if t in cpu_qgemv.DENSE_TYPES:
         w = torch.from_numpy(rng.standard_normal((out_f, in_f), dtype=np.float32) * 0.02)
-        return QuantWeight(t, (out_f, in_f), w.to(cpu_qgemv.DENSE_TYPES[t]).view(torch.uint8))
+        return QuantWeight(t, (out_f, in_f), w.to(getattr(torch, cpu_qgemv.DENSE_TYPES[t])).view(torch.uint8))
     elems, nbytes = gq.BLOCK_SIZES[t]
     raw = rng.integers(0, 256, (out_f * in_f // elems, nbytes), dtype=np.uint8)
     scale = np.full(raw.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
@@ -165,9 +165,11 @@ def main() -> None:
                     help="the weight shape for --types")
     ap.add_argument("--levels", type=int, nargs="+", choices=[1, 2], help="activation levels for --types")
     ap.add_argument("--decode", action="store_true", help="also run benchmarks/bench_decode.py")
+    ap.add_argument("--isa", choices=["avx2", "scalar"], help="force the kernels to this code path")
     args = ap.parse_args()
     if not cpu_qgemv.available():
         raise SystemExit("the int8 CPU kernels could not be built")
+    cpu_qgemv.set_simd_level(args.isa)
     if args.step:
         bench_step(args.threads, args.repeats)
     elif args.types:

@@ -1226,92 +1226,104 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
   }();
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
   alignas(64) float out[T][ROWS];
-  for (int h = 0; h < V::HALVES; ++h) {
-    typename V::F acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = V::zerof();
+  // Vectors narrower than a tile (AVX2, NEON) take its rows a part (half, quarter) at a time. One row of x
+  // (decode) takes all parts of a block in one pass, so the tile streams from memory once, front to back,
+  // with every byte it brings used at once: a pass per part had the memory idle during the later passes
+  // (their bytes already in L2) and the first pass bringing twice what it used. Several rows of x take a
+  // pass per part: their accumulators fill the registers.
+  constexpr int PARTS = T == 1 ? V::HALVES : 1;
+  for (int h0 = 0; h0 < V::HALVES; h0 += PARTS) {
+    typename V::F accs[PARTS][T];
+    for (int p = 0; p < PARTS; ++p)
+      for (int t = 0; t < T; ++t) accs[p][t] = V::zerof();
     for (int64_t kb = 0; kb < nblk; ++kb) {
       const uint8_t* b = w + kb * f.tile_bytes;
-      typename V::F d;
-      if constexpr (TYPE == MXFP4) d = V::e8m0(b + f.d + V::L * h);
-      else d = V::f16(b + f.d + 2 * V::L * h);
-      typename V::F m = V::zerof();
-      if constexpr (f.m >= 0) m = V::f16(b + f.m + 2 * V::L * h);
       alignas(16) uint8_t sc[16][16], mn[16][16];  // K-quants: the 16 rows' scales (and mins) decoded
       if constexpr (TYPE == Q4_K || TYPE == Q5_K) k_scales16(b + f.sc, sc, mn);
       if constexpr (TYPE == Q2_K) q2k_scales16(b + f.sc, sc, mn);
       if constexpr (TYPE == Q3_K) q3k_scales16(b + f.sc, sc);
-      for (int s = 0; s < SUBS; ++s) {
-        if (h == 0 && (T == 1 || t0 == 0)) {  // this sub-block's share of the block PF_AHEAD bytes ahead
-          constexpr int N = (f.tile_bytes + 64 * SUBS - 1) / (64 * SUBS);
-          prefetch_lines<N>(b + PF_AHEAD + 64 * N * s);
-        }
-        typename V::I u[8];
-        unpack<V, TYPE>(b, s, h, u);
-        // scale and min of the sub-block, or of its halves (dg0 / dg1, cm0 / cm1)
-        typename V::F dsc = d, cm = m, dg0 = d, dg1 = d, cm0 = m, cm1 = m;
-        if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-          dsc = V::mul(d, V::u8f(sc[s] + V::L * h));
-          cm = V::mul(m, V::u8f(mn[s] + V::L * h));
-        } else if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-          const uint8_t* planes = TYPE == Q6_K ? b + f.sc : sc[0];
-          dg0 = V::mul(d, V::s8f(planes + 16 * (2 * s) + V::L * h));
-          dg1 = V::mul(d, V::s8f(planes + 16 * (2 * s + 1) + V::L * h));
-        } else if constexpr (TYPE == Q2_K) {
-          dg0 = V::mul(d, V::u8f(sc[2 * s] + V::L * h));
-          dg1 = V::mul(d, V::u8f(sc[2 * s + 1] + V::L * h));
-          cm0 = V::mul(m, V::u8f(mn[2 * s] + V::L * h));
-          cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
-        }
-        const int64_t blk = kb * SUBS + s;
-        // The codes' offset (Q6_K's 32, Q3_K's 4, OFF), subtracted from the integer sums as sums of x; WIDE
-        // dots take it out of the widened codes instead.
-        constexpr int OFF16 = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : OFF;
-        [[maybe_unused]] typename V::I wide_lo[T], wide_hi[T];
-        if constexpr (WIDE)
-          V::template dots_wide<T, TYPE == Q8_0, OFF16>(u, a.c16 + t0 * a.k + 32 * blk, a.k, wide_lo, wide_hi);
-        for (int t = 0; t < T; ++t) {
-          const int64_t row = t0 + t;
-          typename V::I lo, hi;
-          if constexpr (WIDE) {
-            lo = wide_lo[t];
-            hi = wide_hi[t];
-          } else if constexpr (X2) {  // combined code 256 q + q2: at most 2^28 in magnitude, exact in int32
-            dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
-            typename V::I lo2, hi2;
-            dot32<V, TYPE>(u, a.q2 + row * a.k + 32 * blk, lo2, hi2);
-            lo = V::add(V::shl8(lo), lo2);
-            hi = V::add(V::shl8(hi), hi2);
-          } else {
-            dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
+      for (int h = h0; h < h0 + PARTS; ++h) {
+        typename V::F* acc = accs[h - h0];
+        typename V::F d;
+        if constexpr (TYPE == MXFP4) d = V::e8m0(b + f.d + V::L * h);
+        else d = V::f16(b + f.d + 2 * V::L * h);
+        typename V::F m = V::zerof();
+        if constexpr (f.m >= 0) m = V::f16(b + f.m + 2 * V::L * h);
+        for (int s = 0; s < SUBS; ++s) {
+          // this sub-block's share of the block PF_AHEAD bytes ahead (one pass over the tile prefetches it)
+          if ((PARTS > 1 || h == 0) && (T == 1 || t0 == 0)) {
+            constexpr int N = (f.tile_bytes + 64 * SUBS * PARTS - 1) / (64 * SUBS * PARTS);
+            prefetch_lines<N>(b + PF_AHEAD + 64 * N * ((h - h0) * SUBS + s));
           }
-          const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
-          const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
-          if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-            if constexpr (!WIDE) {
-              lo = V::sub(lo, V::set1(OFF16 * s16[0]));
-              hi = V::sub(hi, V::set1(OFF16 * s16[1]));
-            }
-            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
-            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
+          typename V::I u[8];
+          unpack<V, TYPE>(b, s, h, u);
+          // scale and min of the sub-block, or of its halves (dg0 / dg1, cm0 / cm1)
+          typename V::F dsc = d, cm = m, dg0 = d, dg1 = d, cm0 = m, cm1 = m;
+          if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+            dsc = V::mul(d, V::u8f(sc[s] + V::L * h));
+            cm = V::mul(m, V::u8f(mn[s] + V::L * h));
+          } else if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+            const uint8_t* planes = TYPE == Q6_K ? b + f.sc : sc[0];
+            dg0 = V::mul(d, V::s8f(planes + 16 * (2 * s) + V::L * h));
+            dg1 = V::mul(d, V::s8f(planes + 16 * (2 * s + 1) + V::L * h));
           } else if constexpr (TYPE == Q2_K) {
-            const float dxs = a.d[row * kb32 + blk];
-            acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
-            acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
-            acc[t] = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), acc[t]);
-            acc[t] = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), acc[t]);
-          } else {
-            typename V::I tot = V::add(lo, hi);
-            if constexpr (OFF != 0 && !WIDE) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
-            acc[t] = V::fma(V::mul(dsc, dx), V::cvt(tot), acc[t]);
-            if constexpr (TYPE == Q4_K || TYPE == Q5_K)
-              acc[t] = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
-            else if constexpr (f.m >= 0)
-              acc[t] = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
+            dg0 = V::mul(d, V::u8f(sc[2 * s] + V::L * h));
+            dg1 = V::mul(d, V::u8f(sc[2 * s + 1] + V::L * h));
+            cm0 = V::mul(m, V::u8f(mn[2 * s] + V::L * h));
+            cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
+          }
+          const int64_t blk = kb * SUBS + s;
+          // The codes' offset (Q6_K's 32, Q3_K's 4, OFF), subtracted from the integer sums as sums of x; WIDE
+          // dots take it out of the widened codes instead.
+          constexpr int OFF16 = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : OFF;
+          [[maybe_unused]] typename V::I wide_lo[T], wide_hi[T];
+          if constexpr (WIDE)
+            V::template dots_wide<T, TYPE == Q8_0, OFF16>(u, a.c16 + t0 * a.k + 32 * blk, a.k, wide_lo, wide_hi);
+          for (int t = 0; t < T; ++t) {
+            const int64_t row = t0 + t;
+            typename V::I lo, hi;
+            if constexpr (WIDE) {
+              lo = wide_lo[t];
+              hi = wide_hi[t];
+            } else if constexpr (X2) {  // combined code 256 q + q2: at most 2^28 in magnitude, exact in int32
+              dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
+              typename V::I lo2, hi2;
+              dot32<V, TYPE>(u, a.q2 + row * a.k + 32 * blk, lo2, hi2);
+              lo = V::add(V::shl8(lo), lo2);
+              hi = V::add(V::shl8(hi), hi2);
+            } else {
+              dot32<V, TYPE>(u, a.q + row * a.k + 32 * blk, lo, hi);
+            }
+            const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+            const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
+            if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+              if constexpr (!WIDE) {
+                lo = V::sub(lo, V::set1(OFF16 * s16[0]));
+                hi = V::sub(hi, V::set1(OFF16 * s16[1]));
+              }
+              acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
+              acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
+            } else if constexpr (TYPE == Q2_K) {
+              const float dxs = a.d[row * kb32 + blk];
+              acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
+              acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
+              acc[t] = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), acc[t]);
+              acc[t] = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), acc[t]);
+            } else {
+              typename V::I tot = V::add(lo, hi);
+              if constexpr (OFF != 0 && !WIDE) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+              acc[t] = V::fma(V::mul(dsc, dx), V::cvt(tot), acc[t]);
+              if constexpr (TYPE == Q4_K || TYPE == Q5_K)
+                acc[t] = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
+              else if constexpr (f.m >= 0)
+                acc[t] = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
+            }
           }
         }
       }
     }
-    for (int t = 0; t < T; ++t) V::store(out[t] + V::L * h, acc[t]);
+    for (int p = 0; p < PARTS; ++p)
+      for (int t = 0; t < T; ++t) V::store(out[t] + V::L * (h0 + p), accs[p][t]);
   }
   for (int t = 0; t < T; ++t) store_rows(o, t0 + t, row0, out[t]);
 }
@@ -1384,29 +1396,40 @@ template <class V, int TYPE, int T>
 inline void dense_simd(const uint8_t* w, int64_t k, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
   constexpr int ESZ = fmt_of(TYPE).raw_bytes, COL = ROWS * ESZ;
   alignas(64) float out[T][ROWS];
-  for (int h = 0; h < V::HALVES; ++h) {
-    const uint8_t* wh = w + V::L * ESZ * h;
+  constexpr int PARTS = T == 1 ? V::HALVES : 1;  // one row of x: all parts in one pass, as tile_simd
+  for (int h0 = 0; h0 < V::HALVES; h0 += PARTS) {
     const float* x[T];
-    typename V::F p[T][DSPLIT];
+    typename V::F p[PARTS][T][DSPLIT];
     for (int t = 0; t < T; ++t) {
       x[t] = a.x + (t0 + t) * a.ldx;
-      for (int j = 0; j < DSPLIT; ++j) p[t][j] = V::zerof();
+      for (int h = 0; h < PARTS; ++h)
+        for (int j = 0; j < DSPLIT; ++j) p[h][t][j] = V::zerof();
     }
+    // The columns [i, i + n) of the pass's parts into their partials (n <= DSPLIT; constant indices keep p
+    // in registers).
+    auto columns = [&](int64_t i, int n) {
+      for (int h = 0; h < PARTS; ++h) {
+        const uint8_t* wh = w + V::L * ESZ * (h0 + h);
+        for (int j = 0; j < n; ++j) {
+          const typename V::F wv = dense_load<V, TYPE>(wh + (i + j) * COL);
+          for (int t = 0; t < T; ++t) p[h][t][j] = V::fma(wv, V::set1f(x[t][i + j]), p[h][t][j]);
+        }
+      }
+    };
     int64_t i = 0;
     for (; i + DSPLIT <= k; i += DSPLIT) {
-      if (TYPE != F32 && h == 0 && (T == 1 || t0 == 0))  // F32: the hardware prefetchers keep up
-        prefetch_lines<(DSPLIT * COL + 63) / 64>(wh + i * COL + PF_AHEAD);
-      for (int j = 0; j < DSPLIT; ++j) {
-        const typename V::F wv = dense_load<V, TYPE>(wh + (i + j) * COL);
-        for (int t = 0; t < T; ++t) p[t][j] = V::fma(wv, V::set1f(x[t][i + j]), p[t][j]);
-      }
+      if (TYPE != F32 && h0 == 0 && (T == 1 || t0 == 0))  // F32: the hardware prefetchers keep up
+        prefetch_lines<(DSPLIT * COL + 63) / 64>(w + i * COL + PF_AHEAD);
+      columns(i, DSPLIT);
     }
-    for (int j = 0; j < DSPLIT - 1; ++j)  // the last k % 4 columns (constant indices keep p in registers)
-      if (i + j < k) {
-        const typename V::F wv = dense_load<V, TYPE>(wh + (i + j) * COL);
-        for (int t = 0; t < T; ++t) p[t][j] = V::fma(wv, V::set1f(x[t][i + j]), p[t][j]);
-      }
-    for (int t = 0; t < T; ++t) V::store(out[t] + V::L * h, V::addf(V::addf(p[t][0], p[t][1]), V::addf(p[t][2], p[t][3])));
+    switch (k - i) {  // the last k % 4 columns
+      case 3: columns(i, 3); break;
+      case 2: columns(i, 2); break;
+      case 1: columns(i, 1); break;
+    }
+    for (int h = 0; h < PARTS; ++h)
+      for (int t = 0; t < T; ++t)
+        V::store(out[t] + V::L * (h0 + h), V::addf(V::addf(p[h][t][0], p[h][t][1]), V::addf(p[h][t][2], p[h][t][3])));
   }
   for (int t = 0; t < T; ++t) store_rows(o, t0 + t, row0, out[t]);
 }
