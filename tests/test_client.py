@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -419,3 +420,30 @@ def test_an_engine_abort_names_memory_when_an_allocation_failed(tiny_models, las
     assert reasons == [reason]
     c.shutdown()
     assert gone(pid)
+
+
+def test_a_client_started_again_at_once_keeps_its_connection(monkeypatch):
+    """shutdown() and a new client at once, many times over (a one-shot's lean engine starts right after the full
+    one), with a reader thread slow to come back for the next message (a busy machine): the old reader neither
+    dies on its closed connection nor reads from the next engine's socket, which may reuse its descriptor's
+    number; every new client's first round trip answers."""
+    on_done = EngineClient._on_done
+
+    def slow_on_done(self, call_id, value):
+        on_done(self, call_id, value)
+        time.sleep(0.002)   # the caller woken by this answer runs on first
+
+    monkeypatch.setattr(EngineClient, "_on_done", slow_on_done)
+    errors = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+    try:
+        for _ in range(40):
+            client = EngineClient(in_process=True)
+            client.start()
+            with pytest.raises(ValueError, match="no model is loaded"):   # a round trip, answered
+                client.stats(fresh=True)
+            client.shutdown()
+    finally:
+        threading.excepthook = hook
+    assert not errors, errors[:3]

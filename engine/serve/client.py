@@ -103,6 +103,16 @@ class RequestStream:
         return self.reply
 
 
+def _end_connection(conn) -> None:
+    """End `conn` in both directions without closing its descriptor: its reader thread wakes (end of file) and
+    closes it. (A second socket object on a duplicate of the descriptor shuts the socket down for both.)"""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as dup:
+            dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass   # already closed, or the other end is gone: the reader finds out either way
+
+
 class _Pending:
     def __init__(self, progress: Callable | None, status: Callable[[str], None] | None = None):
         self.future: Future = Future()
@@ -344,6 +354,11 @@ class EngineClient:
                 break
             handlers[message[0]](*message[1:])
         self._on_disconnect(conn)
+        # The reader closes the connection, once it reads no more: closed from another thread, its descriptor's
+        # number could go to the next engine's socket (a client started again at once, as a one-shot's lean
+        # engine right after the full one) while this thread was about to read from it.
+        with self._send_lock:
+            conn.close()
 
     def _on_done(self, call_id: int, value) -> None:
         pending = self._pending.get(call_id)
@@ -401,10 +416,7 @@ class EngineClient:
         self._end_incarnation()   # before the connection goes: a start after it makes a new one
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
+            _end_connection(conn)
 
     def _on_disconnect(self, conn) -> None:
         """The connection ended: after shutdown() that is expected; otherwise the engine died."""
