@@ -435,15 +435,12 @@ def test_a_client_started_again_at_once_keeps_its_connection(monkeypatch):
 
     monkeypatch.setattr(EngineClient, "_on_done", slow_on_done)
     errors = []
-    hook = threading.excepthook
-    threading.excepthook = lambda args: errors.append(f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
-    try:
-        for _ in range(40):
-            client = EngineClient(in_process=True)
-            client.start()
-            with pytest.raises(ValueError, match="no model is loaded"):   # a round trip, answered
-                client.stats(fresh=True)
-            client.shutdown()
-    finally:
-        threading.excepthook = hook
+    monkeypatch.setattr(threading, "excepthook",
+                        lambda args: errors.append(f"{args.thread.name}: {args.exc_type.__name__}: {args.exc_value}"))
+    for _ in range(40):
+        client = EngineClient(in_process=True)
+        client.start()
+        with pytest.raises(ValueError, match="no model is loaded"):   # a round trip, answered
+            client.stats(fresh=True)
+        client.shutdown()
     assert not errors, errors[:3]

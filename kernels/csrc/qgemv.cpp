@@ -1250,8 +1250,8 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
         typename V::F m = V::zerof();
         if constexpr (f.m >= 0) m = V::f16(b + f.m + 2 * V::L * h);
         for (int s = 0; s < SUBS; ++s) {
-          // this sub-block's share of the block PF_AHEAD bytes ahead (one pass over the tile prefetches it)
-          if ((PARTS > 1 || h == 0) && (T == 1 || t0 == 0)) {
+          // this sub-block's share of the block PF_AHEAD bytes ahead (the first pass over the tile prefetches it)
+          if (h0 == 0 && (T == 1 || t0 == 0)) {
             constexpr int N = (f.tile_bytes + 64 * SUBS * PARTS - 1) / (64 * SUBS * PARTS);
             prefetch_lines<N>(b + PF_AHEAD + 64 * N * ((h - h0) * SUBS + s));
           }
