@@ -27,6 +27,7 @@ from nanochat.app.terminal_text import dim, for_terminal, is_terminal, sanitize
 from nanochat.models.errors import one_line
 
 LOAD_INDICATOR_DELAY = 0.4   # seconds before a loading spinner appears
+LOG_NOTE_DELAY = 2.0         # seconds of slow load work before a log (stderr not a terminal) says what it is
 STDIN_WAIT = 1.0             # seconds to wait for a pipe on stdin to say something
 
 
@@ -74,11 +75,13 @@ def combine_prompt(piped: str, prompt: str | None) -> str:
 
 
 @contextlib.contextmanager
-def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDICATOR_DELAY):
+def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDICATOR_DELAY,
+                      log_delay: float = LOG_NOTE_DELAY):
     """A rich progress bar on stderr, shown only if the block takes longer than `delay` (or says it will
     be slow) and stderr is a terminal (so logs and pipes stay clean). Yields (update(done, total), for the
     bar (a spinner until the first call); status(text), slow one-time work the load does now (a kernel
-    compile), shown beside the label at once)."""
+    compile), shown beside the label at once; where stderr is a log or a pipe, as one plain line once that
+    work has taken `log_delay` seconds, so that a load that takes a minute says why there too)."""
     state = {"started": False, "done": False, "task": None, "at": (0, 0), "label": label}
 
     def update(done: int, total: int) -> None:
@@ -86,8 +89,25 @@ def loading_indicator(label: str, enabled: bool = True, delay: float = LOAD_INDI
         if state["task"] is not None:
             progress.update(state["task"], completed=done, total=total)
 
-    if not enabled or not sys.stderr.isatty():
+    if not enabled:
         yield update, lambda text: None
+        return
+    if not sys.stderr.isatty():
+        timers: list[threading.Timer] = []
+
+        def write(text: str) -> None:
+            print(sanitize(f"nanochat: {label} · {text}"), file=sys.stderr, flush=True)
+
+        def note(text: str) -> None:   # only if the work is still going on a while later: a tiny file's repack is quiet
+            timers.append(threading.Timer(log_delay, write, (text,)))
+            timers[-1].daemon = True
+            timers[-1].start()
+
+        try:
+            yield update, note
+        finally:
+            for timer in timers:
+                timer.cancel()
         return
     from rich.console import Console
     from rich.markup import escape

@@ -208,6 +208,32 @@ def test_the_load_progress_shows_a_hostile_file_name_as_text():
     assert "PWNED\x07" not in out and "\x1b]" not in out and "\x1b[2J" not in out
 
 
+LOADING_IN_A_LOG = """
+import time
+from nanochat.app.oneshot import loading_indicator
+
+with loading_indicator({label!r}, enabled={enabled}, log_delay=0.2) as (update, status):
+    status("quick")
+    time.sleep(0.05)
+with loading_indicator({label!r}, enabled={enabled}, log_delay=0.2) as (update, status):
+    status("[red]compiling\x1b[2J")
+    time.sleep(1)
+print("done")
+"""
+
+
+def test_slow_load_work_is_one_plain_line_in_a_log_and_nothing_when_quiet():
+    """Where stderr is a file (a server's log, a script's 2>log), there is no bar, but a kernel compile still
+    says why the load takes a minute: one sanitized line for work still going on after log_delay (a quick
+    repack says nothing); --quiet keeps stderr empty."""
+    label = f"Loading /tmp/{TITLE_ATTACK}x.gguf"
+    for enabled, expected in ((True, ["nanochat: Loading /tmp/␛]2;PWNED␇x.gguf · [red]compiling␛[2J"]), (False, [])):
+        run = subprocess.run([sys.executable, "-c", LOADING_IN_A_LOG.format(label=label, enabled=enabled)],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and run.stdout == "done\n", run.stderr
+        assert run.stderr.splitlines() == expected
+
+
 # ---------------------------------------------------------------------------------- REPL
 def test_repl_writes_through_the_sanitizer_on_a_terminal(capsys):
     term = _Terminal(interactive=False)
