@@ -8,12 +8,14 @@
 // weight stays in cache when small, e.g. 64 x 2880 in L2; 48 x 2880 x 2880 streams from memory); LEVELS: activation
 // levels (1 or 2); THREADS: rows split over the pool (default 1). Prints the best and the median of 10-call batches
 // and a checksum of y, which a variant must reproduce bit for bit. HUGE=1 maps the weights with huge pages.
-// Compile with -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy.
+// Compile with -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy. QG_SIMD=avx2 forces a code path
+// (benchmarks/qg_simd.h: which registers it keeps).
 
 #ifndef QG_SOURCE
 #define QG_SOURCE "../kernels/csrc/qgemv.cpp"
 #endif
 #include QG_SOURCE
+#include "qg_simd.h"
 
 #include <sys/mman.h>
 
@@ -39,6 +41,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bad arguments: a raw block type, ROWS a multiple of 16, K of 32 and the block size\n");
     return 2;
   }
+  qg_bench::force_simd_from_env();
   const int bb = block_bytes(type);
   const int64_t stride = k / block_elems(type) * bb, msize = rows * stride, total = msize * mats;
   constexpr int64_t HUGE_PAGE = 2 << 20;
@@ -87,8 +90,8 @@ int main(int argc, char** argv) {
   const double best = times.front(), median = times[times.size() / 2];
   double checksum = 0;
   for (float v : y) checksum += v;
-  std::printf("type %d %ldx%ld x%ld, %d level(s), %d thread(s): best %.1f us (%.2f GB/s), median %.1f us (%.2f GB/s), "
+  std::printf("type %d %ldx%ld x%ld, %d level(s), %s, %d thread(s): best %.1f us (%.2f GB/s), median %.1f us (%.2f GB/s), "
               "checksum %.9g\n", type, static_cast<long>(rows), static_cast<long>(k), static_cast<long>(mats), x2 ? 2 : 1,
-              threads, best * 1e6, msize / best / 1e9, median * 1e6, msize / median / 1e9, checksum);
+              qg_bench::simd_label(), threads, best * 1e6, msize / best / 1e9, median * 1e6, msize / median / 1e9, checksum);
   std::free(w);
 }

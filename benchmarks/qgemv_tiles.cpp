@@ -9,14 +9,14 @@
 // the best of 20-call batches over SECONDS (default 1) and a checksum of y, which a variant of the
 // kernels must reproduce bit for bit, and the same on any THREADS. With ROWS x K a few hundred KB the
 // weights stay in L2: the kernels' arithmetic, not the memory's bandwidth. Compile with -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy;
-// QG_SIMD=avx2 (or scalar; on AArch64 neon, neon-dotprod) forces a code path, as NANOCHAT_CPU_ISA does for the
-// library; unset or anything else: the best one compiled. On AArch64 build with -mcpu=native (or cross-compile
+// QG_SIMD=avx2 forces a code path (benchmarks/qg_simd.h: which registers it keeps). On AArch64 build with -mcpu=native (or cross-compile
 // with aarch64-linux-gnu-g++ -march=armv8.2-a+dotprod and run under qemu-aarch64: the checksums, not the times).
 
 #ifndef QG_SOURCE
 #define QG_SOURCE "../kernels/csrc/qgemv.cpp"
 #endif
 #include QG_SOURCE
+#include "qg_simd.h"
 
 #include <chrono>
 #include <cstdio>
@@ -54,13 +54,7 @@ int main(int argc, char** argv) {
                          "K of the block size, THREADS >= 1\n", ROWS);
     return 2;
   }
-  const char* isa[] = {"scalar", "avx2", "avx512", "neon", "neon-dotprod", "neon-i8mm"};
-  if (const char* simd = std::getenv("QG_SIMD")) {
-    int level = NC_ISA;
-    for (int i = 0; i < 6; ++i)
-      if (std::strcmp(simd, isa[i]) == 0) level = i;
-    nc_qg_set_simd(level);
-  }
+  qg_bench::force_simd_from_env();
   std::mt19937 rng(1);
   const int64_t nb = rows * (k / raw->elems);
   std::vector<uint8_t> blocks(nb * raw->bytes);
@@ -98,5 +92,5 @@ int main(int argc, char** argv) {
   for (float v : y) checksum += v;
   std::printf("%s %ldx%ld, %ld rows of x, %d level(s), %s, %d thread(s): %.1f us, %.2f GMAC/s, checksum %.9g\n",
               raw->name, static_cast<long>(rows), static_cast<long>(k), static_cast<long>(n), x2 ? 2 : 1,
-              isa[nc_qg_simd()], threads, best * 1e6, static_cast<double>(n) * rows * k / best / 1e9, checksum);
+              qg_bench::simd_label(), threads, best * 1e6, static_cast<double>(n) * rows * k / best / 1e9, checksum);
 }
