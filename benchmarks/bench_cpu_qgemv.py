@@ -165,14 +165,13 @@ def main() -> None:
                     help="the weight shape for --types")
     ap.add_argument("--levels", type=int, nargs="+", choices=[1, 2], help="activation levels for --types")
     ap.add_argument("--decode", action="store_true", help="also run benchmarks/bench_decode.py")
-    ap.add_argument("--isa", choices=["avx2", "scalar"], help="force the kernels to this code path")
+    ap.add_argument("--isa", choices=list(cpu_qgemv.isa_flags()),
+                    help="build and use the kernels for this lower ISA (as NANOCHAT_CPU_ISA does)")
     args = ap.parse_args()
     if not cpu_qgemv.available():
         raise SystemExit("the int8 CPU kernels could not be built")
-    try:
-        cpu_qgemv.set_simd_level(args.isa)
-    except ValueError as e:   # a code path this build lacks (avx2 on an Arm machine)
-        raise SystemExit(f"--isa: {e}") from None
+    if args.isa:
+        cpu_qgemv.use_isa(args.isa)
     if args.step:
         bench_step(args.threads, args.repeats)
     elif args.types:

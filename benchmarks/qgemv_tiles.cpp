@@ -8,9 +8,10 @@
 // (1 or 2); THREADS: the kernels' threads (default 1). A call quantizes x and runs the tiles. Prints
 // the best of 20-call batches over SECONDS (default 1) and a checksum of y, which a variant of the
 // kernels must reproduce bit for bit, and the same on any THREADS. With ROWS x K a few hundred KB the
-// weights stay in L2: the kernels' arithmetic, not the memory's bandwidth. Compile with -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy;
-// QG_SIMD=avx2 forces a code path (benchmarks/qg_simd.h: which registers it keeps). On AArch64 build with -mcpu=native (or cross-compile
-// with aarch64-linux-gnu-g++ -march=armv8.2-a+dotprod and run under qemu-aarch64: the checksums, not the times).
+// weights stay in L2: the kernels' arithmetic, not the memory's bandwidth. Compile with
+// -DQG_SOURCE='"path/to/variant.cpp"' to time a modified copy; QG_SIMD=avx2 forces a code path (benchmarks/qg_simd.h:
+// which registers it keeps). On AArch64 build with -mcpu=native (or cross-compile with aarch64-linux-gnu-g++
+// -march=armv8.2-a+dotprod and run under qemu-aarch64: the checksums, not the times).
 
 #ifndef QG_SOURCE
 #define QG_SOURCE "../kernels/csrc/qgemv.cpp"
