@@ -39,7 +39,8 @@ from functools import partial
 from pathlib import Path
 
 from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_NOTE, ChatError, Conversation, Message,
-                                       as_history, exchanges, join_notes, latest_leaf)
+                                       as_history, exchange_sizes, exchanges, exchanges_to_drop, join_notes,
+                                       latest_leaf, reply_room)
 from nanochat.app.export import model_name, write_export
 from nanochat.app.options import (REQUEST_RULES, SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES,
                                   effective_sampling, speculative_refusal, template_variables)
@@ -158,19 +159,6 @@ def describe_settings(sampling: dict, own: dict | None = None) -> str:
 SUMMARY_REQUEST = ("Summarize our conversation so far in a few sentences: the topics, what was decided or "
                    "answered, and anything I asked you to remember. Write only the summary.")
 SUMMARY_OVERHEAD = 96   # tokens for the summary request itself and the template around it
-
-
-def _turn_sizes(held: list[Message]) -> list[int]:
-    """Tokens of each exchange, from the replies' stats (a reply's prompt + output ends where the next
-    exchange begins); text length / 3 where no stats say."""
-    sizes, end = [], 0
-    for user, reply in zip(held[::2], held[1::2]):
-        s = reply.stats
-        new_end = s.prompt_tokens + s.completion_tokens if s is not None and s.prompt_tokens else \
-            end + (len(user.content) + len(reply.content)) // 3 + 8
-        sizes.append(max(1, new_end - end))
-        end = new_end
-    return sizes
 
 
 def turn_keys(held: list[Message]) -> list[tuple[Message, Message]]:
@@ -479,33 +467,21 @@ class ChatController:
         """After `turn` was refused for the context: let the model see only the newest turns that leave
         room for the message and a reply (the system prompt stays; the transcript is untouched). Returns
         how many turns are dropped; ChatError when even the message alone does not fit."""
-        limit = self.client.model.max_model_len
-        need = turn.fold.stats.prompt_tokens - (limit - self._reply_room(conv, limit))
         held = conv.held()
-        sizes = _turn_sizes(held)
-        dropped, freed = 0, 0
-        while freed < need and dropped < len(sizes):
-            freed += sizes[dropped]
-            dropped += 1
-        if freed < need:
-            raise ChatError(f"the message alone does not fit in the context ({limit} tokens)")
+        dropped = exchanges_to_drop(held, turn.fold.stats.prompt_tokens, self.client.model.max_model_len,
+                                    self.sampling_for(conv)["max_tokens"])
         if dropped:
             conv.context_after = held[2 * dropped - 1]
             self.store.set_context_after(conv.id, conv.context_after.id)
         return dropped
 
-    def _reply_room(self, conv: Chat, limit: int) -> int:
-        """Tokens kept free for a reply when trimming or summarizing: max_tokens, at most a quarter of
-        the context."""
-        return min(int(self.sampling_for(conv)["max_tokens"]), limit // 4)
-
     def summarize(self, conv: Chat, timeout: float = 600.0) -> str:
         """A summary of the chat, written by the model from the newest turns that fit (blocking: run it
         in a worker). ChatError when it cannot be written."""
         limit = self.client.model.max_model_len
-        room = self._reply_room(conv, limit)
+        room = reply_room(self.sampling_for(conv)["max_tokens"], limit)
         held = conv.held()
-        sizes = _turn_sizes(held)
+        sizes = exchange_sizes(held)
         budget, start = limit - room - SUMMARY_OVERHEAD, len(sizes)
         while start > 0 and budget - sizes[start - 1] > 0:
             start -= 1

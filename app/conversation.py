@@ -150,5 +150,39 @@ def as_history(messages) -> list[dict]:
     return [{"role": m.role, "content": m.spoken} for m in messages]
 
 
+def exchange_sizes(held: list[Message]) -> list[int]:
+    """Tokens of each exchange (a user message and its reply) of a path the model sees, from the replies'
+    stats (a reply's prompt + output ends where the next exchange begins); text length / 3 where no stats
+    say, or where they count from another session than the exchange before."""
+    sizes, end = [], 0
+    for user, reply in zip(held[::2], held[1::2]):
+        s = reply.stats
+        new_end = s.prompt_tokens + s.completion_tokens if s is not None and s.prompt_tokens else 0
+        if new_end <= end:   # no stats, or a later session's (the chat was trimmed or re-prefilled since)
+            new_end = end + (len(user.content) + len(reply.content)) // 3 + 8
+        sizes.append(max(1, new_end - end))
+        end = new_end
+    return sizes
+
+
+def reply_room(max_tokens: int, limit: int) -> int:
+    """Tokens kept free for a reply when a chat is trimmed to its context: max_tokens, at most a quarter of it."""
+    return min(int(max_tokens), limit // 4)
+
+
+def exchanges_to_drop(held: list[Message], prompt_tokens: int, limit: int, max_tokens: int) -> int:
+    """How many of the oldest exchanges of `held` to leave out so that a refused prompt of `prompt_tokens`
+    fits in a context of `limit` with room for a reply. ChatError when even the new message alone does not."""
+    need = max(1, prompt_tokens - (limit - reply_room(max_tokens, limit)))   # it was refused: something must go
+    sizes = exchange_sizes(held)
+    dropped, freed = 0, 0
+    while freed < need and dropped < len(sizes):
+        freed += sizes[dropped]
+        dropped += 1
+    if freed < need:
+        raise ChatError(f"the message alone does not fit in the context ({limit} tokens)")
+    return dropped
+
+
 def join_notes(*notes: str) -> str:
     return " · ".join(n for n in notes if n)

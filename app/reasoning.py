@@ -165,3 +165,11 @@ def describe_thought(thought: Thought, live: bool = False) -> str:
     if thought.closed:
         return f"Thought for {' · '.join(parts)}" if parts else "Thought"
     return " · ".join(["Thinking stopped before the answer", *parts])
+
+
+def reply_thought(splitter) -> Thought | None:
+    """The thinking of a finished reply that `splitter` (reply_splitter's) read; None when it had none."""
+    if splitter.reasoning is None:
+        return None
+    return Thought(splitter.reasoning, closed=splitter.closed, prompted=splitter.prompted,
+                   harmony=not isinstance(splitter, ThinkingSplitter))

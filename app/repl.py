@@ -2,7 +2,10 @@
 
 The conversation is a chat session of the engine process (through EngineClient), so turn k+1
 prefills only its new message (the stats line after each reply shows cached vs new prompt tokens).
-If the engine process dies, the reply in progress says why and the next message restarts it.
+If the engine process dies, the reply in progress says why and the next message restarts it. When the
+chat no longer fits in the model's context, the oldest exchanges are left out of what the model sees
+(the system prompt stays; /history still shows them) and the message goes again, as the chat app's
+"drop the oldest turns" does.
 
 prompt_toolkit gives line editing and a persistent history on a terminal; without one (stdin
 piped) lines are read with input(), replies go to stdout and stats lines to stderr. What goes to a
@@ -22,9 +25,11 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from nanochat.app.conversation import ChatError, Message, as_history, exchanges_to_drop
 from nanochat.app.export import format_stats, model_name
 from nanochat.app.oneshot import ReplyPrinter
 from nanochat.app.options import effective_sampling, on_off, speculative_refusal
+from nanochat.app.reasoning import reply_thought
 from nanochat.app.terminal_text import dim, for_terminal, is_terminal
 
 PROMPT = "> "
@@ -120,14 +125,6 @@ def _line_reader(opts: ReplOptions, interactive: bool):
     return lambda: input(PROMPT if interactive else "")
 
 
-@dataclass
-class _Turn:
-    role: str
-    content: str
-    stats: object = None      # RequestStats of a reply
-    reasoning: str | None = None   # a reply's thinking (None: none)
-
-
 class Repl:
     def __init__(self, opts: ReplOptions, client, interactive: bool):
         from nanochat.engine import SamplingParams
@@ -139,7 +136,8 @@ class Repl:
         self.term = _Terminal(interactive)
         self.system_prompt = opts.system
         self.session = client.open_session(opts.system)
-        self.turns: list[_Turn] = []
+        self.turns: list[Message] = []    # user, reply, user, reply, ...
+        self.seen_from = 0                # the first exchange the model still sees (older ones no longer fit)
         self.think: bool | None = None    # enable_thinking for the template (None: not given)
 
     def _sampling(self, own: dict) -> dict:
@@ -172,22 +170,30 @@ class Repl:
                 self.term.newline()
 
     def turn(self, text: str) -> None:
-        try:
-            if not self.client.alive:
-                self.term.note("restarting the engine…")
-            variables = {**(self.opts.template_kwargs or {}),
-                         **({} if self.think is None else {"enable_thinking": self.think})} or None
-            stream = self.client.submit_turn(self.session, text, self.sp, template_kwargs=variables)
-        except KeyboardInterrupt:     # Ctrl-C before the request was submitted
-            return
-        printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened, self.opts.show_thinking,
-                               model=self.client.model)
-        self._stream(stream, printer)   # a cancel ends the reply with finish_reason "abort": its note says so
-        reply = stream.result()
-        final = reply.final
-        if reply.token_ids:
-            split = printer.splitter
-            self.turns += [_Turn("user", text), _Turn("assistant", split.answer, reply.stats, split.reasoning)]
+        while True:
+            try:
+                if not self.client.alive:
+                    self.term.note("restarting the engine…")
+                variables = {**(self.opts.template_kwargs or {}),
+                             **({} if self.think is None else {"enable_thinking": self.think})} or None
+                stream = self.client.submit_turn(self.session, text, self.sp, template_kwargs=variables)
+            except KeyboardInterrupt:     # Ctrl-C before the request was submitted
+                return
+            printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened,
+                                   self.opts.show_thinking, model=self.client.model)
+            self._stream(stream, printer)   # a cancel ends the reply with finish_reason "abort": its note says so
+            reply = stream.result()
+            final = reply.final
+            if reply.token_ids:
+                split = printer.splitter
+                self.turns += [Message("user", text), Message("assistant", split.answer, reply.stats,
+                                                              thought=reply_thought(split))]
+            if final.finish_reason == "error" and not reply.token_ids and final.stats is not None \
+                    and final.stats.context_full and self.turns[2 * self.seen_from:]:
+                if self._leave_out_oldest(final.stats.prompt_tokens):
+                    continue                # the message again, in what is left of the chat
+                return
+            break
         if final.finish_reason == "error":
             if printer.printed:
                 self.term.newline()
@@ -197,6 +203,24 @@ class Repl:
         self.term.newline()
         st = reply.stats
         self.term.note(f"[{format_stats(st)}]")
+
+    def _leave_out_oldest(self, prompt_tokens: int) -> bool:
+        """The chat with the new message did not fit in the context: the model stops seeing the oldest
+        exchanges that make room for it and a reply (a new session with the rest as its history). False, with
+        an error, when even the message alone does not fit."""
+        limit = self.client.model.max_model_len
+        try:
+            n = exchanges_to_drop(self.turns[2 * self.seen_from:], prompt_tokens, limit, self.sp.max_tokens)
+        except ChatError as e:
+            self.term.error(f"{e}: shorten it, or type /clear to start over")
+            return False
+        self.seen_from += n
+        self.client.close_session(self.session)
+        self.session = self.client.open_session(self.system_prompt, as_history(self.turns[2 * self.seen_from:]))
+        oldest = "the oldest exchange" if n == 1 else f"the oldest {n} exchanges"
+        self.term.note(f"the chat no longer fits in the model's context ({limit:,} tokens): it no longer sees "
+                       f"{oldest} (/history still shows them)")
+        return True
 
     def _stream(self, stream, printer: ReplyPrinter) -> None:
         """Print deltas as they come; Ctrl-C cancels the request and waits for its final event."""
@@ -232,8 +256,9 @@ class Repl:
         elif name == "/think":
             self.set_think(arg.strip())
         elif name == "/thinking":
-            reasoning = next((m.reasoning for m in reversed(self.turns) if m.role == "assistant"), None)
-            self.term.note(reasoning or "(the last reply has no thinking)")
+            reply = next((m for m in reversed(self.turns) if m.role == "assistant"), None)
+            thought = reply.thought if reply is not None else None
+            self.term.note(thought.text if thought is not None and thought.text else "(the last reply has no thinking)")
         else:
             self.term.info(f"unknown command {name}; type /help for the list of commands")
         return None
@@ -249,7 +274,9 @@ class Repl:
         if not self.turns:
             return "(no messages yet)"
         lines = [f"system: {self.system_prompt}"] if self.system_prompt else []
-        for m in self.turns:
+        for i, m in enumerate(self.turns):
+            if i == 2 * self.seen_from and i:
+                lines.append("(the model no longer sees the messages above: they did not fit in its context)")
             lines.append(f"{m.role}: {m.content}")
             if m.stats is not None:
                 st = m.stats
@@ -313,7 +340,7 @@ class Repl:
     def clear(self) -> None:
         self.client.close_session(self.session)
         self.session = self.client.open_session(self.system_prompt)
-        self.turns = []
+        self.turns, self.seen_from = [], 0
 
     def system(self, text: str) -> None:
         if not text:

@@ -22,7 +22,7 @@ import pytest
 
 from nanochat.app.controller import SAVE_INTERVAL, ChatController, ChatObserver, EngineState, describe_settings
 from nanochat.app.conversation import (INTERRUPTED_NOTE, REPLAY_NOTE, STOPPED_NOTE, UNANSWERED_NOTE, ChatError,
-                                       as_history, exchanges)
+                                       Message, as_history, exchange_sizes, exchanges, exchanges_to_drop)
 from nanochat.app.export import format_stats
 from nanochat.app.store import ChatStore
 from nanochat.engine.output import RequestStats
@@ -167,6 +167,24 @@ def first(controller: ChatController):
 
 
 # ---------------------------------------------------------------------------------- turns
+
+def test_exchange_sizes_and_what_a_refused_prompt_drops():
+    def exchange(end_prompt: int | None, completion: int, text: str = "x" * 30) -> list[Message]:
+        stats = None if end_prompt is None else RequestStats(prompt_tokens=end_prompt, completion_tokens=completion)
+        return [Message("user", text), Message("assistant", text, stats)]
+
+    held = exchange(40, 20) + exchange(90, 30) + exchange(150, 10)     # ends at 60, 120, 160
+    assert exchange_sizes(held) == [60, 60, 40]
+    # a reply without stats, and one counted in a later session (after a trim: its end is below the one
+    # before): both are estimated from their text, (30 + 30) // 3 + 8
+    assert exchange_sizes(exchange(40, 20) + exchange(None, 0) + exchange(30, 10)) == [60, 28, 28]
+    # 200 tokens refused in a 160-token context with 64-token replies (at most a quarter: 40 kept free):
+    # 80 must go, the two oldest exchanges
+    assert exchanges_to_drop(held, 200, 160, 64) == 2
+    assert exchanges_to_drop(held, 160, 160, 1) == 1                  # refused: at least one goes
+    with pytest.raises(ChatError, match="the message alone does not fit in the context"):
+        exchanges_to_drop(held, 400, 160, 64)
+
 def test_turns_stream_save_and_reuse_the_cache(make, client):
     recorder = Recorder()
     chat = make(observer=recorder, max_tokens=8)

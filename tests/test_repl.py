@@ -160,6 +160,25 @@ def test_repl_without_a_terminal(env, tiny_models):
     assert "Traceback" not in r.stderr
 
 
+def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_exchanges(env, tiny_models):
+    # 40-token replies in a 128-token context: from the third message on, the oldest exchanges no longer fit
+    messages = [f"message number {i}: tell me about the weather" for i in range(5)]
+    too_long = "word " * 200                    # more than the whole context by itself
+    lines = "\n".join([*messages[:3], too_long, *messages[3:], "/history", "/exit"]) + "\n"
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["qwen3"]),
+                        "--temperature", "0", "--max-tokens", "40", "--ignore-eos", "--max-model-len", "128"],
+                       input=lines, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(re.findall(STATS, r.stderr)) == len(messages)      # every message that fits is answered
+    assert "no longer sees the oldest exchange" in r.stderr
+    assert "the message alone does not fit in the context (128 tokens)" in r.stderr   # the long one, in one line
+    history = r.stdout[r.stdout.index("user: message number 0"):]
+    assert all(f"user: message number {i}" in history for i in range(5))             # /history keeps them all
+    divider = history.index("the model no longer sees the messages above")
+    assert history.index("user: message number 0") < divider < history.index("user: message number 4")
+    assert "Traceback" not in r.stderr
+
+
 def child_pids(pid: int) -> list[int]:
     out = []
     for stat in os.listdir("/proc"):
