@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     if args.draft_k:
         from nanochat.engine.speculative import Speculation
         chosen = Speculation.choose_k
-        Speculation.choose_k = lambda self, room, ratio: (min(room, args.draft_k) if self.mode == "draft"
-                                                          else chosen(self, room, ratio))
+        Speculation.choose_k = lambda self, room, ratio, batch=1: (
+            min(room, args.draft_k) if self.mode == "draft" else chosen(self, room, ratio, batch))
     common = dict(max_model_len=4096, cpu_threads=args.threads)
     engines = {"off": LLMEngine(model, speculative="off", **common),
                "ngram": LLMEngine(model, speculative="ngram", **common)}
