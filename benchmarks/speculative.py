@@ -52,6 +52,42 @@ TURNS = {
         "Give me three tips for learning a new language.",
     ],
 }
+# --more-turns: four more of each kind (not in the tables of earlier runs)
+MORE_TURNS = {
+    "copy": [
+        'Rewrite this JSON with two-space indentation:\n{"name": "Ada", "age": 36, "languages": ["English", "French"], '
+        '"city": "London"}',
+        "Fix the spelling mistakes in this paragraph and return the corrected paragraph: The quick brown fox jumpd "
+        "over the lazy dog. It was a sunny day and the fox was verry happy to be out in the feild.",
+        "Convert this Python function to use a list comprehension. Reply with the whole function.\n\n```python\n"
+        "def squares(numbers):\n    result = []\n    for n in numbers:\n        if n % 2 == 0:\n"
+        "            result.append(n * n)\n    return result\n```",
+        "Here is a shopping list: milk, eggs, bread, butter, cheese, apples, rice, pasta, tomatoes, onions. Write it "
+        "as a bulleted list.",
+    ],
+    "open": [
+        "What is the capital of France?",
+        "Write a poem about the sea.",
+        "Explain recursion to a child.",
+        "What are the benefits of exercise?",
+    ],
+}
+
+
+def chat_turns(more: bool = False) -> list[tuple[str, int, str]]:
+    """(kind, index within its kind, text) of the turns to run: TURNS, and MORE_TURNS with `more`."""
+    out = []
+    for kind in ("copy", "open"):
+        texts = TURNS[kind] + (MORE_TURNS[kind] if more else [])
+        out += [(kind, i, text) for i, text in enumerate(texts)]
+    return out
+
+
+def render(engine, text: str) -> list[int]:
+    """A user turn's prompt ids, rendered with the model's chat template."""
+    template = engine.loaded.chat_template
+    return engine.tokenizer.encode(template.render([{"role": "user", "content": text}], add_generation_prompt=True),
+                                   add_special_tokens=False)
 
 
 def nanochat_turn(engine, ids: list[int], max_tokens: int, mode: str | None):
@@ -82,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--more-turns", action="store_true", help="four more turns of each kind (MORE_TURNS)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -101,7 +138,6 @@ def main(argv=None) -> int:
     if args.draft:
         engines["draft"] = LLMEngine(model, speculative=args.draft, **common)
     main_engine = engines["off"]
-    template = main_engine.loaded.chat_template
     stop = sorted(main_engine.eos_token_ids)
     peer = None
     if args.peer_python:
@@ -111,34 +147,32 @@ def main(argv=None) -> int:
         peer = WorkerRunner("llama.cpp", HERE / "llamacpp_worker.py", args.peer_python,
                             {"model": model, "threads": args.threads, "n_ctx": 4096}, peer_env(env_args))
     results = []
-    for kind, turns in TURNS.items():
-        for i, text in enumerate(turns):
-            ids = main_engine.tokenizer.encode(template.render([{"role": "user", "content": text}],
-                                                               add_generation_prompt=True), add_special_tokens=False)
-            row = {"kind": kind, "turn": i, "prompt_tokens": len(ids)}
-            speeds: dict[str, list[float]] = {}
-            outputs: dict[str, list[int]] = {}
-            for rep in range(args.repeats):
-                order = list(engines) + (["llama.cpp", "llama.cpp lookup"] if peer else [])
-                if rep % 2:
-                    order.reverse()
-                for name in order:
-                    if name in engines:
-                        mode = {"off": "off", "ngram": "ngram", "draft": "draft"}[name]
-                        out, tok_s, proposed, accepted = nanochat_turn(engines[name], ids, args.max_tokens, mode)
-                        row[f"{name} accepted"] = (accepted, proposed)
-                    else:
-                        r = peer._call({"cmd": "lookup_generate", "ids": ids, "n": args.max_tokens, "stop_ids": stop,
-                                        "lookup": 10 if name.endswith("lookup") else 0})
-                        out, tok_s = r["ids"], r["tokens"] / r["seconds"] if r["seconds"] else 0.0
-                    speeds.setdefault(name, []).append(tok_s)
-                    outputs[name] = out
-            row["tokens"] = len(outputs["off"])
-            row["tok_s"] = {k: statistics.median(v) for k, v in speeds.items()}
-            row["same_output"] = all(outputs[k] == outputs["off"] for k in engines)
-            results.append(row)
-            print(f"{kind} {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["tok_s"].items())
-                  + f" tok/s, {row['tokens']} tokens, same output: {row['same_output']}", file=sys.stderr)
+    for kind, i, text in chat_turns(args.more_turns):
+        ids = render(main_engine, text)
+        row = {"kind": kind, "turn": i, "prompt_tokens": len(ids)}
+        speeds: dict[str, list[float]] = {}
+        outputs: dict[str, list[int]] = {}
+        for rep in range(args.repeats):
+            order = list(engines) + (["llama.cpp", "llama.cpp lookup"] if peer else [])
+            if rep % 2:
+                order.reverse()
+            for name in order:
+                if name in engines:
+                    mode = {"off": "off", "ngram": "ngram", "draft": "draft"}[name]
+                    out, tok_s, proposed, accepted = nanochat_turn(engines[name], ids, args.max_tokens, mode)
+                    row[f"{name} accepted"] = (accepted, proposed)
+                else:
+                    r = peer._call({"cmd": "lookup_generate", "ids": ids, "n": args.max_tokens, "stop_ids": stop,
+                                    "lookup": 10 if name.endswith("lookup") else 0})
+                    out, tok_s = r["ids"], r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+                speeds.setdefault(name, []).append(tok_s)
+                outputs[name] = out
+        row["tokens"] = len(outputs["off"])
+        row["tok_s"] = {k: statistics.median(v) for k, v in speeds.items()}
+        row["same_output"] = all(outputs[k] == outputs["off"] for k in engines)
+        results.append(row)
+        print(f"{kind} {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["tok_s"].items())
+              + f" tok/s, {row['tokens']} tokens, same output: {row['same_output']}", file=sys.stderr)
     if peer is not None:
         peer.close()
     if args.json:

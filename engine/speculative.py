@@ -15,17 +15,17 @@ Proposers:
   prompt). Free to propose, so it is tried whenever the index finds a match.
 - a draft model (engine/draft.py): a smaller model with the same tokenizer, run k decode steps ahead.
 
-`Speculation` keeps one sequence's state: the proposer's index and an adaptive k. k follows the recent
-acceptance (grow after a fully accepted draft, shrink to what was accepted after a rejection), and when
-the tokens gained per step stop paying for the extra rows the sequence stops proposing for a while
-(backing off longer each time it fails again).
+`Speculation` keeps one sequence's state: the proposer's index and, for each kind of proposal (prompt
+lookup's by the length of the suffix it matched), an estimate of its acceptance. k is what maximizes the
+expected tokens per unit of step time at the measured step costs (`StepTimes`); when no k pays, that kind
+stops proposing for a while (backing off longer each time it fails again).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SpeculationConfig:
@@ -128,14 +128,18 @@ class PromptLookup:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """propose()'s tokens and the length of the suffix they follow (0: none matched)."""
         if k <= 0 or len(tokens) < self.min_n + 1:
-            return []
+            return [], 0
         self._index(tokens)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             end = self.ends.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end + 1:end + 1 + k]
-        return []
+                return tokens[end + 1:end + 1 + k], n
+        return [], 0
 
 
 def accept_greedy(best: list[int], draft: list[int]) -> list[int]:
@@ -156,17 +160,31 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 @dataclass
+class Acceptance:
+    """How often one kind of proposal is accepted (EMAs of the tokens accepted and of the rejections per
+    verification step: their ratio estimates the per-token acceptance of a geometric run), and its back-off."""
+
+    accepted_ema: float = 0.0
+    rejected_ema: float = 0.0
+    measured: int = 0               # verification steps since it (re)started
+    paused: int = 0                 # chances to propose left before proposing again
+    failures: int = 0               # times in a row it stopped paying (the back-off doubles)
+
+
+@dataclass
 class Speculation:
-    """One sequence's speculation: its proposer state, acceptance estimate and back-off."""
+    """One sequence's speculation: its proposer state, acceptance estimates and back-off.
+
+    Prompt lookup keeps one estimate per length of the suffix its proposal follows: a one-token match is a
+    guess, a four-token one is usually text being copied (on the built-in SmolLM2's replies, 17-43% of the
+    first proposed tokens after a one-token match were accepted, 62-100% after four), so guesses that fail
+    and pause do not stop a copy that starts later. A draft model's proposals are one kind (0)."""
 
     config: SpeculationConfig
     mode: str                       # "ngram" or "draft"
     lookup: PromptLookup | None = None
-    accepted_ema: float = 0.0       # EMAs of tokens accepted and of rejections per verification step:
-    rejected_ema: float = 0.0       #   their ratio estimates the per-token acceptance (a geometric run)
-    measured: int = 0               # verification steps since it (re)started
-    paused: int = 0                 # plain steps left before proposing again
-    failures: int = 0               # times in a row it stopped paying (the back-off doubles)
+    kinds: dict[int, Acceptance] = field(default_factory=dict)
+    kind: int = 0                   # the kind being proposed (prompt lookup: the matched suffix's length)
     proposed: int = 0               # totals, for the stats
     accepted: int = 0
 
@@ -175,12 +193,20 @@ class Speculation:
             self.lookup = PromptLookup(self.config.min_ngram, self.config.max_ngram)
 
     @property
+    def state(self) -> Acceptance:
+        return self.kinds.setdefault(self.kind, Acceptance())
+
+    @property
+    def paused(self) -> int:
+        return self.state.paused
+
+    @property
     def acceptance(self) -> float:
-        c = self.config
-        if self.measured == 0:
-            return c.prior_acceptance
-        a, r = self.accepted_ema, self.rejected_ema
-        return a / (a + r) if a + r > 0 else c.prior_acceptance
+        st, prior = self.state, self.config.prior_acceptance
+        if st.measured == 0:
+            return prior
+        a, r = st.accepted_ema, st.rejected_ema
+        return a / (a + r) if a + r > 0 else prior
 
     def choose_k(self, room: int, ratio, batch: int = 1) -> int:
         """How many tokens to propose this step (0: a plain step): the k up to `room` that maximizes the
@@ -188,8 +214,9 @@ class Speculation:
         is `batch` sequences': each of them waits for the extra rows, so the tokens this one gains count
         against the whole step's (on a compute-bound CPU, 64 sequences proposing for themselves alone made a
         batch decode 0.71x as fast). When no k beats a plain step the sequence pauses, for longer each time."""
-        if self.paused > 0:
-            self.paused -= 1
+        st = self.state
+        if st.paused > 0:
+            st.paused -= 1
             return 0
         alpha = self.acceptance
         best, best_value, could_pay = 0, 1.0, False
@@ -200,34 +227,32 @@ class Speculation:
                 best, best_value = k, value
             could_pay = could_pay or (batch + k) / cost > 1.02    # were every proposal accepted
         if best == 0 and room > 0 and could_pay:   # else the batch, not the proposals, is what does not pay
-            if not self.measured:   # never judged: one proposal measures its own acceptance
+            if not st.measured:   # never judged: one proposal measures its own acceptance
                 return 1
-            self._pause()
+            st.failures += 1
+            st.paused = self.config.backoff << min(st.failures - 1, 6)
+            st.accepted_ema = st.rejected_ema = 0.0
+            st.measured = 0            # judged afresh, from the prior, after the pause
         return best
 
-    def _pause(self) -> None:
-        self.failures += 1
-        self.paused = self.config.backoff << min(self.failures - 1, 6)
-        self.accepted_ema = self.rejected_ema = 0.0
-        self.measured = 0            # judged afresh, from the prior, after the pause
-
     def propose_ngram(self, tokens: list[int], room: int, ratio, batch: int = 1) -> list[int]:
-        k = self.choose_k(room, ratio, batch)
-        return self.lookup.propose(tokens, k) if k else []
+        match, self.kind = self.lookup.match(tokens, min(room, self.config.k_max))
+        return match[:self.choose_k(len(match), ratio, batch)] if match else []
 
     def record(self, proposed: int, accepted: int) -> None:
-        """After a verification step: update the acceptance estimate."""
+        """After a verification step: update the estimate of the kind that proposed."""
         if proposed == 0:
             return
         self.proposed += proposed
         self.accepted += accepted
+        st = self.state
         alpha = 2.0 / (self.config.window + 1)
         rejected = 1.0 if accepted < proposed else 0.0
-        if self.measured == 0:
-            self.accepted_ema, self.rejected_ema = float(accepted), rejected
+        if st.measured == 0:
+            st.accepted_ema, st.rejected_ema = float(accepted), rejected
         else:
-            self.accepted_ema += alpha * (accepted - self.accepted_ema)
-            self.rejected_ema += alpha * (rejected - self.rejected_ema)
-        self.measured += 1
+            st.accepted_ema += alpha * (accepted - st.accepted_ema)
+            st.rejected_ema += alpha * (rejected - st.rejected_ema)
+        st.measured += 1
         if accepted:
-            self.failures = 0
+            st.failures = 0

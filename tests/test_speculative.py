@@ -66,6 +66,25 @@ def test_k_follows_acceptance_and_costs_and_pauses_when_it_does_not_pay():
     assert spec.proposed == 54 and spec.accepted == 18
 
 
+def test_guesses_that_fail_do_not_pause_a_copy():
+    """Prompt lookup judges its proposals by the length of the suffix they follow: one-token matches that keep
+    failing pause themselves, while a four-token match (text being copied) is proposed at once."""
+    spec = Speculation(SpeculationConfig(backoff=16), "ngram")
+    cost = lambda k: 1.0 + 0.3 * k                 # an extra row: 0.3 of a step
+    guess = [5, 1, 2, 3, 4, 9, 5]                  # "5" again: it proposes what followed the first 5
+    assert spec.propose_ngram(guess, 8, cost) == [1]   # a one-token match (the prior, 60%, pays for one row)
+    assert spec.kind == 1
+    spec.record(1, 0)
+    assert spec.propose_ngram(guess, 8, cost) == [] and spec.paused == 16   # rejected: one-token guesses pause
+    copy = guess + [1, 2, 3]                       # "5 1 2 3" was written before: copying
+    assert spec.propose_ngram(copy, 8, cost) == [4] and spec.kind == 4   # a four-token match: its own prior
+    spec.record(1, 1)
+    assert spec.propose_ngram(copy + [4], 8, cost) == [9, 5, 1, 2, 3, 4]   # accepted: it proposes all there is
+    assert spec.propose_ngram(copy + [4, 7, 5], 8, cost) == [] and spec.kind == 1 and spec.paused == 15
+    # (a guess again: its pause runs on)
+    assert spec.proposed == 2 and spec.accepted == 1
+
+
 def test_in_a_batch_the_rows_a_sequence_adds_are_weighed_against_the_whole_step():
     """Every sequence of a batch waits for one sequence's extra rows: on a compute-bound step (64 sequences, each
     row its 64th of the time) even proposals that are always accepted do not pay; on a memory-bound one they do;
