@@ -170,6 +170,30 @@ class Acceptance:
     paused: int = 0                 # chances to propose left before proposing again
     failures: int = 0               # times in a row it stopped paying (the back-off doubles)
 
+    def estimate(self, prior: float) -> float:
+        a, r = self.accepted_ema, self.rejected_ema
+        return a / (a + r) if self.measured and a + r > 0 else prior
+
+    def record(self, proposed: int, accepted: int, window: int) -> None:
+        alpha = 2.0 / (window + 1)
+        rejected = 1.0 if accepted < proposed else 0.0
+        if self.measured == 0:
+            self.accepted_ema, self.rejected_ema = float(accepted), rejected
+        else:
+            self.accepted_ema += alpha * (accepted - self.accepted_ema)
+            self.rejected_ema += alpha * (rejected - self.rejected_ema)
+        self.measured += 1
+        if accepted:
+            self.failures = 0
+
+    def pause(self, backoff: int) -> None:
+        """It stopped paying: no proposals for `backoff` chances, doubled each time in a row, then judged afresh
+        from the prior."""
+        self.failures += 1
+        self.paused = backoff << min(self.failures - 1, 6)
+        self.accepted_ema = self.rejected_ema = 0.0
+        self.measured = 0
+
 
 @dataclass
 class Speculation:
@@ -202,11 +226,7 @@ class Speculation:
 
     @property
     def acceptance(self) -> float:
-        st, prior = self.state, self.config.prior_acceptance
-        if st.measured == 0:
-            return prior
-        a, r = st.accepted_ema, st.rejected_ema
-        return a / (a + r) if a + r > 0 else prior
+        return self.state.estimate(self.config.prior_acceptance)
 
     def choose_k(self, room: int, ratio, batch: int = 1) -> int:
         """How many tokens to propose this step (0: a plain step): the k up to `room` that maximizes the
@@ -229,10 +249,7 @@ class Speculation:
         if best == 0 and room > 0 and could_pay:   # else the batch, not the proposals, is what does not pay
             if not st.measured:   # never judged: one proposal measures its own acceptance
                 return 1
-            st.failures += 1
-            st.paused = self.config.backoff << min(st.failures - 1, 6)
-            st.accepted_ema = st.rejected_ema = 0.0
-            st.measured = 0            # judged afresh, from the prior, after the pause
+            st.pause(self.config.backoff)
         return best
 
     def propose_ngram(self, tokens: list[int], room: int, ratio, batch: int = 1) -> list[int]:
@@ -241,18 +258,7 @@ class Speculation:
 
     def record(self, proposed: int, accepted: int) -> None:
         """After a verification step: update the estimate of the kind that proposed."""
-        if proposed == 0:
-            return
-        self.proposed += proposed
-        self.accepted += accepted
-        st = self.state
-        alpha = 2.0 / (self.config.window + 1)
-        rejected = 1.0 if accepted < proposed else 0.0
-        if st.measured == 0:
-            st.accepted_ema, st.rejected_ema = float(accepted), rejected
-        else:
-            st.accepted_ema += alpha * (accepted - st.accepted_ema)
-            st.rejected_ema += alpha * (rejected - st.rejected_ema)
-        st.measured += 1
-        if accepted:
-            st.failures = 0
+        if proposed:
+            self.proposed += proposed
+            self.accepted += accepted
+            self.state.record(proposed, accepted, self.config.window)
