@@ -217,9 +217,9 @@ class Repl:
         self.seen_from += n
         self.client.close_session(self.session)
         self.session = self.client.open_session(self.system_prompt, as_history(self.turns[2 * self.seen_from:]))
-        oldest = "the oldest exchange" if n == 1 else f"the oldest {n} exchanges"
-        self.term.note(f"the chat no longer fits in the model's context ({limit:,} tokens): it no longer sees "
-                       f"{oldest} (/history still shows them)")
+        oldest = "the oldest exchange (/history still shows it)" if n == 1 else \
+            f"the oldest {n} exchanges (/history still shows them)"
+        self.term.note(f"the chat no longer fits in the model's context ({limit:,} tokens): it no longer sees {oldest}")
         return True
 
     def _stream(self, stream, printer: ReplyPrinter) -> None:
