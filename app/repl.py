@@ -171,23 +171,14 @@ class Repl:
 
     def turn(self, text: str) -> None:
         while True:
-            try:
-                if not self.client.alive:
-                    self.term.note("restarting the engine…")
-                variables = {**(self.opts.template_kwargs or {}),
-                             **({} if self.think is None else {"enable_thinking": self.think})} or None
-                stream = self.client.submit_turn(self.session, text, self.sp, template_kwargs=variables)
-            except KeyboardInterrupt:     # Ctrl-C before the request was submitted
+            sent = self._send(text)
+            if sent is None:          # Ctrl-C before the request was submitted
                 return
-            printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened,
-                                   self.opts.show_thinking, model=self.client.model)
-            self._stream(stream, printer)   # a cancel ends the reply with finish_reason "abort": its note says so
-            reply = stream.result()
+            reply, printer = sent
             final = reply.final
             if reply.token_ids:
-                split = printer.splitter
-                self.turns += [Message("user", text), Message("assistant", split.answer, reply.stats,
-                                                              thought=reply_thought(split))]
+                self.turns += [Message("user", text), Message("assistant", printer.splitter.answer, reply.stats,
+                                                              thought=reply_thought(printer.splitter))]
             if final.finish_reason == "error" and not reply.token_ids and final.stats is not None \
                     and final.stats.context_full and self.turns[2 * self.seen_from:]:
                 if self._leave_out_oldest(final.stats.prompt_tokens):
@@ -203,6 +194,22 @@ class Repl:
         self.term.newline()
         st = reply.stats
         self.term.note(f"[{format_stats(st)}]")
+
+    def _send(self, text: str):
+        """Submit the message and print the reply as it streams: (Reply, its ReplyPrinter), or None on a Ctrl-C
+        before the request was submitted."""
+        try:
+            if not self.client.alive:
+                self.term.note("restarting the engine…")
+            variables = {**(self.opts.template_kwargs or {}),
+                         **({} if self.think is None else {"enable_thinking": self.think})} or None
+            stream = self.client.submit_turn(self.session, text, self.sp, template_kwargs=variables)
+        except KeyboardInterrupt:
+            return None
+        printer = ReplyPrinter(sys.stdout, self.think in self.client.model.thinking_opened, self.opts.show_thinking,
+                               model=self.client.model)
+        self._stream(stream, printer)   # a cancel ends the reply with finish_reason "abort": its note says so
+        return stream.result(), printer
 
     def _leave_out_oldest(self, prompt_tokens: int) -> bool:
         """The chat with the new message did not fit in the context: the model stops seeing the oldest
