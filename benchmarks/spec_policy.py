@@ -28,31 +28,28 @@ sys.path.insert(0, str(HERE))
 from speculative import chat_turns, nanochat_turn, render  # noqa: E402
 
 
-def measure_costs(engine, ids: list[int], rows: int, steps: int = 24) -> dict[int, float]:
-    """ms per decode step by its rows (1 .. rows): the engine decodes `steps` tokens of `ids`' reply with that
-    many proposals forced into every step (the last token repeated: mostly rejected, so one token a step)."""
+def measure_costs(engine, ids: list[int], rows: int, steps: int = 32, repeats: int = 3) -> dict[int, float]:
+    """ms per decode step by its rows (1 .. rows), as speculative.py's tok/s sees it (the whole step: scheduling,
+    the forward, sampling, the events): the engine decodes `steps` tokens of `ids`' reply with that many
+    proposals forced into every step (the last token repeated), and the time after the first token is divided
+    by the steps taken (tokens after the first, less the proposals accepted). The median of `repeats`."""
     from nanochat.engine import speculative as spec_mod
 
-    recorded: dict[int, list[float]] = {}
-    record, propose = spec_mod.StepTimes.record, spec_mod.Speculation.propose_ngram
+    propose = spec_mod.Speculation.propose_ngram
     forced = [0]
-
-    def keep(self, n, seconds):
-        recorded.setdefault(n, []).append(seconds)
-        record(self, n, seconds)
-
-    spec_mod.StepTimes.record = keep
     spec_mod.Speculation.propose_ngram = lambda self, tokens, room, ratio, batch=1: [tokens[-1]] * min(room, forced[0])
+    seen: dict[int, list[float]] = {}
     try:
         nanochat_turn(engine, ids, 4, "ngram")                 # warm
-        recorded.clear()
-        for _ in range(2):
+        for _ in range(repeats):
             for k in range(rows):
                 forced[0] = k
-                nanochat_turn(engine, ids, steps, "ngram")
+                tokens, tok_s, _, accepted = nanochat_turn(engine, ids, steps, "ngram")
+                if tok_s:
+                    seen.setdefault(1 + k, []).append((len(tokens) - 1) / tok_s / (len(tokens) - 1 - accepted) * 1e3)
     finally:
-        spec_mod.StepTimes.record, spec_mod.Speculation.propose_ngram = record, propose
-    return {n: statistics.median(v) * 1e3 for n, v in sorted(recorded.items()) if n <= rows}
+        spec_mod.Speculation.propose_ngram = propose
+    return {n: statistics.median(v) for n, v in sorted(seen.items())}
 
 
 def replay(ids: list[int], reply: list[int], costs: dict[int, float]) -> dict:
