@@ -52,8 +52,9 @@ def measure_costs(engine, ids: list[int], rows: int, steps: int = 32, repeats: i
     return {n: statistics.median(v) for n, v in sorted(seen.items())}
 
 
-def replay(ids: list[int], reply: list[int], costs: dict[int, float]) -> dict:
-    """The policy over a known greedy reply: steps, proposals, and the cost ratio plain / speculative."""
+def replay(ids: list[int], reply: list[int], costs: dict[int, float], max_tokens: int) -> dict:
+    """The policy over a known greedy reply (of at most `max_tokens`): steps, proposals, and the cost ratio plain /
+    speculative."""
     from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
 
     config = SpeculationConfig()
@@ -63,10 +64,10 @@ def replay(ids: list[int], reply: list[int], costs: dict[int, float]) -> dict:
     spec = Speculation(config, "ngram")
     pos, spent, steps = 1, 0.0, 0          # the first token comes from the prefill, as speculative.py counts
     while pos < len(reply):
-        room = len(reply) - pos - 1        # never past the reply's end (the engine's max_tokens room)
+        room = max_tokens - pos - 1        # the engine's room: it does not know where the reply will end
         proposal = spec.propose_ngram(ids + reply[:pos], room, lambda k: times.ratio(1, k))
         ok = 0
-        while ok < len(proposal) and proposal[ok] == reply[pos + ok]:
+        while ok < len(proposal) and pos + ok < len(reply) and proposal[ok] == reply[pos + ok]:
             ok += 1
         spec.record(len(proposal), ok)
         spent += costs[1 + len(proposal)]
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     results = []
     for kind, i, ids in turns:
         reply = nanochat_turn(engine, ids, args.max_tokens, "off")[0]
-        results.append({"kind": kind, "turn": i, **replay(ids, reply, costs)})
+        results.append({"kind": kind, "turn": i, **replay(ids, reply, costs, args.max_tokens)})
     if args.json:
         print(json.dumps({"costs_ms": costs, "turns": results}, indent=1))
         return 0

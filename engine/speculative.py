@@ -169,6 +169,12 @@ class Acceptance:
     measured: int = 0               # verification steps since it (re)started
     paused: int = 0                 # chances to propose left before proposing again
     failures: int = 0               # times in a row it stopped paying (the back-off doubles)
+    last: int | None = None         # tokens accepted at its last verification (None: never verified)
+
+    def cap(self, room: int) -> int:
+        """k at most doubles the last verified run (its accepted tokens + 1): one accepted guess is thin evidence
+        for proposing eight, and a short reply cannot earn back a long rejected step."""
+        return room if self.last is None else min(room, 2 * (self.last + 1))
 
     def estimate(self, prior: float) -> float:
         a, r = self.accepted_ema, self.rejected_ema
@@ -183,6 +189,7 @@ class Acceptance:
             self.accepted_ema += alpha * (accepted - self.accepted_ema)
             self.rejected_ema += alpha * (rejected - self.rejected_ema)
         self.measured += 1
+        self.last = accepted
         if accepted:
             self.failures = 0
 
@@ -240,7 +247,7 @@ class Speculation:
             return 0
         alpha = self.acceptance
         best, best_value, could_pay = 0, 1.0, False
-        for k in range(1, min(room, self.config.k_max) + 1):
+        for k in range(1, min(st.cap(room), self.config.k_max) + 1):
             cost = batch * ratio(k)
             value = (batch - 1 + expected_tokens(alpha, k)) / cost
             if value > best_value * 1.02:   # a near tie goes to fewer rows

@@ -62,7 +62,8 @@ def test_k_follows_acceptance_and_costs_and_pauses_when_it_does_not_pay():
     assert spec.acceptance < 0.2
     assert spec.choose_k(8, lambda k: 1.0 + 0.2 * k) == 0
     assert spec.paused == 4
-    assert [spec.choose_k(8, lambda k: 1.0) for _ in range(5)] == [0, 0, 0, 0, flat]   # afresh after the pause
+    # afresh after the pause, from the prior, but k at most twice the last run (none accepted: 2 tokens)
+    assert [spec.choose_k(8, lambda k: 1.0) for _ in range(5)] == [0, 0, 0, 0, 2]
     assert spec.proposed == 54 and spec.accepted == 18
 
 
@@ -79,7 +80,7 @@ def test_guesses_that_fail_do_not_pause_a_copy():
     copy = guess + [1, 2, 3]                       # "5 1 2 3" was written before: copying
     assert spec.propose_ngram(copy, 8, cost) == [4] and spec.kind == 4   # a four-token match: its own prior
     spec.record(1, 1)
-    assert spec.propose_ngram(copy + [4], 8, cost) == [9, 5, 1, 2, 3, 4]   # accepted: it proposes all there is
+    assert spec.propose_ngram(copy + [4], 8, cost) == [9, 5, 1, 2]   # accepted: k doubles the run (1 + 1)
     assert spec.propose_ngram(copy + [4, 7, 5], 8, cost) == [] and spec.kind == 1 and spec.paused == 15
     # (a guess again: its pause runs on)
     assert spec.proposed == 2 and spec.accepted == 1
