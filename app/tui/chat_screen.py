@@ -520,8 +520,9 @@ class ChatScreen(GaugedScreen):
             self.notify(f"cannot drop turns: {e}", severity="error", timeout=8)
             self.take_back(turn)
             return
-        self.notify(f"The model no longer sees the oldest {dropped} turn{'s' if dropped != 1 else ''} "
-                    "(they stay on screen)", timeout=8)
+        oldest = "the oldest turn (it stays on screen)" if dropped == 1 else \
+            f"the oldest {dropped} turns (they stay on screen)"
+        self.notify(f"The model no longer sees {oldest}", timeout=8)
         self.refresh_chat_status()
         await self._begin(conv, self._again(turn), turn.user.content if turn.new_user else "")
 
