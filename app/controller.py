@@ -44,7 +44,7 @@ from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_N
 from nanochat.app.export import model_name, write_export
 from nanochat.app.options import (REQUEST_RULES, SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES,
                                   effective_sampling, speculative_refusal, template_variables)
-from nanochat.app.reasoning import ThinkingSplitter, Thought, reply_splitter, split_reply
+from nanochat.app.reasoning import ThinkingSplitter, reply_splitter, reply_thought, split_reply
 from nanochat.app.store import ChatStore, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
@@ -643,7 +643,7 @@ class ChatController:
             return
         reply = turn.reply
         if reply.thought is None:
-            reply.thought = Thought("", prompted=splitter.prompted, harmony=not isinstance(splitter, ThinkingSplitter))
+            reply.thought = reply_thought(splitter)
         thought = reply.thought
         thought.text = splitter.reasoning
         if event.token_id is not None and (splitter.thinking or splitter.closed != was_closed):

@@ -140,6 +140,11 @@ class Repl:
         self.seen_from = 0                # the first exchange the model still sees (older ones no longer fit)
         self.think: bool | None = None    # enable_thinking for the template (None: not given)
 
+    @property
+    def seen(self) -> list[Message]:
+        """The messages the model still sees (the chat's session history)."""
+        return self.turns[2 * self.seen_from:]
+
     def _sampling(self, own: dict) -> dict:
         """SamplingParams keywords: /set's over the flags' over the model file's over CHAT_DEFAULTS."""
         return effective_sampling({**self.opts.sampling, **own}, self.client.model.sampling_defaults)
@@ -180,7 +185,7 @@ class Repl:
                 self.turns += [Message("user", text), Message("assistant", printer.splitter.answer, reply.stats,
                                                               thought=reply_thought(printer.splitter))]
             if final.finish_reason == "error" and not reply.token_ids and final.stats is not None \
-                    and final.stats.context_full and self.turns[2 * self.seen_from:]:
+                    and final.stats.context_full and self.seen:
                 if self._leave_out_oldest(final.stats.prompt_tokens):
                     continue                # the message again, in what is left of the chat
                 return
@@ -217,13 +222,13 @@ class Repl:
         an error, when even the message alone does not fit."""
         limit = self.client.model.max_model_len
         try:
-            n = exchanges_to_drop(self.turns[2 * self.seen_from:], prompt_tokens, limit, self.sp.max_tokens)
+            n = exchanges_to_drop(self.seen, prompt_tokens, limit, self.sp.max_tokens)
         except ChatError as e:
             self.term.error(f"{e}: shorten it, or type /clear to start over")
             return False
         self.seen_from += n
         self.client.close_session(self.session)
-        self.session = self.client.open_session(self.system_prompt, as_history(self.turns[2 * self.seen_from:]))
+        self.session = self.client.open_session(self.system_prompt, as_history(self.seen))
         oldest = "the oldest exchange (/history still shows it)" if n == 1 else \
             f"the oldest {n} exchanges (/history still shows them)"
         self.term.note(f"the chat no longer fits in the model's context ({limit:,} tokens): it no longer sees {oldest}")

@@ -126,12 +126,9 @@ class PromptLookup:
                 self.ends[tuple(tokens[i - n + 1:i + 1])] = i
         self.indexed = max(self.indexed, len(tokens) - 1)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
-        return self.match(tokens, k)[0]
-
     def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
-        """propose()'s tokens and the length of the suffix they follow (0: none matched)."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix, and that
+        suffix's length (0: none matched)."""
         if k <= 0 or len(tokens) < self.min_n + 1:
             return [], 0
         self._index(tokens)
@@ -207,9 +204,9 @@ class Speculation:
     """One sequence's speculation: its proposer state, acceptance estimates and back-off.
 
     Prompt lookup keeps one estimate per length of the suffix its proposal follows: a one-token match is a
-    guess, a four-token one is usually text being copied (on the built-in SmolLM2's replies, 17-43% of the
-    first proposed tokens after a one-token match were accepted, 62-100% after four), so guesses that fail
-    and pause do not stop a copy that starts later. A draft model's proposals are one kind (0)."""
+    guess, a four-token one is usually text being copied (benchmarks/README.md, "One estimate per match
+    length"), so guesses that fail and pause do not stop a copy that starts later. A draft model's proposals
+    are one kind (0)."""
 
     config: SpeculationConfig
     mode: str                       # "ngram" or "draft"

@@ -23,23 +23,23 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     look = PromptLookup(min_n=2, max_n=3)
     # "1 2" occurs twice before the end; the latest occurrence is followed by 9 8; "7 1 2" (longer) by 3 4.
     tokens = [7, 1, 2, 3, 4, 5, 1, 2, 9, 8, 6, 7, 1, 2]
-    assert look.propose(tokens, 2) == [3, 4]          # the 3-gram wins over the later 2-gram
-    assert look.propose(tokens + [6], 3) == []        # "2 6" never occurred, nor any shorter suffix >= 2
+    assert look.match(tokens, 2)[0] == [3, 4]          # the 3-gram wins over the later 2-gram
+    assert look.match(tokens + [6], 3)[0] == []        # "2 6" never occurred, nor any shorter suffix >= 2
     look2 = PromptLookup(min_n=2, max_n=2)
-    assert look2.propose(tokens, 5) == [9, 8, 6, 7, 1]   # only 2-grams: the latest "1 2"
-    assert look2.propose(tokens, 0) == []
+    assert look2.match(tokens, 5)[0] == [9, 8, 6, 7, 1]   # only 2-grams: the latest "1 2"
+    assert look2.match(tokens, 0)[0] == []
 
 
 def test_prompt_lookup_index_grows_with_the_sequence_and_never_proposes_past_it():
     look = PromptLookup(min_n=1, max_n=4)
     seq = [1, 2, 3]
-    assert look.propose(seq, 4) == []
+    assert look.match(seq, 4)[0] == []
     seq += [1, 2]
-    assert look.propose(seq, 4) == [3, 1, 2]          # what followed "1 2": up to the end of the tokens
+    assert look.match(seq, 4)[0] == [3, 1, 2]          # what followed "1 2": up to the end of the tokens
     rng = random.Random(0)
     for _ in range(300):                               # incremental == rebuilt from scratch, at every length
         seq.append(rng.randrange(6))
-        assert look.propose(seq, 3) == PromptLookup(1, 4).propose(seq, 3)
+        assert look.match(seq, 3)[0] == PromptLookup(1, 4).match(seq, 3)[0]
 
 
 def test_k_follows_acceptance_and_costs_and_pauses_when_it_does_not_pay():
