@@ -1,7 +1,7 @@
 """Speculation's policy replayed without noise: how many tokens it proposes, and what that would cost, on
 replies whose tokens are known.
 
-    python benchmarks/spec_policy.py [--model FILE] [--more-turns] [--max-tokens 256] [--threads 2]
+    python benchmarks/spec_policy.py [--model FILE] [--more-turns] [--held-out] [--max-tokens 256] [--threads 2]
                                      [--costs '1:3.4,2:4.3,...'] [--json]
 
 End-to-end speculation figures (benchmarks/speculative.py) swing by +-0.2x on a shared VM, more than most
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a GGUF file (default: the built-in SmolLM2-135M Q4_1)")
     p.add_argument("--more-turns", action="store_true", help="speculative.py's MORE_TURNS too")
+    p.add_argument("--held-out", action="store_true", help="speculative.py's HELD_OUT too")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--costs", help="ms per step by rows, '1:3.4,2:4.3,...' (default: measured here)")
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 
     model = args.model or str(embedded_model_path())
     engine = LLMEngine(model, speculative="ngram", max_model_len=4096, cpu_threads=args.threads)
-    turns = [(kind, i, render(engine, text)) for kind, i, text in chat_turns(args.more_turns)]
+    turns = [(kind, i, render(engine, text)) for kind, i, text in chat_turns(args.more_turns, args.held_out)]
     rows = SpeculationConfig().k_max + 1
     if args.costs:
         costs = {int(n): float(ms) for n, ms in (item.split(":") for item in args.costs.split(","))}

@@ -3,7 +3,8 @@ llama-cpp-python plain and with its prompt-lookup decoding (LlamaPromptLookupDec
 replies copy from the prompt and on open ones.
 
     python benchmarks/speculative.py [--model FILE] [--peer-python /path/to/python] [--repeats 3]
-                                     [--max-tokens 256] [--draft FILE [--draft-k K]] [--threads 2] [--json]
+                                     [--max-tokens 256] [--draft FILE [--draft-k K]] [--threads 2] [--more-turns]
+                                     [--held-out] [--json]
 
 Every turn is rendered with the model's chat template (nanochat's renderer; llama.cpp gets the same ids) and
 runs until the end of the reply or --max-tokens. tok/s: completion tokens after the first over the time after
@@ -73,12 +74,42 @@ MORE_TURNS = {
     ],
 }
 
+# --held-out: turns written to check that a change to the policy tuned on the turns above holds on others (many
+# short replies: where a probe that fails costs most)
+HELD_OUT = {
+    "copy": [
+        "Translate this list to uppercase, one per line: red, green, blue, yellow, purple, orange, black, white.",
+        "Add type hints to this function and return the whole function.\n\n```python\ndef area(width, height):\n"
+        "    return width * height\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n```",
+        "Sort these names alphabetically and list them one per line: Zoe, Adam, Mia, Liam, Emma, Noah, Olivia, Ethan.",
+        "Repeat this sentence three times: The early bird catches the worm.",
+        "Turn this into a markdown table with columns Name and Age: Alice 30, Bob 25, Carol 41, Dave 35.",
+        "Correct the grammar: Me and him goes to the store yesterday and buyed three apple.",
+        "Rename the variable x to count in this code and return it.\n\n```python\nx = 0\nfor item in items:\n"
+        "    if item.ok:\n        x += 1\nprint(x)\n```",
+        "Write this address on separate lines: 221B Baker Street, London, NW1 6XE, United Kingdom.",
+    ],
+    "open": [
+        "What is 2 + 2?",
+        "Name a color.",
+        "Write a haiku about autumn.",
+        "Why is the sky blue?",
+        "Tell me a joke.",
+        "How do I make a cup of tea?",
+        "What is photosynthesis?",
+        "Suggest a name for a cat.",
+        "Describe your ideal weekend.",
+        "What is the largest planet in the solar system?",
+    ],
+}
 
-def chat_turns(more: bool = False) -> list[tuple[str, int, str]]:
-    """(kind, index within its kind, text) of the turns to run: TURNS, and MORE_TURNS with `more`."""
+
+def chat_turns(more: bool = False, held_out: bool = False) -> list[tuple[str, int, str]]:
+    """(kind, index within its kind, text) of the turns to run: TURNS, MORE_TURNS with `more`, HELD_OUT with
+    `held_out`."""
     out = []
     for kind in ("copy", "open"):
-        texts = TURNS[kind] + (MORE_TURNS[kind] if more else [])
+        texts = TURNS[kind] + (MORE_TURNS[kind] if more else []) + (HELD_OUT[kind] if held_out else [])
         out += [(kind, i, text) for i, text in enumerate(texts)]
     return out
 
@@ -119,6 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--more-turns", action="store_true", help="four more turns of each kind (MORE_TURNS)")
+    p.add_argument("--held-out", action="store_true", help="18 more turns, many with short replies (HELD_OUT)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -147,7 +179,7 @@ def main(argv=None) -> int:
         peer = WorkerRunner("llama.cpp", HERE / "llamacpp_worker.py", args.peer_python,
                             {"model": model, "threads": args.threads, "n_ctx": 4096}, peer_env(env_args))
     results = []
-    for kind, i, text in chat_turns(args.more_turns):
+    for kind, i, text in chat_turns(args.more_turns, args.held_out):
         ids = render(main_engine, text)
         row = {"kind": kind, "turn": i, "prompt_tokens": len(ids)}
         speeds: dict[str, list[float]] = {}

@@ -38,6 +38,7 @@ class SpeculationConfig:
     row_cost: float = 0.15      # a step's extra row, as a share of a one-row step, until StepTimes has measured it
     window: int = 8             # verification steps the acceptance estimate remembers (EMA span)
     backoff: int = 16           # plain steps after speculation stopped paying, doubled each time it fails again
+    guess_row_cost: float = 0.2  # a one-token match proposes on only where an extra row costs at most this of a step
 
 
 class StepTimes:
@@ -244,7 +245,7 @@ class Speculation:
             return 0
         alpha = self.acceptance
         best, best_value, could_pay = 0, 1.0, False
-        for k in range(1, min(st.cap(room), self.config.k_max) + 1):
+        for k in range(1, self._limit(st.cap(room), ratio) + 1):
             cost = batch * ratio(k)
             value = (batch - 1 + expected_tokens(alpha, k)) / cost
             if value > best_value * 1.02:   # a near tie goes to fewer rows
@@ -255,6 +256,20 @@ class Speculation:
                 return 1
             st.pause(self.config.backoff)
         return best
+
+    def _limit(self, room: int, ratio) -> int:
+        """The most proposals worth weighing. A one-token match is a guess, and the token after a guess that held
+        is a two-token match's guess (benchmarks/README.md, "One token at a time from a guess"). So a guess proposes
+        one token, and once that holds, the next step weighs the two-token kind on its own estimate: one accepted
+        guess no longer sets a long step. Where extra rows cost at most `guess_row_cost` of a step each (a large
+        weight read, cheap rows), proposing on from a guess pays anyway."""
+        k = min(room, self.config.k_max)
+        if self.mode != "ngram" or self.kind != 1:
+            return k
+        guess = 1
+        while guess < k and ratio(guess + 1) - 1 <= self.config.guess_row_cost * (guess + 1):
+            guess += 1
+        return min(k, guess)
 
     def propose_ngram(self, tokens: list[int], room: int, ratio, batch: int = 1) -> list[int]:
         match, self.kind = self.lookup.match(tokens, min(room, self.config.k_max))

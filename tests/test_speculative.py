@@ -86,6 +86,21 @@ def test_guesses_that_fail_do_not_pause_a_copy():
     assert spec.proposed == 2 and spec.accepted == 1
 
 
+def test_a_guess_proposes_one_token_unless_rows_are_cheap():
+    """A one-token match is a guess: it proposes one token even after a guess held (its estimate then 1.0), and the
+    token after a guess that held is weighed as a two-token match's. Where rows cost little it proposes on."""
+    costly = lambda k: 1.0 + 0.3 * k  # noqa: E731   (an extra row: 0.3 of a step)
+    spec = Speculation(SpeculationConfig(), "ngram")
+    tokens = [5, 1, 2, 3, 4, 6, 7, 8, 9, 5]
+    assert spec.propose_ngram(tokens, 8, costly) == [1] and spec.kind == 1
+    spec.record(1, 1)
+    assert spec.acceptance == 1.0
+    assert spec.propose_ngram(tokens + [1], 8, costly) == [2] and spec.kind == 2   # the two-token kind's prior
+    later = tokens + [1, 2, 0, 7]                  # "7" once before: another guess
+    assert spec.propose_ngram(later, 8, costly) == [8] and spec.kind == 1   # one token, not 2 * (1 + 1)
+    assert spec.propose_ngram(later, 8, lambda k: 1.0 + 0.05 * k) == [8, 9, 5, 1]   # cheap rows: up to the cap
+
+
 def test_in_a_batch_the_rows_a_sequence_adds_are_weighed_against_the_whole_step():
     """Every sequence of a batch waits for one sequence's extra rows: on a compute-bound step (64 sequences, each
     row its 64th of the time) even proposals that are always accepted do not pay; on a memory-bound one they do;
