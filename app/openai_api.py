@@ -198,10 +198,23 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
 
 
 def _unsupported(body: dict) -> None:
+    """Fields that would change what the reply is, which this server cannot honour: a 400, not a reply that
+    silently ignores them (a client asking for JSON must not get prose it then fails to parse)."""
     if body.get("functions") or body.get("function_call"):
         raise ApiError(400, "functions and function_call are not supported: use tools", param="functions")
     if body.get("echo"):
         raise ApiError(400, "echo is not supported by this server", param="echo")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        what = f"response_format {json.dumps(kind)[:40]}" if isinstance(kind, str) else "this response_format"
+        raise ApiError(400, f"{what} is not supported by this server: only {{\"type\": \"text\"}} (replies are not "
+                            "constrained to JSON; ask for it in the message)", param="response_format")
+    for name in ("logit_bias", "suffix"):
+        if body.get(name):
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "best_of is not supported by this server: use n", param="best_of")
 
 
 def parse_reasoning_effort(body: dict, efforts: tuple) -> str | None:

@@ -657,6 +657,16 @@ def test_sdk_error_statuses(server):
     (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
                               RESULTS[0]]}),
      "does not render tools: it cannot take their calls or results"),   # the tiny model's ChatML template
+    # what would change the reply and cannot be honoured: an error, not a reply that ignores it
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+     'response_format "json_object" is not supported'),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                                                                                     "json_schema": {"name": "a"}}}),
+     'response_format "json_schema" is not supported'),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": "json"}),
+     "this response_format is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"42": -100}}),
+     "logit_bias is not supported"),
 ])
 
 
@@ -664,6 +674,17 @@ def test_malformed_requests_are_400(server, payload, words):
     status, body = raw(server, "POST", "/v1/chat/completions", payload)
     assert status == 400 and words in body["error"]["message"], body
     assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_text_response_format_is_served_and_completions_options_it_cannot_honour_are_400(server):
+    status, body = raw(server, "POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": {"type": "text"}}))
+    assert status == 200 and body["choices"][0]["message"]["content"], body
+    for extra, words in (({"suffix": "end"}, "suffix is not supported"), ({"best_of": 3}, "best_of is not supported")):
+        status, body = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, **extra}))
+        assert status == 400 and words in body["error"]["message"], body
+    status, body = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, "best_of": 1}))
+    assert status == 200, body
 
 
 def test_an_oversized_body_is_413_and_the_key_guards_all_but_health(server):
