@@ -180,6 +180,11 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
             raise _type_error("stop", "a non-empty string or a list of them", stop)
         stated["stop"] = tuple(stops)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not (isinstance(bias, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias)):
+            raise _type_error("logit_bias", "an object mapping token ids to numbers from -100 to 100", bias)
+        stated["logit_bias"] = {int(k): v for k, v in bias.items()}
     if _flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
         stated["ignore_eos"] = True
     for name, rule in REQUEST_RULES.items():   # nanochat's extra: the request's speculative proposer
@@ -210,9 +215,8 @@ def _unsupported(body: dict) -> None:
         what = f"response_format {json.dumps(kind)[:40]}" if isinstance(kind, str) else "this response_format"
         raise ApiError(400, f"{what} is not supported by this server: only {{\"type\": \"text\"}} (replies are not "
                             "constrained to JSON; ask for it in the message)", param="response_format")
-    for name in ("logit_bias", "suffix"):
-        if body.get(name):
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    if body.get("suffix"):
+        raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "best_of is not supported by this server: use n", param="best_of")
 

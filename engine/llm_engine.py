@@ -189,6 +189,10 @@ class LLMEngine:
         sp = sampling_params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
+        vocab = self.loaded.config.vocab_size
+        if any(t >= vocab for t, _ in sp.logit_bias):
+            raise RequestError(f"logit_bias names token {max(t for t, _ in sp.logit_bias)}, past the vocabulary's "
+                               f"{vocab} ids")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")

@@ -1,4 +1,4 @@
-"""Batched sampling: repetition / presence / frequency penalties, then greedy, temperature, top-k, top-p,
+"""Batched sampling: repetition / presence / frequency penalties and logit bias, then greedy, temperature, top-k, top-p,
 with reproducible per-request seeds; and the verification of speculative proposals (`verify`)."""
 
 from __future__ import annotations
@@ -135,6 +135,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[Sampling
 
 
 @torch.inference_mode()
+def apply_bias(rows: torch.Tensor, sp: SamplingParams) -> None:
+    """Add the request's logit_bias to `rows` ([V] or [n, V]) in place."""
+    ids = torch.tensor([t for t, _ in sp.logit_bias], device=rows.device)
+    rows[..., ids] += torch.tensor([b for _, b in sp.logit_bias], dtype=rows.dtype, device=rows.device)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int],
                    ks: list[int]) -> list[tuple[float, list[int], list[float]]]:
     """Per row of `logits` [B, V]: log_softmax's value at `tokens[i]`, and the ids and values of its
@@ -172,6 +178,9 @@ class Sampler:
                 raise ValueError("a row with a penalty needs its token history")
             logits = logits.contiguous()       # a no-op for the engine's logits
             apply_penalties(logits, rows, params, histories)
+        for i, sp in enumerate(params):
+            if sp.logit_bias:
+                apply_bias(logits[i], sp)
         greedy = argmax_rows(logits)
         if logits.device.type != "cpu":
             sampled = [i for i, sp in enumerate(params) if not sp.greedy]
@@ -249,7 +258,8 @@ def verify(logits: torch.Tensor, draft: list[int], sp: SamplingParams, generator
     proposer's distribution (`draft_probs` [k, V]; None: a deterministic proposer, q_j one-hot); at the
     first rejection a token is drawn from the normalized residual max(0, p_j - q_j), and after k acceptances
     from p_k; so the emitted tokens follow the target's distribution exactly (Leviathan et al. 2023,
-    Chen et al. 2023). Penalties see each row's own history: the sequence's ids and the proposals before it."""
+    Chen et al. 2023). Penalties see each row's own history: the sequence's ids and the proposals before it;
+    the logit bias applies to every row."""
     k = len(draft)
     if sp.penalized:
         if history is None:
@@ -259,6 +269,9 @@ def verify(logits: torch.Tensor, draft: list[int], sp: SamplingParams, generator
         logits = logits.contiguous()
         apply_penalties(logits, list(range(k + 1)), [sp] * (k + 1),
                         [(ids + draft[:j], prompt) for j in range(k + 1)])
+    if sp.logit_bias:
+        logits = logits.contiguous()
+        apply_bias(logits, sp)
     if sp.greedy:
         return accept_greedy(argmax_rows(logits), draft)
     out = []

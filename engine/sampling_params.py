@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, SPECULATIVE, check, shown
@@ -26,6 +27,9 @@ class SamplingParams:
     # Speculative decoding's proposer for this request: off, ngram or draft; None: the engine's (Config.speculative).
     # It changes speed only: greedy tokens are the same, sampled ones follow the same distribution.
     speculative: str | None = None
+    # Added to the logits of these token ids before sampling or greedy, after the penalties (OpenAI's logit_bias:
+    # -100 bans a token, 100 all but forces it). A {id: bias} dict is kept as sorted (id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # Accept lists for convenience, keep the object hashable and immutable.
@@ -46,6 +50,7 @@ class SamplingParams:
             check("speculative", SPECULATIVE, self.speculative)
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -55,3 +60,20 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any penalty is on: the sampler needs this request's token ids."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, checked: ids non-negative integers, biases in [-100, 100]."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    out = {}
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {shown(bias)}")
+        token, value = pair
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {shown(token)}")
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                or not -100 <= value <= 100):
+            raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {shown(value)}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))

@@ -1,5 +1,5 @@
 """Sampling filters: `candidates` against a sort-the-whole-vocabulary reference, seeded sampling, and the
-repetition / presence / frequency penalties against transformers and a per-row reference."""
+repetition / presence / frequency penalties against transformers and a per-row reference, and the logit bias."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat.engine.sampler import (FIRST_GUESS, Sampler, TokenHistory, apply_penalties, argmax_rows, candidates,
-                                     draw, filtered_probs, sample_rows, target_probs)
+                                     draw, filtered_probs, sample_rows, target_probs, verify)
 from nanochat.engine.sampling_params import SamplingParams
 
 
@@ -271,3 +271,38 @@ def test_penalty_params_are_plain_fields():
     assert isinstance(sp.repetition_penalty, float) and sp.penalized
     assert pickle.loads(pickle.dumps(sp)) == sp
     assert not SamplingParams().penalized and not SamplingParams(repetition_penalty=1.0).penalized
+
+
+def test_logit_bias_moves_greedy_sampling_and_verification_alike():
+    logits = torch.tensor([[1.0, 3.0, 2.5, -1.0]])
+    assert Sampler()(logits.clone(), [SamplingParams(temperature=0, logit_bias={1: -100})], [None]) == [2]
+    assert Sampler()(logits.clone(), [SamplingParams(temperature=0, logit_bias={3: 5})], [None]) == [3]   # 4 > 3
+    gen = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=1.0, logit_bias={1: -100, 2: -100})
+    assert {Sampler()(logits.clone(), [sp], [gen])[0] for _ in range(300)} == {0, 3}   # banned ones never drawn
+    mixed = Sampler()(torch.cat([logits, logits]), [SamplingParams(temperature=0, logit_bias={1: -100}),
+                                                    SamplingParams(temperature=0)], [None, None])
+    assert mixed == [2, 1]                                  # a row's bias is its own
+    rows = torch.tensor([[1.0, 3.0, 2.5, -1.0], [0.0, 1.0, 4.0, 0.0]])
+    sp = SamplingParams(temperature=0, logit_bias={1: -100})
+    assert verify(rows.clone(), [1], sp, None) == [2]       # the banned proposal is rejected
+    assert verify(rows.clone(), [2], sp, None) == [2, 2]
+
+
+@pytest.mark.parametrize("bias, msg", [
+    ({-1: 1.0}, "keys must be token ids"), ({"5": 1.0}, "keys must be token ids"), ({True: 1.0}, "keys must be"),
+    ({5: 101}, "from -100 to 100"), ({5: float("nan")}, "from -100 to 100"), ({5: "1"}, "from -100 to 100"),
+    ([5, 6], "must map token ids to numbers"),
+])
+def test_logit_bias_validation(bias, msg):
+    with pytest.raises(ValueError, match=msg) as info:
+        SamplingParams(logit_bias=bias)
+    assert "\n" not in str(info.value)
+
+
+def test_logit_bias_is_kept_as_sorted_pairs():
+    import pickle
+
+    sp = SamplingParams(logit_bias={9: 1, 2: -3.5})
+    assert sp.logit_bias == ((2, -3.5), (9, 1.0)) and hash(sp) == hash(SamplingParams(logit_bias=[(2, -3.5), (9, 1)]))
+    assert pickle.loads(pickle.dumps(sp)) == sp and not SamplingParams().logit_bias

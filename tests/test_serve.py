@@ -188,6 +188,20 @@ def test_text_parts_top_k_repetition_penalty_seed_and_stop(server):
         assert word not in c.choices[0].message.content and c.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_forces_and_bans_tokens(server, tiny_models):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_models["llama"] / "tokenizer.json"))
+    sdk = server.sdk()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0)
+    forced = tok.encode("hello").ids[-1]
+    reply = sdk.chat.completions.create(**kw, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == tok.decode([forced] * 6)
+    text = sdk.chat.completions.create(**kw).choices[0].message.content
+    banned = {str(t): -100 for t in tok.encode(text).ids}
+    assert sdk.chat.completions.create(**kw, logit_bias=banned).choices[0].message.content != text
+
+
 def test_completions_and_models(server):
     sdk = server.sdk()
     done = sdk.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0,
@@ -665,8 +679,11 @@ def test_sdk_error_statuses(server):
      'response_format "json_schema" is not supported'),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": "json"}),
      "this response_format is not supported"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"42": -100}}),
-     "logit_bias is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}),
+     "logit_bias must be an object mapping token ids to numbers"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 500}}), "from -100 to 100"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}}),
+     "past the vocabulary"),
 ])
 
 

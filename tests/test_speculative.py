@@ -323,6 +323,30 @@ def test_greedy_tokens_equal_plain_decoding_whatever_is_proposed(models, name, s
     assert follow == plain(path, [PROMPTS[2] + expected[2]])[0]
 
 
+def test_logit_bias_steers_plain_decoding_and_verification_alike(models):
+    """A -100 bias bans tokens from greedy replies; proposals of plain decoding's unbiased tokens (banned ones among
+    them) are rejected where the bias says so, leaving the biased plain tokens. An id past the vocabulary is
+    refused when the request is added."""
+    from dataclasses import replace
+
+    from nanochat.engine.output import RequestError
+
+    path = models["llama-gguf"]
+    unbiased = plain(path, PROMPTS)
+    banned = {unbiased[0][0], unbiased[1][0], unbiased[2][3]}
+    sp = replace(GREEDY, logit_bias={t: -100 for t in banned})
+    expected = plain(path, PROMPTS, sp)
+    assert expected != unbiased and not banned & {t for out in expected for t in out}
+    engine = engine_for(path)
+    engine._propose = Oracle(engine, {tuple(p): e for p, e in zip(PROMPTS, unbiased)})
+    rids = [engine.add_request(p, sp) for p in PROMPTS]
+    out = drain(engine, rids)
+    assert [out[r] for r in rids] == expected
+    assert engine.stats().total_spec_proposed > 0
+    with pytest.raises(RequestError, match="past the vocabulary"):
+        engine.add_request(PROMPTS[0], replace(GREEDY, logit_bias={10 ** 6: 1.0}))
+
+
 def test_chat_sessions_with_the_ngram_proposer_match_plain_decoding(models):
     """Multi-turn chats whose replies repeat earlier turns (the n-gram proposer's case): the same tokens with and
     without speculation, each turn prefilling only its new message."""
