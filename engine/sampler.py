@@ -134,13 +134,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[Sampling
             flat.index_copy_(0, key, val)
 
 
-@torch.inference_mode()
+@torch.inference_mode()   # as apply_penalties: the engine's logits are inference tensors
 def apply_bias(rows: torch.Tensor, sp: SamplingParams) -> None:
     """Add the request's logit_bias to `rows` ([V] or [n, V]) in place."""
     ids = torch.tensor([t for t, _ in sp.logit_bias], device=rows.device)
     rows[..., ids] += torch.tensor([b for _, b in sp.logit_bias], dtype=rows.dtype, device=rows.device)
 
 
+@torch.inference_mode()
 def token_logprobs(logits: torch.Tensor, tokens: list[int],
                    ks: list[int]) -> list[tuple[float, list[int], list[float]]]:
     """Per row of `logits` [B, V]: log_softmax's value at `tokens[i]`, and the ids and values of its
@@ -261,16 +262,16 @@ def verify(logits: torch.Tensor, draft: list[int], sp: SamplingParams, generator
     Chen et al. 2023). Penalties see each row's own history: the sequence's ids and the proposals before it;
     the logit bias applies to every row."""
     k = len(draft)
+    if sp.penalized or sp.logit_bias:
+        logits = logits.contiguous()   # changed in place below
     if sp.penalized:
         if history is None:
             raise ValueError("a row with a penalty needs its token history")
         ids, prompt = history
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        logits = logits.contiguous()
         apply_penalties(logits, list(range(k + 1)), [sp] * (k + 1),
                         [(ids + draft[:j], prompt) for j in range(k + 1)])
     if sp.logit_bias:
-        logits = logits.contiguous()
         apply_bias(logits, sp)
     if sp.greedy:
         return accept_greedy(argmax_rows(logits), draft)

@@ -264,7 +264,7 @@ class Speculation:
         guess no longer sets a long step. Where extra rows cost at most `guess_row_cost` of a step each (a large
         weight read, cheap rows), proposing on from a guess pays anyway."""
         k = min(room, self.config.k_max)
-        if self.mode != "ngram" or self.kind != 1:
+        if self.kind != 1:   # (a draft model's proposals are kind 0)
             return k
         guess = 1
         while guess < k and ratio(guess + 1) - 1 <= self.config.guess_row_cost * (guess + 1):
