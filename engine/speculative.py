@@ -23,6 +23,7 @@ stops proposing for a while (backing off longer each time it fails again).
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,25 +49,33 @@ class StepTimes:
     row). On the CPU an extra row is far from free (the int8 kernels are compute-bound at a few rows, and their
     tiles come in steps), so k is chosen on measured costs."""
 
-    KEEP = 9   # steps remembered per row count
-    BATCH = 8  # from this many rows a step's cost is taken as linear in its rows (StepTimes.ratio)
+    KEEP = 9    # steps remembered per row count
+    SETTLE = 3  # steps of a row count before its median stands for it (StepTimes.estimate)
+    BATCH = 8   # from this many rows a step's cost is taken as linear in its rows (StepTimes.ratio)
 
     def __init__(self, row_cost: float):
         self.row_cost = row_cost
         self.samples: dict[int, deque[float]] = {}
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}   # the median of each row count's kept steps
+        self.settled: list[int] = []          # the row counts with SETTLE steps, in order
         self._fit: tuple[float, float] | tuple[()] | None = None   # _line()'s, until the next record; () for none
 
     def record(self, rows: int, seconds: float) -> None:
         kept = self.samples.setdefault(rows, deque(maxlen=self.KEEP))
         kept.append(seconds)
         self.seconds[rows] = statistics.median(kept)
+        if len(kept) == self.SETTLE:   # (the deque only grows: this happens once)
+            bisect.insort(self.settled, rows)
         self._fit = None
 
     def estimate(self, rows: int) -> float | None:
-        if rows in self.seconds:
+        """A step of `rows` rows: the median of its steps once there were SETTLE of them, else from the nearest
+        settled row counts. One slow step (a first call's one-off costs, another process) must not stand for a
+        row count: a 2-row step that cost 3 of one stopped the proposals that would have measured it again, for
+        the rest of the engine's life."""
+        known = self.settled
+        if rows in known:
             return self.seconds[rows]
-        known = sorted(self.seconds)
         if not known:
             return None
         below = [n for n in known if n < rows]

@@ -123,15 +123,37 @@ def test_in_a_batch_the_rows_a_sequence_adds_are_weighed_against_the_whole_step(
 def test_step_times_interpolate_and_fall_back_on_the_prior():
     t = StepTimes(row_cost=0.2)
     assert t.ratio(1, 3) == pytest.approx(1.6)        # nothing measured: the prior
-    t.record(1, 0.010)
+    for _ in range(StepTimes.SETTLE):
+        t.record(1, 0.010)
     assert t.ratio(1, 2) == pytest.approx(1.4)        # one point: the prior's slope from it
-    t.record(5, 0.020)
+    for _ in range(StepTimes.SETTLE):
+        t.record(5, 0.020)
     assert t.estimate(3) == pytest.approx(0.015)      # between measured points: linear
     assert t.ratio(1, 4) == pytest.approx(2.0)
     t.record(1, 0.014)
     t.record(1, 0.500)                                # a step slowed by another process: the median stays
-    assert t.estimate(1) == pytest.approx(0.014)
+    assert t.estimate(1) == pytest.approx(0.010)
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 3) == 4
+
+
+def test_one_slow_step_does_not_stop_speculation_for_good():
+    """The first 2-row step paid one-off costs (3x a 1-row step): it does not stand for 2 rows until more 2-row
+    steps were measured, so proposals go on, measure them, and pay once they do."""
+    t = StepTimes(row_cost=0.15)
+    for _ in range(5):
+        t.record(1, 0.010)
+    t.record(2, 0.030)
+    spec = Speculation(SpeculationConfig(), "ngram")
+    spec.kind = 3
+    assert spec.choose_k(1, lambda k: t.ratio(1, k)) == 1   # a one-token match: room for one proposal
+    t.record(2, 0.011)
+    t.record(2, 0.011)
+    assert t.ratio(1, 1) == pytest.approx(1.1)
+    assert spec.choose_k(1, lambda k: t.ratio(1, k)) == 1
+    slow = StepTimes(row_cost=0.15)                   # rows that do cost that much: settled, the proposals stop
+    for rows, seconds in [(1, 0.010)] * 5 + [(2, 0.030)] * 3 + [(3, 0.045)] * 3:
+        slow.record(rows, seconds)
+    assert Speculation(SpeculationConfig(), "ngram").choose_k(1, lambda k: slow.ratio(1, k)) == 0
 
 
 def test_a_batchs_step_cost_is_a_line_through_noisy_measurements():
@@ -141,11 +163,11 @@ def test_a_batchs_step_cost_is_a_line_through_noisy_measurements():
 
     rng, t = random.Random(0), StepTimes(row_cost=0.15)
     for n in range(2, 80, 3):
-        t.record(n, (0.01 + 0.002 * n) * rng.uniform(0.9, 1.1))
-    t.record(36, 0.090)
-    t.record(36, 0.090)
-    t.record(38, 0.080)
-    t.record(38, 0.080)
+        for _ in range(StepTimes.SETTLE):
+            t.record(n, (0.01 + 0.002 * n) * rng.uniform(0.9, 1.1))
+    for _ in range(StepTimes.SETTLE):
+        t.record(36, 0.090)
+        t.record(38, 0.080)
     assert t.estimate(38) < t.estimate(36)                       # the measurements alone: an extra row is free
     for base, extra in ((36, 2), (64, 5), (12, 1)):
         want = (0.01 + 0.002 * (base + extra)) / (0.01 + 0.002 * base)
@@ -243,8 +265,8 @@ def models(tiny_models, tmp_path_factory):
 
 def engine_for(path, **cfg) -> LLMEngine:
     """An engine that speculates with prompt lookup unless told otherwise, on every model (HF folders' dense weights
-    on the q8 kernels' dense tiles, batch_invariant: the rows of a step are then exact, as GGUF weights are)."""
-    cfg = {"kvcache_block_size": 16, "max_model_len": 256, "speculative": "ngram", "batch_invariant": True, **cfg}
+    on the q8 kernels' dense tiles: the rows of a step are exact, as GGUF weights' are)."""
+    cfg = {"kvcache_block_size": 16, "max_model_len": 256, "speculative": "ngram", **cfg}
     return LLMEngine(str(path), dtype="float32", **cfg)
 
 
@@ -415,13 +437,16 @@ def test_which_requests_speculate(models, tiny_models):
 
 
 def test_auto_speculates_where_rows_are_exact(models):
-    """auto: prompt lookup for GGUF weights on the CPU kernels and batch-invariant engines; torch's GEMMs (dense HF
-    weights) decode plainly unless a request asks (a proposal's rows could round otherwise than a decode row)."""
-    auto = {"speculative": "auto", "batch_invariant": False}
+    """auto: prompt lookup where every matmul is on the CPU kernels (GGUF blocks, HF folders' dense weights in their
+    own type); torch's GEMMs (quant_backend dense, dequantize, int4) decode plainly unless a request asks (a
+    proposal's rows could round otherwise than a decode row)."""
+    auto = {"speculative": "auto"}
     assert engine_for(models["llama-gguf"], **auto).speculative == "ngram"
     assert engine_for(models["llama-gguf"], **auto, quant_backend="int4").speculative == "off"
-    assert engine_for(models["qwen3-hf"], **{**auto, "batch_invariant": True}).speculative == "ngram"
-    dense = engine_for(models["qwen3-hf"], **auto)
+    assert engine_for(models["qwen3-hf"], **auto).speculative == "ngram"
+    assert engine_for(models["qwen3-hf"], **auto, dequantize=True).speculative == "off"
+    assert engine_for(models["qwen3-hf"], **auto, quant_backend="dense", batch_invariant=True).speculative == "ngram"
+    dense = engine_for(models["qwen3-hf"], **auto, quant_backend="dense")
     assert dense.speculative == "off"
     rid = dense.add_request([1, 2, 3], SamplingParams(speculative="ngram"))
     assert dense.requests[rid].seq.spec.mode == "ngram"
