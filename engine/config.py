@@ -129,11 +129,12 @@ class Config:
     moe_offload: str = "auto"           # routed MoE experts on the host: auto | cpu | none
     pack_cache: bool = True             # keep what a GGUF load builds slowly (packed CPU weights, merges) on disk
     cpu_isa: str = "auto"               # CPU kernels' build: auto (native) | avx2 | scalar (benchmarks, tests)
-    quant_backend: str = "auto"         # GGUF linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
+    quant_backend: str = "auto"         # linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
     fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/layers/fused_forward.py)
     act_levels: int = 2                 # q8 kernels' activation quantization: 2 (int8 + residual) or 1 (llama.cpp)
-    batch_invariant: bool = False       # CPU: a sequence's tokens independent of its batch also with dense weights
-                                        # (HF folders, dequantized GGUF), at a prefill cost; see models/layers/common.py
+    batch_invariant: bool = False       # CPU: a sequence's tokens independent of its batch also with torch's GEMMs
+                                        # (quant_backend dense, dequantize, an HF MoE's dense experts); see
+                                        # models/layers/common.py
     speculative: str = "auto"           # speculative decoding's proposer: auto | off | ngram | a draft model (its path
                                         # or hub id: same tokenizer); auto: ngram where exact (LLMEngine._proposer)
     speculative_k: int = 8              # most tokens proposed for one step

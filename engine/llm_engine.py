@@ -140,15 +140,15 @@ class LLMEngine:
     def _proposer(self, asked: str) -> str:
         """The engine's speculative mode: off, ngram or draft (config.speculative names a draft model). "auto" is
         ngram where a row's logits are the same bits however many rows its step computes, so proposals cannot
-        change a token: the CPU with GGUF weights on the q8 kernels, or Config.batch_invariant (where
-        benchmarks/README.md measured what it gains); elsewhere (torch's GEMMs, GPUs) plain decoding, unless asked.
+        change a token: the CPU with every matmul on the q8 kernels (GGUF blocks, dense weights in their own
+        type, dense MoE experts under Config.batch_invariant; benchmarks/README.md measured what it gains);
+        elsewhere (torch's GEMMs, GPUs) plain decoding, unless asked.
         Hybrid models never speculate: their recurrent state cannot be cut back to the accepted tokens."""
         if self.runner.is_hybrid or asked == "off":
             return "off"
         if asked == "auto":
-            c = self.config
-            exact = self.device.type == "cpu" and (c.batch_invariant or (
-                self.loaded.source.kind == "gguf" and c.quant_backend in ("auto", "q8") and not c.dequantize))
+            from nanochat.models.layers.common import batch_invariant
+            exact = self.device.type == "cpu" and batch_invariant(self.runner.model)
             return "ngram" if exact else "off"
         return "ngram" if asked == "ngram" else "draft"
 

@@ -8,8 +8,8 @@ Engine level: 200 prompts of mixed lengths (some sharing a prefix, for prefix-ca
 sequence at a time), all in one batch, in batches under a KV budget that forces preemption, and with a
 small token budget (other chunk boundaries); every greedy token and every logits row is the same, bit for
 bit, on each architecture's tiny model on the fused CPU path and the module path, and on the built-in
-model. A seeded sampled run too. GGUF weights are invariant by default (q8 kernels); dense weights (HF
-folders) need Config.batch_invariant, whose kernels for them cost prefill speed.
+model. A seeded sampled run too. GGUF weights and HF folders' dense matrices are invariant by default (the q8
+kernels); an HF MoE's dense experts and torch's GEMM (quant_backend dense) need Config.batch_invariant.
 """
 
 from __future__ import annotations
@@ -234,22 +234,23 @@ def _generate(path: str, prompts, params, **config):
     return [o.token_ids for o in out], rows, llm.engine.scheduler.num_preemptions
 
 
-# name -> (how the model is made, LLM options): GGUF weights take the fused path by default and the module
-# path with fused_forward=False; HF folders (dense fp32 weights) need batch_invariant, which also puts a
-# dense model's linears on the q8 kernels and so on the fused path.
+# name -> (how the model is made, LLM options): GGUF weights and HF folders' dense matrices (on the kernels'
+# tiles in their own type) take the fused path by default and the module path with fused_forward=False; an HF
+# MoE's dense experts, and torch's GEMM (quant_backend dense), need batch_invariant.
 CASES = {
     "llama-gguf-fused": ("llama-gguf", {}),
     "llama-gguf-module": ("llama-gguf", {"fused_forward": False}),
     "qwen2-gguf-fused": ("qwen2-gguf", {}),
     "qwen3-gguf-module": ("qwen3-gguf", {"fused_forward": False}),
-    "qwen2-hf-fused": ("qwen2-hf", {"batch_invariant": True}),
-    "qwen3-hf-module": ("qwen3-hf", {"batch_invariant": True, "fused_forward": False}),
+    "qwen2-hf-fused": ("qwen2-hf", {}),
+    "qwen3-hf-module": ("qwen3-hf", {"fused_forward": False}),
+    "qwen3-hf-gemm": ("qwen3-hf", {"quant_backend": "dense", "batch_invariant": True}),
     "qwen3_moe-gguf": ("qwen3moe-q8_0-attn-q8_0", {}),
     "qwen3_moe-hf": ("qwen3_moe", {"batch_invariant": True}),
     "qwen3_5_moe-gguf": ("qwen35moe-q8_0", {}),
     "qwen3_5-hf": ("qwen3_5", {"batch_invariant": True}),
-    "gemma3-hf-fused": ("gemma3_capped", {"batch_invariant": True}),
-    "gemma3-hf-module": ("gemma3_capped", {"batch_invariant": True, "fused_forward": False}),
+    "gemma3-hf-fused": ("gemma3_capped", {}),
+    "gemma3-hf-module": ("gemma3_capped", {"fused_forward": False}),
 }
 
 

@@ -99,9 +99,10 @@ def oracle(family_models):
 
 
 def engine_for(path, fused: bool, **kw) -> LLMEngine:
-    """fp32 weights and KV cache; fused: the compiled CPU step (dense weights on its exact F32 tiles)."""
+    """fp32 weights and KV cache; fused: the compiled CPU step, else the module forward (dense weights on the
+    kernels' exact F32 tiles either way)."""
     kw = {"max_model_len": 256, "num_kvcache_blocks": 64, "kv_cache_dtype": "float32", **kw}
-    return LLMEngine(str(path), dtype="float32", fused_forward=fused, batch_invariant=fused, **kw)
+    return LLMEngine(str(path), dtype="float32", fused_forward=fused, **kw)
 
 
 def step_logits(engine: LLMEngine, prompt: list[int], forced: list[int]) -> torch.Tensor:

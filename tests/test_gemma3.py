@@ -279,7 +279,7 @@ def test_greedy_through_the_engine(variant, fused, models, oracle):
     prompts = [PROMPT, list(range(40, 70)), PROMPT[:5], PROMPT + [9, 9, 9]]
     expected = [oracle_greedy(oracle(variant), p, GREEDY.max_tokens) for p in prompts]
     path = str(models[variant])
-    kw = dict(dtype="float32", max_model_len=256, kv_cache_dtype="float32", batch_invariant=fused)
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_dtype="float32", fused_forward=fused)
     llm = LLM(path, **kw)
     assert (llm.engine.runner.model.fused.why_not is None) == fused
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected

@@ -206,6 +206,12 @@ class Linear(nn.Module):
         self.quant = PreparedQuantWeight(packed.ggml_type, packed.shape, "q8", self.weight.dtype, packed.data)
         self.weight = None
 
+    @property
+    def invariant(self) -> bool:
+        """Whether a row's result is the same bits whatever rows share the call: W on the q8 kernels."""
+        parts = self.quant_parts()
+        return bool(parts) and all(p.backend == "q8" for p in parts)
+
     def quant_parts(self) -> list | None:
         """The PreparedQuantWeights that make up W, in output order (None for a dense W)."""
         if self.segments is not None:
@@ -269,9 +275,9 @@ class Embedding(nn.Module):
 
 
 def use_batch_invariant_kernels(model: nn.Module) -> None:
-    """Config.batch_invariant: dense-weight matmuls on the CPU, whose sums torch's GEMM orders by the batch,
-    move onto the q8 kernels' dense tiles, which sum each row in one order (prefill: 1.5-2x the time of
-    torch's GEMM). Everything else is invariant anyway (the q8 matmuls, attention, activations, the fused
+    """Config.batch_invariant: the matmuls still on torch's GEMM, whose sums it orders by the batch (a Hugging
+    Face MoE's dense experts, quant_backend "dense"), move onto the q8 kernels' dense tiles, which sum each row
+    in one order. Everything else is invariant anyway (the q8 matmuls, attention, activations, the fused
     step, the Gated DeltaNet recurrence). Each module with dense weights says how in its
     `to_batch_invariant()`; a dense model whose every linear is then on the q8 kernels takes the fused step."""
     for module in list(model.modules()):
@@ -280,6 +286,12 @@ def use_batch_invariant_kernels(model: nn.Module) -> None:
     fused = getattr(model, "fused", None)
     if fused is not None:
         fused.recheck()
+
+
+def batch_invariant(model: nn.Module) -> bool:
+    """Whether each of the model's matmuls gives a row the same bits whatever rows share its step (the q8
+    kernels; torch's GEMM blocks by the rows), so speculative proposals cannot change a greedy token."""
+    return all(m.invariant for m in model.modules() if hasattr(m, "invariant"))
 
 
 def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, Linear]:
@@ -408,14 +420,18 @@ class WeightLoader:
         return dense
 
     def _file_weight(self, name: str):
-        """`name` as stored: GGML blocks as a QuantWeight, and on the CPU a GGUF's F16/BF16/F32 matrix too
-        (as raw bytes, for the kernels that read those types), unless dequantize was asked. Else None."""
+        """`name` as stored: GGML blocks as a QuantWeight, and on the CPU a F16/BF16/F32 matrix too (as raw bytes,
+        for the kernels that read those types), unless dequantize was asked. Else None. A Hugging Face folder's
+        matrices go to the kernels unless they are to be quantized at load or another backend was asked: in the
+        checkpoint's own type they are half the bytes of the fp32 copy torch's GEMM needs, and their rows exact
+        (benchmarks/README.md, "Hugging Face folders on the CPU kernels")."""
         w = self.get(name)
         if self.dequantize:
             return None
         if isinstance(w, QuantWeight):
             return w
-        if self.device.type == "cpu" and w.dim() == 2 and self.source.kind == "gguf":
+        kernels = self.source.kind == "gguf" or (not self.quantize and self.kernels.quant_backend in ("auto", "q8"))
+        if self.device.type == "cpu" and w.dim() == 2 and kernels:
             from nanochat.kernels import cpu_qgemv
             from nanochat.kernels import gguf_quants as gq
             t = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}.get(w.dtype)

@@ -127,6 +127,10 @@ class Experts(nn.Module):
                              f"and {tuple(self.w2.shape)}")
         self.use_grouped_mm = False
 
+    @property
+    def invariant(self) -> bool:
+        return self.w13 is None   # (quantized experts are Linears, which say for themselves)
+
     def to_batch_invariant(self) -> None:
         """Dense experts on the CPU: a Linear pair per expert on the q8 kernels' dense tiles (Linear's
         to_batch_invariant), so a token's sums do not depend on which tokens share its expert."""
@@ -294,6 +298,10 @@ class HostOffloadedExperts(nn.Module):
                                 limit=mlp.limit, gate_bias=mlp.gate_bias, up_bias=mlp.up_bias,
                                 down_bias=mlp.down_bias)
         self.num_experts = num_experts
+
+    @property
+    def invariant(self) -> bool:
+        return self.host.backend == "kernel" or self.host.batch_invariant
 
     def to_batch_invariant(self) -> None:
         self.host.batch_invariant = True
