@@ -257,7 +257,10 @@ def test_a_model_switch_replays_the_sessions(client, tiny_models):
         client.load_model(str(tiny_models["qwen3"]), **ENGINE)
 
 
-def test_kill_9_mid_reply_keeps_the_partial_reply_and_restarts(tiny_models):
+def test_kill_9_mid_reply_keeps_the_partial_reply_and_restarts(tiny_models, tmp_path, monkeypatch):
+    from test_controller import install_step_delay_hook
+
+    delay = install_step_delay_hook(tmp_path / "engine-hook", monkeypatch)   # the kill lands mid-reply, however fast
     client = EngineClient()
     deaths = []
     client.add_death_listener(deaths.append)
@@ -265,6 +268,7 @@ def test_kill_9_mid_reply_keeps_the_partial_reply_and_restarts(tiny_models):
         client.load_model(str(tiny_models["qwen3"]), **ENGINE)
         session = client.open_session("sys")
         client.submit_turn(session, "hello there", GREEDY).result(30)
+        delay.set(0.02)
         stream = slow_session(client, session, "tell me a long story")
         pid = client.pid
         os.kill(pid, signal.SIGKILL)

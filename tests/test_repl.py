@@ -27,6 +27,20 @@ def env(tmp_path):
     return e
 
 
+@pytest.fixture
+def slow_env(env, tmp_path):
+    """env whose engine steps take 20 ms at least (tests/test_controller.py's hook): a reply lasts long enough for a
+    Ctrl-C or a kill to land mid-reply however fast the machine (a tiny model speculating wrote 450 tokens in 0.13 s)."""
+    from test_controller import SITECUSTOMIZE, StepDelay
+
+    hook = tmp_path / "engine-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    StepDelay(hook / "step_delay").set(0.02)
+    path = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p)
+    return dict(env, PYTHONPATH=path, NANOCHAT_TEST_STEP_DELAY_FILE=str(hook / "step_delay"))
+
+
 def spawn(env, model, *extra, preexec_fn=None):
     child = pexpect.spawn(sys.executable, ["-m", "nanochat.app.cli", "repl", "--model", str(model),
                                            "--temperature", "0", *extra],
@@ -82,8 +96,8 @@ def test_two_turns_history_clear_help(env, tiny_models):
     assert child.exitstatus == 0
 
 
-def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(env, tiny_models):
-    # the longest reply the tiny model's 512-token context allows, so Ctrl-C lands mid-reply
+def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(slow_env, tiny_models):
+    env = slow_env
     child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos")
     try:
         child.send("abc")
@@ -110,11 +124,11 @@ def _ignore_and_block_sigint():
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
-def test_ctrl_c_cancels_a_reply_whatever_sigint_state_the_repl_inherited(env, tiny_models):
+def test_ctrl_c_cancels_a_reply_whatever_sigint_state_the_repl_inherited(slow_env, tiny_models):
     """A parent that ignores and blocks SIGINT (nohup, some launchers) passes both on through exec; a
     Python started so would never see a Ctrl-C during a reply (at the prompt prompt_toolkit reads it
     as a key)."""
-    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos",
+    child = spawn(slow_env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos",
                   preexec_fn=_ignore_and_block_sigint)
     try:
         cancel_a_reply(child, "hello there")
@@ -192,14 +206,14 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def test_engine_killed_mid_reply_gives_one_line_and_the_next_message_restarts_it(env, tiny_models):
-    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos")
+def test_engine_killed_mid_reply_gives_one_line_and_the_next_message_restarts_it(slow_env, tiny_models):
+    child = spawn(slow_env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos")
     try:
         engines = child_pids(child.pid)
         assert len(engines) == 1                   # the engine runs in its own process
         child.sendline("hello there")
         child.expect(READING_DONE)
-        child.expect(r"\S")                        # the reply has started (450 tokens take ~0.3 s)
+        child.expect(r"\S")                        # the reply has started (450 tokens take 1 s at least)
         os.kill(engines[0], 9)
         child.expect(r"nanochat: error: the engine process was killed by SIGKILL[^\r\n]*\r?\n")
         child.expect(PROMPT)
