@@ -6,7 +6,7 @@ Same line protocol as llamacpp_worker.py (worker_protocol.py): one JSON request 
 one reply per line on stdout.
 
     {"cmd": "load", "model": PATH, "threads": N, "max_model_len": N, "max_num_seqs": N,
-     "max_num_batched_tokens": N}                      -> {"version", "n_vocab", "load_s", "isa"}
+     "max_num_batched_tokens": N[, "config": {...}]}   -> {"version", "n_vocab", "load_s", "isa"}
     {"cmd": "prefill", "ids": [...]}                   -> {"seconds"} (the prompt to its first token)
     {"cmd": "decode", "ids": [...], "n": N}            -> {"seconds", "tokens", "ids"} (timed after the
                                                           first token; greedy, ignore_eos)
@@ -47,6 +47,7 @@ def cmd_load(req: dict) -> dict:
     for key in ("max_num_seqs", "max_num_batched_tokens"):
         if req.get(key):
             config[key] = int(req[key])
+    config.update(req.get("config") or {})   # any other engine option (benchmarks/hf_folder.py: quant_backend)
     t0 = time.perf_counter()
     llm = LLM(req["model"], **config)
     load_s = time.perf_counter() - t0

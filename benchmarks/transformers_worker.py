@@ -1,10 +1,12 @@
-"""transformers side of benchmarks/peers.py: `generate` on the GGUF file (dequantized to fp32).
+"""transformers side of benchmarks/peers.py: `generate` on the GGUF file (dequantized to fp32), or on a Hugging Face
+folder in the dtype asked (benchmarks/hf_folder.py).
 
 Same line protocol as llamacpp_worker.py (one JSON request per line on stdin, one reply per line on
 stdout). A process of its own so that it runs with torch's default environment (nanochat's worker runs with its
 engine process's OMP_WAIT_POLICY=PASSIVE, which would change transformers' speed too).
 
-    {"cmd": "load", "model": PATH, "threads": N}  -> {"version", "n_vocab", "load_s"} (from_pretrained alone)
+    {"cmd": "load", "model": PATH, "threads": N[, "dtype": "auto"|"float32"|...]}
+                                                  -> {"version", "n_vocab", "load_s"} (from_pretrained alone)
     {"cmd": "prefill", "ids": [...]}              -> {"seconds"} (prompt to its first token)
     {"cmd": "decode", "ids": [...], "n": N}       -> {"seconds", "tokens", "ids"} (timed after the first token)
     {"cmd": "quit"}
@@ -30,8 +32,13 @@ def cmd_load(req: dict) -> dict:
     transformers.logging.disable_progress_bar()
     path = Path(req["model"])
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    if path.is_dir():   # a Hugging Face folder: in the dtype asked ("auto": the checkpoint's own)
+        dtype = req.get("dtype", "auto")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype)).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
     STATE["model"] = model
     return {"version": transformers.__version__, "n_vocab": model.config.vocab_size,
             "load_s": time.perf_counter() - t0}
