@@ -10,7 +10,7 @@ are compared, and each engine's logits over a prompt against the exact ones (tra
 file's own weights: the MXFP4 values, YaRN's range rounded out as llama.cpp rounds it). MXFP4 greedy tokens part
 where llama.cpp's rounding of the activations (Q8_0, per 32 values) moves a logit past a close second: the logit
 errors say which engine moved. The converter checks a tokenizer against the hashes of known ones; the test tokenizer is none of
-them, so the run tells it the pre-tokenizer is gpt-4o's (gpt-oss's own): only ids are fed, never text.
+them, so the run tells it the pre-tokenizer is gpt-4o's (gpt-oss's own; matrix_models.convert_hf): only ids are fed.
 """
 
 from __future__ import annotations
@@ -25,24 +25,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]   # tests.conftest, gguf_writer
 
-DEFAULT_LLAMA_CPP = Path("/work/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
-CONVERT = """
-import sys
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {root!r} + "/gguf-py")
-import convert_hf_to_gguf as c
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-4o"
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-c.main()
-"""
+import matrix_models  # noqa: E402
 
 
 def convert(folder: Path, out: Path, outtype: str, llama_cpp: Path) -> Path:
-    script = CONVERT.format(root=str(llama_cpp))
-    subprocess.run([sys.executable, "-c", script, str(folder), "--outfile", str(out), "--outtype", outtype],
-                   check=True, capture_output=True, text=True)
-    return out
+    return matrix_models.convert_hf(folder, out, outtype, llama_cpp, "gpt-4o")   # gpt-oss's own pre-tokenizer
 
 
 LLAMA_LOGITS = """
@@ -99,7 +86,7 @@ def logit_errors(path: Path, folder: Path, mxfp4: Path | None, ids: list[int], p
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--peer-python", help="the interpreter with llama-cpp-python (default: $NANOCHAT_PEER_PYTHON)")
-    p.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP, help="llama.cpp source tree (converter)")
+    p.add_argument("--llama-cpp", type=Path, default=matrix_models.LLAMA_CPP_SRC, help="llama.cpp source tree (converter)")
     p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt (48)")
     args = p.parse_args(argv)
     import peers

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,16 +44,6 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
                  rms_norm_eps=1e-6)
-CONVERT = """
-import sys
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {root!r} + "/gguf-py")
-import convert_hf_to_gguf as c
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"   # the test tokenizer is no known one
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-c.main()
-"""
 ROWS = {"decode": True, "prompt": True, "load": False, "rss": False}   # row -> higher is better
 
 
@@ -74,16 +63,14 @@ def make_folder(out: Path) -> Path:
     return out
 
 
-def convert(folder: Path, llama_cpp: Path | None) -> Path | None:
-    """The folder as a BF16 GGUF by llama.cpp's converter (cached); None without the converter."""
+def convert(folder: Path, llama_cpp: Path) -> Path | None:
+    """The folder as a BF16 GGUF by llama.cpp's converter, cached beside it; None without the converter."""
     out = folder.with_name(folder.name + ".BF16.gguf")   # beside it: the folder stays a plain HF folder
     if out.exists():
         return out
-    if llama_cpp is None or not (llama_cpp / "convert_hf_to_gguf.py").exists():
+    if not (llama_cpp / "convert_hf_to_gguf.py").exists():
         return None
-    subprocess.run([sys.executable, "-c", CONVERT.format(root=str(llama_cpp)), str(folder), "--outfile", str(out),
-                    "--outtype", "bf16"], check=True, capture_output=True, text=True)
-    return out
+    return matrix_models.convert_hf(folder, out, "bf16", llama_cpp, "qwen2")
 
 
 def peak_rss_mb(w: peers.WorkerRunner) -> float:
@@ -120,7 +107,7 @@ def run(args) -> dict:
 
     folder = Path(args.model) if args.model else make_folder(
         matrix_models.default_models_dir() / "Qwen3-0.6B-random-hf")
-    gguf = convert(folder, Path(args.llama_cpp) if args.llama_cpp else None)
+    gguf = convert(folder, Path(args.llama_cpp))
     results: dict[str, dict[str, list[float]]] = {row: {} for row in ROWS}
     engines = start(args, folder, gguf)
     try:
@@ -166,7 +153,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face folder (default: the random Qwen3-0.6B-shaped one, made once)")
-    p.add_argument("--llama-cpp", help="llama.cpp source tree with convert_hf_to_gguf.py (for the llama.cpp row)")
+    p.add_argument("--llama-cpp", default=str(matrix_models.LLAMA_CPP_SRC),
+                   help="llama.cpp source tree with convert_hf_to_gguf.py (for the llama.cpp column)")
     p.add_argument("--peer-python", help="interpreter with llama-cpp-python (default: $NANOCHAT_PEER_PYTHON)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

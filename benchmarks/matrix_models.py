@@ -168,6 +168,31 @@ def quantize(src: Path, dst: Path, quant: str, python: str, threads: int) -> Non
                            + (" | ".join(tail) or f"exit {r.returncode}"))
 
 
+# llama.cpp's own converter, from the llama-cpp-python source distribution's vendored llama.cpp. It checks a
+# tokenizer against the hashes of known ones; the benchmarks' made-up tokenizers are none of them, so the run names
+# the pre-tokenizer (only ids are ever fed to the files it writes).
+LLAMA_CPP_SRC = Path("/work/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
+_CONVERT = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {root!r} + "/gguf-py")
+import convert_hf_to_gguf as c
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+c.main()
+"""
+
+
+def convert_hf(folder: Path, out: Path, outtype: str, llama_cpp: Path, pre: str) -> Path:
+    """A Hugging Face folder as a GGUF written by llama.cpp's convert_hf_to_gguf.py (`llama_cpp`: its source tree)
+    at `outtype` (f32, bf16, ...), telling it the pre-tokenizer `pre`."""
+    script = _CONVERT.format(root=str(llama_cpp), pre=pre)
+    subprocess.run([sys.executable, "-c", script, str(folder), "--outfile", str(out), "--outtype", outtype],
+                   check=True, capture_output=True, text=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------- Qwen3, random
 QWEN3_0_6B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
                   vocab=151_936, context=40_960, rope_theta=1_000_000.0, rms_eps=1e-6)

@@ -70,14 +70,20 @@ class StepDelay:
         self.path.write_text(str(seconds))
 
 
-def install_step_delay_hook(folder, monkeypatch) -> StepDelay:
-    """Engine processes started from now on (the environment is inherited) read the delay file."""
+def step_delay_hook(folder) -> tuple[StepDelay, dict[str, str]]:
+    """The hook's files in `folder`, and the environment under which engine processes read the delay file."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
     delay = StepDelay(folder / "step_delay")
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    monkeypatch.setenv("PYTHONPATH", path)
-    monkeypatch.setenv("NANOCHAT_TEST_STEP_DELAY_FILE", str(delay.path))
+    return delay, {"PYTHONPATH": path, "NANOCHAT_TEST_STEP_DELAY_FILE": str(delay.path)}
+
+
+def install_step_delay_hook(folder, monkeypatch) -> StepDelay:
+    """Engine processes started from now on (the environment is inherited) read the delay file."""
+    delay, env = step_delay_hook(folder)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     return delay
 
 

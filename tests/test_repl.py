@@ -31,14 +31,11 @@ def env(tmp_path):
 def slow_env(env, tmp_path):
     """env whose engine steps take 20 ms at least (tests/test_controller.py's hook): a reply lasts long enough for a
     Ctrl-C or a kill to land mid-reply however fast the machine (a tiny model speculating wrote 450 tokens in 0.13 s)."""
-    from test_controller import SITECUSTOMIZE, StepDelay
+    from test_controller import step_delay_hook
 
-    hook = tmp_path / "engine-hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    StepDelay(hook / "step_delay").set(0.02)
-    path = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p)
-    return dict(env, PYTHONPATH=path, NANOCHAT_TEST_STEP_DELAY_FILE=str(hook / "step_delay"))
+    delay, hook_env = step_delay_hook(tmp_path / "engine-hook")
+    delay.set(0.02)
+    return dict(env, **hook_env)
 
 
 def spawn(env, model, *extra, preexec_fn=None):
@@ -97,8 +94,7 @@ def test_two_turns_history_clear_help(env, tiny_models):
 
 
 def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(slow_env, tiny_models):
-    env = slow_env
-    child = spawn(env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos")
+    child = spawn(slow_env, tiny_models["qwen3"], "--max-tokens", "450", "--ignore-eos")
     try:
         child.send("abc")
         time.sleep(0.3)
@@ -115,7 +111,7 @@ def test_ctrl_c_cancels_a_reply_and_ctrl_d_exits(slow_env, tiny_models):
     finally:
         child.close()
     assert child.exitstatus == 0
-    history = (env["NANOCHAT_HOME"] + "/state/repl_history")
+    history = (slow_env["NANOCHAT_HOME"] + "/state/repl_history")
     assert "hello there" in open(history).read()     # prompt_toolkit FileHistory persisted it
 
 

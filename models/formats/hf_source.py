@@ -6,6 +6,7 @@ Hub ids (`Qwen/Qwen3-0.6B`) are resolved through huggingface_hub's cache, downlo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -113,22 +114,29 @@ class HFSource:
                                 for name, t in header.items() if name != "__metadata__"}
         return self._layouts[f]
 
+    def _entry(self, f: Path, stored: str) -> tuple[str, list[int], int]:
+        """(dtype, shape, first byte in the file) of stored tensor `stored` of file `f`."""
+        try:
+            return self._layout(f)[stored]
+        except KeyError:
+            raise ModelLoadError(f"{f}: cannot read tensor {stored!r} (not in the file)") from None
+
     def _read(self, f: Path, stored: str, start: int = 0, rows: int | None = None) -> torch.Tensor:
         """Stored tensor `stored` (rows [start, start + rows) of it) read into memory of its own. safe_open's
         tensors are views of its map of the file, whose pages stayed resident beside the packed copies the
         kernels made of them (a bf16 Qwen3-0.6B: 1.26 GB more at the peak and after the load); a read copy goes
         once it is packed."""
-        dtype, shape, first = self._layout(f)[stored]
+        dtype, shape, first = self._entry(f, stored)
         torch_dtype = getattr(torch, _DTYPE_NAMES.get(dtype, ""), None)
         if not isinstance(torch_dtype, torch.dtype):   # a type torch has no name for: the library's own reading
             t = self._handle(f).get_slice(stored)
             return t[start:start + rows] if rows is not None else t[:]
         rows = (shape[0] - start if shape else 0) if rows is None else rows
         out = torch.empty((rows, *shape[1:]) if shape else (), dtype=torch_dtype)
-        data = out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8)
+        data = out.view(-1).view(torch.uint8).numpy()
         with open(f, "rb") as fh:
-            fh.seek(first + start * data.numel() // max(rows, 1))
-            if fh.readinto(memoryview(data.numpy())) != data.numel():
+            fh.seek(first + start * math.prod(shape[1:]) * out.element_size())
+            if fh.readinto(data) != data.nbytes:
                 raise ModelLoadError(f"{f}: tensor {stored!r} runs past the end of the file")
         return out
 
@@ -145,13 +153,8 @@ class HFSource:
             expected = None if name in self._hidden else expected_shapes(cfg, name)
             if expected is None:
                 continue
-            try:
-                meta = self._handle(f).get_slice(stored)
-                shape, dtype = tuple(meta.get_shape()), meta.get_dtype()
-            except ModelLoadError:
-                raise
-            except Exception as e:
-                raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
+            dtype, shape, _ = self._entry(f, stored)
+            shape = tuple(shape)
             shapes, why = expected
             if shape not in shapes:
                 want = " or ".join(str(list(x)) for x in shapes)
@@ -253,13 +256,7 @@ class HFSource:
 
     def _header(self, name: str) -> dict:
         f, stored = self._where[name]
-        try:
-            meta = self._handle(f).get_slice(stored)
-            shape, dtype = meta.get_shape(), meta.get_dtype()
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
+        dtype, shape, _ = self._entry(f, stored)
         return {"shape": [int(d) for d in shape], "dtype": _DTYPE_NAMES.get(dtype, dtype.lower()),
                 "file": str(f.relative_to(self.root))}
 
