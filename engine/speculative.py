@@ -71,8 +71,8 @@ class StepTimes:
     def estimate(self, rows: int) -> float | None:
         """A step of `rows` rows: the median of its steps once there were SETTLE of them, else from the nearest
         settled row counts. One slow step (a first call's one-off costs, another process) must not stand for a
-        row count: a 2-row step that cost 3 of one stopped the proposals that would have measured it again, for
-        the rest of the engine's life."""
+        row count: a slow first 2-row step stopped the proposals that would have measured 2 rows again, for the
+        rest of the engine's life."""
         known = self.settled
         if rows in known:
             return self.seconds[rows]

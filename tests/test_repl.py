@@ -30,7 +30,8 @@ def env(tmp_path):
 @pytest.fixture
 def slow_env(env, tmp_path):
     """env whose engine steps take 20 ms at least (tests/test_controller.py's hook): a reply lasts long enough for a
-    Ctrl-C or a kill to land mid-reply however fast the machine (a tiny model speculating wrote 450 tokens in 0.13 s)."""
+    Ctrl-C or a kill to land mid-reply however fast the machine (a tiny model speculating could finish its 450
+    tokens first)."""
     from test_controller import step_delay_hook
 
     delay, hook_env = step_delay_hook(tmp_path / "engine-hook")

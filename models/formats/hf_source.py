@@ -124,8 +124,8 @@ class HFSource:
     def _read(self, f: Path, stored: str, start: int = 0, rows: int | None = None) -> torch.Tensor:
         """Stored tensor `stored` (rows [start, start + rows) of it) read into memory of its own. safe_open's
         tensors are views of its map of the file, whose pages stayed resident beside the packed copies the
-        kernels made of them (a bf16 Qwen3-0.6B: 1.26 GB more at the peak and after the load); a read copy goes
-        once it is packed."""
+        kernels made of them, at the load's peak and after it (benchmarks/README.md, "Hugging Face folders on
+        the CPU kernels"); a read copy goes once it is packed."""
         dtype, shape, first = self._entry(f, stored)
         torch_dtype = getattr(torch, _DTYPE_NAMES.get(dtype, ""), None)
         if not isinstance(torch_dtype, torch.dtype):   # a type torch has no name for: the library's own reading
