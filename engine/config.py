@@ -127,7 +127,7 @@ class Config:
     dequantize: bool = False            # materialise GGUF weights as dense tensors
     quantize: str | None = None         # "q8_0": quantize a dense checkpoint's linears at load
     moe_offload: str = "auto"           # routed MoE experts on the host: auto | cpu | none
-    pack_cache: bool = True             # keep what a GGUF load builds slowly (packed CPU weights, merges) on disk
+    pack_cache: bool = True             # keep what a load builds slowly (packed CPU weights, merges) on disk
     cpu_isa: str = "auto"               # CPU kernels' build: auto (native) | avx2 | scalar (benchmarks, tests)
     quant_backend: str = "auto"         # linears: auto | q8 | int4 | dense | triton (kernels/quant_matmul.py)
     fused_forward: bool = True          # CPU: a dense model's whole step in one compiled call (models/layers/fused_forward.py)

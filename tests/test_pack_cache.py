@@ -107,3 +107,92 @@ def test_old_cache_files_are_pruned_past_the_budget(model_file, cache_root, monk
     _load(model_file)
     (second,) = _cache_files(cache_root)
     assert second != first
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    from conftest import make_hf_model
+    return make_hf_model("qwen3", tmp_path / "hf-bf16", seed=7, dtype=torch.bfloat16)
+
+
+def _matrix_reads(monkeypatch) -> list[str]:
+    """The names of the matrices (projections, the head) HF folders read from now on."""
+    from nanochat.models.formats.hf_source import HFSource
+
+    reads, read = [], HFSource._read
+
+    def counted(self, f, stored, *args, **kw):
+        if stored.endswith(("_proj.weight", "lm_head.weight")):
+            reads.append(stored)
+        return read(self, f, stored, *args, **kw)
+
+    monkeypatch.setattr(HFSource, "_read", counted)
+    return reads
+
+
+def test_a_folders_second_load_maps_the_tiles_and_reads_no_matrix(hf_folder, cache_root, monkeypatch):
+    reads = _matrix_reads(monkeypatch)
+    first = _load(hf_folder)
+    assert reads and len(_cache_files(cache_root)) == 1
+    assert not list(cache_root.glob("*.nc-lean"))           # the lean one-shot runs GGUF files only
+    reads.clear()
+    second = _load(hf_folder)
+    assert reads == []                                      # the header said type and shape; the tiles are mapped
+    for a, b in zip(_packed_weights(first), _packed_weights(second), strict=True):
+        assert torch.equal(a, b)
+    assert _logits(first) == _logits(second)
+
+
+def test_a_fused_folders_parts_come_from_the_cache(tmp_path, cache_root, monkeypatch):
+    from test_families import make_family_model
+    folder = make_family_model("phi3", tmp_path / "phi3")   # qkv_proj and gate_up_proj stored fused
+    reference = _logits(_load_uncached(folder))
+    reads = _matrix_reads(monkeypatch)
+    assert _logits(_load(folder)) == reference
+    assert any(r.endswith("qkv_proj.weight") for r in reads)
+    reads.clear()
+    assert _logits(_load(folder)) == reference
+    assert reads == []
+
+
+def _load_uncached(path):
+    from nanochat.engine import LLM
+    return LLM(str(path), dtype="float32", max_model_len=64, pack_cache=False)
+
+
+@pytest.mark.parametrize("changed", ["model.safetensors", "config.json"])
+def test_a_changed_folder_gets_a_new_cache(hf_folder, cache_root, changed):
+    _load(hf_folder)
+    stat = os.stat(hf_folder / changed)
+    os.utime(hf_folder / changed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    _load(hf_folder)
+    assert len(_cache_files(cache_root)) == 2
+
+
+def test_a_folder_quantized_at_load_writes_no_cache(hf_folder, cache_root):
+    from nanochat.engine import LLM
+    LLM(str(hf_folder), dtype="float32", max_model_len=64, pack_cache=True, quantize="q8_0")
+    assert _cache_files(cache_root) == []
+
+
+def test_tensor_parallel_ranks_keep_a_file_each(hf_folder, tmp_path, monkeypatch):
+    """Each rank packs its own slice: one file per rank, and a second TP load maps both without rewriting."""
+    from nanochat.engine import LLM
+
+    monkeypatch.setenv("NANOCHAT_HOME", str(tmp_path / "home"))   # the ranks' processes see it too
+    root = pack_cache.cache_dir()
+
+    def tp2():
+        llm = LLM(str(hf_folder), tensor_parallel_size=2, dtype="float32", max_model_len=64, cpu_threads=1,
+                  pack_cache=True)
+        try:
+            return _logits(llm)
+        finally:
+            llm.engine.close()
+
+    reference = tp2()
+    files = _cache_files(root)
+    assert [f.name.split("-", 1)[1] for f in files] == ["tp0of2.nc-packed", "tp1of2.nc-packed"]
+    inodes = [f.stat().st_ino for f in files]
+    assert tp2() == reference
+    assert _cache_files(root) == files and [f.stat().st_ino for f in files] == inodes   # mapped, not rewritten

@@ -387,6 +387,12 @@ class GGUFSource:
         step = rows // parts
         return StackedWeight(int(t.tensor_type), (e, step, cols), data[:, part * step:(part + 1) * step])
 
+    def peek(self, name: str) -> tuple[int | torch.dtype, tuple[int, ...]]:
+        """`name`'s type (a GGML type for blocks, else a torch dtype) and shape as `get` serves it: the tensor itself
+        is a view of the file's map, so looking is serving."""
+        w = self.get(name)
+        return (w.ggml_type if isinstance(w, QuantWeight) else w.dtype), tuple(w.shape)
+
     def release(self, name: str) -> None:
         """Let the memory map drop the pages of HF-named tensor `name` (copied elsewhere at load)."""
         ref = self._hf_to_gguf.get(name)

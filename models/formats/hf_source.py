@@ -226,6 +226,22 @@ class HFSource:
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
+    def peek(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """`name`'s dtype and shape as `get` serves it, from the safetensors header: nothing is read (a read is a
+        copy, which a load that finds the packed tiles in the pack cache never needs)."""
+        if name in self._parts:
+            fused, _, rows = self._parts[name]
+            dtype, shape = self.peek(fused)
+            return dtype, (rows, *shape[1:])
+        if name in self._where and name not in self._hidden:
+            f, stored = self._where[name]
+            dtype, shape, _ = self._entry(f, stored)
+            torch_dtype = getattr(torch, _DTYPE_NAMES.get(dtype, ""), None)
+            if isinstance(torch_dtype, torch.dtype):
+                return torch_dtype, tuple(int(d) for d in shape)
+        w = self.get(name)   # a family's view, a type torch has no name for, or a missing name (get's error)
+        return w.dtype, tuple(w.shape)
+
     def _stored(self, name: str) -> torch.Tensor:
         """A tensor behind a view, the last few kept (a layer's experts are read one at a time)."""
         if name not in self._recent:

@@ -92,7 +92,7 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
                 dequantize: bool = False, moe_offload: str = "auto", quantize: str | None = None,
                 progress=None, pack_cache: bool = False, tp=None, kernels=None):
     """The model on `device`; `progress(done, total)` is called as its tensors are loaded. pack_cache: keep
-    the CPU kernels' packed weights of a GGUF on disk (models/formats/pack_cache.py), so the next load maps them.
+    the CPU kernels' packed weights on disk (models/formats/pack_cache.py), so the next load maps them.
     tp: this rank's models.parallel.TensorParallel (its shard of the model), None for the whole model.
     kernels: the engine's kernels.options.KernelOptions (None: the defaults)."""
     from nanochat.kernels.options import DEFAULT
@@ -101,11 +101,11 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
 
     cfg = source.config
     cache = None
-    if pack_cache and device.type == "cpu" and not dequantize and source.kind == "gguf":
+    if pack_cache and device.type == "cpu" and not dequantize and (source.kind == "gguf" or not quantize):
         from nanochat.kernels.notices import announce
         from nanochat.models.formats.pack_cache import REPACKING, PackCache, usable
         if usable(kernels or DEFAULT):
-            cache = PackCache(source.path)
+            cache = PackCache(source.path, part=f"-tp{tp.rank}of{tp.size}" if tp is not None and tp.on else "")
             if cache.missing:
                 announce(REPACKING)
     loader = WeightLoader(source, device, dtype, dequantize, moe_offload, quantize, progress, cache, tp or SINGLE,
@@ -114,7 +114,7 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
     if cache is not None:
         cache.save()
         fused = getattr(model, "fused", None)
-        if fused is not None and tp is None:   # what the lean one-shot replays (models/layers/fused_forward.py)
-            fused.keep_lean_plan(cache, source, max_positions)
+        if fused is not None and tp is None and source.kind == "gguf":
+            fused.keep_lean_plan(cache, source, max_positions)   # what the lean one-shot (GGUF files) replays
     return model
 

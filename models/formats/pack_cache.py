@@ -6,8 +6,8 @@ takes seconds and holds a second copy in anonymous memory; llama.cpp maps its fi
 The first load of a file writes every packed tensor into one cache file; later loads map that file
 (read-only pages shared with the page cache, so memory grows only with the pages the kernels touch).
 
-A cache file is keyed by the model file's identity (real path, size, modification time) and the kernel
-sources (the tile layout is theirs), so an edited model or a new kernel build never reads stale tiles.
+A cache file is keyed by the model's identity (real path, size, modification time of the GGUF file, or of a
+Hugging Face folder's config.json and safetensors files) and the kernel sources (the tile layout is theirs), so an edited model or a new kernel build never reads stale tiles.
 Layout: magic, u64 index length, a JSON index {name: [offset, [ggml type, rows,
 cols], tile shape]}, then the tensors at 64-byte
 aligned offsets (from the first aligned byte after the index). Writes go to a temporary file renamed into place (concurrent loads are safe).
@@ -45,7 +45,7 @@ KEEP_BYTES = 16 << 30
 KEEP_OTHER_BYTES = 256 << 20
 BLOB_MAGIC = b"NCBLOB01"
 # What a load says while it packs a file the cache does not hold yet (3.5 s for a 0.5B model on 2 cores).
-REPACKING = "repacking the weights for the CPU kernels (first load of this file, a few seconds)…"
+REPACKING = "repacking the weights for the CPU kernels (first load of this model, a few seconds)…"
 
 
 def _aligned(n: int) -> int:
@@ -63,12 +63,22 @@ def usable(options) -> bool:
     return options.quant_backend in ("auto", "q8") and cpu_qgemv.available()
 
 
+def _identity_files(model_path: str) -> list[str]:
+    """The files whose bytes the packed tiles come from: a GGUF file, or a Hugging Face folder's config.json (it
+    says how fused tensors split) and weight files."""
+    if not os.path.isdir(model_path):
+        return [model_path]
+    root = Path(model_path)
+    return [str(f) for f in [root / "config.json", *sorted(root.glob("*.safetensors"))] if f.is_file()]
+
+
 def cache_key(model_path: str) -> str:
     from nanochat import kernels
 
-    st = os.stat(model_path)
     h = hashlib.sha256()
-    h.update(f"{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for f in _identity_files(model_path):
+        st = os.stat(f)
+        h.update(f"{os.path.realpath(f)}|{st.st_size}|{st.st_mtime_ns}".encode())
     h.update((Path(kernels.__file__).parent / "csrc" / "qgemv.cpp").read_bytes())   # owns the tile layout
     return h.hexdigest()[:24]
 
@@ -77,10 +87,12 @@ class PackCache:
     """`lookup` maps a tensor's packed tiles from the cache file; `add` records tiles this load packed;
     `save` writes the file when anything was added."""
 
-    def __init__(self, model_path: str, root: Path | None = None):
+    def __init__(self, model_path: str, root: Path | None = None, part: str = ""):
+        """part: which share of the model this load packs (a tensor-parallel rank's), kept in a file of its own so
+        that the ranks do not overwrite each other's."""
         self.root = root or cache_dir()
         self.key = cache_key(model_path)
-        self.path = self.root / f"{self.key}.nc-packed"
+        self.path = self.root / f"{self.key}{part}.nc-packed"
         self._index: dict[str, tuple[int, list[int], list[int]]] = {}   # name -> offset, [type, rows, cols], tiles
         self._map: mmap.mmap | None = None
         self._used: dict[str, tuple[list[int], torch.Tensor]] = {}   # every tensor of this load

@@ -39,6 +39,10 @@ class WeightSource(Protocol):
 
     def get(self, name: str) -> Weight: ...
 
+    def peek(self, name: str) -> tuple[int | torch.dtype, tuple[int, ...]]:
+        """The type (a GGML type for blocks, else a torch dtype) and shape `get(name)` would have, without a copy
+        of the data where the source can tell them from its header."""
+
     def expert_stack(self, prefix: str, proj: str) -> StackedWeight | None:
         """Projection `proj` of every routed expert under `prefix` as one [E, out, in] tensor of the source's
         own (no copy), or None where it has none."""

@@ -365,15 +365,19 @@ class WeightLoader:
     kernels: KernelOptions = DEFAULT   # the engine's kernel options, handed to every weight and kernel built
 
     def get(self, name: str):
-        """The source tensor `name`, counted for `progress` (routed experts are left out of the count:
-        the MoE code reads them as whole stacks)."""
+        """The source tensor `name`, counted for `progress`."""
         w = self.source.get(name)
+        self._count(name)
+        return w
+
+    def _count(self, name: str) -> None:
+        """Tensor `name` is loaded: tell `progress` (routed experts are left out of the count: the MoE code reads
+        them as whole stacks)."""
         if self.progress is not None and ".mlp.experts." not in name:
             if not self._seen:
                 self._total = sum(1 for n in self.names if ".mlp.experts." not in n)
             self._seen.add(name)
             self.progress(min(len(self._seen), self._total), self._total)
-        return w
 
     def __post_init__(self) -> None:
         self._seen: set[str] = set()
@@ -399,17 +403,19 @@ class WeightLoader:
     def linear_weight(self, names: list[str], rows: list[Ranges | None] | None = None,
                       cols: tuple[int, int] | None = None):
         """One weight for the row-concatenation of `names` (e.g. q,k,v): a PreparedQuantWeight when the
-        parts are GGML blocks of one type, a list of them (segments) when their types differ, else a
-        dense tensor. rows (per name) / cols: this rank's slice of each (tensor parallel)."""
+        parts go to the kernels in one type (GGML blocks, or a matrix of a float type they read), a list of
+        them (segments) when their types differ, else a dense tensor. rows (per name) / cols: this rank's slice
+        of each (tensor parallel)."""
         from nanochat.kernels.quant_matmul import prepare_quant_weight
 
         rows = rows or [None] * len(names)
-        parts = [self._file_weight(n) for n in names]
-        if all(isinstance(p, QuantWeight) for p in parts):
-            parts = [_slice(p, r, cols) for p, r in zip(parts, rows)]
-            if len({p.ggml_type for p in parts}) == 1:
-                return self._prepared(parts, names)
-            return [self._prepared([p], [n]) for p, n in zip(parts, names)]
+        types = [self._kernel_type(n) for n in names]
+        if None not in types:
+            shapes = [self._sliced_shape(n, r, cols) for n, r in zip(names, rows)]
+            if len(set(types)) == 1:
+                shape = (sum(s[0] for s in shapes), shapes[0][1])
+                return self._prepared(names, types[0], shape, rows, cols)
+            return [self._prepared([n], t, s, [r], cols) for n, t, s, r in zip(names, types, shapes, rows)]
         dense = [self.dense(n, rows=r, cols=cols) for n, r in zip(names, rows)]
         dense = torch.cat(dense) if len(dense) > 1 else dense[0]
         if self.quantize == "q8_0" and dense.shape[-1] % 32 == 0:
@@ -419,40 +425,55 @@ class WeightLoader:
             return prepare_quant_weight(qw, self.device, self.dtype, options=self.kernels)
         return dense
 
-    def _file_weight(self, name: str):
-        """`name` as stored: GGML blocks as a QuantWeight, and on the CPU a F16/BF16/F32 matrix too (as raw bytes,
-        for the kernels that read those types), unless dequantize was asked. Else None. A Hugging Face folder's
-        matrices go to the kernels unless they are to be quantized at load or another backend was asked: in the
-        checkpoint's own type they are half the bytes of the fp32 copy torch's GEMM needs, and their rows exact
-        (benchmarks/README.md, "Hugging Face folders on the CPU kernels")."""
-        w = self.get(name)
+    def _kernel_type(self, name: str) -> int | None:
+        """The GGML type `name` goes to the kernels as: its blocks' type, or on the CPU F16/BF16/F32 for a matrix
+        of those (as raw bytes, for the kernels that read those types), unless dequantize was asked. None: a
+        torch tensor. A Hugging Face folder's matrices go to the kernels unless they are to be quantized at load
+        or another backend was asked: in the checkpoint's own type they are half the bytes of the fp32 copy
+        torch's GEMM needs, and their rows exact (benchmarks/README.md, "Hugging Face folders on the CPU
+        kernels"). From the source's header where it has one: nothing is read."""
         if self.dequantize:
             return None
-        if isinstance(w, QuantWeight):
-            return w
+        stored, shape = self.source.peek(name)
+        if isinstance(stored, int):
+            return stored
         kernels = self.source.kind == "gguf" or (not self.quantize and self.kernels.quant_backend in ("auto", "q8"))
-        if self.device.type == "cpu" and w.dim() == 2 and kernels:
+        if self.device.type == "cpu" and len(shape) == 2 and kernels:
             from nanochat.kernels import cpu_qgemv
             from nanochat.kernels import gguf_quants as gq
-            t = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}.get(w.dtype)
+            t = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}.get(stored)
             if t in cpu_qgemv.KERNEL_TYPES and cpu_qgemv.available():
-                return QuantWeight(t, tuple(w.shape), w.contiguous().view(torch.uint8))
+                return t
         return None
 
-    def _prepared(self, parts: list[QuantWeight], names: list[str]):
-        """The parts (GGML blocks of one type) stacked along the output and prepared for the kernels; the
-        packed tiles come from the pack cache when an earlier load left them there."""
+    def _sliced_shape(self, name: str, rows: Ranges | None, cols: tuple[int, int] | None) -> tuple[int, int]:
+        """The shape of `name`'s slice `_slice` cuts (rows: ranges, concatenated; cols: a range)."""
+        out_f, in_f = self.source.peek(name)[1]
+        return (sum(n for _, n in rows) if rows is not None else out_f), (cols[1] if cols is not None else in_f)
+
+    def _file_weight(self, name: str, t: int) -> QuantWeight:
+        """`name` as the kernels take it (of GGML type t, `_kernel_type`): its blocks, or its matrix as raw bytes."""
+        w = self.get(name)
+        if isinstance(w, QuantWeight):
+            return w
+        return QuantWeight(t, tuple(w.shape), w.contiguous().view(torch.uint8))
+
+    def _prepared(self, names: list[str], t: int, shape: tuple[int, int], rows: list[Ranges | None],
+                  cols: tuple[int, int] | None):
+        """`names` (GGML type t; `shape` once sliced by rows / cols) stacked along the output and prepared for the
+        kernels. The packed tiles come from the pack cache when an earlier load left them there: then nothing is
+        read."""
         from nanochat.kernels.quant_matmul import PreparedQuantWeight, prepare_quant_weight
 
-        name, t = "+".join(names), parts[0].ggml_type
-        if self.tp.on:   # each rank packs its own slice
-            name += f"@tp{self.tp.rank}of{self.tp.size}"
-        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        name = "+".join(names)   # a tensor-parallel rank's slice: in the rank's own cache file (build_model)
         tiles = None if self.pack_cache is None else self.pack_cache.lookup(name, t, shape)
         if tiles is not None:
+            for n in names:
+                self._count(n)
             pw = PreparedQuantWeight(t, shape, "q8", self.dtype, tiles, levels=self.kernels.act_levels,
                                      threads=self.kernels.threads)
         else:
+            parts = [_slice(self._file_weight(n, t), r, cols) for n, r in zip(names, rows)]
             # Rows of GGML blocks are independent, so fusing is a row concatenation of raw bytes.
             data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
             pw = prepare_quant_weight(QuantWeight(t, shape, data), self.device, self.dtype, tensor_name=name,
@@ -464,14 +485,13 @@ class WeightLoader:
         return pw
 
     def shape(self, name: str) -> tuple[int, ...]:
-        w = self.source.get(name)
-        return tuple(w.shape)
+        return self.source.peek(name)[1]
 
     def align(self, names: list[str]) -> int:
         """The column boundaries a row-parallel split of `names` must keep: their GGML blocks (32 more
         when dense weights are quantized to Q8_0 at load), 1 for dense weights."""
         from nanochat.kernels.gguf_quants import BLOCK_SIZES
-        sizes = [BLOCK_SIZES[w.ggml_type][0] if isinstance(w := self._file_weight(n), QuantWeight)
+        sizes = [BLOCK_SIZES[t][0] if (t := self._kernel_type(n)) is not None
                  else (32 if self.quantize == "q8_0" else 1) for n in names]
         return math.lcm(*sizes)
 
