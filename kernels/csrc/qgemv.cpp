@@ -2343,6 +2343,28 @@ void matmul_rows(int type, const uint8_t* w, int64_t row_stride, int64_t r0, int
 
 }  // namespace nc::qg
 
+// One tile of a dense weight: element i of row r to slot i * ROWS + r, written in order (the 16 rows are read as
+// 16 streams). Typed copies of a fixed size: a memcpy call of the run-time size per element made a bf16 folder's
+// repacking 3x slower (benchmarks/README.md, "Hugging Face folders on the CPU kernels").
+template <typename T>
+static void repack_dense_tile(const uint8_t* src, int64_t row0, int64_t rows, int64_t k, int64_t row_stride,
+                              uint8_t* dst) {
+  const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
+  const uint8_t* in[ROWS];
+  for (int r = 0; r < n; ++r) in[r] = src + (row0 + r) * row_stride;
+  T* out = reinterpret_cast<T*>(dst);
+  if (n == ROWS) {  // a whole tile: a fixed trip count the compiler unrolls
+    for (int64_t i = 0; i < k; ++i)
+      for (int r = 0; r < ROWS; ++r) std::memcpy(&out[i * ROWS + r], in[r] + i * sizeof(T), sizeof(T));
+    return;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    T part[ROWS] = {};
+    for (int r = 0; r < n; ++r) std::memcpy(&part[r], in[r] + i * sizeof(T), sizeof(T));
+    std::memcpy(out + i * ROWS, part, sizeof(part));
+  }
+}
+
 extern "C" {
 
 int nc_qg_simd_compiled() { return NC_ISA; }
@@ -2377,16 +2399,11 @@ int nc_qg_repack(int type, const uint8_t* src, int64_t rows, int64_t k, int64_t 
   parallel_for(tiles, 16, threads, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile) {
       if (fm.elems == 1) {  // dense: element i of row r at column block i, slot r
-        const int esz = fm.raw_bytes;
         uint8_t* t = dst + tile * nblk * fm.tile_bytes;
-        for (int r = 0; r < ROWS; ++r) {
-          const int64_t row = tile * ROWS + r;
-          for (int64_t i = 0; i < k; ++i)
-            if (row < rows)
-              std::memcpy(t + i * fm.tile_bytes + r * esz, src + row * row_stride + i * esz, esz);
-            else
-              std::memset(t + i * fm.tile_bytes + r * esz, 0, esz);
-        }
+        if (fm.raw_bytes == 4)
+          repack_dense_tile<uint32_t>(src, tile * ROWS, rows, k, row_stride, t);
+        else
+          repack_dense_tile<uint16_t>(src, tile * ROWS, rows, k, row_stride, t);
         continue;
       }
       for (int64_t kb = 0; kb < nblk; ++kb) {
