@@ -98,7 +98,8 @@ def describe(model) -> ModelReport:
             if not isinstance(module, Linear):
                 continue
             desc, p, b = _describe_linear(module)
-            counts.setdefault(name.rsplit(".", 1)[-1], Counter())[desc] += 1
+            key = name.rsplit(".", 1)[-1]
+            counts.setdefault(f"experts.{key}" if ".experts." in name else key, Counter())[desc] += 1
             params, nbytes = params + p, nbytes + b
     projections = {name: ", ".join(f"{d}" + (f" x{n}" if len(c) > 1 else "") for d, n in c.most_common())
                    for name, c in counts.items()}

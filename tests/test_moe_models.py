@@ -223,6 +223,38 @@ def test_batch_prefill_and_decode_match_transformers(arch, tiny):
             check(logits, hf, toks, f"{arch} decode {i} seq {s}")
 
 
+def test_a_bf16_folders_experts_run_on_the_kernels_in_bf16(tiny, tmp_path):
+    """A folder's per-expert matrices go to the kernels' dense tiles in the checkpoint's type, as its other
+    matrices do (they were widened to an fp32 stack for torch's GEMM): half the memory, rows exact (so speculation
+    `auto` proposes), logits those of the same bf16 weights in fp32 maths."""
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from nanochat.kernels import cpu_qgemv
+    from nanochat.kernels import gguf_quants as gq
+    from nanochat.models.layers.common import batch_invariant
+
+    if not cpu_qgemv.available():
+        pytest.skip("the CPU kernels cannot be built here")
+    folder, _ = tiny("qwen3_moe")
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(folder, bf16)
+    for f in bf16.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()}, f)
+    model = _model(bf16)
+    experts = [layer.mlp.experts for layer in model.layers if isinstance(getattr(layer.mlp, "experts", None), Experts)]
+    assert len(experts) == 2 and all(e.w13 is None and e.quant is not None for e in experts)
+    parts = [p for e in experts for pair in e.quant for lin in pair.values() for p in lin.quant_parts()]
+    assert len(parts) == 2 * 2 * MOE["num_experts"]
+    assert all(p.ggml_type == gq.BF16 and p.backend == "q8" for p in parts)
+    assert batch_invariant(model)
+    hf = tf.AutoModelForCausalLM.from_pretrained(bf16, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    check(Runner(model).step([(0, tokens, len(tokens))])[0], hf, tokens, "bf16 experts")
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_chunked_prefill_carries_state_in_slot(arch, tiny):
     """A prompt split over two steps (the second beside another sequence's decode) == one prefill."""
@@ -340,11 +372,16 @@ def _naive_moe(x, w13, w2, ids, weights):
 
 
 class _DenseSource:
+    kind = "hf"
+
     def __init__(self, tensors):
         self.tensors = tensors
 
     def get(self, name):
         return self.tensors[name]
+
+    def peek(self, name):
+        return self.tensors[name].dtype, tuple(self.tensors[name].shape)
 
     def tensor_names(self):
         return list(self.tensors)
@@ -367,7 +404,8 @@ def test_moe_dispatch_matches_per_token_loop(fused, grouped_mm):
         for e in range(E):
             tensors[f"e.{e}.gate_proj.weight"], tensors[f"e.{e}.up_proj.weight"] = w13[e, :I], w13[e, I:]
             tensors[f"e.{e}.down_proj.weight"] = w2[e]
-    experts = Experts(WeightLoader(_DenseSource(tensors), torch.device("cpu"), torch.float32), "e", E)
+    # dequantize: torch's dense experts (the dispatch under test; a folder's experts go to the kernels otherwise)
+    experts = Experts(WeightLoader(_DenseSource(tensors), torch.device("cpu"), torch.float32, dequantize=True), "e", E)
     experts.use_grouped_mm = grouped_mm
     x = torch.randn(T, H, generator=g)
     logits = torch.randn(T, E, generator=g)

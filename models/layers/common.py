@@ -409,7 +409,7 @@ class WeightLoader:
         from nanochat.kernels.quant_matmul import prepare_quant_weight
 
         rows = rows or [None] * len(names)
-        types = [self._kernel_type(n) for n in names]
+        types = [self.kernel_type(n) for n in names]
         if None not in types:
             shapes = [self._sliced_shape(n, r, cols) for n, r in zip(names, rows)]
             if len(set(types)) == 1:
@@ -425,7 +425,7 @@ class WeightLoader:
             return prepare_quant_weight(qw, self.device, self.dtype, options=self.kernels)
         return dense
 
-    def _kernel_type(self, name: str) -> int | None:
+    def kernel_type(self, name: str) -> int | None:
         """The GGML type `name` goes to the kernels as: its blocks' type, or on the CPU F16/BF16/F32 for a matrix
         of those (as raw bytes, for the kernels that read those types), unless dequantize was asked. None: a
         torch tensor. A Hugging Face folder's matrices go to the kernels unless they are to be quantized at load
@@ -452,7 +452,7 @@ class WeightLoader:
         return (sum(n for _, n in rows) if rows is not None else out_f), (cols[1] if cols is not None else in_f)
 
     def _file_weight(self, name: str, t: int) -> QuantWeight:
-        """`name` as the kernels take it (of GGML type t, `_kernel_type`): its blocks, or its matrix as raw bytes."""
+        """`name` as the kernels take it (of GGML type t, `kernel_type`): its blocks, or its matrix as raw bytes."""
         w = self.get(name)
         if isinstance(w, QuantWeight):
             return w
@@ -491,7 +491,7 @@ class WeightLoader:
         """The column boundaries a row-parallel split of `names` must keep: their GGML blocks (32 more
         when dense weights are quantized to Q8_0 at load), 1 for dense weights."""
         from nanochat.kernels.gguf_quants import BLOCK_SIZES
-        sizes = [BLOCK_SIZES[t][0] if (t := self._kernel_type(n)) is not None
+        sizes = [BLOCK_SIZES[t][0] if (t := self.kernel_type(n)) is not None
                  else (32 if self.quantize == "q8_0" else 1) for n in names]
         return math.lcm(*sizes)
 

@@ -106,7 +106,7 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.mlp = mlp
         self.w13 = self.w2 = None          # dense: [E, 2I, H], [E, H, I]
-        self.quant = None                  # quantized: nn.ModuleList of (gate_up, down) per expert
+        self.quant = None                  # on the kernels: per expert, its Linears (`_pair`)
         fused = f"{prefix}.gate_up_proj"
         if fused in w.names:
             mine = [(first, num_experts)]
@@ -115,9 +115,9 @@ class Experts(nn.Module):
         else:
             names = [[f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
                      for e in range(first, first + num_experts)]
-            if isinstance(w.source.get(names[0][0]), QuantWeight) and not w.dequantize:
-                self.quant = nn.ModuleList(
-                    nn.ModuleList([Linear(w.linear_weight(n[:2])), Linear(w.linear_weight(n[2:]))]) for n in names)
+            if w.kernel_type(names[0][0]) is not None:   # GGML blocks, or a folder's bf16 / fp16 on the CPU
+                self.quant = nn.ModuleList(_pair(Linear(w.linear_weight(n[:2])), Linear(w.linear_weight(n[2:])))
+                                           for n in names)
             else:
                 self.w13 = nn.Parameter(torch.stack([torch.cat([w.dense(n[0]), w.dense(n[1])]) for n in names]),
                                         requires_grad=False)
@@ -138,8 +138,8 @@ class Experts(nn.Module):
             return
         pairs = []
         for e in range(self.num_experts):
-            pair = nn.ModuleList([Linear(self.w13[e]), Linear(self.w2[e])])
-            for linear in pair:
+            pair = _pair(Linear(self.w13[e]), Linear(self.w2[e]))
+            for linear in pair.values():
                 linear.to_batch_invariant()
             pairs.append(pair)
         self.quant = nn.ModuleList(pairs)
@@ -147,7 +147,7 @@ class Experts(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            gate_up, down = self.quant[e]
+            gate_up, down = self.quant[e].values()
             gate, up = gate_up(x).chunk(2, dim=-1)
             return self.mlp.out(down(self.mlp.hidden(gate, up, e)), e)
         gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
@@ -182,6 +182,11 @@ class Experts(nn.Module):
         out = torch.empty_like(ys)
         out[order] = ys                                        # back to (token, slot) order
         return (out.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def _pair(gate_up: Linear, down: Linear) -> nn.ModuleDict:
+    """An expert's two Linears, named as a dense MLP's (what `nanochat info` lists them by)."""
+    return nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down})
 
 
 def grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
