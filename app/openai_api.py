@@ -54,7 +54,7 @@ from nanochat.engine.serve.protocol import HarmonySplitter, split_harmony
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.output import TokenEvent, TokenLogprobs
 from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, Rule, accepts
-from nanochat.engine.sampling_params import SamplingParams
+from nanochat.engine.sampling_params import ANY_OBJECT, SamplingParams
 from nanochat.engine.serve.client import AsyncEngineClient, AsyncRequestStream, Session
 from nanochat.engine.serve.protocol import EngineError, EngineRestarting, one_line
 
@@ -185,6 +185,9 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         if not (isinstance(bias, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias)):
             raise _type_error("logit_bias", "an object mapping token ids to numbers from -100 to 100", bias)
         stated["logit_bias"] = {int(k): v for k, v in bias.items()}
+    schema = response_schema(body.get("response_format"))
+    if schema is not None:
+        stated["json_schema"] = schema
     if _flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
         stated["ignore_eos"] = True
     for name, rule in REQUEST_RULES.items():   # nanochat's extra: the request's speculative proposer
@@ -202,6 +205,29 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         raise ApiError(400, str(e)) from None
 
 
+def response_schema(fmt) -> str | dict | None:
+    """The JSON schema a response_format holds the reply to (engine/structured.py): None for text (or none given),
+    any object for {"type": "json_object"}, the schema of {"type": "json_schema", "json_schema": {"schema": ...}}
+    (its "strict" is always honoured: the reply is held to the schema token by token)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "response_format json_schema needs its schema: "
+                                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                           param="response_format")
+        return schema
+    what = f"response_format {json.dumps(kind)[:40]}" if isinstance(kind, str) else "this response_format"
+    raise ApiError(400, f'{what} is not supported: "text", "json_object" or "json_schema"', param="response_format")
+
+
 def _unsupported(body: dict) -> None:
     """Fields that would change what the reply is, which this server cannot honour: a 400, not a reply that
     silently ignores them (a client asking for JSON must not get prose it then fails to parse)."""
@@ -209,12 +235,6 @@ def _unsupported(body: dict) -> None:
         raise ApiError(400, "functions and function_call are not supported: use tools", param="functions")
     if body.get("echo"):
         raise ApiError(400, "echo is not supported by this server", param="echo")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        what = f"response_format {json.dumps(kind)[:40]}" if isinstance(kind, str) else "this response_format"
-        raise ApiError(400, f"{what} is not supported by this server: only {{\"type\": \"text\"}} (replies are not "
-                            "constrained to JSON; ask for it in the message)", param="response_format")
     if body.get("suffix"):
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.get("best_of") not in (None, 1):

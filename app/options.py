@@ -23,7 +23,7 @@ from nanochat.engine.config import DEVICES, DTYPES, Config, names_a_model, valid
 from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REASONING_EFFORT,
                                    REPETITION_PENALTY, SAMPLING_RULES, SEED, SPECULATIVE, SPECULATIVE_K, TEMPERATURE,
                                    TEMPLATE_RULES, THREADS, TOP_K, TOP_P, Rule, accepts, shown)
-from nanochat.engine.sampling_params import SamplingParams
+from nanochat.engine.sampling_params import ANY_OBJECT, SamplingParams
 
 DTYPE_NAMES = ("auto", *DTYPES)
 
@@ -111,6 +111,23 @@ def argv_text(raw: str) -> str:
     """argparse `type=` for free text (--prompt, --system): bytes that are not UTF-8 (kept by Python as
     surrogates) become U+FFFD, as everywhere else nanochat reads text, so they cannot fail later."""
     return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def json_schema_arg(raw: str) -> str:
+    """argparse `type=` for --json-schema: `object` (any JSON object), @FILE (a schema file) or the schema's JSON
+    text; checked here as JSON (whether it can be followed is the engine's check, at the request)."""
+    if raw == "object":
+        return ANY_OBJECT
+    if raw.startswith("@"):
+        try:
+            with open(raw[1:], encoding="utf-8") as f:
+                raw = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {shown(raw[1:])} ({e.__class__.__name__})") from None
+    try:
+        return SamplingParams(json_schema=raw).json_schema
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def name_arg(raw: str) -> str:
@@ -228,6 +245,7 @@ def sampling_options(args, settings) -> dict:
     opts["seed"] = getattr(args, "seed", None)
     if getattr(args, "ignore_eos", False):
         opts["ignore_eos"] = True
+    opts["json_schema"] = getattr(args, "json_schema", None)   # one-shots only
     opts = {k: v for k, v in opts.items() if v is not None}
     try:   # every command checks them before it loads a model
         SamplingParams(**effective_sampling(opts))

@@ -22,6 +22,7 @@ from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
+from nanochat.engine.structured import Constraint, grammar_tokenizer
 from nanochat.models.errors import one_line
 
 
@@ -50,6 +51,7 @@ class _Request:
     text: str = ""
     emitted: int = 0          # chars of `text` already sent as deltas
     history: TokenHistory | None = None   # penalized requests: seq.token_ids as a tensor, for the sampler
+    constraint: Constraint | None = None  # a json_schema request's grammar state (engine/structured.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -125,6 +127,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._grammar_tokenizer = None   # llguidance's view of the tokenizer, for json_schema requests
         # (time, prefill tokens, decode tokens, prefill s, decode s, decode chunks, proposed, accepted) per step
         self._window: deque[tuple[float, int, int, float, float, int, int, int]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
@@ -196,6 +199,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        constraint = self._constraint(sp)
         seq = Sequence(ids, sp, session_id=session_id)
         mode = self._speculation_mode(sp)
         if mode != "off":
@@ -208,14 +212,30 @@ class LLMEngine:
             generator.manual_seed(sp.seed if sp.seed is not None else torch.seed())
         history = TokenHistory(self.device) if sp.penalized else None
         self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), generator,
-                                             history=history)
+                                             history=history, constraint=constraint)
         seq.request_id = request_id
         self.scheduler.add(seq)
         return request_id
 
+    def _constraint(self, sp: SamplingParams) -> Constraint | None:
+        """A json_schema request's grammar state (the engine's grammar tokenizer is built on first use)."""
+        if sp.json_schema is None:
+            return None
+        if self.loaded.chat_template.harmony:
+            raise RequestError("a JSON schema cannot hold a harmony-format reply: its analysis channel comes before "
+                               "the answer")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size,
+                                                        self.eos_token_ids)
+        try:
+            return Constraint(self._grammar_tokenizer, sp.json_schema)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
     def _speculation_mode(self, sp: SamplingParams) -> str:
-        """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate."""
-        if self.runner.is_hybrid or (not sp.greedy and sp.seed is not None):
+        """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate (and for
+        a json_schema request, whose proposals would each need the grammar's mask)."""
+        if self.runner.is_hybrid or (not sp.greedy and sp.seed is not None) or sp.json_schema is not None:
             # A seed promises the same tokens on every run; how many proposals a step verifies (and so how the
             # seed's draws are spent) follows measured step times, so a seeded sampled request runs plainly.
             return "off"
@@ -299,6 +319,9 @@ class LLMEngine:
             # penalties (which change them in place), temperature, top-k and top-p.
             asking = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
             raw = rows[asking] if asking else None
+            for j, r in enumerate(reqs):
+                if r.constraint is not None:
+                    r.constraint.mask(rows[j])
             tokens = self.sampler(rows, [r.params for r in reqs], [r.generator for r in reqs],
                                   [self._history(r) for r in reqs])
             for i, token in zip(plain, tokens):
@@ -377,7 +400,13 @@ class LLMEngine:
     def _postprocess(self, req: _Request, token: int, now: float, logprobs=None) -> TokenEvent:
         """`logprobs`: token_logprobs' answer for this row, when the request asks."""
         seq = req.seq
-        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len)
+        try:
+            complete = req.constraint is not None and token not in self.eos_token_ids and req.constraint.advance(token)
+        except RuntimeError as e:   # the grammar engine failed (the mask allows only what it can take)
+            self.requests.pop(req.request_id)
+            self._finish(seq, "error")
+            return TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req, "error"), error=str(e))
+        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len, complete)
         if reason is not None:
             self.requests.pop(req.request_id)
             if seq.session_id is not None:   # keep the conversation's KV for its next turn

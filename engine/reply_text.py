@@ -21,8 +21,9 @@ def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
         raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
 
-def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int) -> str | None:
-    """Append `token` to the request and its text; the finish reason ("stop" | "length") when it ends here."""
+def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int, complete: bool = False) -> str | None:
+    """Append `token` to the request and its text; the finish reason ("stop" | "length") when it ends here.
+    complete: the reply's grammar admits nothing after this token (engine/structured.py): it stops, its text kept."""
     seq, sp = req.seq, req.params
     seq.append_token(token)
     if seq.stats.first_token_time is None:
@@ -36,6 +37,8 @@ def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int) ->
         hit = _stop_string(req)
         if hit is not None:
             req.text, reason = req.text[:hit], "stop"
+    if reason is None and complete:
+        reason = "stop"
     if reason is None and (seq.num_completion_tokens >= sp.max_tokens or len(seq) >= max_model_len):
         reason = "length"
     if reason is not None:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, SPECULATIVE, check, shown
 
+# SamplingParams.json_schema for OpenAI's {"type": "json_object"}: any JSON object.
+ANY_OBJECT = '{"type":"object"}'
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,6 +33,9 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling or greedy, after the penalties (OpenAI's logit_bias:
     # -100 bans a token, 100 all but forces it). A {id: bias} dict is kept as sorted (id, bias) pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The reply is a JSON document valid under this JSON schema (a dict, or its JSON text; kept as compact JSON
+    # text): engine/structured.py. ANY_OBJECT is OpenAI's json_object mode.
+    json_schema: str | None = None
 
     def __post_init__(self):
         # Accept lists for convenience, keep the object hashable and immutable.
@@ -51,6 +57,9 @@ class SamplingParams:
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.json_schema is not None:
+            from nanochat.engine.structured import canonical_schema
+            object.__setattr__(self, "json_schema", canonical_schema(self.json_schema))
 
     @property
     def greedy(self) -> bool:

@@ -212,6 +212,9 @@ def test_bad_flag_and_bad_value_exit_2(home):
     (["--max-model-len", "x"], "--max-model-len"),
     (["--seed", "-2"], "--seed"),
     (["--system", "s", "--no-chat-template"], "--system"),
+    (["--json-schema", "{oops"], "json_schema is not valid JSON"),
+    (["--json-schema", "[1]"], "must be a JSON object"),
+    (["--json-schema", "@/no/such/schema.json"], "cannot read"),
 ])
 def test_usage_errors(home, capsys, args, fragment):
     assert cli.main(["--prompt", "hi", *args]) == 2
@@ -281,6 +284,20 @@ def test_model_errors(home, tmp_path, tiny_models, capsys, case, fragment):
     assert cli.main(["--model", str(model), "--prompt", "hi", "--max-tokens", "2"]) == 1
     captured = capsys.readouterr()
     assert_one_line_error(1, captured.err, 1, fragment)
+    assert captured.out == ""
+
+
+def test_a_json_schema_holds_the_one_shots_reply(home, tiny, tmp_path, capsys):
+    schema = tmp_path / "pick.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"pick": {"enum": ["red", "blue"]}},
+                                  "required": ["pick"], "additionalProperties": False}))
+    assert cli.main(["--model", tiny, "--prompt", "hi", "--json-schema", f"@{schema}", "--max-tokens", "60",
+                     "--temperature", "1", "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads(out["text"])["pick"] in ("red", "blue") and out["finish_reason"] == "stop"
+    code = cli.main(["--model", tiny, "--prompt", "hi", "--json-schema", '{"type": "nope"}'])
+    captured = capsys.readouterr()
+    assert_one_line_error(code, captured.err, 1, "json_schema cannot be followed")
     assert captured.out == ""
 
 

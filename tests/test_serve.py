@@ -202,6 +202,35 @@ def test_logit_bias_forces_and_bans_tokens(server, tiny_models):
     assert sdk.chat.completions.create(**kw, logit_bias=banned).choices[0].message.content != text
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["red", "green", "blue"]},
+                                           "tag": {"type": "string", "maxLength": 6}},
+          "required": ["ok", "pick", "tag"], "additionalProperties": False}
+
+
+def test_response_format_holds_replies_to_json_and_to_a_schema(server):
+    """A random tiny model writes JSON only because the tokens that would break it are never sampled."""
+    sdk = server.sdk()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=200, temperature=1.0)
+    for seed in range(3):
+        reply = sdk.chat.completions.create(**kw, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content)
+        assert set(value) == {"ok", "pick", "tag"} and isinstance(value["ok"], bool)
+        assert value["pick"] in ("red", "green", "blue") and isinstance(value["tag"], str) and len(value["tag"]) <= 6
+    streamed = sdk.chat.completions.create(**kw, seed=0, stream=True, response_format={
+        "type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}})
+    text = "".join(part.choices[0].delta.content or "" for part in streamed if part.choices)
+    assert set(json.loads(text)) == {"ok", "pick", "tag"}
+    # json_object: any object; cut at max_tokens it is a prefix, finish_reason "length"
+    reply = sdk.chat.completions.create(**{**kw, "max_tokens": 8}, seed=1, response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.choices[0].message.content.lstrip().startswith("{")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
 def test_completions_and_models(server):
     sdk = server.sdk()
     done = sdk.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0,
@@ -672,13 +701,16 @@ def test_sdk_error_statuses(server):
                               RESULTS[0]]}),
      "does not render tools: it cannot take their calls or results"),   # the tiny model's ChatML template
     # what would change the reply and cannot be honoured: an error, not a reply that ignores it
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
-     'response_format "json_object" is not supported'),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
                                                                                      "json_schema": {"name": "a"}}}),
-     'response_format "json_schema" is not supported'),
+     "response_format json_schema needs its schema"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}),
+     'response_format "yaml" is not supported'),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": "json"}),
      "this response_format is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                 "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"n": {"type": "nope"}}}}}}),
+     "json_schema cannot be followed"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}),
      "logit_bias must be an object mapping token ids to numbers"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 500}}), "from -100 to 100"),

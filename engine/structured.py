@@ -1,0 +1,84 @@
+"""Structured output: a request's reply held to a JSON schema (OpenAI's `response_format`), token by token.
+
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema and, at each step, gives the
+set of tokens that keep the reply a prefix of a valid document; the other tokens' logits are set to -inf
+before penalties, bias, temperature, top-k and top-p, so a sampled reply follows the model's distribution
+restricted to valid continuations and a greedy one takes the likeliest valid token. The reply ends at the
+end-of-turn token once the document is complete, or as soon as the grammar admits nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# Whitespace between JSON tokens: a space, or a newline and up to 20 spaces or tabs (llama.cpp's json grammar).
+# Pretty-printed documents fit; unbounded whitespace would let a model pad a reply to max_tokens and never close it.
+WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})"
+
+
+def canonical_schema(schema) -> str:
+    """A JSON schema (a dict, or its JSON text) as compact JSON text: SamplingParams keeps it as a
+    string (hashable, picklable). A schema must be an object or a boolean."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"))   # key order kept: a model writes properties in it
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids) -> object:
+    """llguidance's view of the engine's tokenizer (each token's bytes, from the tokenizers library's own
+    description of it): built once per engine, ~0.2 s for a 150k vocabulary. vocab_size: the logits' width
+    (ids past the tokenizer's are never allowed)."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_ids))
+
+
+class Constraint:
+    """One request's grammar state: which tokens may come next (`mask`) and the tokens it has taken (`advance`)."""
+
+    def __init__(self, grammar_tokenizer, schema: str):
+        from llguidance import LLMatcher
+
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, grammar_tokenizer)
+        if failed:
+            raise ValueError(f"json_schema cannot be followed: {messages[0].splitlines()[0]}")
+        self.matcher = LLMatcher(grammar_tokenizer, grammar, log_level=0)   # (its warnings would go to stderr)
+        if self.matcher.is_error():
+            raise ValueError(f"json_schema cannot be followed: {self.matcher.get_error().splitlines()[0]}")
+        self.vocab_size = grammar_tokenizer.vocab_size
+        self._bits = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """A bool per token id: whether it may come next."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self._bits)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+
+    def mask(self, row: torch.Tensor) -> None:
+        """Set the logits of the tokens that may not come next to -inf, in place (row: [V], V >= vocab_size)."""
+        import torch
+
+        banned = torch.from_numpy(~self.allowed()).to(row.device)
+        with torch.inference_mode():   # the engine's logits are inference tensors
+            row[:self.vocab_size].masked_fill_(banned, float("-inf"))
+            row[self.vocab_size:] = float("-inf")
+
+    def advance(self, token: int) -> bool:
+        """Take a sampled token; True when the reply must end here (the document is complete and nothing may
+        follow it). A token the mask did not allow is an error (the sampler never draws one)."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the reply's JSON schema: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()

@@ -1,0 +1,125 @@
+"""Structured output (engine/structured.py): replies held to a JSON schema token by token.
+
+The tiny models are random: whatever JSON they write, they write only because every token that would break the
+document or the schema is masked before sampling. Batched, preempted, sampled and greedy replies are checked
+against the schema; an unconstrained reply in the same batch is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanochat.engine import LLM, SamplingParams
+from nanochat.engine.lean import sampling_supported
+from nanochat.engine.output import RequestError
+from nanochat.engine.sampling_params import ANY_OBJECT
+from nanochat.engine.structured import Constraint, canonical_schema
+
+ARCH = "qwen3"
+PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["red", "green", "blue"]},
+                                         "tag": {"type": "string", "maxLength": 6},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "pick", "tag", "n"], "additionalProperties": False}
+PROMPTS = [[5, 17, 42, 99, 3], [11, 12, 13], list(range(20, 61))]
+
+
+def _valid_pick(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"ok", "pick", "tag", "n"} and isinstance(value["ok"], bool)
+            and value["pick"] in ("red", "green", "blue") and isinstance(value["tag"], str) and len(value["tag"]) <= 6
+            and isinstance(value["n"], int) and 0 <= value["n"] <= 99)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=512)
+
+
+def test_sampled_and_greedy_replies_follow_the_schema_batched(llm):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300, json_schema=PICK) for s in range(4)]
+    params.append(SamplingParams(temperature=0, max_tokens=300, json_schema=PICK))
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+    for out in outs:
+        assert out.finish_reason == "stop" and _valid_pick(out.text), out.text
+
+
+def test_an_unconstrained_reply_in_the_same_batch_is_unchanged(llm):
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], plain)[0].token_ids
+    mixed = llm.generate([PROMPTS[0], PROMPTS[1]], [plain, SamplingParams(temperature=0, max_tokens=300,
+                                                                          json_schema=PICK)])
+    assert mixed[0].token_ids == alone and _valid_pick(mixed[1].text)
+
+
+def test_a_reply_ends_when_the_document_is_complete(llm):
+    for schema, texts in (({"const": "hello"}, {'"hello"'}), ({"type": "boolean"}, {"true", "false"})):
+        out = llm.generate([PROMPTS[1]], SamplingParams(temperature=1.0, seed=3, max_tokens=50,
+                                                         json_schema=schema))[0]
+        assert out.text in texts and out.finish_reason == "stop", out
+    cut = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, json_schema=ANY_OBJECT))[0]
+    assert cut.finish_reason == "length" and cut.text.lstrip().startswith("{")
+
+
+def test_constrained_replies_under_preemption_follow_the_schema(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=256, num_kvcache_blocks=8, kvcache_block_size=16)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200, json_schema=PICK) for s in range(4)]
+    outs = llm.generate([list(range(3, 40))] * 4, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all(o.finish_reason == "stop" and _valid_pick(o.text) for o in outs), [o.text for o in outs]
+    assert llm.engine.block_manager.num_free_blocks == len(llm.engine.block_manager.blocks)
+
+
+def test_constrained_requests_do_not_speculate(tiny_models):
+    llm = LLM(str(tiny_models[ARCH]), dtype="float32", max_model_len=512, speculative="ngram")
+    engine = llm.engine
+    rid = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=300, json_schema=PICK))
+    assert engine.requests[rid].seq.spec is None
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(e.text for e in engine.step() if e.request_id == rid)
+    assert _valid_pick(text)
+
+
+def test_bad_schemas_are_clear_errors(llm):
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        SamplingParams(json_schema="{oops")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        SamplingParams(json_schema=[1, 2])
+    with pytest.raises(RequestError, match="json_schema cannot be followed"):
+        llm.engine.add_request([5, 6], SamplingParams(json_schema={"type": "nope"}))
+    assert not llm.engine.has_unfinished()
+
+
+def test_the_mask_allows_exactly_the_valid_continuations(llm):
+    """After `{"ok": ` only `true` / `false` can start: every allowed token's text is a prefix of one of them
+    (with optional whitespace), and the tokens that spell them are allowed."""
+    engine = llm.engine
+    engine._constraint(SamplingParams(json_schema=PICK))   # builds the grammar tokenizer
+    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK))
+    for token in engine.tokenizer.encode('{"ok":', add_special_tokens=False):
+        assert c.allowed()[token]
+        assert not c.advance(token)
+    allowed = [int(i) for i in c.allowed().nonzero()[0]]
+    texts = [engine.tokenizer.decode([i]) for i in allowed]
+    assert allowed and all(t.strip() and ("true".startswith(t.strip()) or "false".startswith(t.strip()))
+                           or not t.strip() for t in texts), texts
+    for word in ("true", "false"):
+        first = engine.tokenizer.encode(word, add_special_tokens=False)[0]
+        assert first in allowed
+
+
+def test_the_lean_one_shot_leaves_schemas_to_the_full_engine():
+    assert sampling_supported({"temperature": 0})
+    assert not sampling_supported({"temperature": 0, "json_schema": ANY_OBJECT})
+
+
+def test_a_harmony_model_refuses_a_schema(tmp_path):
+    from test_gpt_oss import make_harmony_gpt_oss
+
+    from nanochat.engine import LLMEngine
+
+    engine = LLMEngine(str(make_harmony_gpt_oss(tmp_path / "harmony")), dtype="float32", max_model_len=128)
+    with pytest.raises(RequestError, match="harmony"):
+        engine.add_request([1, 2], SamplingParams(json_schema=ANY_OBJECT))
