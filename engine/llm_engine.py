@@ -233,9 +233,8 @@ class LLMEngine:
             raise RequestError(str(e)) from None
 
     def _speculation_mode(self, sp: SamplingParams) -> str:
-        """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate (and for
-        a json_schema request, whose proposals would each need the grammar's mask)."""
-        if self.runner.is_hybrid or (not sp.greedy and sp.seed is not None) or sp.json_schema is not None:
+        """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate."""
+        if self.runner.is_hybrid or (not sp.greedy and sp.seed is not None):
             # A seed promises the same tokens on every run; how many proposals a step verifies (and so how the
             # seed's draws are spent) follows measured step times, so a seeded sampled request runs plainly.
             return "off"
@@ -356,6 +355,8 @@ class LLMEngine:
         """A speculating chunk's tokens: its accepted proposals and one of the target's (sampler.verify)."""
         req = self.requests[c.seq.request_id]
         raw = rows.clone() if req.params.logprobs is not None else None   # verify penalizes rows in place
+        if req.constraint is not None:
+            req.constraint.mask_along(rows, c.draft)
         tokens = verify(rows, c.draft, req.params, req.generator, self._history(req),
                         self.draft.probs(c.seq) if c.seq.spec.mode == "draft" else None)
         c.seq.spec.record(len(c.draft), len(tokens) - 1)

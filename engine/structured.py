@@ -4,7 +4,8 @@ llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the sche
 set of tokens that keep the reply a prefix of a valid document; the other tokens' logits are set to -inf
 before penalties, bias, temperature, top-k and top-p, so a sampled reply follows the model's distribution
 restricted to valid continuations and a greedy one takes the likeliest valid token. The reply ends at the
-end-of-turn token once the document is complete, or as soon as the grammar admits nothing more.
+end-of-turn token once the document is complete, or as soon as the grammar admits nothing more. A speculative
+step's rows are masked along its proposals (`mask_along`), so verification keeps only what the grammar allows.
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ class Constraint:
         with torch.inference_mode():   # the engine's logits are inference tensors
             row[:self.vocab_size].masked_fill_(banned, float("-inf"))
             row[self.vocab_size:] = float("-inf")
+
+    def mask_along(self, rows: torch.Tensor, draft: list[int]) -> None:
+        """A speculative step's rows ([k + 1, V]): row j masked as the grammar stands after draft[:j], so that
+        verification accepts a proposal only where the grammar allows it. Rows past a proposal the grammar refuses
+        are left as they are (verification rejects that proposal, and uses no row after it). The matcher ends as
+        it began."""
+        taken = 0
+        for j, row in enumerate(rows):
+            self.mask(row)
+            if j == len(draft) or not self.matcher.validate_tokens([draft[j]]):
+                break
+            self.matcher.consume_token(draft[j])
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
 
     def advance(self, token: int) -> bool:
         """Take a sampled token; True when the reply must end here (the document is complete and nothing may
