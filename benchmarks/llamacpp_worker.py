@@ -12,11 +12,12 @@ line on stdout (errors as {"error": "..."}).
     {"cmd": "decode", "ids": [...], "n": N}                    -> {"seconds", "tokens", "ids"} (timed after the
                                                                   first token; ids: the n greedy tokens)
     {"cmd": "serve", "requests": [[ids, n], ...]}              -> {"seconds", "tokens"} (one after another)
-    {"cmd": "lookup_generate", "ids": [...], "n": N, "stop_ids": [...], "lookup": K}
+    {"cmd": "lookup_generate", "ids": [...], "n": N, "stop_ids": [...], "lookup": K, "json_schema": S}
                                                                -> {"seconds", "tokens", "ids"}: greedy through
                                                                   Llama.generate, with prompt-lookup decoding
                                                                   (LlamaPromptLookupDecoding, K proposed tokens)
-                                                                  when K > 0, plainly when 0; stops at stop_ids
+                                                                  when K > 0, plainly when 0; stops at stop_ids;
+                                                                  held to JSON schema S (llama.cpp's GBNF) if given
     {"cmd": "multi_turn", "turns": N, "user_tokens": N, "reply_tokens": N, "seed": N, "id_max": N}
                                                                -> {"ttft_ms": [per turn], "ratio": last / first}
     {"cmd": "quit"}
@@ -188,8 +189,12 @@ def cmd_lookup_generate(req: dict) -> dict:
                                      n_threads=base.n_threads, n_threads_batch=base.n_threads, verbose=False,
                                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None)
     llm, stop = STATE[key], set(req.get("stop_ids", []))
+    grammar = None
+    if req.get("json_schema"):   # llama.cpp's own JSON-schema grammar (GBNF), as its server builds for response_format
+        grammar = llama_cpp.LlamaGrammar.from_json_schema(req["json_schema"], verbose=False)
     out, t_first = [], None
-    for token in llm.generate(req["ids"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+    for token in llm.generate(req["ids"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True,
+                              grammar=grammar):
         if t_first is None:
             t_first = time.perf_counter()
         out.append(int(token))

@@ -66,15 +66,21 @@ class Constraint:
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, self._bits)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
 
     def mask(self, row: torch.Tensor) -> None:
-        """Set the logits of the tokens that may not come next to -inf, in place (row: [V], V >= vocab_size)."""
+        """Set the logits of the tokens that may not come next to -inf, in place (row: [V], V >= vocab_size). On
+        the CPU through numpy: torch's masked_fill_ cost ~0.5 ms a step here, an OpenMP wake-up included."""
         import torch
 
-        banned = torch.from_numpy(~self.allowed()).to(row.device)
+        banned = ~self.allowed()
+        if row.device.type == "cpu":
+            values = row.numpy()   # a view of the engine's logits
+            np.putmask(values[:self.vocab_size], banned, -np.inf)
+            values[self.vocab_size:] = -np.inf
+            return
         with torch.inference_mode():   # the engine's logits are inference tensors
-            row[:self.vocab_size].masked_fill_(banned, float("-inf"))
+            row[:self.vocab_size].masked_fill_(torch.from_numpy(banned).to(row.device), float("-inf"))
             row[self.vocab_size:] = float("-inf")
 
     def mask_along(self, rows: torch.Tensor, draft: list[int]) -> None:
