@@ -205,7 +205,7 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         raise ApiError(400, str(e)) from None
 
 
-def response_schema(fmt) -> str | dict | None:
+def response_schema(fmt) -> str | dict | bool | None:
     """The JSON schema a response_format holds the reply to (engine/structured.py): None for text (or none given),
     any object for {"type": "json_object"}, the schema of {"type": "json_schema", "json_schema": {"schema": ...}}
     (its "strict" is always honoured: the reply is held to the schema token by token)."""

@@ -199,7 +199,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        constraint = self._constraint(sp)
+        constraint = self._constraint(sp, ids)
         seq = Sequence(ids, sp, session_id=session_id)
         mode = self._speculation_mode(sp)
         if mode != "off":
@@ -217,8 +217,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _constraint(self, sp: SamplingParams) -> Constraint | None:
-        """A json_schema request's grammar state (the engine's grammar tokenizer is built on first use)."""
+    def _constraint(self, sp: SamplingParams, ids: list[int]) -> Constraint | None:
+        """A json_schema request's grammar state (the engine's grammar tokenizer is built on first use); a reasoning
+        model's thinking is left free (engine/structured.py). ids: the prompt's."""
         if sp.json_schema is None:
             return None
         if self.loaded.chat_template.harmony:
@@ -227,8 +228,9 @@ class LLMEngine:
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size,
                                                         self.eos_token_ids)
+        think = tuple(self.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
         try:
-            return Constraint(self._grammar_tokenizer, sp.json_schema)
+            return Constraint(self._grammar_tokenizer, sp.json_schema, None if None in think else think, ids)
         except ValueError as e:
             raise RequestError(str(e)) from None
 

@@ -6,6 +6,7 @@ before penalties, bias, temperature, top-k and top-p, so a sampled reply follows
 restricted to valid continuations and a greedy one takes the likeliest valid token. The reply ends at the
 end-of-turn token once the document is complete, or as soon as the grammar admits nothing more. A speculative
 step's rows are masked along its proposals (`mask_along`), so verification keeps only what the grammar allows.
+A reasoning model thinks freely first: the document is held from its </think> on (`Constraint`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,19 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids) -> object:
     return LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_ids))
 
 
-class Constraint:
-    """One request's grammar state: which tokens may come next (`mask`) and the tokens it has taken (`advance`)."""
+# Where a reply stands: it may still open a thinking block, is inside one, or is the document.
+START, THINKING, DOCUMENT = "start", "thinking", "document"
 
-    def __init__(self, grammar_tokenizer, schema: str):
+
+class Constraint:
+    """One request's grammar state: which tokens may come next (`mask`) and the tokens it has taken (`advance`).
+
+    A reasoning model's thinking is left free: `think` = (the <think> id, the </think> id). A reply may open with
+    <think> (or start inside the block when the prompt opened it), and the document is held from </think> on, as
+    vLLM's reasoning parsers do; a reply that does not think is held from its first token."""
+
+    def __init__(self, grammar_tokenizer, schema: str, think: tuple[int, int] | None = None,
+                 prompt_ids: list[int] = ()):
         from llguidance import LLMatcher
 
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
@@ -60,20 +70,33 @@ class Constraint:
             raise ValueError(f"json_schema cannot be followed: {self.matcher.get_error().splitlines()[0]}")
         self.vocab_size = grammar_tokenizer.vocab_size
         self._bits = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        self.think = think
+        self.phase = DOCUMENT
+        if think is not None:
+            opened, closed = (max((i for i, t in enumerate(prompt_ids) if t == tag), default=-1) for tag in think)
+            self.phase = THINKING if opened > closed else START
 
-    def allowed(self) -> np.ndarray:
-        """A bool per token id: whether it may come next."""
+    def allowed(self) -> np.ndarray | None:
+        """A bool per token id: whether it may come next (None: anything may, inside the thinking)."""
         from llguidance.numpy import fill_next_token_bitmask
 
+        if self.phase == THINKING:
+            return None
         fill_next_token_bitmask(self.matcher, self._bits)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
+        if self.phase == START:
+            allowed[self.think[0]] = True
+        return allowed
 
     def mask(self, row: torch.Tensor) -> None:
         """Set the logits of the tokens that may not come next to -inf, in place (row: [V], V >= vocab_size). On
         the CPU through numpy: torch's masked_fill_ cost ~0.5 ms a step here, an OpenMP wake-up included."""
         import torch
 
-        banned = ~self.allowed()
+        allowed = self.allowed()
+        if allowed is None:
+            return
+        banned = ~allowed
         if row.device.type == "cpu":
             values = row.numpy()   # a view of the engine's logits
             np.putmask(values[:self.vocab_size], banned, -np.inf)
@@ -86,21 +109,40 @@ class Constraint:
     def mask_along(self, rows: torch.Tensor, draft: list[int]) -> None:
         """A speculative step's rows ([k + 1, V]): row j masked as the grammar stands after draft[:j], so that
         verification accepts a proposal only where the grammar allows it. Rows past a proposal the grammar refuses
-        are left as they are (verification rejects that proposal, and uses no row after it). The matcher ends as
-        it began."""
-        taken = 0
+        are left as they are (verification rejects that proposal, and uses no row after it). The state ends as it
+        began."""
+        phase, taken = self.phase, 0
         for j, row in enumerate(rows):
             self.mask(row)
-            if j == len(draft) or not self.matcher.validate_tokens([draft[j]]):
+            if j == len(draft):
+                break
+            if self.phase != DOCUMENT and self._turn(draft[j]):
+                continue
+            if not self.matcher.validate_tokens([draft[j]]):
                 break
             self.matcher.consume_token(draft[j])
             taken += 1
+        self.phase = phase
         if taken:
             self.matcher.rollback(taken)
+
+    def _turn(self, token: int) -> bool:
+        """Outside the document: take `token` if it opens or closes the thinking (or is thinking); False when it
+        is neither and so belongs to the document."""
+        if self.phase == START:
+            if token != self.think[0]:
+                self.phase = DOCUMENT
+                return False
+            self.phase = THINKING
+        elif token == self.think[1]:
+            self.phase = DOCUMENT
+        return True
 
     def advance(self, token: int) -> bool:
         """Take a sampled token; True when the reply must end here (the document is complete and nothing may
         follow it). A token the mask did not allow is an error (the sampler never draws one)."""
+        if self.phase != DOCUMENT and self._turn(token):
+            return False
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"token {token} broke the reply's JSON schema: {self.matcher.get_error()}")
         return self.matcher.is_stopped()

@@ -106,7 +106,7 @@ def test_the_mask_allows_exactly_the_valid_continuations(llm):
     """After `{"ok": ` only `true` / `false` can start: every allowed token's text is a prefix of one of them
     (with optional whitespace), and the tokens that spell them are allowed."""
     engine = llm.engine
-    engine._constraint(SamplingParams(json_schema=PICK))   # builds the grammar tokenizer
+    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
     c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK))
     for token in engine.tokenizer.encode('{"ok":', add_special_tokens=False):
         assert c.allowed()[token]
@@ -133,3 +133,47 @@ def test_a_harmony_model_refuses_a_schema(tmp_path):
     engine = LLMEngine(str(make_harmony_gpt_oss(tmp_path / "harmony")), dtype="float32", max_model_len=128)
     with pytest.raises(RequestError, match="harmony"):
         engine.add_request([1, 2], SamplingParams(json_schema=ANY_OBJECT))
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A tiny random Qwen3 whose tokenizer has <think> and </think> as tokens of their own (as Qwen3's)."""
+    import transformers
+    import torch
+
+    from conftest import SPECIALS, TINY, build_tokenizer, save_tiny
+
+    tok = build_tokenizer(320, [*SPECIALS, "<think>", "</think>"])
+    cfg = transformers.Qwen3Config(**TINY, vocab_size=320, tie_word_embeddings=False, bos_token_id=None,
+                                   eos_token_id=tok.token_to_id("<|im_end|>"))
+    torch.manual_seed(9)
+    return save_tiny(transformers.Qwen3ForCausalLM(cfg).float(), tok, tmp_path_factory.mktemp("thinker") / "m")
+
+
+def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it(thinker):
+    llm = LLM(str(thinker), dtype="float32", max_model_len=512)
+    engine, tok = llm.engine, llm.engine.tokenizer
+    think = (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
+    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
+    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), think, [5, 6])
+    assert c.allowed()[think[0]] and not c.allowed()[think[1]]       # may open a block, or start the document
+    assert not c.advance(think[0]) and c.allowed() is None           # thinking: anything goes
+    for token in tok.encode("plan {{{ ]] no json here", add_special_tokens=False):
+        assert not c.advance(token)
+    assert not c.advance(think[1])                                   # </think>: the document is held from here
+    allowed = c.allowed()
+    assert not allowed[think[0]] and allowed[tok.encode("{", add_special_tokens=False)[0]]
+    # a prompt that opened the block starts inside it; mask_along crosses </think> and leaves the state as it was
+    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), think, [5, think[0]])
+    assert c.allowed() is None
+    import torch
+    rows = torch.zeros(3, engine.loaded.config.vocab_size)
+    c.mask_along(rows, [7, think[1]])
+    assert torch.isfinite(rows[0]).all() and torch.isfinite(rows[1]).all()   # still thinking
+    assert torch.isinf(rows[2]).sum() > 0 and torch.isinf(rows[2, think[0]])   # the document's first token
+    assert c.phase == "thinking" and c.allowed() is None
+    # through the engine: the prompt opens the block, a +100 bias closes it at once; the answer is the document
+    prompt = [*tok.encode("hello", add_special_tokens=False), think[0]]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=300, json_schema=PICK,
+                                                logit_bias={think[1]: 100}))[0]
+    assert out.token_ids[0] == think[1] and _valid_pick(tok.decode(out.token_ids[1:]))
