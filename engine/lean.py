@@ -1,16 +1,17 @@
-"""The lean engine: a CPU one-shot on a GGUF dense model without torch.
+"""The lean engine: a CPU one-shot on a dense model (a GGUF file or a Hugging Face folder) without torch.
 
 `nanochat --prompt Hi` spent most of its time importing torch (~2 s, ~220 MB) for a model whose every step
-runs in the fused CPU decoder's C library anyway. When the full engine has loaded a file once, it keeps the
+runs in the fused CPU decoder's C library anyway. When the full engine has loaded a model once, it keeps the
 fused decoder's plan beside the packed weights (models/layers/fused_forward.py, keep_lean_plan). The lean engine
 rebuilds that same FusedDecoder over numpy buffers, maps the same packed tiles, embeds and scores with the same
-C calls, and builds the tokenizer and chat template from the file as the full engine does; so it produces the
-full engine's tokens (greedy: the same ids; sampled: the same distribution from another generator).
+C calls, and builds the tokenizer and chat template from the file (or the folder's files) as the full engine
+does; so it produces the full engine's tokens (greedy: the same ids; sampled: the same distribution from another
+generator).
 
 It serves one request at a time (a prompt: one prefill chunk per max_num_batched_tokens, then decode) and
 implements greedy, temperature, top-k and top-p sampling, stop strings and stop ids. `plan_for` says whether it
-applies: a .gguf file, a CPU float32 config without tensor parallelism or kernel options it does not run, and a
-plan that covers the context. Anything else (and any failure while it loads) goes to the full engine, which
+applies: a .gguf file or a Hugging Face folder, a CPU float32 config without tensor parallelism or kernel options
+it does not run, and a plan that covers the context. Anything else (and any failure while it loads) goes to the full engine, which
 also writes the plan for next time. EngineClient(lean=True) chooses it (engine/serve/client.py); it runs in
 the client's process, on the in-process core (LeanCore), behind the same messages as the engine process.
 """
@@ -30,6 +31,7 @@ from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.serve.core import EngineCore
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes, accept_greedy
+from nanochat.models.formats.hf_text import FolderText
 
 FIRST_GUESS = 64   # as engine/sampler.py: candidates fetched first for top-p
 
@@ -57,7 +59,8 @@ def plan_for(model: str, engine_config: dict, sampling: dict | None = None) -> L
     if sampling and not sampling_supported(sampling):
         return None
     path = Path(os.path.expanduser(model))
-    if path.suffix.lower() != ".gguf" or not path.is_file() or launched_rank() is not None:
+    gguf_file = path.suffix.lower() == ".gguf" and path.is_file()
+    if not (gguf_file or (path / "config.json").is_file()) or launched_rank() is not None:
         return None
     try:
         config = Config.create(str(path), **engine_config)
@@ -194,14 +197,10 @@ class _PlanSource:
     kind = "gguf"
 
     def __init__(self, path: str, meta: dict):
-        from types import SimpleNamespace
-
         from nanochat.models.formats.gguf_file import GGUFFile
 
-        self.path, self.meta = path, meta
+        self.path, self.meta, self.config = path, meta, _plan_config(meta)
         self.reader = GGUFFile(path)
-        self.config = SimpleNamespace(vocab_size=meta["vocab_size"], arch=meta["arch"],
-                                      max_position_embeddings=meta["max_position_embeddings"])
 
     def tokenizer(self, cache: bool = False):
         from nanochat.models.text.tokenizer import load_tokenizer
@@ -219,6 +218,27 @@ class _PlanSource:
 
     def stated_sampling(self) -> dict:
         return dict(self.meta["stated_sampling"])
+
+
+def _plan_config(meta: dict):
+    """The part of the model's config the tokenizer and template checks read, as the plan keeps it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(vocab_size=meta["vocab_size"], arch=meta["arch"],
+                           max_position_embeddings=meta["max_position_embeddings"])
+
+
+class _FolderPlanSource(FolderText):
+    """_PlanSource for a Hugging Face folder: its tokenizer side from the folder's files (as HFSource reads them),
+    its end ids from the plan."""
+
+    kind = "hf"
+
+    def __init__(self, path: str, meta: dict):
+        self.path, self.root, self.meta, self.config = path, Path(path), meta, _plan_config(meta)
+
+    def eos_ids(self) -> tuple[int, ...]:
+        return tuple(self.meta["eos_ids"])
 
 
 class LeanEngine:
@@ -241,7 +261,7 @@ class LeanEngine:
         self.plan, self.config = plan, plan.config
         self.threads = self.config.cpu_thread_count()
         self.levels = self.config.act_levels
-        source = _PlanSource(plan.path, plan.meta)
+        source = (_FolderPlanSource if Path(plan.path).is_dir() else _PlanSource)(plan.path, plan.meta)
         with warnings.catch_warnings():   # the engine process's warnings go to its stderr, which no user sees
             warnings.simplefilter("ignore")
             tokenizer, template, eos = load_tokenizer_and_template(source, self.config.pack_cache)

@@ -154,10 +154,15 @@ def test_lean_applies_only_where_it_can(home, tmp_path):
     assert not client.lean_used and client.lean_refused.startswith("no lean plan applies")
 
 
-def test_a_lean_one_shot_never_imports_torch(home, tmp_path):
+@pytest.mark.parametrize("kind", ["gguf", "folder"])
+def test_a_lean_one_shot_never_imports_torch(home, tmp_path, kind):
     """Two whole one-shots in fresh processes: the first loads the full engine (and keeps the plan), the second
     answers without torch; both print the same JSON (less timings) and the same stats line shape."""
-    path = str(_family_gguf("llama", tmp_path))
+    if kind == "gguf":
+        path = str(_family_gguf("llama", tmp_path))
+    else:
+        from tests.conftest import make_hf_model
+        path = str(make_hf_model("llama", tmp_path / "hf", seed=7, tie=True, dtype=torch.bfloat16))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NANOCHAT_HOME": str(home), "NANOCHAT_PACK_CACHE": "1"}
     script = ("import sys\nfrom nanochat.app.cli import main\ncode = main(sys.argv[1:])\n"
               "print('TORCH', 'torch' in sys.modules, 'DECODER', 'nanochat.kernels.cpu_decoder' in sys.modules,"
@@ -249,3 +254,19 @@ def test_lean_speculates_on_greedy_replies_and_keeps_the_engines_tokens(home, mo
     assert results["lean"].token_ids == results["full"].token_ids
     stats = results["lean"].stats
     assert stats.spec_accepted > 0 and stats.spec_proposed >= stats.spec_accepted
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_lean_greedy_equals_the_engine_on_a_folder(family, home, tmp_path):
+    """A Hugging Face folder (bf16; Phi-3's fused qkv / gate_up) once loaded by the engine: the lean one-shot maps
+    its packed tiles and reads its tokenizer and template from the folder."""
+    from tests.conftest import make_hf_model
+
+    if family == "qwen3":
+        folder = make_hf_model("qwen3", tmp_path / "hf", seed=7, tie=True, dtype=torch.bfloat16)
+    else:
+        from tests.test_families import make_family_model
+        folder = _tied(make_family_model("phi3", tmp_path / "f"), tmp_path / "hf")
+    full, lean = _engine_then_lean(str(folder), ["Hello there", "What is 2 + 2?"])
+    assert lean == full
+    assert all(len(ids) == GREEDY["max_tokens"] for ids in lean)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from nanochat.models.config import check_config, expected_shapes, fused_rows, required_tensors
 from nanochat.models.errors import ModelLoadError
 from nanochat.models.families import registry
+from nanochat.models.formats.hf_text import FolderText, read_json
 from nanochat.models.formats.hub_gguf import hub_cache_dir, hub_endpoint, hub_error
 
 # Multimodal checkpoints keep the text model under `model.language_model.` (Qwen3.5/3.6, Gemma 3 from
@@ -44,15 +45,8 @@ def canonical_name(stored: str) -> str | None:
     return stored
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: cannot read JSON ({e.__class__.__name__}: {e})") from None
-
-
-class HFSource:
-    """WeightSource over a Hugging Face folder (see models/formats/weights.py)."""
+class HFSource(FolderText):
+    """WeightSource over a Hugging Face folder (see models/formats/weights.py); its tokenizer side is FolderText's."""
 
     kind = "hf"
 
@@ -64,7 +58,7 @@ class HFSource:
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise ModelLoadError(f"{root}: no config.json (not a Hugging Face model folder)")
-        raw = _read_json(cfg_path)
+        raw = read_json(cfg_path)
         # A wrapper of a supported text model keeps its config under text_config; from_hf_dict merges
         # text_config itself when the wrapper is a family we know (Qwen3.5/3.6).
         supported = registry.hf_types()
@@ -168,7 +162,7 @@ class HFSource:
         """Our tensor name -> (file, name stored in that file)."""
         index = root / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map", {})
+            weight_map = read_json(index).get("weight_map", {})
             stored = {name: root / fname for name, fname in weight_map.items()}
             for f in set(stored.values()):
                 if not f.is_file():
@@ -287,71 +281,8 @@ class HFSource:
     def describe(self) -> dict:
         return {"kind": self.kind, "name": self.root.name, "arch": self.config.arch, "dtype": self.config.torch_dtype}
 
-    # ---- tokenizer side ----
-
-    def tokenizer(self, cache: bool = False):
-        """The folder's tokenizer.json with its tokenizer_config.json (`cache`: nothing to cache, it is built)."""
-        from nanochat.models.text.tokenizer import Tokenizer
-
-        tok_path = self.tokenizer_path()
-        if tok_path is None:
-            raise ModelLoadError(f"{self.root}: no tokenizer.json")
-        return Tokenizer.from_file(str(tok_path), self.tokenizer_config())
-
     def eos_ids(self) -> tuple[int, ...]:
         return (*self.config.eos_token_ids, *self.generation_eos_ids())
-
-    def stated_sampling(self) -> dict:
-        """The sampling settings generation_config.json states (SamplingParams names, values unchecked)."""
-        config = self.generation_config()
-        stated = {name: config[name] for name in ("temperature", "top_p", "top_k", "repetition_penalty")
-                  if name in config}
-        if config.get("do_sample") is False:
-            # Greedy: transformers then ignores the sampling filters; the repetition penalty still applies.
-            stated = {"temperature": 0.0, **{k: v for k, v in stated.items() if k == "repetition_penalty"}}
-        return stated
-
-    def tokenizer_path(self) -> Path | None:
-        p = self.root / "tokenizer.json"
-        return p if p.is_file() else None
-
-    def tokenizer_json(self) -> str | None:
-        p = self.tokenizer_path()
-        return p.read_text() if p else None
-
-    def tokenizer_config(self) -> dict:
-        p = self.root / "tokenizer_config.json"
-        return _read_json(p) if p.is_file() else {}
-
-    def chat_template_origin(self) -> str:
-        jinja = self.root / "chat_template.jinja"
-        return str(jinja if jinja.is_file() else self.root / "tokenizer_config.json")
-
-    def chat_template(self) -> str | None:
-        jinja = self.root / "chat_template.jinja"
-        if jinja.is_file():
-            return jinja.read_text()
-        template = self.tokenizer_config().get("chat_template")
-        if isinstance(template, list):   # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return template
-
-    def generation_config(self) -> dict:
-        """generation_config.json, or {} when absent or unreadable: the file is advice (config.json and
-        the tokenizer still say how to stop), so a bad one never stops a load."""
-        p = self.root / "generation_config.json"
-        try:
-            config = _read_json(p) if p.is_file() else {}
-        except (ModelLoadError, RecursionError):
-            return {}
-        return config if isinstance(config, dict) else {}
-
-    def generation_eos_ids(self) -> tuple[int, ...]:
-        """Extra end ids from generation_config.json."""
-        eos = self.generation_config().get("eos_token_id")
-        if isinstance(eos, list):
-            return tuple(e for e in eos if isinstance(e, int) and not isinstance(e, bool))
-        return (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else ()
 
 
 def resolve_hub_id(model: str) -> str:

@@ -114,7 +114,7 @@ def build_model(source, device: torch.device, dtype: torch.dtype, block_size: in
     if cache is not None:
         cache.save()
         fused = getattr(model, "fused", None)
-        if fused is not None and tp is None and source.kind == "gguf":
-            fused.keep_lean_plan(cache, source, max_positions)   # what the lean one-shot (GGUF files) replays
+        if fused is not None and tp is None:   # what the lean one-shot replays (models/layers/fused_forward.py)
+            fused.keep_lean_plan(cache, source, max_positions)
     return model
 
