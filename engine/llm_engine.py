@@ -22,8 +22,9 @@ from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
-from nanochat.engine.structured import Constraint, grammar_tokenizer
+from nanochat.engine.structured import Constraint, Lead, grammar_tokenizer
 from nanochat.models.errors import one_line
+from nanochat.models.text.harmony import ANSWER_HEADER
 
 
 @contextmanager
@@ -222,17 +223,21 @@ class LLMEngine:
         model's thinking is left free (engine/structured.py). ids: the prompt's."""
         if sp.json_schema is None:
             return None
-        if self.loaded.chat_template.harmony:
-            raise RequestError("a JSON schema cannot hold a harmony-format reply: its analysis channel comes before "
-                               "the answer")
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size,
                                                         self.eos_token_ids)
-        think = tuple(self.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
         try:
-            return Constraint(self._grammar_tokenizer, sp.json_schema, None if None in think else think, ids)
+            return Constraint(self._grammar_tokenizer, sp.json_schema, self._lead(), ids)
         except ValueError as e:
             raise RequestError(str(e)) from None
+
+    def _lead(self) -> Lead | None:
+        """What this model writes before its answer, which a JSON schema leaves free: harmony's analysis, up to
+        its final channel's message; a reasoning model's <think> block; None for other models."""
+        if self.loaded.chat_template.harmony:
+            return Lead(tuple(self.tokenizer.encode(ANSWER_HEADER, add_special_tokens=False)))
+        think = [self.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
+        return None if None in think else Lead((think[1],), opener=think[0])
 
     def _speculation_mode(self, sp: SamplingParams) -> str:
         """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate."""

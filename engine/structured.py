@@ -6,12 +6,14 @@ before penalties, bias, temperature, top-k and top-p, so a sampled reply follows
 restricted to valid continuations and a greedy one takes the likeliest valid token. The reply ends at the
 end-of-turn token once the document is complete, or as soon as the grammar admits nothing more. A speculative
 step's rows are masked along its proposals (`mask_along`), so verification keeps only what the grammar allows.
-A reasoning model thinks freely first: the document is held from its </think> on (`Constraint`).
+A reasoning model thinks freely first, and a harmony model writes its analysis: the document is held from the
+answer on (`Lead`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,19 +48,27 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids) -> object:
     return LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_ids))
 
 
-# Where a reply stands: it may still open a thinking block, is inside one, or is the document.
-START, THINKING, DOCUMENT = "start", "thinking", "document"
+# Where a reply stands: it may still open its lead (a thinking block), is inside the lead, or is the document.
+START, LEAD, DOCUMENT = "start", "lead", "document"
+
+
+@dataclass(frozen=True)
+class Lead:
+    """What a reply writes before its document, unmasked: a reasoning model's thinking (`opener` <think>, the
+    marker </think>; a reply that does not open with it is the document at once), or a harmony reply's analysis
+    (no opener: everything until the marker <|channel|>final<|message|>). As vLLM's reasoning parsers, the
+    document is held from the marker on."""
+
+    marker: tuple[int, ...]
+    opener: int | None = None
 
 
 class Constraint:
     """One request's grammar state: which tokens may come next (`mask`) and the tokens it has taken (`advance`).
+    lead: what may come before the document (None: the reply is the document from its first token); prompt_ids:
+    the prompt's, whose end may have opened the lead already (Qwen3-Thinking's template opens <think>)."""
 
-    A reasoning model's thinking is left free: `think` = (the <think> id, the </think> id). A reply may open with
-    <think> (or start inside the block when the prompt opened it), and the document is held from </think> on, as
-    vLLM's reasoning parsers do; a reply that does not think is held from its first token."""
-
-    def __init__(self, grammar_tokenizer, schema: str, think: tuple[int, int] | None = None,
-                 prompt_ids: list[int] = ()):
+    def __init__(self, grammar_tokenizer, schema: str, lead: Lead | None = None, prompt_ids: list[int] = ()):
         from llguidance import LLMatcher
 
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
@@ -70,22 +80,25 @@ class Constraint:
             raise ValueError(f"json_schema cannot be followed: {self.matcher.get_error().splitlines()[0]}")
         self.vocab_size = grammar_tokenizer.vocab_size
         self._bits = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
-        self.think = think
-        self.phase = DOCUMENT
-        if think is not None:
-            opened, closed = (max((i for i, t in enumerate(prompt_ids) if t == tag), default=-1) for tag in think)
-            self.phase = THINKING if opened > closed else START
+        self.lead = lead
+        self.phase, self._tail = DOCUMENT, ()   # _tail: the lead's last tokens, to find its marker
+        if lead is not None and lead.opener is None:
+            self.phase = LEAD
+        elif lead is not None:
+            opened = max((i for i, t in enumerate(prompt_ids) if t == lead.opener), default=-1)
+            closed = max((i for i, t in enumerate(prompt_ids) if t == lead.marker[-1]), default=-1)
+            self.phase = LEAD if opened > closed else START
 
     def allowed(self) -> np.ndarray | None:
-        """A bool per token id: whether it may come next (None: anything may, inside the thinking)."""
+        """A bool per token id: whether it may come next (None: anything may, inside the lead)."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        if self.phase == THINKING:
+        if self.phase == LEAD:
             return None
         fill_next_token_bitmask(self.matcher, self._bits)
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
         if self.phase == START:
-            allowed[self.think[0]] = True
+            allowed[self.lead.opener] = True
         return allowed
 
     def mask(self, row: torch.Tensor) -> None:
@@ -111,7 +124,7 @@ class Constraint:
         verification accepts a proposal only where the grammar allows it. Rows past a proposal the grammar refuses
         are left as they are (verification rejects that proposal, and uses no row after it). The state ends as it
         began."""
-        phase, taken = self.phase, 0
+        phase, tail, taken = self.phase, self._tail, 0
         for j, row in enumerate(rows):
             self.mask(row)
             if j == len(draft):
@@ -122,19 +135,21 @@ class Constraint:
                 break
             self.matcher.consume_token(draft[j])
             taken += 1
-        self.phase = phase
+        self.phase, self._tail = phase, tail
         if taken:
             self.matcher.rollback(taken)
 
     def _turn(self, token: int) -> bool:
-        """Outside the document: take `token` if it opens or closes the thinking (or is thinking); False when it
-        is neither and so belongs to the document."""
+        """Outside the document: take `token` if it opens the lead or is part of it (the marker ending it); False
+        when it belongs to the document."""
         if self.phase == START:
-            if token != self.think[0]:
+            if token != self.lead.opener:
                 self.phase = DOCUMENT
                 return False
-            self.phase = THINKING
-        elif token == self.think[1]:
+            self.phase = LEAD
+        marker = self.lead.marker
+        self._tail = (*self._tail, token)[-len(marker):]
+        if self._tail == marker:
             self.phase = DOCUMENT
         return True
 

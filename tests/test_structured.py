@@ -15,7 +15,7 @@ from nanochat.engine import LLM, SamplingParams
 from nanochat.engine.lean import sampling_supported
 from nanochat.engine.output import RequestError
 from nanochat.engine.sampling_params import ANY_OBJECT
-from nanochat.engine.structured import Constraint, canonical_schema
+from nanochat.engine.structured import Constraint, Lead, canonical_schema
 
 ARCH = "qwen3"
 PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["red", "green", "blue"]},
@@ -125,14 +125,22 @@ def test_the_lean_one_shot_leaves_schemas_to_the_full_engine():
     assert not sampling_supported({"temperature": 0, "json_schema": ANY_OBJECT})
 
 
-def test_a_harmony_model_refuses_a_schema(tmp_path):
+def test_a_harmony_models_analysis_is_left_free_and_its_final_answer_held(tmp_path):
+    """The tiny gpt-oss answers every message with an analysis and then "Hello!" in the final channel; under a
+    schema the analysis stays its own and the final channel's text is the document."""
     from test_gpt_oss import make_harmony_gpt_oss
 
-    from nanochat.engine import LLMEngine
+    from nanochat.models.text.harmony import split_harmony as split
 
-    engine = LLMEngine(str(make_harmony_gpt_oss(tmp_path / "harmony")), dtype="float32", max_model_len=128)
-    with pytest.raises(RequestError, match="harmony"):
-        engine.add_request([1, 2], SamplingParams(json_schema=ANY_OBJECT))
+    llm = LLM(str(make_harmony_gpt_oss(tmp_path / "harmony")), dtype="float32", max_model_len=256)
+    engine = llm.engine
+    prompt = engine.loaded.chat_template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60))[0]
+    held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120, json_schema=PICK))[0]
+    raw = [engine.tokenizer.decode(o.token_ids) for o in (free, held)]
+    assert split(raw[0]).answer == "Hello!"
+    assert split(raw[1]).reasoning == split(raw[0]).reasoning == "Let me think~"
+    assert _valid_pick(split(raw[1]).answer) and held.finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +163,8 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     engine, tok = llm.engine, llm.engine.tokenizer
     think = (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
     engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
-    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), think, [5, 6])
+    lead = Lead((think[1],), opener=think[0])
+    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), lead, [5, 6])
     assert c.allowed()[think[0]] and not c.allowed()[think[1]]       # may open a block, or start the document
     assert not c.advance(think[0]) and c.allowed() is None           # thinking: anything goes
     for token in tok.encode("plan {{{ ]] no json here", add_special_tokens=False):
@@ -164,14 +173,14 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     allowed = c.allowed()
     assert not allowed[think[0]] and allowed[tok.encode("{", add_special_tokens=False)[0]]
     # a prompt that opened the block starts inside it; mask_along crosses </think> and leaves the state as it was
-    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), think, [5, think[0]])
+    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), lead, [5, think[0]])
     assert c.allowed() is None
     import torch
     rows = torch.zeros(3, engine.loaded.config.vocab_size)
     c.mask_along(rows, [7, think[1]])
     assert torch.isfinite(rows[0]).all() and torch.isfinite(rows[1]).all()   # still thinking
     assert torch.isinf(rows[2]).sum() > 0 and torch.isinf(rows[2, think[0]])   # the document's first token
-    assert c.phase == "thinking" and c.allowed() is None
+    assert c.phase == "lead" and c.allowed() is None
     # through the engine: the prompt opens the block, a +100 bias closes it at once; the answer is the document
     prompt = [*tok.encode("hello", add_special_tokens=False), think[0]]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=300, json_schema=PICK,

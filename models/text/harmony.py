@@ -28,6 +28,7 @@ CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 TOKENS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 _TERMINATORS = (END, RETURN, CALL)
 ANALYSIS, COMMENTARY, FINAL = "analysis", "commentary", "final"
+ANSWER_HEADER = CHANNEL + FINAL + MESSAGE   # what opens the answer's text
 _HEADER, _BODY = "header", "body"
 _LONGEST = max(map(len, TOKENS))
 
