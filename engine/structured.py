@@ -71,7 +71,13 @@ class Constraint:
     def __init__(self, grammar_tokenizer, schema: str, lead: Lead | None = None, prompt_ids: list[int] = ()):
         from llguidance import LLMatcher
 
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
+        if schema == "false":
+            raise ValueError("json_schema false admits no document")
+        try:   # (a boolean schema takes no options: true is the empty schema, any JSON value)
+            grammar = LLMatcher.grammar_from_json_schema("{}" if schema == "true" else schema,
+                                                         defaults={"whitespace_pattern": WHITESPACE})
+        except ValueError as e:
+            raise ValueError(f"json_schema cannot be followed: {str(e).splitlines()[0]}") from None
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, grammar_tokenizer)
         if failed:
             raise ValueError(f"json_schema cannot be followed: {messages[0].splitlines()[0]}")

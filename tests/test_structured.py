@@ -97,8 +97,15 @@ def test_bad_schemas_are_clear_errors(llm):
         SamplingParams(json_schema="{oops")
     with pytest.raises(ValueError, match="must be a JSON object"):
         SamplingParams(json_schema=[1, 2])
-    with pytest.raises(RequestError, match="json_schema cannot be followed"):
-        llm.engine.add_request([5, 6], SamplingParams(json_schema={"type": "nope"}))
+    for bad, words in (({"type": "nope"}, "json_schema cannot be followed: "),
+                       ({"propertyNames": {"pattern": "^x"}}, "json_schema cannot be followed: Unimplemented"),
+                       (False, "admits no document")):
+        with pytest.raises(RequestError, match=words):
+            llm.engine.add_request([5, 6], SamplingParams(json_schema=bad))
+    # true: any JSON value (a document, or a prefix of one where max_tokens cut it)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=2, max_tokens=300, json_schema=True))[0]
+    if out.finish_reason == "stop":
+        json.loads(out.text)
     assert not llm.engine.has_unfinished()
 
 
