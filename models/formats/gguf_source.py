@@ -52,7 +52,7 @@ from nanochat.models.config import (ACTIVATIONS, MAX_EXPERTS, ModelConfig, check
                                     layer_types_from_interval, required_tensors)
 from nanochat.models.families import registry
 from nanochat.models.formats.gguf_file import GGUFError, GGUFFile, to_python
-from nanochat.models.formats.weights import dtype_name
+from nanochat.models.formats.weights import dtype_name, weight_type
 
 T = gguf.GGMLQuantizationType
 
@@ -388,10 +388,14 @@ class GGUFSource:
         return StackedWeight(int(t.tensor_type), (e, step, cols), data[:, part * step:(part + 1) * step])
 
     def peek(self, name: str) -> tuple[int | torch.dtype, tuple[int, ...]]:
-        """`name`'s type (a GGML type for blocks, else a torch dtype) and shape as `get` serves it: the tensor itself
-        is a view of the file's map, so looking is serving."""
-        w = self.get(name)
-        return (w.ggml_type if isinstance(w, QuantWeight) else w.dtype), tuple(w.shape)
+        """`name`'s type (a GGML type for blocks, else a torch dtype) and shape as `get` serves it. The tensor itself
+        is a view of the file's map, so looking is serving, except for llama's q/k rows, which `get` copies to undo
+        their permutation: that only reorders rows, so the stored view answers."""
+        ref = self._hf_to_gguf.get(name)
+        plain_qk = (ref is not None and ref.kind == "plain" and self.family.permute_qk
+                    and not self.family.tiled_v_heads and self._qk_heads(ref.gguf))
+        w = self.get_gguf(ref.gguf) if plain_qk else self.get(name)
+        return weight_type(w), tuple(w.shape)
 
     def release(self, name: str) -> None:
         """Let the memory map drop the pages of HF-named tensor `name` (copied elsewhere at load)."""

@@ -19,6 +19,7 @@ from nanochat.models.errors import ModelLoadError
 from nanochat.models.families import registry
 from nanochat.models.formats.hf_text import FolderText, read_json
 from nanochat.models.formats.hub_gguf import hub_cache_dir, hub_endpoint, hub_error
+from nanochat.models.formats.weights import weight_type
 
 # Multimodal checkpoints keep the text model under `model.language_model.` (Qwen3.5/3.6, Gemma 3 from
 # transformers 4.52 on) or `language_model.model.` (Gemma 3 before); we expose it under the plain text names
@@ -33,6 +34,12 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _torch_dtype(dtype: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype name, None where torch has none."""
+    found = getattr(torch, _DTYPE_NAMES.get(dtype, ""), None)
+    return found if isinstance(found, torch.dtype) else None
 
 
 def canonical_name(stored: str) -> str | None:
@@ -121,8 +128,8 @@ class HFSource(FolderText):
         kernels made of them, at the load's peak and after it (benchmarks/README.md, "Hugging Face folders on
         the CPU kernels"); a read copy goes once it is packed."""
         dtype, shape, first = self._entry(f, stored)
-        torch_dtype = getattr(torch, _DTYPE_NAMES.get(dtype, ""), None)
-        if not isinstance(torch_dtype, torch.dtype):   # a type torch has no name for: the library's own reading
+        torch_dtype = _torch_dtype(dtype)
+        if torch_dtype is None:   # a type torch has no name for: the library's own reading
             t = self._handle(f).get_slice(stored)
             return t[start:start + rows] if rows is not None else t[:]
         rows = (shape[0] - start if shape else 0) if rows is None else rows
@@ -220,8 +227,8 @@ class HFSource(FolderText):
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
-    def peek(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """`name`'s dtype and shape as `get` serves it, from the safetensors header: nothing is read (a read is a
+    def peek(self, name: str) -> tuple[int | torch.dtype, tuple[int, ...]]:
+        """`name`'s dtype (a GGML type for a family's view of blocks) and shape as `get` serves it, from the safetensors header: nothing is read (a read is a
         copy, which a load that finds the packed tiles in the pack cache never needs)."""
         if name in self._parts:
             fused, _, rows = self._parts[name]
@@ -230,11 +237,11 @@ class HFSource(FolderText):
         if name in self._where and name not in self._hidden:
             f, stored = self._where[name]
             dtype, shape, _ = self._entry(f, stored)
-            torch_dtype = getattr(torch, _DTYPE_NAMES.get(dtype, ""), None)
-            if isinstance(torch_dtype, torch.dtype):
+            torch_dtype = _torch_dtype(dtype)
+            if torch_dtype is not None:
                 return torch_dtype, tuple(int(d) for d in shape)
         w = self.get(name)   # a family's view, a type torch has no name for, or a missing name (get's error)
-        return w.dtype, tuple(w.shape)
+        return weight_type(w), tuple(w.shape)
 
     def _stored(self, name: str) -> torch.Tensor:
         """A tensor behind a view, the last few kept (a layer's experts are read one at a time)."""

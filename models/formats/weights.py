@@ -71,6 +71,11 @@ class WeightSource(Protocol):
         """The sampling settings the files recommend (SamplingParams names, values not checked)."""
 
 
+def weight_type(t: Weight) -> int | torch.dtype:
+    """A QuantWeight's GGML type, a tensor's torch dtype (what WeightSource.peek answers)."""
+    return t.ggml_type if isinstance(t, QuantWeight) else t.dtype
+
+
 def dtype_name(t: Weight) -> str:
     """"float32" for a torch tensor, the GGML type name ("Q4_1") for a QuantWeight."""
     if isinstance(t, QuantWeight):
