@@ -49,7 +49,7 @@ from starlette.routing import Route
 
 from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
-from nanochat.app.tool_calls import ToolCallParser
+from nanochat.app.tool_calls import ToolCallParser, call_grammar
 from nanochat.engine.serve.protocol import HarmonySplitter, split_harmony
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.output import TokenEvent, TokenLogprobs
@@ -253,23 +253,35 @@ def parse_reasoning_effort(body: dict, efforts: tuple) -> str | None:
     return effort
 
 
-def parse_tools(body: dict, template_takes_tools: bool) -> list[dict] | None:
-    """The tools the chat template is given (None: none). tool_choice "auto" (the default with tools)
-    lets the model call them; "none" leaves them out of the prompt. Forcing a call ("required", a named
-    function) would need constrained decoding, which the engine does not have."""
+def parse_tools(body: dict, template_takes_tools: bool) -> tuple[list[dict] | None, str | bool]:
+    """The tools the chat template is given (None: none) and whether the reply must call one: False (tool_choice
+    "auto", the default with tools: the model decides), True ("required": any of them) or the function's name
+    ({"type": "function", "function": {"name": ...}}). "none" leaves the tools out of the prompt."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise ApiError(400, f"tool_choice {json.dumps(choice)[:60]} is not supported: only \"auto\" or \"none\"",
-                       param="tool_choice")
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    named = isinstance(function, dict) and isinstance(function.get("name"), str)
+    if choice is not None and choice not in ("auto", "none", "required") and not named:
+        raise _type_error("tool_choice",
+                          '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}', choice)
     if not tools or choice == "none":
-        return None
+        if choice == "required" or named:
+            raise ApiError(400, "tool_choice forces a call, but the request gives no tools", param="tool_choice")
+        return None, False
     if not (isinstance(tools, list) and all(isinstance(t, dict) and t.get("type") == "function"
                                             and isinstance(t.get("function"), dict)
-                                            and isinstance(t["function"].get("name"), str) for t in tools)):
-        raise _type_error("tools", 'a list of {"type": "function", "function": {"name": ...}}', tools)
+                                            and isinstance(t["function"].get("name"), str)
+                                            and isinstance(t["function"].get("parameters", {}), dict) for t in tools)):
+        raise _type_error("tools", 'a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+                          tools)
     if not template_takes_tools:
         raise ApiError(400, "this model's chat template does not render tools: it cannot call them", param="tools")
-    return tools
+    if named:
+        name = function["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice names {json.dumps(name)[:60]}, which is not among the tools",
+                           param="tool_choice")
+        return tools, name
+    return tools, choice == "required"
 
 
 def logprobs_asked(body: dict, chat: bool) -> int | None:
@@ -773,8 +785,14 @@ class Api:
         gen = Generation(sampling, stream, _stream_options(body, stream), n=self._n(body))
         if chat:
             gen.system, gen.history, gen.turn = parse_messages(body.get("messages"), self.config.max_messages)
-            gen.tools = parse_tools(body, bool(model and model.tools))
+            gen.tools, forced = parse_tools(body, bool(model and model.tools))
             gen.harmony = bool(model and model.harmony)
+            if forced:   # the reply is calls, so no JSON document of response_format's either
+                try:
+                    grammar = call_grammar(gen.tools, None if forced is True else forced, gen.harmony)
+                except ValueError as e:
+                    raise ApiError(400, str(e), param="tools") from None
+                gen.sampling = replace(gen.sampling, json_schema=None, grammar=grammar)
             gen.reasoning_effort = parse_reasoning_effort(body, model.reasoning_efforts if model else ())
             if not (model and model.tools) and any(m["role"] == "tool" or m.get("tool_calls")
                                                    for m in gen.history + gen.turn):

@@ -7,12 +7,17 @@
 ToolCallParser takes the reply's text as it streams and splits it into content (what is outside the
 tags) and OpenAI tool calls, each handed out once its closing tag has arrived. A tagged body that is not
 such a JSON object, or a call never closed, stays content: nothing the model wrote is lost.
+
+`call_grammar` is what forces a call (OpenAI's tool_choice "required" or a named function): the grammar of a
+reply that is only calls, in this format or in harmony's (gpt-oss), for SamplingParams.grammar.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+
+from nanochat.engine.sampling_params import JSON_WHITESPACE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -77,3 +82,50 @@ def split(text: str) -> tuple[str, list[dict]]:
     parser = ToolCallParser()
     content, calls = parser.feed(text)
     return content + parser.finish(), calls
+
+
+def _json_rule(schema: dict) -> str:
+    """A Lark rule body holding text to a JSON schema, with the whitespace a held document may have."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
+
+
+def _parameters(tool: dict) -> dict:
+    """A tool's parameters schema (none stated: any object, OpenAI's default), checked: ValueError names the tool
+    whose schema llguidance cannot follow (the grammar's own error would point into text the client never saw)."""
+    from llguidance import LLMatcher
+
+    schema = tool["function"].get("parameters") or {"type": "object"}
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except ValueError as e:
+        failed, messages = True, [str(e)]
+    if failed:
+        raise ValueError(f"the parameters of tool {json.dumps(tool['function']['name'])[:60]} cannot be followed: "
+                         f"{messages[0].splitlines()[0]}")
+    return schema
+
+
+def call_grammar(tools: list[dict], name: str | None = None, harmony: bool = False) -> str:
+    """The grammar (llguidance's Lark) of a reply that calls the function `name`, or any of `tools` (None),
+    with arguments valid under the tool's parameters: in the tags, one call or, for any tool, several; in harmony,
+    one call (the model's reply ends at <|call|>) after an analysis message if the model writes one. ValueError: a
+    tool's parameters are not a schema llguidance can follow."""
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    if harmony:
+        names = [f"fn{i}" for i in range(len(chosen))]
+        lines = ["start: analysis? call",
+                 'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
+                 r"TEXT: /(.|\n)*/", f"call: {' | '.join(names)}"]
+        lines += [f'{rule}: <|channel|> {json.dumps("commentary to=functions." + t["function"]["name"])} " " '
+                  f'<|constrain|> "json" <|message|> {_json_rule(_parameters(t))} <|call|>'
+                  for rule, t in zip(names, chosen)]
+    else:
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "arguments": _parameters(t)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+        # Qwen3 writes "\n\n" after its thinking; several calls one per line
+        lines = ["start: BREAK? call" + (' ("\\n" call)*' if name is None else ""), r"BREAK: /\n{1,2}/",
+                 f'call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}',
+                 f"body: {_json_rule({'anyOf': calls} if len(calls) > 1 else calls[0])}"]
+    return "\n".join(["%llguidance {}", *lines]) + "\n"

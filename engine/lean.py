@@ -92,11 +92,11 @@ def plan_for(model: str, engine_config: dict, sampling: dict | None = None) -> L
 
 def sampling_supported(sampling: dict) -> bool:
     """Whether the lean engine serves these SamplingParams keywords' values: no penalties, logit bias,
-    log-probabilities or JSON schema, and no seeded sampling (a seed promises the full engine's tokens, drawn from
-    torch's generator)."""
+    log-probabilities, JSON schema or grammar, and no seeded sampling (a seed promises the full engine's tokens,
+    drawn from torch's generator)."""
     sp = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     return (not sp.penalized and not sp.logit_bias and sp.logprobs is None and sp.json_schema is None
-            and (sp.greedy or sp.seed is None))
+            and sp.grammar is None and (sp.greedy or sp.seed is None))
 
 
 def _config_supported(c: Config) -> bool:

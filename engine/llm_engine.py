@@ -22,7 +22,7 @@ from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
-from nanochat.engine.structured import Constraint, Lead, grammar_tokenizer
+from nanochat.engine.structured import Constraint, Lead, grammar_tokenizer, lark_grammar, schema_grammar
 from nanochat.models.errors import one_line
 from nanochat.models.text.harmony import ANSWER_HEADER
 
@@ -52,7 +52,7 @@ class _Request:
     text: str = ""
     emitted: int = 0          # chars of `text` already sent as deltas
     history: TokenHistory | None = None   # penalized requests: seq.token_ids as a tensor, for the sampler
-    constraint: Constraint | None = None  # a json_schema request's grammar state (engine/structured.py)
+    constraint: Constraint | None = None  # a json_schema or grammar request's state (engine/structured.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -128,7 +128,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._grammar_tokenizer = None   # llguidance's view of the tokenizer, for json_schema requests
+        self._grammar_tokenizer = None   # llguidance's view of the tokenizer, for json_schema and grammar requests
         # (time, prefill tokens, decode tokens, prefill s, decode s, decode chunks, proposed, accepted) per step
         self._window: deque[tuple[float, int, int, float, float, int, int, int]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
@@ -219,23 +219,27 @@ class LLMEngine:
         return request_id
 
     def _constraint(self, sp: SamplingParams, ids: list[int]) -> Constraint | None:
-        """A json_schema request's grammar state (the engine's grammar tokenizer is built on first use); a reasoning
-        model's thinking is left free (engine/structured.py). ids: the prompt's."""
-        if sp.json_schema is None:
+        """A json_schema or grammar request's state (the engine's grammar tokenizer is built on first use); a
+        reasoning model's thinking is left free (engine/structured.py). ids: the prompt's."""
+        if sp.json_schema is None and sp.grammar is None:
             return None
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size,
                                                         self.eos_token_ids)
         try:
-            return Constraint(self._grammar_tokenizer, sp.json_schema, self._lead(), ids)
+            if sp.grammar is not None:
+                return Constraint(self._grammar_tokenizer, lark_grammar(sp.grammar), self._lead(document=False), ids,
+                                  what="grammar")
+            return Constraint(self._grammar_tokenizer, schema_grammar(sp.json_schema), self._lead(), ids)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def _lead(self) -> Lead | None:
-        """What this model writes before its answer, which a JSON schema leaves free: harmony's analysis, up to
-        its final channel's message; a reasoning model's <think> block; None for other models."""
+    def _lead(self, document: bool = True) -> Lead | None:
+        """What this model writes before what a request holds, left free: a reasoning model's <think> block;
+        harmony's analysis up to its final channel's message before a JSON document (`document`), nothing before a
+        grammar, which names harmony's channels itself; None for other models."""
         if self.loaded.chat_template.harmony:
-            return Lead(tuple(self.tokenizer.encode(ANSWER_HEADER, add_special_tokens=False)))
+            return Lead(tuple(self.tokenizer.encode(ANSWER_HEADER, add_special_tokens=False))) if document else None
         think = [self.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
         return None if None in think else Lead((think[1],), opener=think[0])
 

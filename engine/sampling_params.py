@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,10 @@ from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, SPECULATIVE, check, 
 
 # SamplingParams.json_schema for OpenAI's {"type": "json_object"}: any JSON object.
 ANY_OBJECT = '{"type":"object"}'
+# Whitespace between the tokens of a held JSON document (a schema's, or a grammar's %json): a space, or a newline
+# and up to 20 spaces or tabs (llama.cpp's json grammar). Pretty-printed documents fit; unbounded whitespace would
+# let a model pad a reply to max_tokens and never close it.
+JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})"
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class SamplingParams:
     # The reply is a JSON document valid under this JSON schema (a dict, or its JSON text; kept as compact JSON
     # text): engine/structured.py. ANY_OBJECT is OpenAI's json_object mode.
     json_schema: str | None = None
+    # The reply, from its first token past any <think> block, follows this grammar: llguidance's Lark dialect
+    # (engine/structured.py); a harmony model's grammar names its channels. nanochat serve's forced tool calls.
+    grammar: str | None = None
 
     def __post_init__(self):
         # Accept lists for convenience, keep the object hashable and immutable.
@@ -58,8 +66,11 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.json_schema is not None:
-            from nanochat.engine.structured import canonical_schema
-            object.__setattr__(self, "json_schema", canonical_schema(self.json_schema))
+            object.__setattr__(self, "json_schema", _canonical_schema(self.json_schema))
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise ValueError(f"grammar must be a Lark grammar's text, got {shown(self.grammar)}")
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("json_schema and grammar cannot both hold a reply")
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +80,19 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any penalty is on: the sampler needs this request's token ids."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _canonical_schema(schema) -> str:
+    """A JSON schema (a dict, or its JSON text) as compact JSON text (hashable, picklable). A schema must be an
+    object or a boolean."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"))   # key order kept: a model writes properties in it
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

@@ -1,4 +1,5 @@
-"""Structured output: a request's reply held to a JSON schema (OpenAI's `response_format`), token by token.
+"""Structured output: a request's reply held to a JSON schema (OpenAI's `response_format`) or to a grammar (a tool
+call that `tool_choice` forces), token by token.
 
 llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema and, at each step, gives the
 set of tokens that keep the reply a prefix of a valid document; the other tokens' logits are set to -inf
@@ -7,36 +8,22 @@ restricted to valid continuations and a greedy one takes the likeliest valid tok
 end-of-turn token once the document is complete, or as soon as the grammar admits nothing more. A speculative
 step's rows are masked along its proposals (`mask_along`), so verification keeps only what the grammar allows.
 A reasoning model thinks freely first, and a harmony model writes its analysis: the document is held from the
-answer on (`Lead`).
+answer on (`Lead`). A grammar (llguidance's Lark dialect, which names special tokens as `<|end|>` and inlines
+schemas as `%json {...}`) holds the reply from its first token, past any <think> block: it may name harmony's
+channels itself.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nanochat.engine.sampling_params import JSON_WHITESPACE
+
 if TYPE_CHECKING:
     import torch
-
-# Whitespace between JSON tokens: a space, or a newline and up to 20 spaces or tabs (llama.cpp's json grammar).
-# Pretty-printed documents fit; unbounded whitespace would let a model pad a reply to max_tokens and never close it.
-WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})"
-
-
-def canonical_schema(schema) -> str:
-    """A JSON schema (a dict, or its JSON text) as compact JSON text: SamplingParams keeps it as a
-    string (hashable, picklable). A schema must be an object or a boolean."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON ({e})") from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
-    return json.dumps(schema, separators=(",", ":"))   # key order kept: a model writes properties in it
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids) -> object:
@@ -63,27 +50,45 @@ class Lead:
     opener: int | None = None
 
 
+def schema_grammar(schema: str) -> str:
+    """llguidance's grammar for a JSON schema as SamplingParams keeps it (compact JSON text)."""
+    from llguidance import LLMatcher
+
+    if schema == "false":
+        raise ValueError("json_schema false admits no document")
+    try:   # (a boolean schema takes no options: true is the empty schema, any JSON value)
+        return LLMatcher.grammar_from_json_schema("{}" if schema == "true" else schema,
+                                                  defaults={"whitespace_pattern": JSON_WHITESPACE})
+    except ValueError as e:
+        raise ValueError(f"json_schema cannot be followed: {str(e).splitlines()[0]}") from None
+
+
+def lark_grammar(lark: str) -> str:
+    """llguidance's grammar for a Lark grammar in its dialect."""
+    from llguidance import LLMatcher
+
+    try:
+        return LLMatcher.grammar_from_lark(lark)
+    except ValueError as e:
+        raise ValueError(f"grammar cannot be followed: {str(e).splitlines()[0]}") from None
+
+
 class Constraint:
     """One request's grammar state: which tokens may come next (`mask`) and the tokens it has taken (`advance`).
-    lead: what may come before the document (None: the reply is the document from its first token); prompt_ids:
-    the prompt's, whose end may have opened the lead already (Qwen3-Thinking's template opens <think>)."""
+    grammar: llguidance's (schema_grammar, lark_grammar), `what` named in its errors; lead: what may come before
+    the document (None: the reply is the document from its first token); prompt_ids: the prompt's, whose end may
+    have opened the lead already (Qwen3-Thinking's template opens <think>)."""
 
-    def __init__(self, grammar_tokenizer, schema: str, lead: Lead | None = None, prompt_ids: list[int] = ()):
+    def __init__(self, grammar_tokenizer, grammar: str, lead: Lead | None = None, prompt_ids: list[int] = (),
+                 what: str = "json_schema"):
         from llguidance import LLMatcher
 
-        if schema == "false":
-            raise ValueError("json_schema false admits no document")
-        try:   # (a boolean schema takes no options: true is the empty schema, any JSON value)
-            grammar = LLMatcher.grammar_from_json_schema("{}" if schema == "true" else schema,
-                                                         defaults={"whitespace_pattern": WHITESPACE})
-        except ValueError as e:
-            raise ValueError(f"json_schema cannot be followed: {str(e).splitlines()[0]}") from None
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, grammar_tokenizer)
         if failed:
-            raise ValueError(f"json_schema cannot be followed: {messages[0].splitlines()[0]}")
+            raise ValueError(f"{what} cannot be followed: {messages[0].splitlines()[0]}")
         self.matcher = LLMatcher(grammar_tokenizer, grammar, log_level=0)   # (its warnings would go to stderr)
         if self.matcher.is_error():
-            raise ValueError(f"json_schema cannot be followed: {self.matcher.get_error().splitlines()[0]}")
+            raise ValueError(f"{what} cannot be followed: {self.matcher.get_error().splitlines()[0]}")
         self.vocab_size = grammar_tokenizer.vocab_size
         self._bits = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
         self.lead = lead

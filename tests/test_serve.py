@@ -457,7 +457,7 @@ def test_tool_calls_are_parsed_from_the_reply(server, monkeypatch):
     assert "does not render tools" in plain.value.body["message"]
     with pytest.raises(openai.BadRequestError) as forced:
         sdk.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS, tool_choice="required")
-    assert "tool_choice" in forced.value.body["message"]
+    assert "does not render tools" in forced.value.body["message"]
 
     given = []
 
@@ -638,6 +638,75 @@ def test_a_tool_result_goes_back_through_the_sdk_and_prefills_only_itself(tiny_m
         made_up = [messages[1], {"role": "assistant", "content": "", "tool_calls": [{**sent, "function": oslo}]},
                    result]
         assert tok.decode(prompts[-1]) == template.render(made_up, add_generation_prompt=True, tools=TOOLS)
+    finally:
+        srv.stop()
+        client.shutdown()
+
+
+def _qwen3_template_client(tiny_models, tmp_path) -> tuple[EngineClient, int]:
+    """The tiny llama under the real Qwen3 template (it renders tools), in this process; and its <|im_end|>."""
+    import shutil
+
+    from test_chat_template import QWEN3_TEMPLATE
+
+    folder = shutil.copytree(tiny_models["llama"], tmp_path / "qwen3-template")
+    for name, changes in (("tokenizer_config.json", {"chat_template": QWEN3_TEMPLATE}),
+                          ("config.json", {"max_position_embeddings": 2048})):   # room for the tools' prompt
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **changes}))
+    client = EngineClient(in_process=True)
+    client.load_model(str(folder), **{**ENGINE, "max_model_len": 2048})
+    return client, json.loads((folder / "config.json").read_text())["eos_token_id"]
+
+
+CITIES = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}}},
+          {"type": "function", "function": {"name": "get_time", "parameters": {
+              "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+              "additionalProperties": False}}}]
+
+
+def test_tool_choice_forces_a_call_of_the_tools_or_of_the_named_one(tiny_models, tmp_path):
+    """tool_choice "required" and a named function hold the random model's reply to calls with valid arguments
+    (whole and streamed); its response_format gives way (a call has no JSON answer); bad tool_choices are 400s.
+    (The random model would write calls until max_tokens: a bias on <|im_end|> ends a reply where the grammar first
+    allows it.)"""
+    client, im_end = _qwen3_template_client(tiny_models, tmp_path)
+    srv = Server(client)
+    try:
+        sdk = srv.sdk()
+        hi = [{"role": "user", "content": "the time in Paris?"}]
+        named = {"type": "function", "function": {"name": "get_time"}}
+        for choice in ("required", named):
+            for stream in (False, True):
+                kw = dict(model=MODEL, messages=hi, tools=CITIES, tool_choice=choice, max_tokens=200, temperature=0,
+                          response_format={"type": "json_object"}, logit_bias={str(im_end): 100})
+                if stream:
+                    chunks = list(sdk.chat.completions.create(**kw, stream=True))
+                    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+                    calls = [t.function for c in chunks for t in c.choices[0].delta.tool_calls or []]
+                    finish = chunks[-1].choices[0].finish_reason
+                else:
+                    whole = sdk.chat.completions.create(**kw).choices[0]
+                    content, calls = whole.message.content, [t.function for t in whole.message.tool_calls or []]
+                    finish = whole.finish_reason
+                assert not (content or "").strip() and finish == "tool_calls" and len(calls) == 1, (choice, content)
+                assert (calls[0].name, json.loads(calls[0].arguments)) in \
+                    [("get_weather", {"city": c}) for c in ("Paris", "Rome")] + \
+                    [("get_time", {"zone": z}) for z in ("UTC", "CET")], calls
+                assert choice == "required" or calls[0].name == "get_time"
+        for body, words in (({"tool_choice": "always"}, 'tool_choice must be "auto", "none", "required" or'),
+                            ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                             'tool_choice names "nope", which is not among the tools'),
+                            ({"tool_choice": "required", "tools": None}, "the request gives no tools"),
+                            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+                             "tools must be a list of"),
+                            ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+                                "name": "f", "parameters": {"type": "nope"}}}]},
+                             'the parameters of tool "f" cannot be followed: Invalid type: nope')):
+            status, answer = raw(srv, "POST", "/v1/chat/completions",
+                                 json.dumps({"model": MODEL, "messages": hi, "tools": CITIES, **body}))
+            assert status == 400 and words in answer["error"]["message"], answer
     finally:
         srv.stop()
         client.shutdown()

@@ -1,4 +1,4 @@
-"""Structured output (engine/structured.py): replies held to a JSON schema token by token.
+"""Structured output (engine/structured.py): replies held to a JSON schema, or to a grammar, token by token.
 
 The tiny models are random: whatever JSON they write, they write only because every token that would break the
 document or the schema is masked before sampling. Batched, preempted, sampled and greedy replies are checked
@@ -15,7 +15,7 @@ from nanochat.engine import LLM, SamplingParams
 from nanochat.engine.lean import sampling_supported
 from nanochat.engine.output import RequestError
 from nanochat.engine.sampling_params import ANY_OBJECT
-from nanochat.engine.structured import Constraint, Lead, canonical_schema
+from nanochat.engine.structured import Constraint, Lead, schema_grammar
 
 ARCH = "qwen3"
 PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["red", "green", "blue"]},
@@ -114,7 +114,7 @@ def test_the_mask_allows_exactly_the_valid_continuations(llm):
     (with optional whitespace), and the tokens that spell them are allowed."""
     engine = llm.engine
     engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
-    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK))
+    c = Constraint(engine._grammar_tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema))
     for token in engine.tokenizer.encode('{"ok":', add_special_tokens=False):
         assert c.allowed()[token]
         assert not c.advance(token)
@@ -130,6 +130,74 @@ def test_the_mask_allows_exactly_the_valid_continuations(llm):
 def test_the_lean_one_shot_leaves_schemas_to_the_full_engine():
     assert sampling_supported({"temperature": 0})
     assert not sampling_supported({"temperature": 0, "json_schema": ANY_OBJECT})
+    assert not sampling_supported({"temperature": 0, "grammar": 'start: "x"'})
+
+
+# ---------------------------------------------------------------------------------- grammars: forced tool calls
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, **({"parameters": parameters} if parameters else {})}}
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+SUM = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"],
+       "additionalProperties": False}
+TOOLS = [_tool("get_weather", CITY), _tool("add", SUM)]
+
+
+def _valid_call(call: dict) -> bool:
+    arguments = json.loads(call["function"]["arguments"])
+    return (call["function"]["name"] == "get_weather" and arguments.get("city") in CITY["properties"]["city"]["enum"]
+            or call["function"]["name"] == "add" and set(arguments) == {"x"} and 0 <= arguments["x"] <= 9)
+
+
+def test_a_forced_call_grammar_holds_replies_to_the_tags_and_the_tools_parameters(llm):
+    """Hermes-style calls (Qwen2.5, Qwen3): any tool, one call or more; a named one, exactly one call of it. The
+    reply parses into calls and nothing else, sampled or greedy, batched beside an unconstrained reply. (The random
+    model would write calls until max_tokens: a bias on its end-of-turn token ends the reply where the grammar
+    first allows it, after the first call.)"""
+    from nanochat.app.tool_calls import call_grammar, split
+
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], plain)[0].token_ids
+    end = {min(llm.engine.eos_token_ids): 100}
+    params = [plain, SamplingParams(temperature=0, max_tokens=300, grammar=call_grammar(TOOLS), logit_bias=end)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=300, grammar=call_grammar(TOOLS), logit_bias=end)
+               for s in range(3)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=300, grammar=call_grammar(TOOLS, "add"))
+               for s in range(3)]
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+    assert outs[0].token_ids == alone
+    for out, sp in zip(outs[1:], params[1:]):
+        content, calls = split(out.text)
+        assert out.finish_reason == "stop" and content.strip() == "" and calls, out.text
+        assert all(_valid_call(c) for c in calls), calls
+        assert len(calls) == 1 and (sp.logit_bias or calls[0]["function"]["name"] == "add"), out.text
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_forced_calls_json_has_the_bounded_whitespace_of_a_schemas(llm):
+    from nanochat.app.tool_calls import call_grammar
+    from nanochat.engine.structured import lark_grammar
+
+    engine = llm.engine
+    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
+    for spaces, valid in ((20, True), (21, False)):
+        c = Constraint(engine._grammar_tokenizer, lark_grammar(call_grammar(TOOLS, "add")), what="grammar")
+        text = '<tool_call>\n{\n' + " " * spaces + '"name": "add", "arguments": {"x": 3}}\n</tool_call>'
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        assert (c.matcher.validate_tokens(ids) == len(ids)) == valid
+
+
+def test_grammar_errors_are_clear(llm):
+    with pytest.raises(ValueError, match="json_schema and grammar cannot both"):
+        SamplingParams(json_schema=PICK, grammar='start: "x"')
+    with pytest.raises(ValueError, match="grammar must be a Lark grammar's text"):
+        SamplingParams(grammar="  ")
+    for bad in ("start: nowhere", 'start: %json {"type": "nope"}'):
+        with pytest.raises(RequestError, match="grammar cannot be followed: "):
+            llm.engine.add_request([5, 6], SamplingParams(grammar=bad))
+    assert not llm.engine.has_unfinished()
 
 
 def test_a_harmony_models_analysis_is_left_free_and_its_final_answer_held(tmp_path):
@@ -171,7 +239,7 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     think = (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
     engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
     lead = Lead((think[1],), opener=think[0])
-    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), lead, [5, 6])
+    c = Constraint(engine._grammar_tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema), lead, [5, 6])
     assert c.allowed()[think[0]] and not c.allowed()[think[1]]       # may open a block, or start the document
     assert not c.advance(think[0]) and c.allowed() is None           # thinking: anything goes
     for token in tok.encode("plan {{{ ]] no json here", add_special_tokens=False):
@@ -180,7 +248,7 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     allowed = c.allowed()
     assert not allowed[think[0]] and allowed[tok.encode("{", add_special_tokens=False)[0]]
     # a prompt that opened the block starts inside it; mask_along crosses </think> and leaves the state as it was
-    c = Constraint(engine._grammar_tokenizer, canonical_schema(PICK), lead, [5, think[0]])
+    c = Constraint(engine._grammar_tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema), lead, [5, think[0]])
     assert c.allowed() is None
     import torch
     rows = torch.zeros(3, engine.loaded.config.vocab_size)
@@ -193,3 +261,42 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=300, json_schema=PICK,
                                                 logit_bias={think[1]: 100}))[0]
     assert out.token_ids[0] == think[1] and _valid_pick(tok.decode(out.token_ids[1:]))
+
+
+def test_a_forced_call_in_harmony_follows_the_analysis(tmp_path):
+    """The tiny gpt-oss, which writes an analysis and then "Hello!" in the final channel, under a forced call: its
+    analysis is its own, then a commentary message to the function with arguments under the tool's parameters, and
+    the reply ends at <|call|>."""
+    from test_gpt_oss import make_harmony_gpt_oss
+
+    from nanochat.app.tool_calls import call_grammar
+    from nanochat.models.text.harmony import split_harmony as split
+
+    llm = LLM(str(make_harmony_gpt_oss(tmp_path / "harmony")), dtype="float32", max_model_len=256)
+    engine = llm.engine
+    prompt = engine.loaded.chat_template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60))[0]
+    for name in (None, "add"):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120,
+                                                    grammar=call_grammar(TOOLS, name, harmony=True)))[0]
+        raw = engine.tokenizer.decode(out.token_ids)
+        reply = split(raw)
+        assert reply.reasoning == split(engine.tokenizer.decode(free.token_ids)).reasoning == "Let me think~"
+        assert out.finish_reason == "stop" and reply.answer == "" and len(reply.calls) == 1, raw
+        assert _valid_call(reply.calls[0]) and name in (None, reply.calls[0]["function"]["name"]), raw
+        assert "<|channel|>commentary to=functions." in raw and raw.endswith("<|call|>"), raw
+
+
+def test_a_reasoning_model_thinks_before_a_forced_call(thinker):
+    """Qwen3's <think> block stays free before the calls, as before a JSON document."""
+    from nanochat.app.tool_calls import call_grammar, split
+
+    llm = LLM(str(thinker), dtype="float32", max_model_len=512)
+    tok = llm.engine.tokenizer
+    think = (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
+    prompt = [*tok.encode("hello", add_special_tokens=False), think[0]]   # the prompt opens the block
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=300, grammar=call_grammar(TOOLS, "add"),
+                                                logit_bias={think[1]: 100}))[0]
+    assert out.token_ids[0] == think[1]
+    content, calls = split(tok.decode(out.token_ids[1:]))
+    assert out.finish_reason == "stop" and not content.strip() and len(calls) == 1 and _valid_call(calls[0])
