@@ -430,6 +430,24 @@ def test_serve_returns_the_final_channel_as_content_and_the_analysis_as_reasonin
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == ANALYSIS
         with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
             sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, reasoning_effort="extreme")
+        # a forced call: the analysis as reasoning, then the call as a commentary message, streamed too
+        tools = [{"type": "function", "function": {"name": "get_time", "description": "The time.", "parameters": {
+            "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+            "additionalProperties": False}}}]
+        for stream in (False, True):
+            kw = dict(model=MODEL, messages=messages, temperature=0, max_tokens=80, tools=tools,
+                      tool_choice={"type": "function", "function": {"name": "get_time"}})
+            if stream:
+                deltas = [c.choices[0].delta for c in sdk.chat.completions.create(**kw, stream=True) if c.choices]
+                content = "".join(d.content or "" for d in deltas)
+                reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+                calls = [t.function for d in deltas for t in d.tool_calls or []]
+            else:
+                message = sdk.chat.completions.create(**kw).choices[0].message
+                content, reasoning = message.content, message.model_extra["reasoning_content"]
+                calls = [t.function for t in message.tool_calls or []]
+            assert not content and reasoning == ANALYSIS and [c.name for c in calls] == ["get_time"], (content, calls)
+            assert json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
     finally:
         server.stop()
         client.shutdown()
