@@ -21,9 +21,10 @@ from pathlib import Path
 from nanochat.app.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, UsageError,
                                  debug_enabled, one_line, report)
 from nanochat.app.terminal_text import for_stream
-from nanochat.app.options import (add_engine_options, add_option, argv_text, engine_config, json_schema_arg, pick,
-                                  positive_int, penalty_float, reasoning_effort_word, repetition_penalty_float,
-                                  resolve_model, sampling_options, seed_int, temperature_float, top_k_int, top_p_float)
+from nanochat.app.options import (add_engine_options, add_option, argv_text, engine_config, grammar_arg,
+                                  json_schema_arg, pick, positive_int, penalty_float, reasoning_effort_word,
+                                  repetition_penalty_float, resolve_model, sampling_options, seed_int,
+                                  temperature_float, top_k_int, top_p_float)
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,6 +75,8 @@ def add_oneshot_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--json", action="store_true", help="print one JSON object per prompt on stdout")
     add_option(parser, suppress, "--json-schema", type=json_schema_arg, metavar="SCHEMA",
                help="hold the reply to this JSON schema (its JSON text, or @FILE), or to any JSON object (`object`)")
+    add_option(parser, suppress, "--grammar", type=grammar_arg, metavar="GRAMMAR",
+               help="hold the reply to this grammar: GBNF as llama.cpp's (`root ::= ...`) or Lark (its text, or @FILE)")
     add_thinking_option(parser, suppress)
     add_option(parser, suppress, "--quiet", "-q", action="store_true", help="no progress or stats on stderr")
 

@@ -23,10 +23,10 @@ Sessions are kept in LRU order, at most `max_sessions`.
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
 SamplingParams itself. Besides OpenAI's fields a request may state vLLM's top_k, repetition_penalty and
-ignore_eos, and `speculative` (off, ngram or draft): its speculative decoding proposer. Errors are
-OpenAI's error object: 400 a bad request or a prompt over the context, 401 a bad key, 404 an unknown
-model or path, 413 a body over the limit, 429 too many sequences in flight, 503 while the engine
-restarts after a crash.
+ignore_eos, llama.cpp's `grammar` (GBNF or Lark: what the answer follows), and `speculative` (off, ngram or
+draft): its speculative decoding proposer. Errors are OpenAI's error object: 400 a bad request or a prompt over
+the context, 401 a bad key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in
+flight, 503 while the engine restarts after a crash.
 """
 
 from __future__ import annotations
@@ -188,6 +188,13 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
     schema = response_schema(body.get("response_format"))
     if schema is not None:
         stated["json_schema"] = schema
+    grammar = body.get("grammar")   # llama.cpp server's extra: GBNF (or Lark)
+    if grammar is not None:
+        if not (isinstance(grammar, str) and grammar.strip()):
+            raise _type_error("grammar", "a grammar's text (GBNF or Lark)", grammar)
+        if schema is not None:
+            raise ApiError(400, "grammar and response_format cannot both hold a reply", param="grammar")
+        stated["grammar"] = grammar
     if _flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
         stated["ignore_eos"] = True
     for name, rule in REQUEST_RULES.items():   # nanochat's extra: the request's speculative proposer
@@ -788,6 +795,8 @@ class Api:
             gen.tools, forced = parse_tools(body, bool(model and model.tools))
             gen.harmony = bool(model and model.harmony)
             if forced:   # the reply is calls, so no JSON document of response_format's either
+                if gen.sampling.grammar is not None:
+                    raise ApiError(400, "grammar and a forced tool call cannot both hold a reply", param="grammar")
                 try:
                     grammar = call_grammar(gen.tools, None if forced is True else forced, gen.harmony)
                 except ValueError as e:

@@ -119,15 +119,30 @@ def json_schema_arg(raw: str) -> str:
     if raw == "object":
         return ANY_OBJECT
     if raw.startswith("@"):
-        try:
-            with open(raw[1:], encoding="utf-8") as f:
-                raw = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise argparse.ArgumentTypeError(f"cannot read {shown(raw[1:])} ({e.__class__.__name__})") from None
+        raw = _read_arg_file(raw[1:])
     try:
         return SamplingParams(json_schema=raw).json_schema
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def grammar_arg(raw: str) -> str:
+    """argparse `type=` for --grammar: @FILE (a grammar file) or the grammar's text, GBNF or Lark (whether it can
+    be followed is the engine's check, at the request)."""
+    if raw.startswith("@"):
+        raw = _read_arg_file(raw[1:])
+    try:
+        return SamplingParams(grammar=raw).grammar
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _read_arg_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {shown(path)} ({e.__class__.__name__})") from None
 
 
 def name_arg(raw: str) -> str:
@@ -246,6 +261,7 @@ def sampling_options(args, settings) -> dict:
     if getattr(args, "ignore_eos", False):
         opts["ignore_eos"] = True
     opts["json_schema"] = getattr(args, "json_schema", None)   # one-shots only
+    opts["grammar"] = getattr(args, "grammar", None)
     opts = {k: v for k, v in opts.items() if v is not None}
     try:   # every command checks them before it loads a model
         SamplingParams(**effective_sampling(opts))

@@ -12,12 +12,14 @@ line on stdout (errors as {"error": "..."}).
     {"cmd": "decode", "ids": [...], "n": N}                    -> {"seconds", "tokens", "ids"} (timed after the
                                                                   first token; ids: the n greedy tokens)
     {"cmd": "serve", "requests": [[ids, n], ...]}              -> {"seconds", "tokens"} (one after another)
-    {"cmd": "lookup_generate", "ids": [...], "n": N, "stop_ids": [...], "lookup": K, "json_schema": S}
+    {"cmd": "lookup_generate", "ids": [...], "n": N, "stop_ids": [...], "lookup": K, "json_schema": S,
+     "grammar": G}
                                                                -> {"seconds", "tokens", "ids"}: greedy through
                                                                   Llama.generate, with prompt-lookup decoding
                                                                   (LlamaPromptLookupDecoding, K proposed tokens)
                                                                   when K > 0, plainly when 0; stops at stop_ids;
-                                                                  held to JSON schema S (llama.cpp's GBNF) if given
+                                                                  held to JSON schema S (llama.cpp's GBNF) or to
+                                                                  the GBNF grammar G if given
     {"cmd": "multi_turn", "turns": N, "user_tokens": N, "reply_tokens": N, "seed": N, "id_max": N}
                                                                -> {"ttft_ms": [per turn], "ratio": last / first}
     {"cmd": "quit"}
@@ -192,6 +194,8 @@ def cmd_lookup_generate(req: dict) -> dict:
     grammar = None
     if req.get("json_schema"):   # llama.cpp's own JSON-schema grammar (GBNF), as its server builds for response_format
         grammar = llama_cpp.LlamaGrammar.from_json_schema(req["json_schema"], verbose=False)
+    elif req.get("grammar"):
+        grammar = llama_cpp.LlamaGrammar.from_string(req["grammar"], verbose=False)
     out, t_first = [], None
     for token in llm.generate(req["ids"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True,
                               grammar=grammar):

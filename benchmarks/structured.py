@@ -1,22 +1,23 @@
-"""Structured output, single stream, greedy: what holding a reply to a JSON schema costs, and what prompt lookup
-gives back on replies that copy their prompt, beside llama.cpp's own JSON-schema grammar (GBNF, what its server
-builds for response_format) on the same file.
+"""Structured output, single stream, greedy: what holding a reply to a JSON schema or a GBNF grammar costs, and what
+prompt lookup gives back on replies that copy their prompt, beside llama.cpp's own JSON-schema grammar (GBNF, what its
+server builds for response_format) and its own GBNF sampler on the same file.
 
     python benchmarks/structured.py [--model FILE] [--peer-python /path/to/python] [--repeats 3] [--threads 2]
 
-Each task is a chat turn (the model's template) with a schema. nanochat runs it unconstrained ("free"),
-constrained with speculation off, and constrained with prompt lookup; llama-cpp-python runs it unconstrained and
-with the schema's grammar. "free" replies are other tokens (the model writes prose around its JSON): their tok/s
-is the engine's plain speed, for scale.
+Each task is a chat turn (the model's template) with a schema or a GBNF grammar. nanochat runs it unconstrained
+("free"), constrained with speculation off, and constrained with prompt lookup; llama-cpp-python runs it
+unconstrained and with the schema's grammar, or the same GBNF. "free" replies are other tokens (the model writes
+prose around its JSON): their tok/s is the engine's plain speed, for scale.
 tok/s: reply tokens after the first over the time after the first (as benchmarks/speculative.py). Medians over
---repeats, the engines alternating. Each row also says whether the constrained reply parses and matches the
-schema's required keys.
+--repeats, the engines alternating. Each row also says whether the constrained reply is valid: it parses and has
+the schema's required keys, or it matches the regex beside the grammar.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -42,13 +43,25 @@ TASKS = {
                                                  "hobbies": {"type": "array", "items": {"type": "string"},
                                                              "maxItems": 5}},
                 "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}),
+    # GBNF grammars (the same text for both engines) and the regex their replies must match
+    "gbnf: bullets": ("List five fruits, one per line, each line starting with a dash.",
+                      ('root ::= item ("\\n" item){4}\nitem ::= "- " [A-Za-z][a-z ]{0,30}\n',
+                       r"- [A-Za-z][a-z ]{0,30}(\n- [A-Za-z][a-z ]{0,30}){4}")),
+    "gbnf: answer": ("Is Paris the capital of France? Answer yes or no, then give one short reason.",
+                     ('root ::= ("Yes" | "No") ", because " [a-zA-Z ,]{1,80} "."\n',
+                      r"(Yes|No), because [a-zA-Z ,]{1,80}\.")),
 }
 
 
-def run(engine, ids, schema, mode, max_tokens):
+def held(spec) -> dict:
+    """SamplingParams' keywords for a task's schema (a dict) or GBNF grammar (its text and the reply's regex)."""
+    return {"grammar": spec[0]} if isinstance(spec, tuple) else {"json_schema": spec}
+
+
+def run(engine, ids, spec, mode, max_tokens):
     from nanochat.engine import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, speculative=mode, json_schema=schema)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, speculative=mode, **(held(spec) if spec else {}))
     rid = engine.add_request(ids, sp)
     tokens, text, final = [], "", None
     while final is None:
@@ -60,7 +73,10 @@ def run(engine, ids, schema, mode, max_tokens):
     return tokens, text, final.stats.decode_tok_s or 0.0
 
 
-def valid(text: str, schema: dict) -> bool:
+def valid(text: str, spec) -> bool:
+    if isinstance(spec, tuple):
+        return re.fullmatch(spec[1], text) is not None
+    schema = spec
     try:
         value = json.loads(text)
     except ValueError:
@@ -94,7 +110,7 @@ def main(argv=None) -> int:
         peer = WorkerRunner("llama.cpp", HERE / "llamacpp_worker.py", args.peer_python,
                             {"model": model, "threads": args.threads, "n_ctx": 4096}, env)
     names = ["free", "schema", "schema+lookup"] + (["llama.cpp free", "llama.cpp schema"] if peer else [])
-    print(f"### {Path(model).name}: JSON schema replies, greedy, 1 stream, {args.threads} threads, "
+    print(f"### {Path(model).name}: JSON schema and GBNF replies, greedy, 1 stream, {args.threads} threads, "
           f"{args.repeats} repeats (median), nanochat ISA {cpu_qgemv.simd_level()}\n")
     print("| task | reply tokens (schema) | " + " | ".join(f"{n} tok/s" for n in names)
           + " | lookup / schema | nanochat / llama.cpp | valid (nanochat, llama.cpp) |")
@@ -106,8 +122,11 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for name in (names if rep % 2 == 0 else names[::-1]):
                 if name.startswith("llama.cpp"):
+                    constrained = held(schema) if name.endswith("schema") else {}
                     r = peer._call({"cmd": "lookup_generate", "ids": ids, "n": args.max_tokens, "stop_ids": stop,
-                                    "lookup": 0, "json_schema": json.dumps(schema) if name.endswith("schema") else None})
+                                    "lookup": 0, "grammar": constrained.get("grammar"),
+                                    "json_schema": json.dumps(constrained["json_schema"])
+                                    if "json_schema" in constrained else None})
                     tokens, tok_s = r["ids"], r["tokens"] / r["seconds"] if r["seconds"] else 0.0
                     body = tokens[:-1] if tokens and tokens[-1] in stop else tokens
                     outs[name] = (tokens, engine.tokenizer.decode(body))

@@ -24,7 +24,7 @@ from nanochat.engine.sequence import Sequence
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
 from nanochat.engine.structured import Constraint, Lead, grammar_tokenizer, lark_grammar, schema_grammar
 from nanochat.models.errors import one_line
-from nanochat.models.text.harmony import ANSWER_HEADER
+from nanochat.models.text.harmony import ANSWER_HEADER, CHANNEL
 
 
 @contextmanager
@@ -228,18 +228,18 @@ class LLMEngine:
                                                         self.eos_token_ids)
         try:
             if sp.grammar is not None:
-                return Constraint(self._grammar_tokenizer, lark_grammar(sp.grammar), self._lead(document=False), ids,
-                                  what="grammar")
+                lead = self._lead(answer=CHANNEL not in sp.grammar)
+                return Constraint(self._grammar_tokenizer, lark_grammar(sp.grammar), lead, ids, what="grammar")
             return Constraint(self._grammar_tokenizer, schema_grammar(sp.json_schema), self._lead(), ids)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def _lead(self, document: bool = True) -> Lead | None:
-        """What this model writes before what a request holds, left free: a reasoning model's <think> block;
-        harmony's analysis up to its final channel's message before a JSON document (`document`), nothing before a
-        grammar, which names harmony's channels itself; None for other models."""
+    def _lead(self, answer: bool = True) -> Lead | None:
+        """What this model writes before what a request holds, left free: a reasoning model's <think> block; a harmony
+        model's analysis up to its final channel's message, unless what is held is not the `answer` (a grammar that
+        names harmony's channels holds the whole reply); None for other models."""
         if self.loaded.chat_template.harmony:
-            return Lead(tuple(self.tokenizer.encode(ANSWER_HEADER, add_special_tokens=False))) if document else None
+            return Lead(tuple(self.tokenizer.encode(ANSWER_HEADER, add_special_tokens=False))) if answer else None
         think = [self.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
         return None if None in think else Lead((think[1],), opener=think[0])
 

@@ -41,8 +41,9 @@ class SamplingParams:
     # The reply is a JSON document valid under this JSON schema (a dict, or its JSON text; kept as compact JSON
     # text): engine/structured.py. ANY_OBJECT is OpenAI's json_object mode.
     json_schema: str | None = None
-    # The reply, from its first token past any <think> block, follows this grammar: llguidance's Lark dialect
-    # (engine/structured.py); a harmony model's grammar names its channels. nanochat serve's forced tool calls.
+    # The answer follows this grammar, as json_schema's does (a model's thinking stays free): llguidance's Lark
+    # dialect or llama.cpp's GBNF (engine/structured.py). One that names harmony's channels (<|channel|>) holds a
+    # harmony model's whole reply: nanochat serve's forced tool calls.
     grammar: str | None = None
 
     def __post_init__(self):

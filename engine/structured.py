@@ -9,8 +9,8 @@ end-of-turn token once the document is complete, or as soon as the grammar admit
 step's rows are masked along its proposals (`mask_along`), so verification keeps only what the grammar allows.
 A reasoning model thinks freely first, and a harmony model writes its analysis: the document is held from the
 answer on (`Lead`). A grammar (llguidance's Lark dialect, which names special tokens as `<|end|>` and inlines
-schemas as `%json {...}`) holds the reply from its first token, past any <think> block: it may name harmony's
-channels itself.
+schemas as `%json {...}`, or llama.cpp's GBNF) holds the answer the same way, unless it names harmony's channels
+itself (a forced tool call's grammar): then it holds the whole reply.
 """
 
 from __future__ import annotations
@@ -63,13 +63,14 @@ def schema_grammar(schema: str) -> str:
         raise ValueError(f"json_schema cannot be followed: {str(e).splitlines()[0]}") from None
 
 
-def lark_grammar(lark: str) -> str:
-    """llguidance's grammar for a Lark grammar in its dialect."""
+def lark_grammar(text: str) -> str:
+    """llguidance's grammar for a grammar in its Lark dialect or in llama.cpp's GBNF (`root ::= ...`)."""
     from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
 
     try:
-        return LLMatcher.grammar_from_lark(lark)
-    except ValueError as e:
+        return LLMatcher.grammar_from_lark(any_to_lark(text))
+    except Exception as e:   # (the GBNF converter raises its own error type)
         raise ValueError(f"grammar cannot be followed: {str(e).splitlines()[0]}") from None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -215,6 +216,9 @@ def test_bad_flag_and_bad_value_exit_2(home):
     (["--json-schema", "{oops"], "json_schema is not valid JSON"),
     (["--json-schema", "[1]"], "must be a JSON object"),
     (["--json-schema", "@/no/such/schema.json"], "cannot read"),
+    (["--grammar", "@/no/such/grammar.gbnf"], "cannot read"),
+    (["--grammar", " "], "grammar must be a Lark grammar's text"),
+    (["--grammar", 'root ::= "x"', "--json-schema", "object"], "json_schema and grammar cannot both hold a reply"),
 ])
 def test_usage_errors(home, capsys, args, fragment):
     assert cli.main(["--prompt", "hi", *args]) == 2
@@ -298,6 +302,23 @@ def test_a_json_schema_holds_the_one_shots_reply(home, tiny, tmp_path, capsys):
     code = cli.main(["--model", tiny, "--prompt", "hi", "--json-schema", '{"type": "nope"}'])
     captured = capsys.readouterr()
     assert_one_line_error(code, captured.err, 1, "json_schema cannot be followed")
+    assert captured.out == ""
+
+
+def test_a_grammar_holds_the_one_shots_reply(home, tiny, tmp_path, capsys):
+    """llama.cpp's GBNF, from a file or inline; a grammar that cannot be followed is a one-line error."""
+    grammar = tmp_path / "list.gbnf"
+    grammar.write_text('root ::= item ("\\n" item){2}\nitem ::= "- " [a-z]{1,8}\n')
+    for seed in ("1", "2"):
+        assert cli.main(["--model", tiny, "--prompt", "hi", "--grammar", f"@{grammar}", "--max-tokens", "60",
+                         "--temperature", "1", "--seed", seed, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert re.fullmatch(r"- [a-z]{1,8}(\n- [a-z]{1,8}){2}", out["text"]) and out["finish_reason"] == "stop", out
+    assert cli.main(["--model", tiny, "--prompt", "hi", "--grammar", 'root ::= "ok"', "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "ok\n"
+    code = cli.main(["--model", tiny, "--prompt", "hi", "--grammar", "root ::= ("])
+    captured = capsys.readouterr()
+    assert_one_line_error(code, captured.err, 1, "grammar cannot be followed")
     assert captured.out == ""
 
 

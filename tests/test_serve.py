@@ -10,6 +10,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,6 +230,29 @@ def test_response_format_holds_replies_to_json_and_to_a_schema(server):
     assert reply.choices[0].message.content.lstrip().startswith("{")
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+YES_NO = 'root ::= ("yes" | "no") " " [0-9]'
+
+
+def test_a_grammar_holds_chat_and_completion_replies(server):
+    """llama.cpp's `grammar` extra (GBNF; Lark too), on both endpoints; beside response_format, or not text, a 400."""
+    sdk = server.sdk()
+    hi = [{"role": "user", "content": "Hello"}]
+    for seed in range(3):
+        chat = sdk.chat.completions.create(model=MODEL, messages=hi, max_tokens=20, temperature=1.0, seed=seed,
+                                           extra_body={"grammar": YES_NO})
+        done = sdk.completions.create(model=MODEL, prompt="The fox", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"grammar": 'start: "maybe" | "never"'})
+        assert re.fullmatch("(yes|no) [0-9]", chat.choices[0].message.content), chat.choices[0]
+        assert done.choices[0].text in ("maybe", "never") and done.choices[0].finish_reason == "stop"
+    for body, words in (({"grammar": 5}, "grammar must be a grammar's text"),
+                        ({"grammar": YES_NO, "response_format": {"type": "json_object"}},
+                         "grammar and response_format cannot both hold a reply"),
+                        ({"grammar": "root ::= ("}, "grammar cannot be followed")):
+        status, answer = raw(server, "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": hi,
+                                                                                  **body}))
+        assert status == 400 and words in answer["error"]["message"], answer
 
 
 def test_completions_and_models(server):
@@ -699,6 +723,8 @@ def test_tool_choice_forces_a_call_of_the_tools_or_of_the_named_one(tiny_models,
                             ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
                              'tool_choice names "nope", which is not among the tools'),
                             ({"tool_choice": "required", "tools": None}, "the request gives no tools"),
+                            ({"tool_choice": "required", "grammar": 'root ::= "x"'},
+                             "grammar and a forced tool call cannot both hold a reply"),
                             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
                              "tools must be a list of"),
                             ({"tool_choice": "required", "tools": [{"type": "function", "function": {

@@ -8,6 +8,7 @@ against the schema; an unconstrained reply in the same batch is unchanged.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -263,7 +264,18 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     assert out.token_ids[0] == think[1] and _valid_pick(tok.decode(out.token_ids[1:]))
 
 
-def test_a_forced_call_in_harmony_follows_the_analysis(tmp_path):
+def test_a_gbnf_grammar_holds_replies_as_llama_cpps_does(llm):
+    """llama.cpp's GBNF (converted by llguidance) and the same grammar in Lark hold sampled replies alike."""
+    gbnf = 'root ::= word (", " word){1,2} "."\nword ::= [a-z]{2,5}'
+    lark = 'start: WORD (", " WORD){1,2} "."\nWORD: /[a-z]{2,5}/'
+    for grammar in (gbnf, lark):
+        outs = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=s, max_tokens=60, grammar=grammar)
+                                      for s in range(len(PROMPTS))])
+        for out in outs:
+            assert re.fullmatch(r"[a-z]{2,5}(, [a-z]{2,5}){1,2}\.", out.text) and out.finish_reason == "stop", out
+
+
+def test_in_harmony_a_forced_call_follows_the_analysis_and_a_grammar_holds_the_answer(tmp_path):
     """The tiny gpt-oss, which writes an analysis and then "Hello!" in the final channel, under a forced call: its
     analysis is its own, then a commentary message to the function with arguments under the tool's parameters, and
     the reply ends at <|call|>."""
@@ -285,6 +297,10 @@ def test_a_forced_call_in_harmony_follows_the_analysis(tmp_path):
         assert out.finish_reason == "stop" and reply.answer == "" and len(reply.calls) == 1, raw
         assert _valid_call(reply.calls[0]) and name in (None, reply.calls[0]["function"]["name"]), raw
         assert "<|channel|>commentary to=functions." in raw and raw.endswith("<|call|>"), raw
+    # a grammar that does not name the channels holds the answer, as a schema does: the final channel's text
+    held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120, grammar='root ::= "Bye" [!?]'))[0]
+    reply = split(engine.tokenizer.decode(held.token_ids))
+    assert reply.reasoning == "Let me think~" and reply.answer in ("Bye!", "Bye?") and held.finish_reason == "stop"
 
 
 def test_a_reasoning_model_thinks_before_a_forced_call(thinker):
