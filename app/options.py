@@ -116,33 +116,27 @@ def argv_text(raw: str) -> str:
 def json_schema_arg(raw: str) -> str:
     """argparse `type=` for --json-schema: `object` (any JSON object), @FILE (a schema file) or the schema's JSON
     text; checked here as JSON (whether it can be followed is the engine's check, at the request)."""
-    if raw == "object":
-        return ANY_OBJECT
-    if raw.startswith("@"):
-        raw = _read_arg_file(raw[1:])
-    try:
-        return SamplingParams(json_schema=raw).json_schema
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return ANY_OBJECT if raw == "object" else _held_arg(raw, "json_schema")
 
 
 def grammar_arg(raw: str) -> str:
     """argparse `type=` for --grammar: @FILE (a grammar file) or the grammar's text, GBNF or Lark (whether it can
     be followed is the engine's check, at the request)."""
+    return _held_arg(raw, "grammar")
+
+
+def _held_arg(raw: str, field: str) -> str:
+    """What holds a one-shot's reply (SamplingParams' json_schema or grammar), from its text or @FILE."""
     if raw.startswith("@"):
-        raw = _read_arg_file(raw[1:])
+        try:
+            with open(raw[1:], encoding="utf-8") as f:
+                raw = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {shown(raw[1:])} ({e.__class__.__name__})") from None
     try:
-        return SamplingParams(grammar=raw).grammar
+        return getattr(SamplingParams(**{field: raw}), field)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _read_arg_file(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read {shown(path)} ({e.__class__.__name__})") from None
 
 
 def name_arg(raw: str) -> str:
