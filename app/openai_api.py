@@ -794,14 +794,20 @@ class Api:
             gen.system, gen.history, gen.turn = parse_messages(body.get("messages"), self.config.max_messages)
             gen.tools, forced = parse_tools(body, bool(model and model.tools))
             gen.harmony = bool(model and model.harmony)
-            if forced:   # the reply is calls, so no JSON document of response_format's either
-                if gen.sampling.grammar is not None:
-                    raise ApiError(400, "grammar and a forced tool call cannot both hold a reply", param="grammar")
+            parallel = body.get("parallel_tool_calls", True)
+            if not isinstance(parallel, bool):
+                raise _type_error("parallel_tool_calls", "true or false", parallel)
+            if forced and gen.sampling.grammar is not None:
+                raise ApiError(400, "grammar and a forced tool call cannot both hold a reply", param="grammar")
+            # A forced call replaces response_format (the reply is calls, no JSON answer); "auto" under a schema or a
+            # grammar writes no calls, so there is nothing more to hold.
+            if gen.tools and (forced or gen.sampling.json_schema is None and gen.sampling.grammar is None):
                 try:
-                    grammar = call_grammar(gen.tools, None if forced is True else forced, gen.harmony)
+                    grammar = call_grammar(gen.tools, forced, gen.harmony, parallel)
                 except ValueError as e:
                     raise ApiError(400, str(e), param="tools") from None
-                gen.sampling = replace(gen.sampling, json_schema=None, grammar=grammar)
+                if grammar is not None:
+                    gen.sampling = replace(gen.sampling, json_schema=None, grammar=grammar)
             gen.reasoning_effort = parse_reasoning_effort(body, model.reasoning_efforts if model else ())
             if not (model and model.tools) and any(m["role"] == "tool" or m.get("tool_calls")
                                                    for m in gen.history + gen.turn):

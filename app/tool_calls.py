@@ -106,12 +106,17 @@ def _parameters(tool: dict) -> dict:
     return schema
 
 
-def call_grammar(tools: list[dict], name: str | None = None, harmony: bool = False) -> str:
-    """The grammar (llguidance's Lark) of a reply that calls the function `name`, or any of `tools` (None),
-    with arguments valid under the tool's parameters: in the tags, one call or, for any tool, several; in harmony,
-    one call (the model's reply ends at <|call|>) after an analysis message if the model writes one. ValueError: a
-    tool's parameters are not a schema llguidance can follow."""
-    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+def call_grammar(tools: list[dict], choice: bool | str, harmony: bool = False, parallel: bool = True) -> str | None:
+    """The grammar (llguidance's Lark) that holds a reply to OpenAI's tool_choice: `choice` True ("required": a call
+    of any of `tools`), a function's name (a call of it) or False ("auto": the model decides), and to
+    parallel_tool_calls (`parallel`). A call's arguments are valid under its tool's parameters. In the tags: a
+    forced call, or one or more where parallel calls are allowed; "auto" without parallel calls: text, or text and
+    one call that ends the reply. In harmony a reply holds one call at most (it ends at <|call|>): a forced one comes
+    after an analysis message if the model writes one. None: nothing to hold ("auto" otherwise). ValueError: a tool's
+    parameters are not a schema llguidance can follow."""
+    if choice is False and (harmony or parallel):
+        return None
+    chosen = [t for t in tools if isinstance(choice, bool) or t["function"]["name"] == choice]
     if harmony:
         names = [f"fn{i}" for i in range(len(chosen))]
         lines = ["start: analysis? call",
@@ -120,12 +125,15 @@ def call_grammar(tools: list[dict], name: str | None = None, harmony: bool = Fal
         lines += [f'{rule}: <|channel|> {json.dumps("commentary to=functions." + t["function"]["name"])} " " '
                   f'<|constrain|> "json" <|message|> {_json_rule(_parameters(t))} <|call|>'
                   for rule, t in zip(names, chosen)]
-    else:
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "arguments": _parameters(t)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
-        # Qwen3 writes "\n\n" after its thinking; several calls one per line
-        lines = ["start: BREAK? call" + (' ("\\n" call)*' if name is None else ""), r"BREAK: /\n{1,2}/",
-                 f'call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}',
-                 f"body: {_json_rule({'anyOf': calls} if len(calls) > 1 else calls[0])}"]
+        return "\n".join(["%llguidance {}", *lines]) + "\n"
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+    close = json.dumps("\n" + CLOSE)
+    lines = [f"body: {_json_rule({'anyOf': calls} if len(calls) > 1 else calls[0])}"]
+    if choice is False:   # text without the opening tag; or text up to the first one (lazily), and its call
+        lines += [f"start: TEXT | head body {close}", r"TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",
+                  r"head[lazy]: /(?s:.*)<tool_call>\n/"]
+    else:   # Qwen3 writes "\n\n" after its thinking; several calls one per line
+        lines += ["start: BREAK? call" + (' ("\\n" call)*' if choice is True and parallel else ""),
+                  r"BREAK: /\n{1,2}/", f'call: {json.dumps(OPEN + chr(10))} body {close}']
     return "\n".join(["%llguidance {}", *lines]) + "\n"

@@ -719,10 +719,15 @@ def test_tool_choice_forces_a_call_of_the_tools_or_of_the_named_one(tiny_models,
                     [("get_weather", {"city": c}) for c in ("Paris", "Rome")] + \
                     [("get_time", {"zone": z}) for z in ("UTC", "CET")], calls
                 assert choice == "required" or calls[0].name == "get_time"
+        # without parallel calls a forced call ends the reply by itself (no bias)
+        whole = sdk.chat.completions.create(model=MODEL, messages=hi, tools=CITIES, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=200, temperature=0).choices[0]
+        assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
         for body, words in (({"tool_choice": "always"}, 'tool_choice must be "auto", "none", "required" or'),
                             ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
                              'tool_choice names "nope", which is not among the tools'),
                             ({"tool_choice": "required", "tools": None}, "the request gives no tools"),
+                            ({"parallel_tool_calls": "no"}, "parallel_tool_calls must be true or false"),
                             ({"tool_choice": "required", "grammar": 'root ::= "x"'},
                              "grammar and a forced tool call cannot both hold a reply"),
                             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},

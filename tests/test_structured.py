@@ -162,18 +162,23 @@ def test_a_forced_call_grammar_holds_replies_to_the_tags_and_the_tools_parameter
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], plain)[0].token_ids
     end = {min(llm.engine.eos_token_ids): 100}
-    params = [plain, SamplingParams(temperature=0, max_tokens=300, grammar=call_grammar(TOOLS), logit_bias=end)]
-    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=300, grammar=call_grammar(TOOLS), logit_bias=end)
-               for s in range(3)]
+    params = [plain, SamplingParams(temperature=0, max_tokens=300, grammar=call_grammar(TOOLS, True), logit_bias=end)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=300, grammar=call_grammar(TOOLS, True),
+                              logit_bias=end) for s in range(3)]
     params += [SamplingParams(temperature=1.0, seed=s, max_tokens=300, grammar=call_grammar(TOOLS, "add"))
                for s in range(3)]
+    # required without parallel calls: the reply ends after its call, without the bias
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=300, grammar=call_grammar(TOOLS, True,
+                                                                                           parallel=False))
+               for s in range(2)]
     outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
     assert outs[0].token_ids == alone
     for out, sp in zip(outs[1:], params[1:]):
         content, calls = split(out.text)
         assert out.finish_reason == "stop" and content.strip() == "" and calls, out.text
         assert all(_valid_call(c) for c in calls), calls
-        assert len(calls) == 1 and (sp.logit_bias or calls[0]["function"]["name"] == "add"), out.text
+        assert len(calls) == 1 and (sp.logit_bias or "get_weather" in sp.grammar
+                                    or calls[0]["function"]["name"] == "add"), out.text
     assert not llm.engine.has_unfinished()
 
 
@@ -188,6 +193,35 @@ def test_a_forced_calls_json_has_the_bounded_whitespace_of_a_schemas(llm):
         text = '<tool_call>\n{\n' + " " * spaces + '"name": "add", "arguments": {"x": 3}}\n</tool_call>'
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         assert (c.matcher.validate_tokens(ids) == len(ids)) == valid
+
+
+def test_auto_without_parallel_calls_leaves_text_free_and_ends_after_one_call(llm):
+    """tool_choice "auto" with parallel_tool_calls false: any text without the opening tag, or text and one call of
+    valid arguments, after which only the end may come."""
+    from nanochat.app.tool_calls import call_grammar
+    from nanochat.engine.structured import lark_grammar
+
+    assert call_grammar(TOOLS, False) is None   # parallel calls allowed: nothing to hold
+    engine = llm.engine
+    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
+    grammar = lark_grammar(call_grammar(TOOLS, False, parallel=False))
+    call = '<tool_call>\n{"name": "add", "arguments": {"x": 3}}\n</tool_call>'
+    for text, taken, stopped in (("No tools needed, <tool> is not a tag.", True, False),
+                                 (f"Let me add.\n{call}", True, True),
+                                 (f"Let me add.\n{call}\n{call}", False, None),
+                                 ('<tool_call>\n{"name": "add", "arguments": {"x": 30}}', False, None)):
+        c = Constraint(engine._grammar_tokenizer, grammar, what="grammar")
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        assert (c.matcher.validate_tokens(ids) == len(ids)) == taken, text
+        if taken:
+            assert [c.advance(t) for t in ids][-1] == stopped, text
+    from nanochat.app.tool_calls import split
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=4, max_tokens=40,
+                                                grammar=call_grammar(TOOLS, False, parallel=False)))
+    for out in outs:   # (the random model writes text; had it opened a tag, one valid call would end the reply)
+        calls = split(out.text)[1]
+        assert calls == [] and "<tool_call>" not in out.text or len(calls) == 1 and _valid_call(calls[0]), out.text
 
 
 def test_grammar_errors_are_clear(llm):
@@ -288,14 +322,15 @@ def test_in_harmony_a_forced_call_follows_the_analysis_and_a_grammar_holds_the_a
     engine = llm.engine
     prompt = engine.loaded.chat_template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60))[0]
-    for name in (None, "add"):
+    assert call_grammar(TOOLS, False, harmony=True, parallel=False) is None   # a harmony reply holds one call at most
+    for name in (True, "add"):
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120,
                                                     grammar=call_grammar(TOOLS, name, harmony=True)))[0]
         raw = engine.tokenizer.decode(out.token_ids)
         reply = split(raw)
         assert reply.reasoning == split(engine.tokenizer.decode(free.token_ids)).reasoning == "Let me think~"
         assert out.finish_reason == "stop" and reply.answer == "" and len(reply.calls) == 1, raw
-        assert _valid_call(reply.calls[0]) and name in (None, reply.calls[0]["function"]["name"]), raw
+        assert _valid_call(reply.calls[0]) and name in (True, reply.calls[0]["function"]["name"]), raw
         assert "<|channel|>commentary to=functions." in raw and raw.endswith("<|call|>"), raw
     # a grammar that does not name the channels holds the answer, as a schema does: the final channel's text
     held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120, grammar='root ::= "Bye" [!?]'))[0]
