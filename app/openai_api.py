@@ -23,10 +23,11 @@ Sessions are kept in LRU order, at most `max_sessions`.
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
 SamplingParams itself. Besides OpenAI's fields a request may state vLLM's top_k, repetition_penalty and
-ignore_eos, llama.cpp's `grammar` (GBNF or Lark: what the answer follows), and `speculative` (off, ngram or
-draft): its speculative decoding proposer. Errors are OpenAI's error object: 400 a bad request or a prompt over
-the context, 401 a bad key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in
-flight, 503 while the engine restarts after a crash.
+ignore_eos, llama.cpp's `grammar` (GBNF or Lark: what the answer follows), vLLM's structured outputs
+(`structured_outputs`, `guided_json`, ...: held_reply), and `speculative` (off, ngram or draft): its speculative
+decoding proposer. Errors are OpenAI's error object: 400 a bad request or a prompt over the context, 401 a bad
+key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in flight, 503 while the
+engine restarts after a crash.
 """
 
 from __future__ import annotations
@@ -185,16 +186,7 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         if not (isinstance(bias, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias)):
             raise _type_error("logit_bias", "an object mapping token ids to numbers from -100 to 100", bias)
         stated["logit_bias"] = {int(k): v for k, v in bias.items()}
-    schema = response_schema(body.get("response_format"))
-    if schema is not None:
-        stated["json_schema"] = schema
-    grammar = body.get("grammar")   # llama.cpp server's extra: GBNF (or Lark)
-    if grammar is not None:
-        if not (isinstance(grammar, str) and grammar.strip()):
-            raise _type_error("grammar", "a grammar's text (GBNF or Lark)", grammar)
-        if schema is not None:
-            raise ApiError(400, "grammar and response_format cannot both hold a reply", param="grammar")
-        stated["grammar"] = grammar
+    stated.update(held_reply(body))
     if _flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
         stated["ignore_eos"] = True
     for name, rule in REQUEST_RULES.items():   # nanochat's extra: the request's speculative proposer
@@ -210,6 +202,56 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
         return SamplingParams(**sampling)
     except ValueError as e:   # the engine's own checks, in its words
         raise ApiError(400, str(e)) from None
+
+
+KINDS = ("json", "regex", "choice", "grammar")   # vLLM's structured outputs
+
+
+def held_reply(body: dict) -> dict:
+    """SamplingParams' json_schema or grammar from whichever field of the request holds the reply: OpenAI's
+    response_format, llama.cpp server's `grammar` (GBNF or Lark), or vLLM's `structured_outputs` ({"json": ...},
+    {"regex": ...}, {"choice": [...]} or {"grammar": ...}) and its older `guided_json`, `guided_regex`,
+    `guided_choice`, `guided_grammar`. Two of them is a 400: they would fight over the reply."""
+    found = {}
+    schema = response_schema(body.get("response_format"))
+    if schema is not None:
+        found["response_format"] = {"json_schema": schema}
+    outputs = body.get("structured_outputs")
+    if outputs is not None and not (isinstance(outputs, dict) and len(outputs) == 1 and next(iter(outputs)) in KINDS):
+        raise _type_error("structured_outputs", 'one of {"json": ...}, {"regex": ...}, {"choice": [...]} or '
+                          '{"grammar": ...}', outputs)
+    fields = [("grammar", "grammar", body.get("grammar"))]
+    fields += [(f"guided_{kind}", kind, body.get(f"guided_{kind}")) for kind in KINDS]
+    fields += [(f"structured_outputs.{kind}", kind, value) for kind, value in (outputs or {}).items()]
+    for name, kind, value in fields:
+        if value is not None:
+            found[name] = _held(name, kind, value)
+    if len(found) > 1:
+        raise ApiError(400, f"{' and '.join(found)} cannot both hold a reply", param=list(found)[1])
+    return next(iter(found.values()), {})
+
+
+def _held(name: str, kind: str, value) -> dict:
+    """One vLLM or llama.cpp structured-output field as SamplingParams keywords."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _type_error(name, "a JSON schema", value) from None
+        if not isinstance(value, (dict, bool)):
+            raise _type_error(name, "a JSON schema", value)
+        return {"json_schema": value}
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
+            raise _type_error(name, "a non-empty list of non-empty strings", value)
+        return {"grammar": "start: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in value)}
+    if not (isinstance(value, str) and value.strip()):
+        raise _type_error(name, "a regular expression" if kind == "regex" else "a grammar's text (GBNF or Lark)",
+                          value)
+    if kind == "regex":   # a Lark terminal: its slashes escaped (those escaped already kept so)
+        return {"grammar": "start: HELD\nHELD: /" + value.replace("\\/", "/").replace("/", "\\/") + "/"}
+    return {"grammar": value}
 
 
 def response_schema(fmt) -> str | dict | bool | None:

@@ -236,7 +236,8 @@ YES_NO = 'root ::= ("yes" | "no") " " [0-9]'
 
 
 def test_a_grammar_holds_chat_and_completion_replies(server):
-    """llama.cpp's `grammar` extra (GBNF; Lark too), on both endpoints; beside response_format, or not text, a 400."""
+    """llama.cpp's `grammar` extra (GBNF; Lark too), on both endpoints, and vLLM's structured outputs; two ways to
+    hold one reply, or a value of the wrong kind, a 400."""
     sdk = server.sdk()
     hi = [{"role": "user", "content": "Hello"}]
     for seed in range(3):
@@ -246,9 +247,28 @@ def test_a_grammar_holds_chat_and_completion_replies(server):
                                       extra_body={"grammar": 'start: "maybe" | "never"'})
         assert re.fullmatch("(yes|no) [0-9]", chat.choices[0].message.content), chat.choices[0]
         assert done.choices[0].text in ("maybe", "never") and done.choices[0].finish_reason == "stop"
+    # vLLM's structured outputs, new and old spellings
+    for extra, pattern in (({"structured_outputs": {"choice": ["café", "tea"]}}, "café|tea"),
+                           ({"guided_choice": ["up", "down"]}, "up|down"),
+                           ({"structured_outputs": {"regex": r"[0-9]{2}/[0-9]{2}"}}, "[0-9]{2}/[0-9]{2}"),
+                           ({"guided_regex": "(ab)+c"}, "(ab)+c"),
+                           ({"guided_grammar": YES_NO}, "(yes|no) [0-9]"),
+                           ({"structured_outputs": {"grammar": 'start: "a"+'}}, "a{1,39}")):
+        reply = sdk.chat.completions.create(model=MODEL, messages=hi, max_tokens=40, temperature=1.0, seed=1,
+                                            extra_body=extra).choices[0]
+        assert re.fullmatch(pattern, reply.message.content) and reply.finish_reason == "stop", (extra, reply)
+    for extra in ({"guided_json": SCHEMA}, {"structured_outputs": {"json": json.dumps(SCHEMA)}}):
+        reply = sdk.chat.completions.create(model=MODEL, messages=hi, max_tokens=200, temperature=1.0, seed=2,
+                                            extra_body=extra).choices[0]
+        assert set(json.loads(reply.message.content)) == {"ok", "pick", "tag"}, reply
     for body, words in (({"grammar": 5}, "grammar must be a grammar's text"),
                         ({"grammar": YES_NO, "response_format": {"type": "json_object"}},
-                         "grammar and response_format cannot both hold a reply"),
+                         "response_format and grammar cannot both hold a reply"),
+                        ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_json and guided_regex cannot both"),
+                        ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs must be one of"),
+                        ({"guided_choice": []}, "guided_choice must be a non-empty list"),
+                        ({"guided_json": "{oops"}, "guided_json must be a JSON schema"),
+                        ({"guided_regex": "(a"}, "grammar cannot be followed"),
                         ({"grammar": "root ::= ("}, "grammar cannot be followed")):
         status, answer = raw(server, "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": hi,
                                                                                   **body}))
