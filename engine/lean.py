@@ -8,12 +8,13 @@ C calls, and builds the tokenizer and chat template from the file (or the folder
 does; so it produces the full engine's tokens (greedy: the same ids; sampled: the same distribution from another
 generator).
 
-It serves one request at a time (a prompt: one prefill chunk per max_num_batched_tokens, then decode) and
-implements greedy, temperature, top-k and top-p sampling, stop strings and stop ids. `plan_for` says whether it
-applies: a .gguf file or a Hugging Face folder, a CPU float32 config without tensor parallelism or kernel options
-it does not run, and a plan that covers the context. Anything else (and any failure while it loads) goes to the full engine, which
-also writes the plan for next time. EngineClient(lean=True) chooses it (engine/serve/client.py); it runs in
-the client's process, on the in-process core (LeanCore), behind the same messages as the engine process.
+It serves one request at a time (a prompt: one prefill chunk per max_num_batched_tokens, then decode) and implements
+greedy, temperature, top-k and top-p sampling, stop strings and stop ids, and replies held to a JSON schema or a
+grammar (engine/structured.py, on its numpy logits). `plan_for` says whether it applies: a .gguf file or a Hugging
+Face folder, a CPU float32 config without tensor parallelism or kernel options it does not run, and a plan that
+covers the context. Anything else (and any failure while it loads) goes to the full engine, which also writes the
+plan for next time. EngineClient(lean=True) chooses it (engine/serve/client.py); it runs in the client's process, on
+the in-process core (LeanCore), behind the same messages as the engine process.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.serve.core import EngineCore
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes, accept_greedy
+from nanochat.engine.structured import Grammars
 from nanochat.models.formats.hf_text import FolderText
 
 FIRST_GUESS = 64   # as engine/sampler.py: candidates fetched first for top-p
@@ -91,12 +93,11 @@ def plan_for(model: str, engine_config: dict, sampling: dict | None = None) -> L
 
 
 def sampling_supported(sampling: dict) -> bool:
-    """Whether the lean engine serves these SamplingParams keywords' values: no penalties, logit bias,
-    log-probabilities, JSON schema or grammar, and no seeded sampling (a seed promises the full engine's tokens,
-    drawn from torch's generator)."""
+    """Whether the lean engine serves these SamplingParams keywords' values: no penalties, logit bias or
+    log-probabilities, and no seeded sampling (a seed promises the full engine's tokens, drawn from torch's
+    generator)."""
     sp = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-    return (not sp.penalized and not sp.logit_bias and sp.logprobs is None and sp.json_schema is None
-            and sp.grammar is None and (sp.greedy or sp.seed is None))
+    return not sp.penalized and not sp.logit_bias and sp.logprobs is None and (sp.greedy or sp.seed is None)
 
 
 def _config_supported(c: Config) -> bool:
@@ -182,6 +183,7 @@ class _Request:
     seq: Sequence
     detok: object
     rng: object
+    constraint: object = None   # a json_schema or grammar request's state (engine/structured.py)
     text: str = ""
     emitted: int = 0
 
@@ -267,6 +269,7 @@ class LeanEngine:
             tokenizer, template, eos = load_tokenizer_and_template(source, self.config.pack_cache)
         self.loaded = _Loaded(tokenizer, template, eos, source.config)
         self.tokenizer, self.eos_token_ids = tokenizer, eos
+        self.grammars = Grammars(tokenizer, source.config.vocab_size, eos, template.harmony)
         stated = sampling_defaults(source)
         self.card_sampling = {k: v for k, v in card_defaults(source).items() if k not in stated}
         self.sampling_defaults = {**self.card_sampling, **stated}
@@ -303,12 +306,17 @@ class LeanEngine:
         request_id = request_id or f"req-{len(self.requests)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        try:
+            constraint = self.grammars.constraint(sp, ids)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         seq = Sequence(ids, sp, session_id=session_id)
         seq.request_id = request_id
         if sp.greedy and self.config.speculative != "off" and sp.speculative in (None, "ngram"):
             seq.spec = Speculation(self.speculation, "ngram")   # greedy verification only (accept_greedy)
         rng = None if sp.greedy else np.random.default_rng()
-        self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), rng)
+        self.requests[request_id] = _Request(request_id, seq, IncrementalDetokenizer(self.tokenizer), rng,
+                                             constraint)
         self._queue.append(request_id)
         return request_id
 
@@ -381,9 +389,13 @@ class LeanEngine:
             return []   # more of the prompt to prefill
         logits = self._logits(m, x[-1 - len(draft):])
         if draft:
+            if req.constraint is not None:
+                req.constraint.mask_along(logits, draft)
             tokens = accept_greedy(logits.argmax(-1).tolist(), draft)
             seq.spec.record(len(draft), len(tokens) - 1)
         else:
+            if req.constraint is not None:
+                req.constraint.mask(logits[0])
             tokens = [sample(logits[0], sp, req.rng)]
         now = time.perf_counter()
         if start >= seq.num_prompt_tokens:
@@ -432,7 +444,8 @@ class LeanEngine:
 
     # ------------------------------------------------------------------ as LLMEngine._postprocess
     def _postprocess(self, req: _Request, token: int, now: float) -> TokenEvent:
-        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len)
+        complete = req.constraint is not None and token not in self.eos_token_ids and req.constraint.advance(token)
+        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len, complete)
         if reason is not None:
             self.requests.pop(req.request_id)
             self._queue.remove(req.request_id)

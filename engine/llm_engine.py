@@ -22,9 +22,8 @@ from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
 from nanochat.engine.sequence import Sequence
 from nanochat.engine.speculative import Speculation, SpeculationConfig, StepTimes
-from nanochat.engine.structured import Constraint, Lead, grammar_tokenizer, lark_grammar, schema_grammar
+from nanochat.engine.structured import Constraint, Grammars
 from nanochat.models.errors import one_line
-from nanochat.models.text.harmony import ANSWER_HEADER, CHANNEL
 
 
 @contextmanager
@@ -128,7 +127,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._grammar_tokenizer = None   # llguidance's view of the tokenizer, for json_schema and grammar requests
+        self.grammars = Grammars(self.tokenizer, self.loaded.config.vocab_size, self.eos_token_ids,
+                                 self.loaded.chat_template.harmony)
         # (time, prefill tokens, decode tokens, prefill s, decode s, decode chunks, proposed, accepted) per step
         self._window: deque[tuple[float, int, int, float, float, int, int, int]] = deque()
         self.total_prefill_tokens = self.total_decode_tokens = 0
@@ -219,29 +219,10 @@ class LLMEngine:
         return request_id
 
     def _constraint(self, sp: SamplingParams, ids: list[int]) -> Constraint | None:
-        """A json_schema or grammar request's state (the engine's grammar tokenizer is built on first use); a
-        reasoning model's thinking is left free (engine/structured.py). ids: the prompt's."""
-        if sp.json_schema is None and sp.grammar is None:
-            return None
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size,
-                                                        self.eos_token_ids)
         try:
-            if sp.grammar is not None:
-                lead = self._lead(answer=CHANNEL not in sp.grammar)
-                return Constraint(self._grammar_tokenizer, lark_grammar(sp.grammar), lead, ids, what="grammar")
-            return Constraint(self._grammar_tokenizer, schema_grammar(sp.json_schema), self._lead(), ids)
+            return self.grammars.constraint(sp, ids)
         except ValueError as e:
             raise RequestError(str(e)) from None
-
-    def _lead(self, answer: bool = True) -> Lead | None:
-        """What this model writes before what a request holds, left free: a reasoning model's <think> block; a harmony
-        model's analysis up to its final channel's message, unless what is held is not the `answer` (a grammar that
-        names harmony's channels holds the whole reply); None for other models."""
-        if self.loaded.chat_template.harmony:
-            return Lead(tuple(self.tokenizer.encode(ANSWER_HEADER, add_special_tokens=False))) if answer else None
-        think = [self.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
-        return None if None in think else Lead((think[1],), opener=think[0])
 
     def _speculation_mode(self, sp: SamplingParams) -> str:
         """The request's proposer: its own choice, else the engine's; "off" where the model cannot speculate."""

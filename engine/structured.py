@@ -21,9 +21,43 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nanochat.engine.sampling_params import JSON_WHITESPACE
+from nanochat.models.text.harmony import ANSWER_HEADER, CHANNEL
 
 if TYPE_CHECKING:
     import torch
+
+
+class Grammars:
+    """An engine's structured output: each held request's Constraint, over the engine's tokenizer as llguidance sees
+    it (built on first use, ~0.2 s for a 150k vocabulary) and what its model writes before an answer (`lead`)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, harmony: bool):
+        self._tokenizer, self._vocab_size, self._eos_ids, self._harmony = tokenizer, vocab_size, eos_ids, harmony
+        self._llg = None
+
+    @property
+    def tokenizer(self):
+        if self._llg is None:
+            self._llg = grammar_tokenizer(self._tokenizer, self._vocab_size, self._eos_ids)
+        return self._llg
+
+    def constraint(self, sp, prompt_ids: list[int]) -> Constraint | None:
+        """A json_schema or grammar request's state (None for others); ValueError: one that cannot be followed."""
+        if sp.grammar is not None:
+            return Constraint(self.tokenizer, lark_grammar(sp.grammar), self.lead(answer=CHANNEL not in sp.grammar),
+                              prompt_ids, what="grammar")
+        if sp.json_schema is not None:
+            return Constraint(self.tokenizer, schema_grammar(sp.json_schema), self.lead(), prompt_ids)
+        return None
+
+    def lead(self, answer: bool = True) -> Lead | None:
+        """What this model writes before what a request holds, left free: a reasoning model's <think> block; a harmony
+        model's analysis up to its final channel's message, unless what is held is not the `answer` (a grammar that
+        names harmony's channels holds the whole reply); None for other models."""
+        if self._harmony:
+            return Lead(tuple(self._tokenizer.encode(ANSWER_HEADER, add_special_tokens=False))) if answer else None
+        think = [self._tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
+        return None if None in think else Lead((think[1],), opener=think[0])
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids) -> object:
@@ -113,20 +147,21 @@ class Constraint:
             allowed[self.lead.opener] = True
         return allowed
 
-    def mask(self, row: torch.Tensor) -> None:
-        """Set the logits of the tokens that may not come next to -inf, in place (row: [V], V >= vocab_size). On
-        the CPU through numpy: torch's masked_fill_ cost ~0.5 ms a step here, an OpenMP wake-up included."""
-        import torch
-
+    def mask(self, row: torch.Tensor | np.ndarray) -> None:
+        """Set the logits of the tokens that may not come next to -inf, in place (row: [V], V >= vocab_size; a
+        tensor, or the lean engine's numpy row). On the CPU through numpy: torch's masked_fill_ cost ~0.5 ms a step
+        here, an OpenMP wake-up included."""
         allowed = self.allowed()
         if allowed is None:
             return
         banned = ~allowed
-        if row.device.type == "cpu":
-            values = row.numpy()   # a view of the engine's logits
+        if isinstance(row, np.ndarray) or row.device.type == "cpu":
+            values = row if isinstance(row, np.ndarray) else row.numpy()   # a view of the engine's logits
             np.putmask(values[:self.vocab_size], banned, -np.inf)
             values[self.vocab_size:] = -np.inf
             return
+        import torch
+
         with torch.inference_mode():   # the engine's logits are inference tensors
             row[:self.vocab_size].masked_fill_(torch.from_numpy(banned).to(row.device), float("-inf"))
             row[self.vocab_size:] = float("-inf")

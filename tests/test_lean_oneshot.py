@@ -256,6 +256,50 @@ def test_lean_speculates_on_greedy_replies_and_keeps_the_engines_tokens(home, mo
     assert stats.spec_accepted > 0 and stats.spec_proposed >= stats.spec_accepted
 
 
+def test_lean_holds_replies_to_a_schema_and_a_grammar_as_the_engine_does(home):
+    """Structured one-shots stay lean: greedy replies held to a JSON schema (prompt lookup verifying against it) and
+    to a GBNF grammar are the full engine's tokens; a sampled one follows the grammar; one that cannot be followed is
+    the engine's error."""
+    import re
+
+    from nanochat.engine import SamplingParams
+    from nanochat.engine.lean import sampling_supported
+    from nanochat.engine.serve.client import EngineClient
+    from nanochat.models.formats.catalog import embedded_model_path
+
+    path = embedded_model_path()
+    if path is None:
+        pytest.skip("the built-in model is not installed")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                               "fruits": {"type": "array", "items": {"type": "string"},
+                                                          "maxItems": 5}},
+              "required": ["name", "fruits"], "additionalProperties": False}
+    colours = 'root ::= colour (", " colour){2} "."\ncolour ::= "red" | "green" | "blue" | "yellow"'
+    asks = [("Describe Ann, who likes apples, bananas and figs, as JSON.", dict(json_schema=schema)),
+            ("Name three colours.", dict(grammar=colours))]
+    assert all(sampling_supported({"temperature": 0, **held}) for _, held in asks)
+    results = {}
+    for name, client, config in (("full", EngineClient(in_process=True), {"speculative": "off"}),
+                                 ("lean", EngineClient(lean=True, lean_sampling=GREEDY), {})):
+        client.load_model(str(path), pack_cache=True, max_model_len=1024, **config)
+        try:
+            results[name] = [client.submit_turn(client.open_session(), text,
+                                                SamplingParams(temperature=0, max_tokens=120, **held)).result(120)
+                             for text, held in asks]
+            if name == "lean":
+                assert client.lean_used
+                sampled = client.submit_turn(client.open_session(), "Colours?", SamplingParams(
+                    temperature=1.0, max_tokens=40, grammar=colours)).result(120)
+                assert re.fullmatch("(red|green|blue|yellow)(, (red|green|blue|yellow)){2}\\.", sampled.text)
+                bad = client.submit_turn(client.open_session(), "x", SamplingParams(grammar="root ::= (")).result(120)
+                assert bad.final.finish_reason == "error" and bad.final.error.startswith("grammar cannot be followed")
+        finally:
+            client.shutdown()
+    for lean, full in zip(results["lean"], results["full"]):
+        assert lean.token_ids == full.token_ids and lean.final.finish_reason == full.final.finish_reason == "stop"
+    assert set(json.loads(results["lean"][0].text)) == {"name", "fruits"}
+
+
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
 def test_lean_greedy_equals_the_engine_on_a_folder(family, home, tmp_path):
     """A Hugging Face folder (bf16; Phi-3's fused qkv / gate_up) once loaded by the engine: the lean one-shot maps

@@ -114,8 +114,7 @@ def test_the_mask_allows_exactly_the_valid_continuations(llm):
     """After `{"ok": ` only `true` / `false` can start: every allowed token's text is a prefix of one of them
     (with optional whitespace), and the tokens that spell them are allowed."""
     engine = llm.engine
-    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
-    c = Constraint(engine._grammar_tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema))
+    c = Constraint(engine.grammars.tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema))
     for token in engine.tokenizer.encode('{"ok":', add_special_tokens=False):
         assert c.allowed()[token]
         assert not c.advance(token)
@@ -128,10 +127,9 @@ def test_the_mask_allows_exactly_the_valid_continuations(llm):
         assert first in allowed
 
 
-def test_the_lean_one_shot_leaves_schemas_to_the_full_engine():
-    assert sampling_supported({"temperature": 0})
-    assert not sampling_supported({"temperature": 0, "json_schema": ANY_OBJECT})
-    assert not sampling_supported({"temperature": 0, "grammar": 'start: "x"'})
+def test_the_lean_one_shot_holds_schemas_and_grammars_too():
+    assert sampling_supported({"temperature": 0, "json_schema": ANY_OBJECT})
+    assert sampling_supported({"temperature": 0, "grammar": 'start: "x"'})
 
 
 # ---------------------------------------------------------------------------------- grammars: forced tool calls
@@ -187,9 +185,8 @@ def test_a_forced_calls_json_has_the_bounded_whitespace_of_a_schemas(llm):
     from nanochat.engine.structured import lark_grammar
 
     engine = llm.engine
-    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
     for spaces, valid in ((20, True), (21, False)):
-        c = Constraint(engine._grammar_tokenizer, lark_grammar(call_grammar(TOOLS, "add")), what="grammar")
+        c = Constraint(engine.grammars.tokenizer, lark_grammar(call_grammar(TOOLS, "add")), what="grammar")
         text = '<tool_call>\n{\n' + " " * spaces + '"name": "add", "arguments": {"x": 3}}\n</tool_call>'
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         assert (c.matcher.validate_tokens(ids) == len(ids)) == valid
@@ -203,14 +200,13 @@ def test_auto_without_parallel_calls_leaves_text_free_and_ends_after_one_call(ll
 
     assert call_grammar(TOOLS, False) is None   # parallel calls allowed: nothing to hold
     engine = llm.engine
-    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
     grammar = lark_grammar(call_grammar(TOOLS, False, parallel=False))
     call = '<tool_call>\n{"name": "add", "arguments": {"x": 3}}\n</tool_call>'
     for text, taken, stopped in (("No tools needed, <tool> is not a tag.", True, False),
                                  (f"Let me add.\n{call}", True, True),
                                  (f"Let me add.\n{call}\n{call}", False, None),
                                  ('<tool_call>\n{"name": "add", "arguments": {"x": 30}}', False, None)):
-        c = Constraint(engine._grammar_tokenizer, grammar, what="grammar")
+        c = Constraint(engine.grammars.tokenizer, grammar, what="grammar")
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         assert (c.matcher.validate_tokens(ids) == len(ids)) == taken, text
         if taken:
@@ -272,9 +268,10 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     llm = LLM(str(thinker), dtype="float32", max_model_len=512)
     engine, tok = llm.engine, llm.engine.tokenizer
     think = (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
-    engine._constraint(SamplingParams(json_schema=PICK), [5])   # builds the grammar tokenizer
     lead = Lead((think[1],), opener=think[0])
-    c = Constraint(engine._grammar_tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema), lead, [5, 6])
+    assert engine.grammars.lead() == lead
+    held = schema_grammar(SamplingParams(json_schema=PICK).json_schema)
+    c = Constraint(engine.grammars.tokenizer, held, lead, [5, 6])
     assert c.allowed()[think[0]] and not c.allowed()[think[1]]       # may open a block, or start the document
     assert not c.advance(think[0]) and c.allowed() is None           # thinking: anything goes
     for token in tok.encode("plan {{{ ]] no json here", add_special_tokens=False):
@@ -283,7 +280,7 @@ def test_a_reasoning_models_thinking_is_left_free_and_the_document_held_after_it
     allowed = c.allowed()
     assert not allowed[think[0]] and allowed[tok.encode("{", add_special_tokens=False)[0]]
     # a prompt that opened the block starts inside it; mask_along crosses </think> and leaves the state as it was
-    c = Constraint(engine._grammar_tokenizer, schema_grammar(SamplingParams(json_schema=PICK).json_schema), lead, [5, think[0]])
+    c = Constraint(engine.grammars.tokenizer, held, lead, [5, think[0]])
     assert c.allowed() is None
     import torch
     rows = torch.zeros(3, engine.loaded.config.vocab_size)
