@@ -18,6 +18,7 @@ import json
 import uuid
 
 from nanochat.engine.sampling_params import JSON_WHITESPACE
+from nanochat.engine.serve.protocol import harmony_call_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -118,22 +119,15 @@ def call_grammar(tools: list[dict], choice: bool | str, harmony: bool = False, p
         return None
     chosen = [t for t in tools if isinstance(choice, bool) or t["function"]["name"] == choice]
     if harmony:
-        names = [f"fn{i}" for i in range(len(chosen))]
-        lines = ["start: analysis? call",
-                 'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
-                 r"TEXT: /(.|\n)*/", f"call: {' | '.join(names)}"]
-        lines += [f'{rule}: <|channel|> {json.dumps("commentary to=functions." + t["function"]["name"])} " " '
-                  f'<|constrain|> "json" <|message|> {_json_rule(_parameters(t))} <|call|>'
-                  for rule, t in zip(names, chosen)]
-        return "\n".join(["%llguidance {}", *lines]) + "\n"
+        return harmony_call_grammar([(t["function"]["name"], _json_rule(_parameters(t))) for t in chosen])
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
-    close = json.dumps("\n" + CLOSE)
+    open_, close = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
     lines = [f"body: {_json_rule({'anyOf': calls} if len(calls) > 1 else calls[0])}"]
     if choice is False:   # text without the opening tag; or text up to the first one (lazily), and its call
         lines += [f"start: TEXT | head body {close}", r"TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",
                   r"head[lazy]: /(?s:.*)<tool_call>\n/"]
     else:   # Qwen3 writes "\n\n" after its thinking; several calls one per line
         lines += ["start: BREAK? call" + (' ("\\n" call)*' if choice is True and parallel else ""),
-                  r"BREAK: /\n{1,2}/", f'call: {json.dumps(OPEN + chr(10))} body {close}']
+                  r"BREAK: /\n{1,2}/", f"call: {open_} body {close}"]
     return "\n".join(["%llguidance {}", *lines]) + "\n"

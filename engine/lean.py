@@ -444,8 +444,7 @@ class LeanEngine:
 
     # ------------------------------------------------------------------ as LLMEngine._postprocess
     def _postprocess(self, req: _Request, token: int, now: float) -> TokenEvent:
-        complete = req.constraint is not None and token not in self.eos_token_ids and req.constraint.advance(token)
-        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len, complete)
+        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len)
         if reason is not None:
             self.requests.pop(req.request_id)
             self._queue.remove(req.request_id)

@@ -394,12 +394,11 @@ class LLMEngine:
         """`logprobs`: token_logprobs' answer for this row, when the request asks."""
         seq = req.seq
         try:
-            complete = req.constraint is not None and token not in self.eos_token_ids and req.constraint.advance(token)
+            reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len)
         except RuntimeError as e:   # the grammar engine failed (the mask allows only what it can take)
             self.requests.pop(req.request_id)
             self._finish(seq, "error")
             return TokenEvent(req.request_id, None, "", True, "error", self._request_stats(req, "error"), error=str(e))
-        reason = add_token(req, token, now, self.eos_token_ids, self.config.max_model_len, complete)
         if reason is not None:
             self.requests.pop(req.request_id)
             if seq.session_id is not None:   # keep the conversation's KV for its next turn

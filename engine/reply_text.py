@@ -21,9 +21,11 @@ def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
         raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
 
-def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int, complete: bool = False) -> str | None:
-    """Append `token` to the request and its text; the finish reason ("stop" | "length") when it ends here.
-    complete: the reply's grammar admits nothing after this token (engine/structured.py): it stops, its text kept."""
+def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int) -> str | None:
+    """Append `token` to the request and its text; the finish reason ("stop" | "length") when it ends here. A held
+    reply's grammar (req.constraint, engine/structured.py) takes the token first: when it admits nothing after it,
+    the reply stops, its text kept; RuntimeError (nothing appended): the grammar engine could not take it."""
+    complete = req.constraint is not None and token not in eos_token_ids and req.constraint.advance(token)
     seq, sp = req.seq, req.params
     seq.append_token(token)
     if seq.stats.first_token_time is None:

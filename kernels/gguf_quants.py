@@ -16,6 +16,9 @@ from nanochat.kernels.ggml_types import (BF16, BLOCK_SIZES, F16, F32, MXFP4, MXF
                                          Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_1, QK_K, SUPPORTED_TYPES,
                                          TYPE_NAMES, UnsupportedQuantError, check_supported, row_bytes, type_name)
 
+# The GGML type of a dense matrix of each torch dtype the kernels read as it is.
+DENSE_TYPE_OF = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+
 
 # ---------------------------------------------------------------- byte helpers
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from nanochat.models.errors import one_line  # noqa: F401 (front ends import it from here, with the errors)
 # The reply format of harmony models crosses the boundary as text; front ends split it with the engine's parser.
 from nanochat.models.text.harmony import HarmonySplitter, split_harmony  # noqa: F401
+from nanochat.models.text.harmony import call_grammar as harmony_call_grammar  # noqa: F401
 
 STATS_INTERVAL = 0.25     # seconds between engine-stats reports while busy
 # Seconds token events wait to share one message with later steps' (a step can take a few ms): fewer

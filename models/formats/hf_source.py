@@ -228,8 +228,9 @@ class HFSource(FolderText):
             raise ModelLoadError(f"{f}: cannot read tensor {stored!r} ({e})") from None
 
     def peek(self, name: str) -> tuple[int | torch.dtype, tuple[int, ...]]:
-        """`name`'s dtype (a GGML type for a family's view of blocks) and shape as `get` serves it, from the safetensors header: nothing is read (a read is a
-        copy, which a load that finds the packed tiles in the pack cache never needs)."""
+        """`name`'s dtype (a GGML type for a family's view of blocks) and shape as `get` serves it, from the
+        safetensors header: nothing is read (a read is a copy, which a load that finds the packed tiles in the pack
+        cache never needs)."""
         if name in self._parts:
             fused, _, rows = self._parts[name]
             dtype, shape = self.peek(fused)

@@ -7,7 +7,8 @@ The first load of a file writes every packed tensor into one cache file; later l
 (read-only pages shared with the page cache, so memory grows only with the pages the kernels touch).
 
 A cache file is keyed by the model's identity (real path, size, modification time of the GGUF file, or of a
-Hugging Face folder's config.json and safetensors files) and the kernel sources (the tile layout is theirs), so an edited model or a new kernel build never reads stale tiles.
+Hugging Face folder's config.json and safetensors files) and the kernel sources (the tile layout is theirs), so
+an edited model or a new kernel build never reads stale tiles.
 Layout: magic, u64 index length, a JSON index {name: [offset, [ggml type, rows,
 cols], tile shape]}, then the tensors at 64-byte
 aligned offsets (from the first aligned byte after the index). Writes go to a temporary file renamed into place (concurrent loads are safe).

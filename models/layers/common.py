@@ -441,7 +441,7 @@ class WeightLoader:
         if self.device.type == "cpu" and len(shape) == 2 and kernels:
             from nanochat.kernels import cpu_qgemv
             from nanochat.kernels import gguf_quants as gq
-            t = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}.get(stored)
+            t = gq.DENSE_TYPE_OF.get(stored)
             if t in cpu_qgemv.KERNEL_TYPES and cpu_qgemv.available():
                 return t
         return None

@@ -45,7 +45,6 @@ from nanochat.models.layers.common import GatedMLP, Linear, WeightLoader
 from nanochat.models.parallel.sharding import split
 
 OFFLOAD_MODES = ("auto", "cpu", "none")
-_DENSE_IDS = {torch.float32: gq.F32, torch.float16: gq.F16, torch.bfloat16: gq.BF16}
 _GPU_HEADROOM = 1 << 30   # KV cache and activations need room beside the weights
 
 
@@ -232,9 +231,9 @@ def host_expert_stacks(w: WeightLoader, prefix: str, num_experts: int) -> tuple[
 
 
 def _dense_stack(t: torch.Tensor) -> StackedWeight:
-    if t.dtype not in _DENSE_IDS:
+    if t.dtype not in gq.DENSE_TYPE_OF:
         t = t.float()
-    return StackedWeight(_DENSE_IDS[t.dtype], tuple(t.shape), t)
+    return StackedWeight(gq.DENSE_TYPE_OF[t.dtype], tuple(t.shape), t)
 
 
 def _experts_quantized(w: WeightLoader, cfg: ModelConfig) -> bool:

@@ -15,6 +15,7 @@ call, commentary to no one a preamble the user sees (answer). <|return|> and <|c
 chunk, with the special tokens split across chunks anywhere, and keeps `reasoning` (None: no analysis)
 and `answer`, both only growing, plus `calls` (OpenAI tool calls, each once its message ended). The
 special tokens must reach it as text: the engine decodes replies with skip_special_tokens=False.
+`call_grammar` writes the same syntax as a grammar, to force a call (nanochat serve's tool_choice).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TOKENS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 _TERMINATORS = (END, RETURN, CALL)
 ANALYSIS, COMMENTARY, FINAL = "analysis", "commentary", "final"
 ANSWER_HEADER = CHANNEL + FINAL + MESSAGE   # what opens the answer's text
+FUNCTIONS = "functions."                   # a tool call's recipient: functions.NAME
 _HEADER, _BODY = "header", "body"
 _LONGEST = max(map(len, TOKENS))
 
@@ -167,7 +169,7 @@ class HarmonySplitter:
         if route == "reasoning":
             self.closed = True
         elif route == "call":
-            name = self._header.recipient.removeprefix("functions.")
+            name = self._header.recipient.removeprefix(FUNCTIONS)
             self.calls.append(tool_call(name, self._body))
         self._state, self._header, self._body = _HEADER, _Header(), ""
 
@@ -186,6 +188,18 @@ def split_harmony(text: str) -> HarmonySplit:
     splitter.feed(text)
     splitter.finish()
     return HarmonySplit(splitter.reasoning, splitter.answer, splitter.closed, splitter.calls)
+
+
+def call_grammar(calls: list[tuple[str, str]]) -> str:
+    """The grammar (llguidance's Lark, which names special tokens by their text) of a reply that calls one function
+    of `calls` (its name, the Lark rule body its arguments follow), after an analysis message if the model writes
+    one: the call is a commentary message to it, and <|call|> ends the reply."""
+    rules = [f"fn{i}" for i in range(len(calls))]
+    lines = ["start: analysis? call", f'analysis: {CHANNEL} "{ANALYSIS}" {MESSAGE} TEXT {END} {START} "assistant"',
+             r"TEXT: /(.|\n)*/", f"call: {' | '.join(rules)}"]
+    lines += [f'{rule}: {CHANNEL} {json.dumps(f"{COMMENTARY} to={FUNCTIONS}{name}")} " " {CONSTRAIN} "json" {MESSAGE} '
+              f"{arguments} {CALL}" for rule, (name, arguments) in zip(rules, calls)]
+    return "\n".join(["%llguidance {}", *lines]) + "\n"
 
 
 def call_arguments(call: dict):
