@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions   chat, streamed (server-sent events ending in `data: [DONE]`) or not
     POST /v1/completions        raw text (no chat template)
+    POST /v1/responses          OpenAI's Responses API over the same chat (app/responses_api.py); GET and
+                                DELETE /v1/responses/{id} read and forget a stored response
     GET  /v1/models             the one model served
     GET  /health                200 when a request would be served now, 503 while the engine restarts
     GET  /metrics               Prometheus text (app/metrics.py)
@@ -22,12 +24,13 @@ a kept conversation short (a regenerated reply) branches it at that turn, sharin
 Sessions are kept in LRU order, at most `max_sessions`.
 
 Request fields are checked with the rules and words the command line uses (app/options.py), then by
-SamplingParams itself. Besides OpenAI's fields a request may state vLLM's top_k, repetition_penalty and
-ignore_eos, llama.cpp's `grammar` (GBNF or Lark: what the answer follows), vLLM's structured outputs
-(`structured_outputs`, `guided_json`, ...: held_reply), and `speculative` (off, ngram or draft): its speculative
-decoding proposer. Errors are OpenAI's error object: 400 a bad request or a prompt over the context, 401 a bad
-key, 404 an unknown model or path, 413 a body over the limit, 429 too many sequences in flight, 503 while the
-engine restarts after a crash.
+SamplingParams itself. Besides OpenAI's fields a request may state vLLM's top_k, repetition_penalty,
+ignore_eos and chat_template_kwargs (enable_thinking), llama.cpp's `grammar` (GBNF or Lark: what the answer
+follows), vLLM's structured outputs (`structured_outputs`, `guided_json`, ...: held_reply), and `speculative`
+(off, ngram or draft): its speculative decoding proposer. A reply's thinking (a <think> block, harmony's
+analysis) comes back apart from its answer (ReplyReader), as reasoning_content. Errors are OpenAI's error
+object: 400 a bad request or a prompt over the context, 401 a bad key, 404 an unknown model or path, 413 a
+body over the limit, 429 too many sequences in flight, 503 while the engine restarts after a crash.
 """
 
 from __future__ import annotations
@@ -48,11 +51,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from nanochat.app.api_errors import ApiError, type_error as _type_error
 from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
+from nanochat.app.reasoning import CLOSE as THINK_CLOSE, reply_splitter
+from nanochat.app.responses_api import EventStream, ResponseStore, chat_request, new_id, output_items, \
+    reply_message, response_object, usage_of
 from nanochat.app.tool_calls import ToolCallParser, call_grammar
-from nanochat.engine.serve.protocol import HarmonySplitter, split_harmony
 from nanochat.app.tool_calls import split as split_tool_calls
+from nanochat.engine.serve.protocol import split_harmony
 from nanochat.engine.output import TokenEvent, TokenLogprobs
 from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, Rule, accepts
 from nanochat.engine.sampling_params import ANY_OBJECT, SamplingParams
@@ -65,29 +72,6 @@ MAX_SESSIONS = 256             # conversations kept between requests
 MAX_QUEUE = 256                # sequences in flight, running or waiting for the engine; past it 429
 MAX_N = 16                     # choices of one request (each a sequence of the batch)
 SYSTEM_ROLES = ("system", "developer")   # OpenAI's newer name for the system message
-
-
-class ApiError(Exception):
-    """A request answered with OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def kind(self) -> str:
-        if self.status == 401:
-            return "authentication_error"
-        if self.status == 404 and self.code == "model_not_found":
-            return "invalid_request_error"
-        return "server_error" if self.status >= 500 else "invalid_request_error"
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @dataclass
@@ -119,12 +103,16 @@ class Generation:
     tools: list[dict] | None = None                     # for the chat template; calls are parsed from replies
     harmony: bool = False                               # replies in harmony's channels (gpt-oss): split them
     reasoning_effort: str | None = None                 # OpenAI's reasoning_effort, for templates that read it
+    enable_thinking: bool | None = None                 # chat_template_kwargs' switch, for templates that read it
+    prompted: bool = False                              # the prompt opens the <think> block (the reply starts in it)
 
     @property
     def template_kwargs(self) -> dict | None:
         out = {"tools": self.tools} if self.tools else {}
         if self.reasoning_effort is not None:
             out["reasoning_effort"] = self.reasoning_effort
+        if self.enable_thinking is not None:
+            out["enable_thinking"] = self.enable_thinking
         return out or None
 
     def sampling_for(self, index: int) -> SamplingParams:
@@ -132,6 +120,43 @@ class Generation:
         if self.sampling.seed is None or index == 0:
             return self.sampling
         return replace(self.sampling, seed=(self.sampling.seed + index) % 2 ** 64)
+
+
+class ReplyReader:
+    """A chat reply read as it streams: its reasoning (a <think> block, or harmony's analysis channel), its answer,
+    and its tool calls (Hermes tags in the answer of a request with tools; harmony's calls), each only growing."""
+
+    def __init__(self, model, prompted: bool, tools: bool):
+        self.splitter = reply_splitter(model, prompted)
+        harmony = getattr(model, "harmony", False)
+        self.parser = ToolCallParser() if tools and not harmony else None
+        self.answer, self.reasoning, self.calls = "", "", []
+        self.reasoning_tokens = 0   # tokens written inside the reasoning
+
+    @property
+    def reasoned(self) -> bool:
+        """The reply has a reasoning part (perhaps empty)."""
+        return self.splitter.reasoning is not None
+
+    def feed(self, text: str, final: bool = False, tokens: int = 0) -> tuple[str, str, list[dict]]:
+        """What `text` (`tokens` tokens; `final`: the reply's last) adds: (answer, reasoning, calls)."""
+        s = self.splitter
+        answered, reasoned, called = len(s.answer), len(s.reasoning or ""), len(getattr(s, "calls", ()))
+        was_thinking = s.thinking
+        s.feed(text)
+        if final:
+            s.finish()
+        answer, reasoning = s.answer[answered:], (s.reasoning or "")[reasoned:]
+        calls = list(getattr(s, "calls", ())[called:])
+        if self.parser is not None:
+            answer, found = self.parser.feed(answer)
+            if final:
+                answer += self.parser.finish()
+            calls += found
+        if was_thinking or s.thinking or reasoning:
+            self.reasoning_tokens += tokens
+        self.answer, self.reasoning, self.calls = self.answer + answer, self.reasoning + reasoning, self.calls + calls
+        return answer, reasoning, calls
 
 
 @dataclass(eq=False)
@@ -144,13 +169,7 @@ class Choice:
     final: TokenEvent | None = None
     seen: float | None = None               # when its latest token events arrived (/metrics)
     text_offset: int = 0                    # chars of its streamed tokens' texts (completions' logprobs)
-    tool_calls: ToolCallParser | None = None   # a streamed reply's calls (a request with tools)
-    harmony: HarmonySplitter | None = None     # a streamed harmony reply's channels (chat with a harmony model)
-    sent: tuple[int, int, int] = (0, 0, 0)     # its answer, reasoning and calls streamed so far
-
-
-def _type_error(name: str, wanted: str, value) -> ApiError:
-    return ApiError(400, f"{name} must be {wanted}, got {json.dumps(value)[:80]}", param=name)
+    reader: ReplyReader | None = None       # its reply's reasoning, answer and calls (chat)
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -300,6 +319,18 @@ def parse_reasoning_effort(body: dict, efforts: tuple) -> str | None:
     if effort not in efforts:
         raise _type_error("reasoning_effort", " or ".join(efforts), effort)
     return effort
+
+
+def parse_template_switches(body: dict) -> bool | None:
+    """vLLM's chat_template_kwargs, of which the one variable templates read for it: enable_thinking (Qwen3,
+    SmolLM3 think unless it is false). A template without the switch ignores it, as vLLM's does."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not (isinstance(kwargs, dict) and set(kwargs) <= {"enable_thinking"}
+            and isinstance(kwargs.get("enable_thinking", False), bool)):
+        raise _type_error("chat_template_kwargs", '{"enable_thinking": true or false}', kwargs)
+    return kwargs.get("enable_thinking")
 
 
 def parse_tools(body: dict, template_takes_tools: bool) -> tuple[list[dict] | None, str | bool]:
@@ -507,6 +538,8 @@ def _view(message: dict):
     whitespace around the calls, which the reply's content loses."""
     if message["role"] != "assistant":
         return message
+    if THINK_CLOSE in message["content"]:   # a reasoning reply as its session holds it: the client sees its answer
+        message = {**message, "content": message["content"].rsplit(THINK_CLOSE, 1)[1].lstrip()}
     if "<|channel|>" in message["content"]:   # a harmony reply as its session holds it: the client sees its answer
         split = split_harmony(message["content"])
         message = {**message, "content": split.answer, "tool_calls": split.calls + (message.get("tool_calls") or [])}
@@ -516,19 +549,6 @@ def _view(message: dict):
         return ["assistant", message["content"]]
     return ["assistant", content.strip(), [[c["function"]["name"], _arguments(c["function"]["arguments"])]
                                            for c in calls]]
-
-
-def _harmony_delta(c: Choice, text: str) -> tuple[str, str, list[dict]]:
-    """What a harmony reply's new text adds: (answer, reasoning, calls with their index)."""
-    splitter = c.harmony
-    splitter.feed(text)
-    if c.final is not None:
-        splitter.finish()
-    answered, reasoned, called = c.sent
-    reasoning = splitter.reasoning or ""
-    c.sent = (len(splitter.answer), len(reasoning), len(splitter.calls))
-    calls = [{"index": called + k, **call} for k, call in enumerate(splitter.calls[called:])]
-    return splitter.answer[answered:], reasoning[reasoned:], calls
 
 
 class Conversations:
@@ -581,6 +601,7 @@ class Api:
     def __init__(self, client: AsyncEngineClient, config: ServerConfig):
         self.client, self.config = client, config
         self.conversations = Conversations(client, config.max_sessions)
+        self.stored = ResponseStore()          # responses kept for previous_response_id (/v1/responses)
         self.in_flight = 0                    # sequences (a request with n choices counts n)
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -692,20 +713,32 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, chat=True, responses=True)
+
+    async def _generate(self, request: Request, chat: bool, responses: bool = False) -> Response:
         started = time.monotonic()
+        asked = None   # a Responses request: (its body, its conversation's messages)
         try:
             self._authorize(request)
             body = await self._read_json(request)
             self._check_model(body)
+            if responses:
+                asked = (body, *chat_request(body, self.stored))
+                body = asked[1]
+                if not (self.client.model and self.client.model.reasoning_efforts):
+                    body.pop("reasoning_effort", None)   # Responses clients send one to any model
             _unsupported(body)
             gen = self._parse(body, chat)
+            if asked:   # the Response states the sampling it ran with
+                asked = ({**asked[0], "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p}, *asked[1:])
             self._admit(gen.n)
         except ApiError as e:
             self._log(request, e.status)
             return e.response()
         self.in_flight += gen.n
-        choices = [Choice(i) for i in range(gen.n)]
+        choices = [Choice(i, reader=ReplyReader(self.client.model, gen.prompted, bool(gen.tools)) if chat else None)
+                   for i in range(gen.n)]
         handed_over = False
         watcher = None
         try:
@@ -728,19 +761,23 @@ class Api:
                     for c in choices[1:]:
                         c.astream.cancel()
             arrivals = self._arrivals(choices, events, started)
-            ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            ident = new_id("resp") if asked else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if gen.stream:
-                stream = self._sse(ident, chat, gen, choices, arrivals, watcher, request, started)
+                stream = self._response_events(ident, asked, choices[0], arrivals, watcher, request, started) \
+                    if asked else self._sse(ident, chat, gen, choices, arrivals, watcher, request, started)
                 handed_over = True
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            async for _ in arrivals:
-                pass
+            async for c, got in arrivals:
+                if chat:
+                    self._read(c, got)
             failed = next((c for c in choices if c.final.finish_reason not in ("stop", "length")), None)
             if failed is not None:
                 raise self._refusal(failed.final, failed.astream) if not failed.astream.reply.token_ids else \
                     ApiError(500 if not failed.astream.lost else 503, failed.final.error or "generation failed")
             self._log(request, 200, choices, started)
+            if asked:
+                return JSONResponse(self._response(ident, asked, choices[0]))
             return JSONResponse(self._whole(ident, chat, gen, choices, self._usage(choices)))
         except ApiError as e:
             self._log(request, e.status, started=started)
@@ -851,6 +888,8 @@ class Api:
                 if grammar is not None:
                     gen.sampling = replace(gen.sampling, json_schema=None, grammar=grammar)
             gen.reasoning_effort = parse_reasoning_effort(body, model.reasoning_efforts if model else ())
+            gen.enable_thinking = parse_template_switches(body)
+            gen.prompted = bool(model) and gen.enable_thinking in model.thinking_opened
             if not (model and model.tools) and any(m["role"] == "tool" or m.get("tool_calls")
                                                    for m in gen.history + gen.turn):
                 raise ApiError(400, "this model's chat template does not render tools: it cannot take their calls "
@@ -874,28 +913,99 @@ class Api:
             choice = {"index": c.index, "finish_reason": self._finish_reason(c.final),
                       "logprobs": None if gen.sampling.logprobs is None else
                       chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, 0)}
-            if chat:
-                choice["message"] = message = {"role": "assistant", "content": c.astream.reply.text}
-                if gen.harmony:   # content: the final channel; reasoning_content: the analysis (vLLM's name)
-                    split = split_harmony(message["content"])
-                    message["content"] = split.answer if split.answer or not split.calls else None
-                    if split.reasoning is not None:
-                        message["reasoning_content"] = split.reasoning
-                    if split.calls:
-                        message["tool_calls"] = split.calls
-                        choice["finish_reason"] = self._finish_reason(c.final, split.calls)
-                elif gen.tools:
-                    content, calls = split_tool_calls(message["content"])
-                    if calls:
-                        message["content"] = content.strip() or None
-                        message["tool_calls"] = calls
-                        choice["finish_reason"] = self._finish_reason(c.final, calls)
+            if chat:   # content: the answer; reasoning_content: the thinking or harmony's analysis (vLLM's name)
+                reader = c.reader
+                choice["message"] = message = {"role": "assistant", "content": reader.answer}
+                if reader.reasoned:
+                    message["reasoning_content"] = reader.reasoning
+                if reader.calls:
+                    message["content"] = reader.answer.strip() or None
+                    message["tool_calls"] = reader.calls
+                    choice["finish_reason"] = self._finish_reason(c.final, reader.calls)
             else:
                 choice["text"] = c.astream.reply.text
             out.append(choice)
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.config.model_id, "choices": out, "usage": usage}
 
+    @staticmethod
+    def _read(c: Choice, events: list[TokenEvent]) -> tuple[str, str, list[dict]]:
+        """What a chat choice's new events add to its reply: (answer, reasoning, calls), read token by token
+        (each token counts as reasoning or not)."""
+        answer, reasoning, calls = "", "", []
+        for k, e in enumerate(events):
+            last = c.final is not None and k == len(events) - 1
+            a, r, found = c.reader.feed(e.text, last, int(e.token_id is not None))
+            answer, reasoning, calls = answer + a, reasoning + r, calls + found
+        return answer, reasoning, calls
+
+    # ------------------------------------------------------------------ /v1/responses
+    def _response(self, ident: str, asked: tuple, c: Choice) -> dict:
+        """A finished Responses request's Response object, stored unless it says store: false."""
+        reader = c.reader
+        output = output_items(reader.reasoning if reader.reasoned else None, reader.answer, reader.calls)
+        return self._finished_response(ident, asked, c, output, time.time())
+
+    def _finished_response(self, ident: str, asked: tuple, c: Choice, output: list[dict], created: float) -> dict:
+        body, _, messages = asked
+        stats = c.final.stats
+        usage = usage_of(stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens,
+                         c.reader.reasoning_tokens)
+        status = "incomplete" if c.final.finish_reason == "length" else "completed"
+        response = response_object(ident, body, self.config.model_id, status, output, usage, created)
+        if body.get("store") is not False:
+            self.stored.put(response, messages + [reply_message(output)])
+        return response
+
+    async def _response_events(self, ident, asked, c, arrivals, watcher, request, started):
+        """A streamed Responses request's events (EventStream), ending with response.completed (or .incomplete
+        at max_output_tokens, .failed when the engine fails mid-reply); settles as _sse does."""
+        created, stream = time.time(), EventStream()
+
+        def sse(payload: dict) -> bytes:
+            return f"event: {payload['type']}\n".encode() + _sse(payload)
+
+        def lifecycle(kind: str, status: str, output: list[dict], error: dict | None = None) -> bytes:
+            return sse(stream.event(kind, response=response_object(ident, asked[0], self.config.model_id, status,
+                                                                   output, None, created, error)))
+
+        try:
+            yield lifecycle("response.created", "in_progress", [])
+            yield lifecycle("response.in_progress", "in_progress", [])
+            async for _, events in arrivals:
+                answer, reasoning, calls = self._read(c, events)
+                for event in stream.add(reasoning, answer, calls):
+                    yield sse(event)
+            if c.final.finish_reason in ("stop", "length"):
+                for event in stream.finish():
+                    yield sse(event)
+                response = self._finished_response(ident, asked, c, stream.items, created)
+                kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+                yield sse(stream.event(kind, response=response))
+            else:   # the engine died or failed mid-reply
+                lost = c.astream.lost
+                error = {"code": "server_error", "message": (c.final.error or "generation failed")
+                         + ("; a new engine is starting: try again shortly" if lost else "")}
+                yield lifecycle("response.failed", "failed", stream.items, error)
+        finally:
+            await arrivals.aclose()
+            self._settle([c], watcher)
+            ended = c.final is not None and c.final.finish_reason in ("stop", "length")
+            self._log(request, 200, [c] if ended else None, started)
+
+    async def retrieve(self, request: Request) -> Response:
+        """GET /v1/responses/{id}: a stored response; DELETE forgets it."""
+        try:
+            self._authorize(request)
+            ident = request.path_params["ident"]
+            if request.method == "DELETE":
+                self.stored.delete(ident)
+                return JSONResponse({"id": ident, "object": "response", "deleted": True})
+            return JSONResponse(self.stored.get(ident)[0])
+        except ApiError as e:
+            return e.response()
+
+    # ------------------------------------------------------------------ chat completions' stream
     async def _sse(self, ident, chat, gen, choices, arrivals, watcher, request, started):
         """The stream's server-sent events, each choice's chunks carrying its index; whatever ends it (the
         replies' end, the client going away, the engine dying) ends its requests in the engine and
@@ -924,18 +1034,12 @@ class Api:
             if chat:
                 for c in choices:
                     yield chunk(c.index, "", first=True)
-                    c.harmony = HarmonySplitter() if gen.harmony else None
-                    c.tool_calls = ToolCallParser() if gen.tools and not gen.harmony else None
             async for c, events in arrivals:
                 text = "".join(e.text for e in events)
                 calls, reasoning = None, ""
-                if c.harmony is not None:
-                    text, reasoning, calls = _harmony_delta(c, text)
-                elif c.tool_calls is not None:
-                    text, found = c.tool_calls.feed(text)
-                    if c.final is not None:
-                        text += c.tool_calls.finish()
-                    start = len(c.tool_calls.calls) - len(found)   # a call's index among the choice's calls
+                if chat:
+                    text, reasoning, found = self._read(c, events)
+                    start = len(c.reader.calls) - len(found)   # a call's index among the choice's calls
                     calls = [{"index": start + k, **call} for k, call in enumerate(found)]
                 items = [e.logprobs for e in events if e.logprobs is not None]
                 logprobs = None
@@ -948,8 +1052,7 @@ class Api:
                     if c.final.finish_reason not in ("stop", "length"):
                         failed = c
                         break
-                    found = c.harmony.calls if c.harmony is not None else c.tool_calls and c.tool_calls.calls
-                    yield chunk(c.index, None, self._finish_reason(c.final, found))
+                    yield chunk(c.index, None, self._finish_reason(c.final, c.reader and c.reader.calls))
             if failed is None:
                 if gen.include_usage:
                     yield _sse({"id": ident, "object": kind, "created": created, "model": self.config.model_id,
@@ -1003,6 +1106,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
 
     routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/v1/responses", api.responses, methods=["POST"]),
+              Route("/v1/responses/{ident}", api.retrieve, methods=["GET", "DELETE"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.metrics_text, methods=["GET"])]

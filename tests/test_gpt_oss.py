@@ -448,6 +448,20 @@ def test_serve_returns_the_final_channel_as_content_and_the_analysis_as_reasonin
                 calls = [t.function for t in message.tool_calls or []]
             assert not content and reasoning == ANALYSIS and [c.name for c in calls] == ["get_time"], (content, calls)
             assert json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
+        # the Responses API: the analysis is a reasoning item, the final channel the message; reasoning.effort
+        # reaches the template; a forced call follows the analysis as a function_call item
+        whole = sdk.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=40)
+        assert [o.type for o in whole.output] == ["reasoning", "message"] and whole.status == "completed"
+        assert whole.output[0].content[0].text == ANALYSIS and whole.output_text == ANSWER
+        low = sdk.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=40,
+                                   reasoning={"effort": "low"})
+        assert low.reasoning.effort == "low" and low.output_text == ANSWER
+        assert low.usage.input_tokens_details.cached_tokens < whole.usage.input_tokens - 40
+        called = sdk.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=80,
+                                      tools=[{"type": "function", **tools[0]["function"]}],
+                                      tool_choice={"type": "function", "name": "get_time"})
+        assert [o.type for o in called.output] == ["reasoning", "function_call"]
+        assert called.output[1].name == "get_time" and called.output[0].content[0].text == ANALYSIS
     finally:
         server.stop()
         client.shutdown()
