@@ -943,7 +943,8 @@ class Api:
     def _response(self, ident: str, asked: tuple, c: Choice) -> dict:
         """A finished Responses request's Response object, stored unless it says store: false."""
         reader = c.reader
-        output = output_items(reader.reasoning if reader.reasoned else None, reader.answer, reader.calls)
+        output = output_items(reader.reasoning if reader.reasoned else None, reader.answer, reader.calls,
+                              cut=c.final.finish_reason == "length")
         return self._finished_response(ident, asked, c, output, time.time())
 
     def _finished_response(self, ident: str, asked: tuple, c: Choice, output: list[dict], created: float) -> dict:
@@ -977,7 +978,7 @@ class Api:
                 for event in stream.add(reasoning, answer, calls):
                     yield sse(event)
             if c.final.finish_reason in ("stop", "length"):
-                for event in stream.finish():
+                for event in stream.finish(cut=c.final.finish_reason == "length"):
                     yield sse(event)
                 response = self._finished_response(ident, asked, c, stream.items, created)
                 kind = "response.completed" if response["status"] == "completed" else "response.incomplete"

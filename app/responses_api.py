@@ -242,9 +242,9 @@ def _effort(reasoning) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- replies
-def reasoning_item(ident: str, text: str, status: str = "completed") -> dict:
+def reasoning_item(ident: str, text: str | None, status: str = "completed") -> dict:
     return {"id": ident, "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
 
 def message_item(ident: str, text: str | None, status: str = "completed") -> dict:
@@ -257,13 +257,16 @@ def call_item(ident: str, call: dict, status: str = "completed") -> dict:
             "arguments": call["function"]["arguments"] if status == "completed" else "", "status": status}
 
 
-def output_items(reasoning: str | None, answer: str, calls: list[dict]) -> list[dict]:
+def output_items(reasoning: str | None, answer: str, calls: list[dict], cut: bool = False) -> list[dict]:
     """A whole reply's output items: its reasoning (None: none), its message (when it has text or no calls), then its
-    calls."""
+    calls. `cut`: the reply ended at max_output_tokens, in its last reasoning or message item (incomplete)."""
     items = [] if reasoning is None else [reasoning_item(new_id("rs"), reasoning)]
     if answer.strip() or not calls:
         items.append(message_item(new_id("msg"), answer if not calls else answer.strip()))
-    return items + [call_item(new_id("fc"), call) for call in calls]
+    items += [call_item(new_id("fc"), call) for call in calls]
+    if cut and items[-1]["type"] != "function_call":
+        items[-1]["status"] = "incomplete"
+    return items
 
 
 def reply_message(items: list[dict]) -> dict:
@@ -343,12 +346,13 @@ class EventStream:
             out.append(self.event("response.output_item.done", output_index=at, item=done))
         return out
 
-    def finish(self) -> list[dict]:
-        """The reply ended: close its last item; a reply with neither text nor calls is one empty message."""
-        out = self._close()
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The reply ended (`cut`: at max_output_tokens, in the item it closes): close its last item; a reply with
+        neither text nor calls is one empty message."""
+        out = []
         if not any(item["type"] in ("message", "function_call") for item in self.items):
-            out += self._write("message", self._blank) + self._close()
-        return out
+            out += self._write("message", self._blank)
+        return out + self._close("incomplete" if cut else "completed")
 
     def _kind(self) -> str | None:
         return self._open and self._open["type"]
@@ -361,7 +365,7 @@ class EventStream:
         out = []
         if self._kind() != kind:
             out += self._close()
-            item = reasoning_item(new_id("rs"), "", "in_progress") if kind == "reasoning" else \
+            item = reasoning_item(new_id("rs"), None, "in_progress") if kind == "reasoning" else \
                 message_item(new_id("msg"), None, "in_progress")
             out += self._added(item)
             self._open, self._text = item, ""
@@ -376,17 +380,17 @@ class EventStream:
                               delta=text, **extra))
         return out
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         item = self._open
         if item is None:
             return []
         self._open, at, text = None, len(self.items) - 1, self._text
         if item["type"] == "reasoning":
-            done, part = reasoning_item(item["id"], text), {"type": "reasoning_text", "text": text}
+            done, part = reasoning_item(item["id"], text, status), {"type": "reasoning_text", "text": text}
             out = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                               text=text)]
         else:
-            done = message_item(item["id"], text)
+            done = message_item(item["id"], text, status)
             part = done["content"][0]
             out = [self.event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
                               text=text, logprobs=[])]

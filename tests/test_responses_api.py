@@ -48,6 +48,7 @@ def test_a_response_is_the_chat_reply_whole_and_streamed(server):
     assert whole.output_text == chat.choices[0].message.content and [o.type for o in whole.output] == ["message"]
     # 8 tokens, cut at max_output_tokens: incomplete, as OpenAI says it
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output[0].status == "incomplete"   # the message it was cut in
     assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
     assert whole.usage.total_tokens == whole.usage.input_tokens + 8
     assert whole.usage.output_tokens_details.reasoning_tokens == 0
@@ -62,6 +63,7 @@ def test_a_response_is_the_chat_reply_whole_and_streamed(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     assert events[-1].response.output_text == whole.output_text and events[-1].response.usage.output_tokens == 8
+    assert events[-2].item.status == "incomplete" and events[-1].response.output[0].status == "incomplete"
     assert len({e.item_id for e in events if hasattr(e, "item_id")}) == 1
 
     # the SDK's own accumulator takes the events in order to the final response
@@ -69,7 +71,7 @@ def test_a_response_is_the_chat_reply_whole_and_streamed(server):
         texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "".join(texts) == ""
-    assert final.usage.output_tokens == 1
+    assert final.usage.output_tokens == 1 and final.output[0].status == "completed"
 
 
 def test_instructions_and_input_items_are_the_chat_messages(server):
