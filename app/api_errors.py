@@ -25,9 +25,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self, body: dict | None = None) -> JSONResponse:
+        """The HTTP response: OpenAI's error object, or `body` (another API's)."""
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body() if body is None else body, status_code=self.status, headers=headers)
 
 
 def type_error(name: str, wanted: str, value) -> ApiError:

@@ -4,7 +4,9 @@
     POST /v1/completions        raw text (no chat template)
     POST /v1/responses          OpenAI's Responses API over the same chat (app/responses_api.py); GET and
                                 DELETE /v1/responses/{id} read and forget a stored response
-    GET  /v1/models             the one model served
+    POST /v1/messages           Anthropic's Messages API over the same chat (app/messages_api.py), and
+                                /v1/messages/count_tokens
+    GET  /v1/models             the one model served (/v1/models/{id}: it, by any of its names)
     GET  /health                200 when a request would be served now, 503 while the engine restarts
     GET  /metrics               Prometheus text (app/metrics.py)
 
@@ -51,13 +53,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from nanochat.app import messages_api
 from nanochat.app.api_errors import ApiError, type_error as _type_error
 from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
-from nanochat.app.reasoning import CLOSE as THINK_CLOSE, reply_splitter
+from nanochat.app.reasoning import CLOSE as THINK_CLOSE
+from nanochat.app.reply_parts import ReplyReader
 from nanochat.app.responses_api import EventStream, ResponseStore, chat_request, new_id, output_items, \
     reply_message, response_object, usage_of
-from nanochat.app.tool_calls import ToolCallParser, call_grammar
+from nanochat.app.tool_calls import call_grammar
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.serve.protocol import split_harmony
 from nanochat.engine.output import TokenEvent, TokenLogprobs
@@ -120,43 +124,6 @@ class Generation:
         if self.sampling.seed is None or index == 0:
             return self.sampling
         return replace(self.sampling, seed=(self.sampling.seed + index) % 2 ** 64)
-
-
-class ReplyReader:
-    """A chat reply read as it streams: its reasoning (a <think> block, or harmony's analysis channel), its answer,
-    and its tool calls (Hermes tags in the answer of a request with tools; harmony's calls), each only growing."""
-
-    def __init__(self, model, prompted: bool, tools: bool):
-        self.splitter = reply_splitter(model, prompted)
-        harmony = getattr(model, "harmony", False)
-        self.parser = ToolCallParser() if tools and not harmony else None
-        self.answer, self.reasoning, self.calls = "", "", []
-        self.reasoning_tokens = 0   # tokens written inside the reasoning
-
-    @property
-    def reasoned(self) -> bool:
-        """The reply has a reasoning part (perhaps empty)."""
-        return self.splitter.reasoning is not None
-
-    def feed(self, text: str, final: bool = False, tokens: int = 0) -> tuple[str, str, list[dict]]:
-        """What `text` (`tokens` tokens; `final`: the reply's last) adds: (answer, reasoning, calls)."""
-        s = self.splitter
-        answered, reasoned, called = len(s.answer), len(s.reasoning or ""), len(getattr(s, "calls", ()))
-        was_thinking = s.thinking
-        s.feed(text)
-        if final:
-            s.finish()
-        answer, reasoning = s.answer[answered:], (s.reasoning or "")[reasoned:]
-        calls = list(getattr(s, "calls", ())[called:])
-        if self.parser is not None:
-            answer, found = self.parser.feed(answer)
-            if final:
-                answer += self.parser.finish()
-            calls += found
-        if was_thinking or s.thinking or reasoning:
-            self.reasoning_tokens += tokens
-        self.answer, self.reasoning, self.calls = self.answer + answer, self.reasoning + reasoning, self.calls + calls
-        return answer, reasoning, calls
 
 
 @dataclass(eq=False)
@@ -612,9 +579,12 @@ class Api:
         if self._key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":   # Anthropic's clients send the key as x-api-key
+            given = request.headers.get("x-api-key", "")
         # compare_digest: the time taken says nothing about how much of the key matched
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8"), self._key):
-            raise ApiError(401, "invalid API key: send it as `Authorization: Bearer KEY`", code="invalid_api_key")
+        if not hmac.compare_digest(given.strip().encode("utf-8"), self._key):
+            raise ApiError(401, "invalid API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+                           code="invalid_api_key")
 
     async def _read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
@@ -708,26 +678,39 @@ class Api:
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completions")
 
     async def responses(self, request: Request) -> Response:
-        return await self._generate(request, chat=True, responses=True)
+        return await self._generate(request, "responses")
 
-    async def _generate(self, request: Request, chat: bool, responses: bool = False) -> Response:
+    async def messages(self, request: Request) -> Response:
+        return await self._generate(request, "messages")
+
+    @staticmethod
+    def _error(e: ApiError, api: str) -> Response:
+        """The error in the request's dialect: Anthropic's object for its Messages API, else OpenAI's."""
+        return e.response(messages_api.error_body(e) if api == "messages" else None)
+
+    async def _generate(self, request: Request, api: str) -> Response:
+        """A generation request of any of the APIs (`api`: chat, completions, responses, messages), all run as
+        chat completions (or completions) are."""
         started = time.monotonic()
+        chat = api != "completions"
         asked = None   # a Responses request: (its body, its conversation's messages)
         try:
             self._authorize(request)
             body = await self._read_json(request)
             self._check_model(body)
-            if responses:
+            if api == "responses":
                 asked = (body, *chat_request(body, self.stored))
                 body = asked[1]
-                if not (self.client.model and self.client.model.reasoning_efforts):
-                    body.pop("reasoning_effort", None)   # Responses clients send one to any model
+            elif api == "messages":
+                body = messages_api.chat_request(body)
+            if api in ("responses", "messages") and not (self.client.model and self.client.model.reasoning_efforts):
+                body.pop("reasoning_effort", None)   # their clients send an effort to any model
             _unsupported(body)
             gen = self._parse(body, chat)
             if asked:   # the Response states the sampling it ran with
@@ -735,7 +718,7 @@ class Api:
             self._admit(gen.n)
         except ApiError as e:
             self._log(request, e.status)
-            return e.response()
+            return self._error(e, api)
         self.in_flight += gen.n
         choices = [Choice(i, reader=ReplyReader(self.client.model, gen.prompted, bool(gen.tools)) if chat else None)
                    for i in range(gen.n)]
@@ -761,10 +744,15 @@ class Api:
                     for c in choices[1:]:
                         c.astream.cancel()
             arrivals = self._arrivals(choices, events, started)
-            ident = new_id("resp") if asked else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            ident = new_id("resp") if asked else messages_api.new_id("msg") if api == "messages" else \
+                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if gen.stream:
-                stream = self._response_events(ident, asked, choices[0], arrivals, watcher, request, started) \
-                    if asked else self._sse(ident, chat, gen, choices, arrivals, watcher, request, started)
+                if asked:
+                    stream = self._response_events(ident, asked, choices[0], arrivals, watcher, request, started)
+                elif api == "messages":
+                    stream = self._message_events(ident, choices[0], arrivals, watcher, request, started)
+                else:
+                    stream = self._sse(ident, chat, gen, choices, arrivals, watcher, request, started)
                 handed_over = True
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -778,10 +766,12 @@ class Api:
             self._log(request, 200, choices, started)
             if asked:
                 return JSONResponse(self._response(ident, asked, choices[0]))
+            if api == "messages":
+                return JSONResponse(self._message(ident, choices[0]))
             return JSONResponse(self._whole(ident, chat, gen, choices, self._usage(choices)))
         except ApiError as e:
             self._log(request, e.status, started=started)
-            return e.response()
+            return self._error(e, api)
         finally:
             if not handed_over:
                 self._settle(choices, watcher)
@@ -960,7 +950,7 @@ class Api:
 
     async def _response_events(self, ident, asked, c, arrivals, watcher, request, started):
         """A streamed Responses request's events (EventStream), ending with response.completed (or .incomplete
-        at max_output_tokens, .failed when the engine fails mid-reply); settles as _sse does."""
+        at max_output_tokens, .failed when the engine fails mid-reply)."""
         created, stream = time.time(), EventStream()
 
         def sse(payload: dict) -> bytes:
@@ -989,10 +979,7 @@ class Api:
                          + ("; a new engine is starting: try again shortly" if lost else "")}
                 yield lifecycle("response.failed", "failed", stream.items, error)
         finally:
-            await arrivals.aclose()
-            self._settle([c], watcher)
-            ended = c.final is not None and c.final.finish_reason in ("stop", "length")
-            self._log(request, 200, [c] if ended else None, started)
+            await self._stream_ended([c], arrivals, watcher, request, started)
 
     async def retrieve(self, request: Request) -> Response:
         """GET /v1/responses/{id}: a stored response; DELETE forgets it."""
@@ -1005,6 +992,59 @@ class Api:
             return JSONResponse(self.stored.get(ident)[0])
         except ApiError as e:
             return e.response()
+
+    # ------------------------------------------------------------------ /v1/messages
+    def _message(self, ident: str, c: Choice) -> dict:
+        reader, stats = c.reader, c.final.stats
+        content = messages_api.content_blocks(reader.reasoning if reader.reasoned else None, reader.answer,
+                                              reader.calls)
+        stop = messages_api.stop_reason(c.final.finish_reason, stats, reader.calls)
+        return messages_api.message_object(ident, self.config.model_id, content, stop, messages_api.usage_of(stats))
+
+    async def _message_events(self, ident, c, arrivals, watcher, request, started):
+        """A streamed Messages request's events (messages_api.EventStream), from message_start to message_stop;
+        an engine failure mid-reply is an error event."""
+        stream = messages_api.EventStream()
+
+        def sse(payload: dict) -> bytes:
+            return f"event: {payload['type']}\n".encode() + _sse(payload)
+
+        try:
+            start = messages_api.message_object(ident, self.config.model_id, [], (None, None),
+                                                {"input_tokens": 0, "output_tokens": 0})
+            yield sse({"type": "message_start", "message": start})
+            async for _, events in arrivals:
+                answer, reasoning, calls = self._read(c, events)
+                for event in stream.add(reasoning, answer, calls):
+                    yield sse(event)
+            if c.final.finish_reason in ("stop", "length"):
+                for event in stream.finish():
+                    yield sse(event)
+                stop = messages_api.stop_reason(c.final.finish_reason, c.final.stats, c.reader.calls)
+                yield sse({"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                           "usage": messages_api.usage_of(c.final.stats)})
+                yield sse({"type": "message_stop"})
+            else:   # the engine died or failed mid-reply
+                error = ApiError(503 if c.astream.lost else 500, c.final.error or "generation failed")
+                yield sse(messages_api.error_body(error))
+        finally:
+            await self._stream_ended([c], arrivals, watcher, request, started)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens: the prompt tokens a Messages request would take."""
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+            self._check_model(body)
+            chat = messages_api.chat_request({**body, "max_tokens": 1})
+            gen = self._parse(chat, chat=True)
+            try:
+                count = await self.client.count_tokens(gen.system, gen.history + gen.turn, gen.template_kwargs)
+            except (EngineError, ValueError) as e:
+                raise ApiError(400 if isinstance(e, ValueError) else 503, one_line(e)) from None
+            return JSONResponse({"input_tokens": count})
+        except ApiError as e:
+            return self._error(e, "messages")
 
     # ------------------------------------------------------------------ chat completions' stream
     async def _sse(self, ident, chat, gen, choices, arrivals, watcher, request, started):
@@ -1065,20 +1105,31 @@ class Api:
                 yield _sse(error.body())
             yield b"data: [DONE]\n\n"
         finally:
-            await arrivals.aclose()
-            self._settle(choices, watcher)
-            ended = all(c.final is not None and c.final.finish_reason in ("stop", "length") for c in choices)
-            self._log(request, 200, choices if ended else None, started)
+            await self._stream_ended(choices, arrivals, watcher, request, started)
+
+    async def _stream_ended(self, choices: list[Choice], arrivals, watcher, request: Request, started: float) -> None:
+        """Whatever ended a stream (the replies' end, the client going away, the engine dying): end its requests
+        in the engine, settle their sessions, log the request."""
+        await arrivals.aclose()
+        self._settle(choices, watcher)
+        ended = all(c.final is not None and c.final.finish_reason in ("stop", "length") for c in choices)
+        self._log(request, 200, choices if ended else None, started)
 
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
         except ApiError as e:
             return e.response()
+        name = request.path_params.get("name")
+        if name is not None:
+            try:
+                self._check_model({"model": name})
+            except ApiError as e:
+                return e.response()
         model = self.client.model
         entry = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "nanochat",
                  "max_model_len": model.max_model_len if model else None}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse(entry if name is not None else {"object": "list", "data": [entry]})
 
     async def metrics_text(self, request: Request) -> Response:
         try:
@@ -1108,8 +1159,11 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/responses", api.responses, methods=["POST"]),
+              Route("/v1/messages", api.messages, methods=["POST"]),
+              Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
               Route("/v1/responses/{ident}", api.retrieve, methods=["GET", "DELETE"]),
               Route("/v1/models", api.models, methods=["GET"]),
+              Route("/v1/models/{name:path}", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.metrics_text, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})

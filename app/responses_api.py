@@ -22,6 +22,7 @@ import uuid
 from collections import OrderedDict
 
 from nanochat.app.api_errors import ApiError, type_error
+from nanochat.app.reply_parts import BlockStream
 
 MAX_STORED = 1024   # responses kept for previous_response_id and GET /v1/responses/{id}
 
@@ -303,99 +304,65 @@ def usage_of(prompt_tokens: int, cached_tokens: int, completion_tokens: int, rea
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class EventStream:
-    """A streamed reply as Responses events: its items open as their first text arrives (reasoning, then the
-    message, then each call) and close when the next one opens or the reply ends. `event` numbers them."""
+class EventStream(BlockStream):
+    """A streamed reply as Responses events: reasoning items, a message, function_call items (BlockStream's
+    blocks); `event` numbers the events."""
 
     def __init__(self):
+        super().__init__()
         self.sequence = 0
-        self.items: list[dict] = []        # finished and open items, in output order
-        self._open: dict | None = None     # the item being written: reasoning or message
-        self._text = ""                    # its text so far
-        self._blank = ""                   # answer text of whitespace alone, not shown until more text follows
+        self.items: list[dict] = []   # finished and open items, in output order
+        self._text = ""               # the open item's text so far
 
     def event(self, kind: str, **fields) -> dict:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return payload
 
-    def add(self, reasoning: str, answer: str, calls: list[dict]) -> list[dict]:
-        """The events of a reply's new reasoning, answer text and calls."""
-        out = []
-        if reasoning:
-            out += self._write("reasoning", reasoning)
-        if answer:   # a message opens with its first visible text (whitespace before calls is none)
-            if self._kind() == "message":
-                out += self._write("message", answer)
-            else:
-                self._blank += answer
-                if self._blank.strip():
-                    out += self._write("message", self._blank)
-                    self._blank = ""
-        for call in calls:
-            out += self._close()
-            item = call_item(new_id("fc"), call, "in_progress")
-            out += self._added(item)
-            at = len(self.items) - 1
-            arguments = call["function"]["arguments"]
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
-                                  delta=arguments))
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                                  arguments=arguments, name=item["name"]))
-            self.items[at] = done = {**item, "arguments": arguments, "status": "completed"}
-            out.append(self.event("response.output_item.done", output_index=at, item=done))
-        return out
-
-    def finish(self, cut: bool = False) -> list[dict]:
-        """The reply ended (`cut`: at max_output_tokens, in the item it closes): close its last item; a reply with
-        neither text nor calls is one empty message."""
-        out = []
-        if not any(item["type"] in ("message", "function_call") for item in self.items):
-            out += self._write("message", self._blank)
-        return out + self._close("incomplete" if cut else "completed")
-
-    def _kind(self) -> str | None:
-        return self._open and self._open["type"]
-
     def _added(self, item: dict) -> list[dict]:
         self.items.append(item)
         return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
 
-    def _write(self, kind: str, text: str) -> list[dict]:
-        out = []
-        if self._kind() != kind:
-            out += self._close()
-            item = reasoning_item(new_id("rs"), None, "in_progress") if kind == "reasoning" else \
-                message_item(new_id("msg"), None, "in_progress")
-            out += self._added(item)
-            self._open, self._text = item, ""
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
-                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
-                                  content_index=0, part=part))
+    def opened(self, kind: str) -> list[dict]:
+        reasoning = kind == "reasoning"
+        item = reasoning_item(new_id("rs"), None, "in_progress") if reasoning else \
+            message_item(new_id("msg"), None, "in_progress")
+        self._text = ""
+        part = {"type": "reasoning_text", "text": ""} if reasoning else \
+            {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return self._added(item) + [self.event("response.content_part.added", item_id=item["id"],
+                                               output_index=len(self.items) - 1, content_index=0, part=part)]
+
+    def wrote(self, kind: str, text: str) -> list[dict]:
         self._text += text
         delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {} if kind == "reasoning" else {"logprobs": []}
-        out.append(self.event(delta, item_id=self._open["id"], output_index=len(self.items) - 1, content_index=0,
-                              delta=text, **extra))
-        return out
+        return [self.event(delta, item_id=self.items[-1]["id"], output_index=len(self.items) - 1, content_index=0,
+                           delta=text, **extra)]
 
-    def _close(self, status: str = "completed") -> list[dict]:
-        item = self._open
-        if item is None:
-            return []
-        self._open, at, text = None, len(self.items) - 1, self._text
-        if item["type"] == "reasoning":
-            done, part = reasoning_item(item["id"], text, status), {"type": "reasoning_text", "text": text}
-            out = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+    def closed(self, kind: str, status: str) -> list[dict]:
+        at, ident, text = len(self.items) - 1, self.items[-1]["id"], self._text
+        if kind == "reasoning":
+            done, part = reasoning_item(ident, text, status), {"type": "reasoning_text", "text": text}
+            out = [self.event("response.reasoning_text.done", item_id=ident, output_index=at, content_index=0,
                               text=text)]
         else:
-            done = message_item(item["id"], text, status)
+            done = message_item(ident, text, status)
             part = done["content"][0]
-            out = [self.event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+            out = [self.event("response.output_text.done", item_id=ident, output_index=at, content_index=0,
                               text=text, logprobs=[])]
-        out.append(self.event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
+        out.append(self.event("response.content_part.done", item_id=ident, output_index=at, content_index=0,
                               part=part))
         self.items[at] = done
-        out.append(self.event("response.output_item.done", output_index=at, item=done))
-        return out
+        return out + [self.event("response.output_item.done", output_index=at, item=done)]
+
+    def called(self, call: dict) -> list[dict]:
+        item = call_item(new_id("fc"), call, "in_progress")
+        out = self._added(item)
+        at, arguments = len(self.items) - 1, call["function"]["arguments"]
+        out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                              delta=arguments))
+        out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                              arguments=arguments, name=item["name"]))
+        self.items[at] = done = {**item, "arguments": arguments, "status": "completed"}
+        return out + [self.event("response.output_item.done", output_index=at, item=done)]

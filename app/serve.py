@@ -38,9 +38,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                                          "/v1/completions, /v1/models, /health, /metrics). Concurrent requests "
-                                          "share the engine's batching; a conversation's earlier turns come from the "
-                                          "KV cache.")
+                                          "/v1/responses, /v1/completions, /v1/models, /health, /metrics) and "
+                                          "Anthropic's Messages API (/v1/messages). Concurrent requests share the "
+                                          "engine's batching; a conversation's earlier turns come from the KV cache.")
     add_engine_options(p, suppress=True)
     add_option(p, True, "--quiet", "-q", action="store_true", help="no loading progress or per-request log lines")
     g = p.add_argument_group("server")
@@ -48,7 +48,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=port_int, default=8000, metavar="N", help="port (default 8000)")
     g.add_argument("--api-key", metavar="KEY", default=None,
-                   help="require `Authorization: Bearer KEY` on every request but /health")
+                   help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every request but /health")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                   help="the model's name in the API (the first is listed; requests may use any of them, or the "
+                        "model's path); default: the file or folder name")
     g.add_argument("--max-queue", type=positive_int, default=MAX_QUEUE, metavar="N",
                    help=f"most sequences in flight, running or waiting (a request with n choices counts n); past "
                         f"it a request gets 429 (default {MAX_QUEUE})")
@@ -143,13 +146,16 @@ def _serve(args) -> int:
     client, _ = load_client(model, config, quiet)
     info = client.model
     file_name = Path(model.rstrip("/")).name or model   # the API's model id: the file or folder name
-    model_id = given or file_name
+    names = [n.strip() for n in args.served_model_name or () if n.strip()]
+    if args.served_model_name is not None and not names:
+        raise UsageError("--served-model-name needs a name")
+    model_id = names[0] if names else given or file_name
     url = url_of(sock, args.host)
     say(f"serving {model_id} ({info.arch}, {info.device}, {info.dtype}, context {info.max_model_len}) "
         f"at {url}/v1")
     if not is_loopback(args.host) and args.api_key is None:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can use the model")
-    server_config = ServerConfig(model_id=model_id, aliases=tuple({model, file_name} - {model_id}),
+    server_config = ServerConfig(model_id=model_id, aliases=tuple(sorted({model, file_name, *names} - {model_id})),
                                  api_key=args.api_key, max_queue=args.max_queue, log=None if quiet else say)
     aclient = AsyncEngineClient(client)
     try:

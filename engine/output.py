@@ -35,6 +35,7 @@ class RequestStats:
     preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     context_full: bool = False        # it reached max_model_len (a "length" end that max_tokens did not cause)
+    stop_string: str | None = None    # the stop string that ended it (a "stop" end that no stop token caused)
     spec_proposed: int = 0            # speculative decoding: tokens proposed for this request, and accepted
     spec_accepted: int = 0
 

@@ -38,7 +38,8 @@ def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int) ->
         req.text += req.detok.add(token)
         hit = _stop_string(req)
         if hit is not None:
-            req.text, reason = req.text[:hit], "stop"
+            req.text, reason = req.text[:hit[0]], "stop"
+            seq.stats.stop_string = hit[1]
     if reason is None and complete:
         reason = "stop"
     if reason is None and (seq.num_completion_tokens >= sp.max_tokens or len(seq) >= max_model_len):
@@ -49,13 +50,16 @@ def add_token(req, token: int, now: float, eos_token_ids, max_model_len: int) ->
             if sp.stop:
                 hit = _stop_string(req)
                 if hit is not None:
-                    req.text = req.text[:hit]
+                    req.text = req.text[:hit[0]]
+                    if reason == "stop":
+                        seq.stats.stop_string = hit[1]
         seq.stats.finish_time = now
     return reason
 
 
-def _stop_string(req) -> int | None:
-    hits = [i for s in req.params.stop if (i := req.text.find(s)) >= 0]
+def _stop_string(req) -> tuple[int, str] | None:
+    """Where the first stop string in the text begins, and which it is."""
+    hits = [(i, s) for s in req.params.stop if (i := req.text.find(s)) >= 0]
     return min(hits) if hits else None
 
 
@@ -80,5 +84,5 @@ def request_stats(seq, reason: str, max_model_len: int, now: float) -> RequestSt
     return RequestStats(prompt_tokens=seq.num_prompt_tokens, cached_tokens=st.num_cached_tokens,
                         completion_tokens=n, ttft=st.ttft, decode_tok_s=decode,
                         elapsed=end - st.arrival_time, preemptions=st.num_preemptions, finish_reason=reason,
-                        context_full=len(seq) >= max_model_len,
+                        context_full=len(seq) >= max_model_len, stop_string=st.stop_string,
                         spec_proposed=spec.proposed if spec else 0, spec_accepted=spec.accepted if spec else 0)

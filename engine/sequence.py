@@ -25,6 +25,7 @@ class SequenceStats:
     finish_time: float | None = None
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    stop_string: str | None = None  # the stop string that ended it
 
     @property
     def ttft(self) -> float | None:

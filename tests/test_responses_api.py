@@ -6,7 +6,6 @@ canned model output (test_serve.Scripted) stands in for what a random model does
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -14,30 +13,12 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from nanochat.engine.serve.client import EngineClient   # noqa: E402
-
-from conftest import gone   # noqa: E402
-from test_serve import (CALLING, CITIES, ENGINE, MODEL, Scripted, Server, _qwen3_template_client,   # noqa: E402
-                        raw)
+from test_serve import (CALLING, CITIES, MODEL, THINKING, play, Server, _qwen3_template_client,   # noqa: E402
+                        raw, server)   # noqa: F401 (server: the fixture, one for this module)
 
 HI = [{"role": "user", "content": "hi there"}]
 TOOL = {"type": "function", "name": "get_weather", "description": "The weather.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-THINKING = ["<think>", "\nweighing", " it\n", "</think>", "\n\nParis."]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    client = EngineClient()
-    client.load_model(str(tiny_models["llama"]), **ENGINE)
-    eos = json.loads((tiny_models["llama"] / "config.json").read_text())["eos_token_id"]
-    srv = Server(client)
-    srv.ends = {"logit_bias": {str(eos): 100}}   # ends a random reply at its first token: completed, not incomplete
-    yield srv
-    srv.stop()
-    pid = client.pid
-    client.shutdown()
-    assert gone(pid)
 
 
 def test_a_response_is_the_chat_reply_whole_and_streamed(server):
@@ -153,14 +134,7 @@ def test_calls_are_function_call_items_and_their_outputs_go_back_as_tool_message
     """Canned output with a call: a message and a function_call item, whole and streamed (the SDK's accumulator
     checks the events' order); the call's output sent back reaches the engine as the tool's message."""
     sdk = server.sdk()
-    given = []
-
-    async def submit_turns(sessions, user, samplings, template_kwargs=None):
-        given.append((sessions[0].history, user, template_kwargs))
-        return [Scripted(CALLING) for _ in sessions]
-
-    monkeypatch.setattr(server.aclient.client, "model", dataclasses.replace(server.aclient.model, tools=True))
-    monkeypatch.setattr(server.aclient, "submit_turns", submit_turns)
+    given = play(server, monkeypatch, CALLING, tools=True)
     whole = sdk.responses.create(model=MODEL, input="the weather in Paris?", tools=[TOOL])
     assert given[-1][2]["tools"] == [{"type": "function", "function": {k: TOOL[k] for k in
                                                                        ("name", "description", "parameters")}}]
@@ -194,8 +168,7 @@ def test_thinking_is_reasoning_in_responses_and_in_chat_completions(server, monk
     """A <think> block is the reasoning item (Responses) and reasoning_content (chat), whole and streamed; the
     answer is the message; the next turn finds the conversation's KV though the client sends the answer alone."""
     sdk = server.sdk()
-    monkeypatch.setattr(server.aclient, "submit_turns",
-                        lambda sessions, user, samplings, template_kwargs=None: _scripted(sessions, THINKING))
+    play(server, monkeypatch, THINKING)
     whole = sdk.responses.create(model=MODEL, input="the capital of France?")
     reasoning, message = whole.output
     assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == ["weighing it"]
@@ -213,10 +186,6 @@ def test_thinking_is_reasoning_in_responses_and_in_chat_completions(server, monk
               if c.choices]
     assert "".join(d.content or "" for d in chunks) == "Paris."
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "weighing it"
-
-
-async def _scripted(sessions, pieces):
-    return [Scripted(pieces) for _ in sessions]
 
 
 def test_a_reasoning_turn_keeps_its_session_when_the_client_sends_back_the_answer():

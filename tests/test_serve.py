@@ -65,9 +65,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
+    """A server over the tiny llama in its own engine process (other modules import this fixture: one each).
+    `ends`: request fields that end a random reply at its first token (a +100 bias on its end token)."""
     client = EngineClient()
     client.load_model(str(tiny_models["llama"]), **ENGINE)
     srv = Server(client)
+    srv.ends = {"logit_bias": {str(json.loads((tiny_models["llama"] / "config.json").read_text())["eos_token_id"]): 100}}
     yield srv
     srv.stop()
     pid = client.pid
@@ -285,6 +288,9 @@ def test_completions_and_models(server):
     assert "".join(p.choices[0].text for p in parts) == done.choices[0].text
     models = sdk.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk.models.retrieve("another/model")
 
 
 def test_each_turn_prefills_only_its_new_message(server):
@@ -487,6 +493,25 @@ class Scripted:
         pass
 
 
+def play(server, monkeypatch, pieces: list[str], tools: bool = False) -> list[tuple]:
+    """Canned model output (`pieces`) for every turn the server submits from now on, the model said to render tools
+    when `tools`; returns what each submit is given: (its session's history, the turn's messages, the template's
+    variables)."""
+    import dataclasses
+
+    given = []
+
+    async def submit_turns(sessions, user, samplings, template_kwargs=None):
+        given.append((sessions[0].history, user, template_kwargs))
+        return [Scripted(pieces) for _ in sessions]
+
+    if tools:
+        monkeypatch.setattr(server.aclient.client, "model", dataclasses.replace(server.aclient.model, tools=True))
+    monkeypatch.setattr(server.aclient, "submit_turns", submit_turns)
+    return given
+
+
+THINKING = ["<think>", "\nweighing", " it\n", "</think>", "\n\nParis."]   # canned: a reasoning reply
 CALLING = ["Let me check.", "\n<tool", '_call>\n{"name": "get_', 'weather", "arguments": {"city": "Paris"}}\n</tool',
            "_call>"]
 
@@ -950,11 +975,12 @@ def test_the_command_line(tiny_models, tmp_path):
     assert busy.returncode == 2 and "cannot listen" in busy.stderr and busy.stderr.count("\n") == 1
 
     proc = subprocess.Popen([sys.executable, "-m", "nanochat.app.cli", "serve", "--model", str(tiny_models["llama"]),
-                             "--host", "0.0.0.0", "--port", "0", "--max-model-len", "256"], env=env,
+                             "--host", "0.0.0.0", "--port", "0", "--max-model-len", "256",
+                             "--served-model-name", "local", "claude-haiku"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stderr.readline()
-        assert "serving" in first and str(tiny_models["llama"]) in first and "/v1" in first, first
+        assert "serving local (" in first and "/v1" in first, first
         assert "without --api-key" in proc.stderr.readline()
         port = int(first.rsplit(":", 1)[1].split("/")[0])
         deadline = time.monotonic() + 30
@@ -967,6 +993,15 @@ def test_the_command_line(tiny_models, tmp_path):
             except OSError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+        # the first name is the one listed; requests may name any of them, or the model's path
+        models = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-").models.list()
+        assert [m.id for m in models.data] == ["local"]
+        for name in ("local", "claude-haiku", str(tiny_models["llama"])):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("POST", "/v1/messages", json.dumps({"model": name, "max_tokens": 1, "messages": [
+                {"role": "user", "content": "hi"}]}), {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            assert answer.status == 200 and json.loads(answer.read())["model"] == "local"
     finally:
         proc.send_signal(signal.SIGINT)   # how a server is stopped: not an error
         assert proc.wait(30) == 0

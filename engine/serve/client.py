@@ -538,6 +538,13 @@ class EngineClient:
         self.ensure_running()
         return self._call("describe")
 
+    def count_tokens(self, system_prompt: str | None, messages: list[dict], template_kwargs: dict | None = None) -> int:
+        """The prompt tokens of a chat turn after a transcript (`messages`: finished turns, each ending with the
+        assistant's, then the new turn's input), rendered as a session's next turn would be."""
+        self.ensure_running()
+        return self._call("count_tokens", system_prompt=system_prompt, messages=messages,
+                          template_kwargs=template_kwargs)
+
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
         """A chat session, optionally seeded with a transcript (the messages of finished turns, each
         ending with the assistant's) that its first turn prefills. Cheap: the engine builds it on its
@@ -783,6 +790,10 @@ class AsyncEngineClient:
 
     async def describe(self) -> list[tuple[str, str]]:
         return await asyncio.to_thread(self.client.describe)
+
+    async def count_tokens(self, system_prompt: str | None, messages: list[dict],
+                           template_kwargs: dict | None = None) -> int:
+        return await asyncio.to_thread(self.client.count_tokens, system_prompt, messages, template_kwargs)
 
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
         return self.client.open_session(system_prompt, history)

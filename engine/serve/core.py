@@ -221,6 +221,18 @@ class EngineCore:
         self.sessions[session_id] = session
         return len(session.token_ids)
 
+    def op_count_tokens(self, call: Call, system_prompt: str | None, messages: list[dict],
+                        template_kwargs: dict | None = None) -> int:
+        """A chat prompt's length in ids: the transcript's turns, then the new turn's input, as a session renders
+        them (nothing is kept)."""
+        from nanochat.engine.serve.session import ChatSession
+
+        engine = self._engine()
+        start = max((at + 1 for at, m in enumerate(messages) if m["role"] == "assistant"), default=0)
+        session = ChatSession.from_history(engine.tokenizer, engine.loaded.chat_template, system_prompt,
+                                           messages[:start], template_kwargs=template_kwargs)
+        return len(session.prepare_turn(messages[start:], template_kwargs))
+
     def op_touch_session(self, call: Call, session_id: str) -> None:
         """The session is the one shown: its resident KV is the last to be evicted."""
         if self.engine is not None:
