@@ -166,3 +166,17 @@ def test_a_forced_tool_under_the_qwen3_template(tiny_models, tmp_path):
     finally:
         srv.stop()
         client.shutdown()
+
+
+def test_system_messages_among_the_messages_join_their_users_turn(server, monkeypatch):
+    """Claude Code sends a system message after the user's: it joins that user message (or the next one)."""
+    given = play(server, monkeypatch, ["ok"])
+    sdk = claude(server)
+    sdk.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"},
+                                                             {"role": "system", "content": "Agents: none."}])
+    assert given[-1][1] == [{"role": "user", "content": "hi\n\nAgents: none."}]
+    sdk.messages.create(model=MODEL, max_tokens=8, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]}])
+    assert given[-1][1] == [{"role": "user", "content": "Be brief.\n\nmore"}]
