@@ -59,8 +59,8 @@ from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
 from nanochat.app.reply_parts import ReplyReader
-from nanochat.app.responses_api import EventStream, ResponseStore, chat_request, new_id, output_items, \
-    reply_message, response_object, usage_of
+from nanochat.app.responses_api import EventStream, ResponseStore, chat_request, namespaces_of, new_id, \
+    output_items, reply_message, response_object, usage_of
 from nanochat.app.tool_calls import call_grammar
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.serve.protocol import split_harmony
@@ -428,7 +428,7 @@ def _tool_calls(message: dict, at: int) -> list[dict]:
 
 # What may follow each kind of message (None: the start) and why, in the order of a conversation.
 _FOLLOWS = {None: (("user",), "a user message: the conversation starts with the user's"),
-            "user": (("assistant",), "an assistant message: user and assistant messages take turns"),
+            "user": (("assistant", "user"), "a user or assistant message"),
             "assistant": (("user",), "a user message: user and assistant messages take turns"),
             "calls": (("tool",), "a tool message: an assistant's tool_calls are answered by tool results"),
             "tool": (("tool", "assistant", "user"), "")}
@@ -934,7 +934,7 @@ class Api:
         """A finished Responses request's Response object, stored unless it says store: false."""
         reader = c.reader
         output = output_items(reader.reasoning if reader.reasoned else None, reader.answer, reader.calls,
-                              cut=c.final.finish_reason == "length")
+                              cut=c.final.finish_reason == "length", namespaces=namespaces_of(asked[0]))
         return self._finished_response(ident, asked, c, output, time.time())
 
     def _finished_response(self, ident: str, asked: tuple, c: Choice, output: list[dict], created: float) -> dict:
@@ -951,7 +951,7 @@ class Api:
     async def _response_events(self, ident, asked, c, arrivals, watcher, request, started):
         """A streamed Responses request's events (EventStream), ending with response.completed (or .incomplete
         at max_output_tokens, .failed when the engine fails mid-reply)."""
-        created, stream = time.time(), EventStream()
+        created, stream = time.time(), EventStream(namespaces_of(asked[0]))
 
         def sse(payload: dict) -> bytes:
             return f"event: {payload['type']}\n".encode() + _sse(payload)

@@ -41,6 +41,8 @@ _REFUSED = {"background": "background responses are not supported: send the requ
             "n": "n is not a Responses field: one response a request",
             "messages": "messages is a chat completions field: /v1/responses takes input"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# Tools OpenAI's servers run themselves (by type prefix): this server runs none, so a request's are left out.
+HOSTED = ("web_search", "file_search", "code_interpreter", "image_generation", "mcp")
 
 
 def new_id(prefix: str) -> str:
@@ -191,19 +193,32 @@ def _call(item: dict, where: str) -> dict:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
+def functions_of(tools) -> list[tuple[dict, str | None]]:
+    """The request's function tools, each with its namespace (None: none): a namespace's functions are tools of
+    their own; tools the server would run (web search, file search, ...) are left out, as it runs none."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise type_error("tools", "a list of function tools", tools)
+    out = []
+    for k, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            out.append((tool, None))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += [(function, tool.get("name")) for function, _ in functions_of(tool["tools"])]
+        elif not (isinstance(kind, str) and kind.startswith(HOSTED)):
+            raise ApiError(400, f"tools[{k}]: only function tools are supported, got {json.dumps(kind)[:40]}",
+                           param=f"tools[{k}]")
+    return out
+
+
 def _tools(body: dict) -> dict:
     """tools, tool_choice and parallel_tool_calls in chat's form (a function's fields nested under "function")."""
     out = {}
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise type_error("tools", "a list of function tools", tools)
+    if body.get("tools") is not None:
         chat_tools = []
-        for k, tool in enumerate(tools):
-            if not (isinstance(tool, dict) and tool.get("type") == "function"):
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                raise ApiError(400, f"tools[{k}]: only function tools are supported, got {json.dumps(kind)[:40]}",
-                               param=f"tools[{k}]")
+        for tool, _ in functions_of(body["tools"]):
             function = {name: tool[name] for name in ("name", "description", "parameters", "strict") if name in tool}
             chat_tools.append({"type": "function", "function": function})
         out["tools"] = chat_tools or None
@@ -253,18 +268,24 @@ def message_item(ident: str, text: str | None, status: str = "completed") -> dic
     return {"id": ident, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def call_item(ident: str, call: dict, status: str = "completed") -> dict:
-    return {"id": ident, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+def call_item(ident: str, call: dict, status: str = "completed", namespaces: dict | None = None) -> dict:
+    """A function_call item (`namespaces`: the namespace of each function that has one)."""
+    name = call["function"]["name"]
+    item = {"id": ident, "type": "function_call", "call_id": call["id"], "name": name,
             "arguments": call["function"]["arguments"] if status == "completed" else "", "status": status}
+    if (namespaces or {}).get(name):
+        item["namespace"] = namespaces[name]
+    return item
 
 
-def output_items(reasoning: str | None, answer: str, calls: list[dict], cut: bool = False) -> list[dict]:
+def output_items(reasoning: str | None, answer: str, calls: list[dict], cut: bool = False,
+                 namespaces: dict | None = None) -> list[dict]:
     """A whole reply's output items: its reasoning (None: none), its message (when it has text or no calls), then its
     calls. `cut`: the reply ended at max_output_tokens, in its last reasoning or message item (incomplete)."""
     items = [] if reasoning is None else [reasoning_item(new_id("rs"), reasoning)]
     if answer.strip() or not calls:
         items.append(message_item(new_id("msg"), answer if not calls else answer.strip()))
-    items += [call_item(new_id("fc"), call) for call in calls]
+    items += [call_item(new_id("fc"), call, namespaces=namespaces) for call in calls]
     if cut and items[-1]["type"] != "function_call":
         items[-1]["status"] = "incomplete"
     return items
@@ -277,6 +298,11 @@ def reply_message(items: list[dict]) -> dict:
                                                                      "arguments": item["arguments"]}}
              for item in items if item["type"] == "function_call"]
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def namespaces_of(body: dict) -> dict:
+    """Each namespaced function's namespace, by the function's name."""
+    return {tool["name"]: space for tool, space in functions_of(body.get("tools")) if space}
 
 
 def response_object(ident: str, body: dict, model: str, status: str, output: list[dict], usage: dict | None,
@@ -308,8 +334,9 @@ class EventStream(BlockStream):
     """A streamed reply as Responses events: reasoning items, a message, function_call items (BlockStream's
     blocks); `event` numbers the events."""
 
-    def __init__(self):
+    def __init__(self, namespaces: dict | None = None):
         super().__init__()
+        self.namespaces = namespaces   # each namespaced function's namespace
         self.sequence = 0
         self.items: list[dict] = []   # finished and open items, in output order
         self._text = ""               # the open item's text so far
@@ -357,7 +384,7 @@ class EventStream(BlockStream):
         return out + [self.event("response.output_item.done", output_index=at, item=done)]
 
     def called(self, call: dict) -> list[dict]:
-        item = call_item(new_id("fc"), call, "in_progress")
+        item = call_item(new_id("fc"), call, "in_progress", self.namespaces)
         out = self._added(item)
         at, arguments = len(self.items) - 1, call["function"]["arguments"]
         out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,

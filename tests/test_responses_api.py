@@ -115,7 +115,7 @@ def test_a_json_schema_text_format_holds_the_reply(server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "only text parts"),
     ({"input": [{"type": "web_search_call", "id": "ws"}]}, 400, 'input items of type "web_search_call"'),
-    ({"tools": [{"type": "web_search"}]}, 400, 'only function tools are supported, got "web_search"'),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, 400, 'only function tools are supported, got "custom"'),
     ({"background": True}, 400, "background responses are not supported"),
     ({"truncation": "auto"}, 400, 'truncation "auto" is not supported'),
     ({"include": ["message.output_text.logprobs"]}, 400, "logprobs are not supported"),
@@ -229,3 +229,34 @@ def test_forced_calls_and_the_thinking_switch_under_the_qwen3_template(tiny_mode
         srv.stop()
         client.shutdown()
 
+
+
+def test_codexs_request_shape(server, monkeypatch):
+    """What Codex sends: developer messages, then two user messages, a namespace of functions and a hosted web
+    search among the tools, store false with encrypted reasoning asked for. The developer messages are the system
+    prompt, the user messages one turn, the namespace's functions tools (a call of one names its namespace), the
+    web search left out."""
+    pieces = ["<tool_call>\n", '{"name": "close_agent", "arguments": {"target": "a1"}}', "\n</tool_call>"]
+    given = play(server, monkeypatch, pieces, tools=True)
+    space = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "close_agent", "description": "Close one.", "strict": False,
+         "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"]}}]}
+    kw = dict(model=MODEL, store=False, include=["reasoning.encrypted_content"], reasoning={"summary": "auto"},
+              tools=[TOOL, space, {"type": "web_search", "external_web_access": False}], input=[
+                  {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be careful."}]},
+                  {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox."}]},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<env>/root</env>"}]},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]}],
+              extra_body={"prompt_cache_key": "k", "client_metadata": {"x": "y"}})
+    whole = server.sdk().responses.create(**kw)
+    history, turn, variables = given[-1]
+    assert history == [] and turn == [{"role": "user", "content": "<env>/root</env>"},
+                                      {"role": "user", "content": "say hi"}]
+    assert [t["function"]["name"] for t in variables["tools"]] == ["get_weather", "close_agent"]
+    (call,) = whole.output
+    assert call.type == "function_call" and call.name == "close_agent" and call.namespace == "multi_agent_v1"
+    with server.sdk().responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].namespace == "multi_agent_v1" and whole.store is False
+    with pytest.raises(openai.NotFoundError):   # store: false keeps nothing
+        server.sdk().responses.retrieve(whole.id)

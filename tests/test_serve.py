@@ -298,6 +298,8 @@ def test_each_turn_prefills_only_its_new_message(server):
     messages = [{"role": "system", "content": "You are terse."}]
     previous = None
     for turn in range(4):
+        if turn == 2:   # two user messages in a row: one turn
+            messages.append({"role": "user", "content": "a note first."})
         messages.append({"role": "user", "content": f"question {turn}: what comes next?"})
         reply = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0.8)
         usage = reply.usage
