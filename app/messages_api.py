@@ -102,13 +102,10 @@ def _unsupported_block(block, where: str) -> ApiError:
 
 
 def messages_of(messages) -> list[dict]:
-    """Anthropic messages as chat messages. A system message among them (Claude Code sends one after the user's)
-    joins the user's turn it belongs to: the user message before it, else the next one, as the chat's sessions
-    take a system prompt only at the start."""
+    """Anthropic messages as chat messages (a system message among them stays one: see parse_messages)."""
     if not isinstance(messages, list) or not messages:
         raise type_error("messages", "a non-empty list of messages", messages)
     out: list[dict] = []
-    aside = []   # system text waiting for the next user message
     for at, message in enumerate(messages):
         where = f"messages[{at}]"
         role = message.get("role") if isinstance(message, dict) else None
@@ -117,14 +114,8 @@ def messages_of(messages) -> list[dict]:
                            param=f"{where}.role")
         content = message.get("content")
         if role == "system":
-            text = _text_of(content, f"{where}.content")
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += "\n\n" + text
-            else:
-                aside.append(text)
+            out.append({"role": "system", "content": _text_of(content, f"{where}.content")})
             continue
-        if role == "user" and aside and isinstance(content, str):
-            content, aside = "\n\n".join([*aside, content]), []
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -159,12 +150,8 @@ def messages_of(messages) -> list[dict]:
                         **({"tool_calls": calls} if calls else {})})
         else:
             out += results
-            if texts or aside or not results:
-                out.append({"role": "user", "content": "\n\n".join([*aside, "".join(texts)]) if aside else
-                            "".join(texts)})
-                aside = []
-    if aside:
-        out.append({"role": "user", "content": "\n\n".join(aside)})
+            if texts or not results:
+                out.append({"role": "user", "content": "".join(texts)})
     if out[-1]["role"] == "assistant":
         raise ApiError(400, "the last message must be the user's: continuing a given assistant message (prefill) is "
                             "not supported", param="messages")

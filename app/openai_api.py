@@ -436,13 +436,16 @@ _FOLLOWS = {None: (("user",), "a user message: the conversation starts with the 
 
 def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], list[dict]]:
     """(system prompt, finished turns' messages, the new turn's messages). A chat session takes an
-    optional system message, then user and assistant messages in turn, an assistant's tool_calls
-    answered by tool messages; it ends with the user's message or the tool results."""
+    optional system prompt (the leading system or developer messages, joined), then user and assistant
+    messages in turn (user messages in a row are one turn), an assistant's tool_calls answered by tool
+    messages; it ends with the user's message or the tool results. A system message later on joins the
+    user's turn it belongs to (the one before it, else the next): a session has its system prompt only
+    at the start, and the clients that send such messages (Claude Code, Codex) mean them for that turn."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
     if len(messages) > limit:
         raise ApiError(400, f"too many messages: {len(messages)}, at most {limit}", param="messages")
-    system, parsed, last = None, [], None
+    system, parsed, last, aside = None, [], None, []
     for at, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _type_error(f"messages[{at}]", "an object with role and content", message)
@@ -453,10 +456,15 @@ def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], list[d
         calls = role == "assistant" and message.get("tool_calls")
         text = "" if calls and message.get("content") is None else _content(message, at)
         if role in SYSTEM_ROLES:
-            if at != 0:
-                raise ApiError(400, f"messages[{at}]: a system message may only come first", param="messages")
-            system = text
+            if last is None:
+                system = text if system is None else f"{system}\n\n{text}"
+            elif last == "user":
+                parsed[-1]["content"] += f"\n\n{text}"
+            else:
+                aside.append(text)
             continue
+        if role == "user" and aside:
+            text, aside = "\n\n".join([*aside, text]), []
         allowed, why = _FOLLOWS[last]
         if role not in allowed:
             raise ApiError(400, f"messages[{at}]: a tool message must answer an assistant message's tool_calls"
@@ -470,6 +478,9 @@ def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], list[d
         else:
             parsed.append({"role": role, "content": text})
         last = "calls" if calls else role
+    if aside and last != "calls":
+        parsed.append({"role": "user", "content": "\n\n".join(aside)})
+        last = "user"
     if last not in ("user", "tool"):
         raise ApiError(400, "the last message must be the user's or a tool result", param="messages")
     start = max((at + 1 for at, m in enumerate(parsed) if m["role"] == "assistant"), default=0)

@@ -105,7 +105,7 @@ def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict]]:
             raise type_error("instructions", "a string", instructions)
         system = [{"role": "system", "content": instructions}]
     chat = {k: v for k, v in body.items() if k not in _OWN}
-    chat["messages"] = _one_system(system + messages)
+    chat["messages"] = system + messages
     chat.update(_tools(body))
     fmt = _response_format(body.get("text"))
     if fmt is not None:
@@ -116,16 +116,6 @@ def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict]]:
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     return chat, messages
-
-
-def _one_system(messages: list[dict]) -> list[dict]:
-    """The instructions and the input's leading system and developer messages, as one system message."""
-    lead = 0
-    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
-        lead += 1
-    if lead <= 1:
-        return messages
-    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}] + messages[lead:]
 
 
 def input_messages(items) -> list[dict]:

@@ -624,6 +624,21 @@ def test_tool_results_continue_a_session_as_the_template_renders_the_transcript(
     assert rebuilt.transcript_messages == built
 
 
+def test_system_messages_lead_or_join_their_users_turn():
+    """The leading system and developer messages are the system prompt; a later one joins the user's turn it belongs
+    to (the one before it, else the next); user messages in a row are one turn."""
+    from nanochat.app.openai_api import parse_messages
+
+    system, history, turn = parse_messages([
+        {"role": "system", "content": "A."}, {"role": "developer", "content": "B."},
+        {"role": "user", "content": "hi"}, {"role": "system", "content": "C."}, {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "D."}, {"role": "user", "content": "more"},
+        {"role": "user", "content": "and more"}], 20)
+    assert system == "A.\n\nB."
+    assert history == [{"role": "user", "content": "hi\n\nC."}, {"role": "assistant", "content": "ok"}]
+    assert turn == [{"role": "user", "content": "D.\n\nmore"}, {"role": "user", "content": "and more"}]
+
+
 def test_a_reply_that_called_tools_is_known_by_its_text_and_calls():
     """The assistant message a client sends back, whole or rebuilt from a stream's deltas (its content
     then keeps the whitespace before the calls), finds the session that holds the reply as written."""
