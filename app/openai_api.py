@@ -710,7 +710,7 @@ class Api:
         chat completions (or completions) are."""
         started = time.monotonic()
         chat = api != "completions"
-        asked = None   # a Responses request: (its body, its conversation's messages)
+        asked = None   # a Responses request: (its body, its chat body, its conversation's messages, those it added)
         try:
             self._authorize(request)
             body = await self._read_json(request)
@@ -949,14 +949,15 @@ class Api:
         return self._finished_response(ident, asked, c, output, time.time())
 
     def _finished_response(self, ident: str, asked: tuple, c: Choice, output: list[dict], created: float) -> dict:
-        body, _, messages = asked
+        body, _, messages, added = asked
         stats = c.final.stats
         usage = usage_of(stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens,
                          c.reader.reasoning_tokens)
         status = "incomplete" if c.final.finish_reason == "length" else "completed"
         response = response_object(ident, body, self.config.model_id, status, output, usage, created)
         if body.get("store") is not False:
-            self.stored.put(response, messages + [reply_message(output)])
+            reply = reply_message(output)
+            self.stored.put(response, messages + [reply], added + [reply])
         return response
 
     async def _response_events(self, ident, asked, c, arrivals, watcher, request, started):

@@ -24,7 +24,8 @@ from collections import OrderedDict
 from nanochat.app.api_errors import ApiError, type_error
 from nanochat.app.reply_parts import BlockStream
 
-MAX_STORED = 1024   # responses kept for previous_response_id and GET /v1/responses/{id}
+MAX_STORED = 1024              # responses kept for previous_response_id and GET /v1/responses/{id}
+MAX_STORED_BYTES = 256 * 2 ** 20   # and the most text they hold (each counts its own input and output)
 
 # Fields of a Responses request that the chat request does not take as they are (the rest pass through: sampling
 # extras such as top_k or seed, held replies such as grammar).
@@ -50,18 +51,23 @@ def new_id(prefix: str) -> str:
 
 
 class ResponseStore:
-    """The last responses, for previous_response_id and GET/DELETE /v1/responses/{id}, least recently used first out."""
+    """The last responses, for previous_response_id and GET/DELETE /v1/responses/{id}, least recently used first out,
+    at most `capacity` of them holding at most `max_bytes` of text (a chain of responses shares its earlier
+    messages, so each counts only what it added)."""
 
-    def __init__(self, capacity: int = MAX_STORED):
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.bytes = 0
 
-    def put(self, response: dict, messages: list[dict]) -> None:
-        """A finished response and its conversation's messages, its own reply last."""
-        self._items[response["id"]] = (response, messages)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, response: dict, messages: list[dict], added: list[dict]) -> None:
+        """A finished response and its conversation's messages, its own reply last; `added`: the messages it
+        added (its input and reply), what it costs."""
+        size = len(json.dumps(added, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
+        self._items[response["id"]] = (response, messages, size)
+        self.bytes += size
+        while self._items and (len(self._items) > self.capacity or self.bytes > self.max_bytes):
+            self.bytes -= self._items.popitem(last=False)[1][2]
 
     def get(self, ident: str) -> tuple[dict, list[dict]]:
         if ident not in self._items:
@@ -69,17 +75,17 @@ class ResponseStore:
                                 f"false, or one of more than the last {self.capacity}, is not kept)",
                            param="previous_response_id", code="response_not_found")
         self._items.move_to_end(ident)
-        return self._items[ident]
+        return self._items[ident][:2]
 
     def delete(self, ident: str) -> None:
         self.get(ident)
-        del self._items[ident]
+        self.bytes -= self._items.pop(ident)[2]
 
 
 # ---------------------------------------------------------------------------------- requests
-def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict]]:
-    """The chat completions body a Responses request stands for, and the conversation's messages without the
-    system message (what a stored response carries over)."""
+def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict], list[dict]]:
+    """The chat completions body a Responses request stands for, the conversation's messages without the system
+    message (what a stored response carries over), and those its input added."""
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, False):
             raise ApiError(400, why, param=name)
@@ -97,7 +103,8 @@ def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict]]:
         if not isinstance(previous, str):
             raise type_error("previous_response_id", "a string", previous)
         earlier = store.get(previous)[1]
-    messages = earlier + input_messages(body.get("input"))
+    added = input_messages(body.get("input"))
+    messages = earlier + added
     system = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -115,7 +122,7 @@ def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict]]:
         chat["reasoning_effort"] = effort
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    return chat, messages
+    return chat, messages, added
 
 
 def input_messages(items) -> list[dict]:

@@ -260,3 +260,24 @@ def test_codexs_request_shape(server, monkeypatch):
     assert final.output[0].namespace == "multi_agent_v1" and whole.store is False
     with pytest.raises(openai.NotFoundError):   # store: false keeps nothing
         server.sdk().responses.retrieve(whole.id)
+
+
+def test_the_store_keeps_the_last_responses_within_its_count_and_bytes():
+    from nanochat.app.api_errors import ApiError
+    from nanochat.app.responses_api import ResponseStore
+
+    store = ResponseStore(capacity=3, max_bytes=2500)
+    chain = []
+    for k in range(4):   # a chain: each response's messages share the earlier ones, and count only their own
+        added = [{"role": "user", "content": f"{k}" * 500}, {"role": "assistant", "content": "ok"}]
+        chain = chain + added
+        store.put({"id": f"r{k}"}, chain, added)
+    assert [store.get(f"r{k}")[1] == chain[:2 * k + 2] for k in (1, 2, 3)] == [True] * 3
+    with pytest.raises(ApiError, match="no response"):   # the fourth pushed the first out (count)
+        store.get("r0")
+    store.put({"id": "big"}, [], [{"role": "user", "content": "x" * 2000}])   # over the bytes: the oldest go
+    assert store.bytes <= 2500 and store.get("big")
+    with pytest.raises(ApiError):
+        store.get("r1")
+    store.delete("big")
+    assert store.bytes == sum(size for *_, size in store._items.values())
