@@ -5,6 +5,8 @@ clients, each a multi-turn conversation that re-sends its whole transcript every
     python benchmarks/bench_serve.py --clients 8 --turns 4 --max-tokens 24
     python benchmarks/bench_serve.py --peer llama-cpp         the same load on llama_cpp.server, same file
     python benchmarks/bench_serve.py --url http://127.0.0.1:8000   a server already running
+    python benchmarks/bench_serve.py --api responses          the same load through /v1/responses (or messages:
+                                                              Anthropic's /v1/messages)
 
 Reports p50/p99 time to first token and inter-token latency (per request: the time from its first to
 its last token over the tokens between), aggregate generated tok/s over the wall time, errors, and per
@@ -112,8 +114,7 @@ async def converse(n: int, args, host: str, port: int, run: Run, deadline: float
         topic = rng.choice(TOPICS)
         messages.append({"role": "user", "content": f"Conversation {n}, question {t + 1}: tell me something "
                                                      f"surprising about {topic}, and why it matters."})
-        body = {"model": model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-                "max_tokens": args.max_tokens, "temperature": 0.7, "seed": n * 100 + t}
+        path, body = request(args.api, model, messages, args.max_tokens, seed=n * 100 + t)
         if args.ignore_eos:
             body["ignore_eos"] = True
         turn = Turn(n, t + 1, previous_transcript=previous, started=time.perf_counter())
@@ -121,21 +122,15 @@ async def converse(n: int, args, host: str, port: int, run: Run, deadline: float
 
         async def read() -> str | None:
             finish = None
-            async for at, event in post_stream(host, port, "/v1/chat/completions", body, args.api_key,
-                                               args.request_timeout):
+            async for at, event in post_stream(host, port, path, body, args.api_key, args.request_timeout):
                 if "error" in event:
-                    raise RuntimeError(event["error"].get("message", "error event"))
-                for choice in event.get("choices", []):
-                    finish = choice.get("finish_reason") or finish
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        text.append(piece)
-                        times.append(at)
-                usage = event.get("usage")
-                if usage:
-                    turn.tokens = usage["completion_tokens"]
-                    turn.prompt_tokens = usage["prompt_tokens"]
-                    turn.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    error = event["error"]
+                    raise RuntimeError(error.get("message", "error event") if isinstance(error, dict) else error)
+                piece, ended = read_event(args.api, event, turn)
+                finish = ended or finish
+                if piece:
+                    text.append(piece)
+                    times.append(at)
             return finish
 
         try:   # the run's deadline bounds the requests in flight too
@@ -159,6 +154,50 @@ async def converse(n: int, args, host: str, port: int, run: Run, deadline: float
         previous = turn.prompt_tokens + turn.tokens
 
 
+def request(api: str, model: str, messages: list[dict], max_tokens: int, seed: int) -> tuple[str, dict]:
+    """The streamed request of a turn in `api`'s dialect: its path and body."""
+    system, rest = messages[0]["content"], messages[1:]
+    common = {"model": model, "stream": True, "temperature": 0.7, "seed": seed}
+    if api == "responses":
+        return "/v1/responses", {**common, "instructions": system, "input": rest, "max_output_tokens": max_tokens}
+    if api == "messages":
+        return "/v1/messages", {**common, "system": system, "messages": rest, "max_tokens": max_tokens}
+    return "/v1/chat/completions", {**common, "messages": messages, "max_tokens": max_tokens,
+                                    "stream_options": {"include_usage": True}}
+
+
+def read_event(api: str, event: dict, turn: Turn) -> tuple[str | None, str | None]:
+    """A streamed event's new answer text and finish (None: none yet); the usage, when it comes, into `turn`."""
+    if api == "responses":
+        kind = event.get("type", "")
+        if kind == "response.output_text.delta":
+            return event["delta"], None
+        if kind in ("response.completed", "response.incomplete"):
+            usage = event["response"]["usage"]
+            turn.tokens, turn.prompt_tokens = usage["output_tokens"], usage["input_tokens"]
+            turn.cached_tokens = usage["input_tokens_details"]["cached_tokens"]
+            return None, event["response"]["status"]
+        return None, None
+    if api == "messages":
+        if event.get("type") == "content_block_delta" and event["delta"].get("type") == "text_delta":
+            return event["delta"]["text"], None
+        if event.get("type") == "message_delta":
+            usage = event["usage"]
+            turn.tokens, turn.cached_tokens = usage["output_tokens"], usage.get("cache_read_input_tokens") or 0
+            turn.prompt_tokens = usage["input_tokens"] + turn.cached_tokens
+            return None, event["delta"]["stop_reason"]
+        return None, None
+    finish, piece = None, None
+    for choice in event.get("choices", []):
+        finish = choice.get("finish_reason") or finish
+        piece = (choice.get("delta") or {}).get("content") or piece
+    usage = event.get("usage")
+    if usage:
+        turn.tokens, turn.prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
+        turn.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return piece, finish
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -176,12 +215,13 @@ def report(name: str, run: Run, args) -> dict:
     ttfts = [t.ttft for t in done if t.ttft is not None]
     itls = [t.itl for t in done if t.itl is not None]
     tokens = sum(t.tokens for t in done)
-    summary = {"server": name, "clients": args.clients, "turns": args.turns, "max_tokens": args.max_tokens,
+    summary = {"server": name, "api": args.api, "clients": args.clients, "turns": args.turns, "max_tokens": args.max_tokens,
                "requests": len(run.turns), "errors": len(errors), "wall_s": round(run.wall, 2),
                "tok_s": round(tokens / run.wall, 1) if run.wall else None,
                "ttft_p50_ms": _ms(pct(ttfts, 50)), "ttft_p99_ms": _ms(pct(ttfts, 99)),
                "itl_p50_ms": _ms(pct(itls, 50)), "itl_p99_ms": _ms(pct(itls, 99)), "per_turn": []}
-    print(f"\n== {name}: {args.clients} clients x {args.turns} turns, up to {args.max_tokens} tokens a reply")
+    print(f"\n== {name} ({args.api} API): {args.clients} clients x {args.turns} turns, up to {args.max_tokens} tokens a "
+          "reply")
     print(f"requests {len(run.turns)} · errors {len(errors)} · wall {run.wall:.1f} s · {tokens} tokens · "
           f"{summary['tok_s']} tok/s aggregate")
     print(f"TTFT p50 {ms(pct(ttfts, 50))} p99 {ms(pct(ttfts, 99))} · "
@@ -268,6 +308,8 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running server (default: start one)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--peer", choices=["llama-cpp"], default=None, help="start llama_cpp.server instead")
+    p.add_argument("--api", choices=["chat", "responses", "messages"], default="chat",
+                   help="the API the clients speak: chat completions (default), OpenAI's Responses, Anthropic's Messages")
     p.add_argument("--peer-python", default="/work/peers-venv/bin/python")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=4096, help="context length of the server started")
