@@ -59,16 +59,15 @@ from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
 from nanochat.app.reply_parts import ReplyReader
-from nanochat.app.responses_api import EventStream, ResponseStore, chat_request, namespaces_of, new_id, \
-    output_items, reply_message, response_object, usage_of
+from nanochat.app.responses_api import Asked, EventStream, ResponseStore, chat_request, new_id, output_items, \
+    reply_message, response_object, usage_of
 from nanochat.app.tool_calls import call_grammar
 from nanochat.app.tool_calls import split as split_tool_calls
-from nanochat.engine.serve.protocol import split_harmony
 from nanochat.engine.output import TokenEvent, TokenLogprobs
 from nanochat.engine.rules import LOGPROBS, SAMPLING_RULES, Rule, accepts
 from nanochat.engine.sampling_params import ANY_OBJECT, SamplingParams
 from nanochat.engine.serve.client import AsyncEngineClient, AsyncRequestStream, Session
-from nanochat.engine.serve.protocol import EngineError, EngineRestarting, one_line
+from nanochat.engine.serve.protocol import EngineError, EngineRestarting, one_line, split_harmony
 
 MAX_BODY_BYTES = 4 * 2 ** 20   # a request body past this is refused (413) before it is parsed
 MAX_MESSAGES = 1024            # messages in one chat request
@@ -710,14 +709,14 @@ class Api:
         chat completions (or completions) are."""
         started = time.monotonic()
         chat = api != "completions"
-        asked = None   # a Responses request: (its body, its chat body, its conversation's messages, those it added)
+        asked = None   # a Responses request (responses_api.Asked)
         try:
             self._authorize(request)
             body = await self._read_json(request)
             self._check_model(body)
             if api == "responses":
-                asked = (body, *chat_request(body, self.stored))
-                body = asked[1]
+                asked = chat_request(body, self.stored)
+                body = asked.chat
             elif api == "messages":
                 body = messages_api.chat_request(body)
             if api in ("responses", "messages") and not (self.client.model and self.client.model.reasoning_efforts):
@@ -725,7 +724,7 @@ class Api:
             _unsupported(body)
             gen = self._parse(body, chat)
             if asked:   # the Response states the sampling it ran with
-                asked = ({**asked[0], "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p}, *asked[1:])
+                asked.body = {**asked.body, "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p}
             self._admit(gen.n)
         except ApiError as e:
             self._log(request, e.status)
@@ -941,35 +940,34 @@ class Api:
         return answer, reasoning, calls
 
     # ------------------------------------------------------------------ /v1/responses
-    def _response(self, ident: str, asked: tuple, c: Choice) -> dict:
+    def _response(self, ident: str, asked: Asked, c: Choice) -> dict:
         """A finished Responses request's Response object, stored unless it says store: false."""
         reader = c.reader
         output = output_items(reader.reasoning if reader.reasoned else None, reader.answer, reader.calls,
-                              cut=c.final.finish_reason == "length", namespaces=namespaces_of(asked[0]))
+                              cut=c.final.finish_reason == "length", namespaces=asked.namespaces)
         return self._finished_response(ident, asked, c, output, time.time())
 
-    def _finished_response(self, ident: str, asked: tuple, c: Choice, output: list[dict], created: float) -> dict:
-        body, _, messages, added = asked
+    def _finished_response(self, ident: str, asked: Asked, c: Choice, output: list[dict], created: float) -> dict:
         stats = c.final.stats
         usage = usage_of(stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens,
                          c.reader.reasoning_tokens)
         status = "incomplete" if c.final.finish_reason == "length" else "completed"
-        response = response_object(ident, body, self.config.model_id, status, output, usage, created)
-        if body.get("store") is not False:
+        response = response_object(ident, asked.body, self.config.model_id, status, output, usage, created)
+        if asked.body.get("store") is not False:
             reply = reply_message(output)
-            self.stored.put(response, messages + [reply], added + [reply])
+            self.stored.put(response, asked.messages + [reply], asked.added + [reply])
         return response
 
     async def _response_events(self, ident, asked, c, arrivals, watcher, request, started):
         """A streamed Responses request's events (EventStream), ending with response.completed (or .incomplete
         at max_output_tokens, .failed when the engine fails mid-reply)."""
-        created, stream = time.time(), EventStream(namespaces_of(asked[0]))
+        created, stream = time.time(), EventStream(asked.namespaces)
 
         def sse(payload: dict) -> bytes:
             return f"event: {payload['type']}\n".encode() + _sse(payload)
 
         def lifecycle(kind: str, status: str, output: list[dict], error: dict | None = None) -> bytes:
-            return sse(stream.event(kind, response=response_object(ident, asked[0], self.config.model_id, status,
+            return sse(stream.event(kind, response=response_object(ident, asked.body, self.config.model_id, status,
                                                                    output, None, created, error)))
 
         try:

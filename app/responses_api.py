@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from nanochat.app.api_errors import ApiError, type_error
 from nanochat.app.reply_parts import BlockStream
@@ -83,9 +84,19 @@ class ResponseStore:
 
 
 # ---------------------------------------------------------------------------------- requests
-def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict], list[dict]]:
-    """The chat completions body a Responses request stands for, the conversation's messages without the system
-    message (what a stored response carries over), and those its input added."""
+@dataclass
+class Asked:
+    """A Responses request as the chat machinery runs it."""
+
+    body: dict              # the request (what its Response states)
+    chat: dict              # the chat completions body it stands for
+    messages: list[dict]    # the conversation's messages without the system message: what a stored response carries
+    added: list[dict]       # those its input added
+    namespaces: dict        # each namespaced function's namespace
+
+
+def chat_request(body: dict, store: ResponseStore) -> Asked:
+    """The chat completions body a Responses request stands for, with what its Response needs."""
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, False):
             raise ApiError(400, why, param=name)
@@ -122,7 +133,7 @@ def chat_request(body: dict, store: ResponseStore) -> tuple[dict, list[dict], li
         chat["reasoning_effort"] = effort
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    return chat, messages, added
+    return Asked(body, chat, messages, added, namespaces_of(body))
 
 
 def input_messages(items) -> list[dict]:
