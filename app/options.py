@@ -17,6 +17,7 @@ and SamplingParams and Config check with them, so every place accepts the same v
 from __future__ import annotations
 
 import argparse
+import os
 
 from nanochat.app.errors import UsageError
 from nanochat.engine.config import DEVICES, DTYPES, Config, names_a_model, valid_device
@@ -75,8 +76,6 @@ REQUEST_RULES = {"speculative": SPECULATIVE}
 def speculative_arg(raw: str) -> str:
     """argparse `type=` for --speculative: auto, off, ngram (any case), or what Config accepts as a draft model
     (engine/config.py names_a_model: a .gguf file, a model folder, a hub id), passed through."""
-    import os
-
     word = raw.strip().lower()
     if word in ("auto", "off", "ngram"):
         return word
@@ -176,6 +175,8 @@ def add_engine_options(parser, suppress: bool = False) -> None:
                     "CPU), ngram (prompt lookup), off, or a draft model's path or hub id (same tokenizer)")
     add_option(parser, suppress, "--speculative-k", type=speculative_k_int, metavar="N",
                help=f"most tokens proposed per step ({SPECULATIVE_K.text}; default 8)")
+    add_option(parser, suppress, "--chat-template", type=name_arg, metavar="FILE",
+               help="a Jinja chat template file to use instead of the model's (one that renders tools, say)")
     add_option(parser, suppress, "--quantize", choices=["q8_0"],
                help="quantize a Hugging Face checkpoint's linears to Q8_0 at load (~4x less memory than fp32, "
                     "the fast CPU path)")
@@ -210,13 +211,19 @@ def engine_config(args, settings, **extra) -> dict:
            "quantize": getattr(args, "quantize", None),
            "speculative": pick(args, "speculative", settings.speculative),
            "speculative_k": pick(args, "speculative_k", settings.speculative_k),
-           "tensor_parallel_size": getattr(args, "tensor_parallel_size", None), **extra}
+           "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
+           "chat_template": _absolute(getattr(args, "chat_template", None)), **extra}
     cfg = {k: v for k, v in cfg.items() if v is not None}
     try:
         Config.create("", **cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return cfg
+
+
+def _absolute(path: str | None) -> str | None:
+    """A path given on the command line, as the engine process (another working directory, perhaps) finds it."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 # What a chat samples with where neither the user nor the model file says (SamplingParams' own defaults,

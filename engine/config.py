@@ -140,6 +140,7 @@ class Config:
     speculative_k: int = 8              # most tokens proposed for one step
     tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
                                         # torch.distributed launcher (torchrun) its WORLD_SIZE
+    chat_template: str | None = None    # a Jinja chat template file used instead of the model's
 
     @classmethod
     def create(cls, model: str = "", **kwargs) -> "Config":
@@ -181,6 +182,9 @@ class Config:
             check(name, POSITIVE_INT, getattr(self, name))
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template must be a chat template file, got {shown(self.chat_template)} "
+                             f"({'a folder' if os.path.isdir(self.chat_template) else 'no such file'})")
         if not valid_device(self.device):
             raise ValueError(f"device must be {DEVICES}, got {shown(self.device)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

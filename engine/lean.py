@@ -266,7 +266,8 @@ class LeanEngine:
         source = (_FolderPlanSource if Path(plan.path).is_dir() else _PlanSource)(plan.path, plan.meta)
         with warnings.catch_warnings():   # the engine process's warnings go to its stderr, which no user sees
             warnings.simplefilter("ignore")
-            tokenizer, template, eos = load_tokenizer_and_template(source, self.config.pack_cache)
+            tokenizer, template, eos = load_tokenizer_and_template(source, self.config.pack_cache,
+                                                                   self.config.chat_template)
         self.loaded = _Loaded(tokenizer, template, eos, source.config)
         self.tokenizer, self.eos_token_ids = tokenizer, eos
         self.grammars = Grammars(tokenizer, source.config.vocab_size, eos, template.harmony)

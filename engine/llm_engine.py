@@ -81,7 +81,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_thread_count())
             config.use_cpu_isa()
-        self.loaded = loaded or load(model, cache=config.pack_cache)
+        self.loaded = loaded or load(model, cache=config.pack_cache, template_file=config.chat_template)
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
         self.kernels = config.kernel_options()
         self.dtype = self.config.resolved_dtype(self.device)

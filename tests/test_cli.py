@@ -322,6 +322,33 @@ def test_a_grammar_holds_the_one_shots_reply(home, tiny, tmp_path, capsys):
     assert captured.out == ""
 
 
+def test_a_chat_template_file_replaces_the_models(home, tiny, tmp_path, capsys):
+    """--chat-template renders the prompt with the file's template (here its own markers, as the model's tokenizer
+    encodes them), in the one-shot's engine and in the engine process; a missing file is a usage error."""
+    from nanochat.engine.sampling_params import SamplingParams
+    from nanochat.engine.serve.client import EngineClient
+    from nanochat.models.formats.loader import load
+
+    template = tmp_path / "marks.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    marked = len(load(tiny).tokenizer.encode("<<user>>hello there<<assistant>>", add_special_tokens=False))
+    for flags in ([], ["--chat-template", str(template)]):
+        assert cli.main(["--model", tiny, "--prompt", "hello there", "--max-tokens", "1", "--json", *flags]) == 0
+        prompt = json.loads(capsys.readouterr().out)["prompt_tokens"]
+        assert (prompt == marked) == bool(flags), (flags, prompt, marked)
+    client = EngineClient(in_process=True)
+    try:
+        client.load_model(tiny, max_model_len=256, chat_template=str(template))
+        session = client.open_session()
+        reply = client.submit_turn(session, "hello there", SamplingParams(max_tokens=1)).result(60)
+        assert reply.final.stats.prompt_tokens == marked
+    finally:
+        client.shutdown()
+    code = cli.main(["--model", tiny, "--prompt", "hi", "--chat-template", str(tmp_path / "nope.jinja")])
+    assert_one_line_error(code, capsys.readouterr().err, 2, "chat_template must be a chat template file", "no such file")
+
+
 def test_prompt_longer_than_max_model_len(home, tiny, capsys):
     code = cli.main(["--model", tiny, "--max-model-len", "16", "--prompt", "hello there " * 20])
     captured = capsys.readouterr()

@@ -48,16 +48,20 @@ def open_source(model: str):
     raise missing_path(model, "no such file or folder")
 
 
-def load_tokenizer_and_template(source, cache: bool = False):
+def load_tokenizer_and_template(source, cache: bool = False, template_file: str | None = None):
     """The source's tokenizer, chat template and end-of-reply ids. cache: keep what is slow to build (a GGUF's
-    SentencePiece merges) on disk for the next load."""
+    SentencePiece merges) on disk for the next load. template_file: a Jinja chat template to use instead of
+    the model's (`--chat-template`)."""
     from nanochat.models.text.chat_template import HARMONY_REPLY_ENDS, HARMONY_TURN_END, ChatTemplate, \
         end_of_turn_token
 
     tokenizer = source.tokenizer(cache)
     _check_vocabulary(source, tokenizer)
-    template = ChatTemplate(source.chat_template(), bos_token=tokenizer.bos_token or "",
-                            eos_token=tokenizer.eos_token or "", origin=source.chat_template_origin())
+    text, origin = source.chat_template(), source.chat_template_origin()
+    if template_file is not None:
+        text, origin = read_template(template_file), template_file
+    template = ChatTemplate(text, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
+                            origin=origin)
     eos = set(source.eos_ids())
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -73,6 +77,16 @@ def load_tokenizer_and_template(source, cache: bool = False):
     return tokenizer, template, frozenset(eos)
 
 
+def read_template(path: str) -> str:
+    """A chat template file's text (ModelLoadError, in one line, when it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read the chat template ({e.strerror if isinstance(e, OSError) else e})"
+                             ) from None
+
+
 def _check_vocabulary(source, tokenizer) -> None:
     """Every id the tokenizer can produce must have a row in the embedding (else the lookup reads past it)."""
     size, rows = getattr(tokenizer, "vocab_size", None), source.config.vocab_size
@@ -81,10 +95,10 @@ def _check_vocabulary(source, tokenizer) -> None:
                              f"{rows:,} rows; the tokenizer does not belong to these weights")
 
 
-def load(model: str, cache: bool = False) -> LoadedModel:
-    """The model's source, tokenizer and template (`cache`: see load_tokenizer_and_template)."""
+def load(model: str, cache: bool = False, template_file: str | None = None) -> LoadedModel:
+    """The model's source, tokenizer and template (`cache`, `template_file`: see load_tokenizer_and_template)."""
     source = open_source(model)
-    tokenizer, template, eos = load_tokenizer_and_template(source, cache)
+    tokenizer, template, eos = load_tokenizer_and_template(source, cache, template_file)
     return LoadedModel(source, source.config, tokenizer, template, eos)
 
 
