@@ -259,6 +259,7 @@ class ChatController:
         self.sampling = dict(sampling or {})          # SamplingParams keywords
         self.default_system_prompt = system_prompt
         self.engine_config = dict(engine_config or {})
+        self._template_model: str | None = None   # the model --chat-template was given for
         self.observer = observer or ChatObserver()
         self.conversations: dict[int, Chat] = {}   # newest first
         self._inbox = _Inbox()
@@ -726,8 +727,13 @@ class ChatController:
         """Load (or switch to) `model`. Blocking: run it in a worker thread. Replies in flight are
         cancelled; on failure the previous model stays and the engine's error is raised. `progress` and
         `status`: as EngineClient.load_model's."""
+        config = dict(self.engine_config)
+        if "chat_template" in config:   # --chat-template is for the model given with it, the first one loaded
+            self._template_model = self._template_model or model
+            if model != self._template_model:
+                del config["chat_template"]
         with self._engine_job(EngineState.LOADING, model):
-            return self.client.load_model(model, progress=progress, status=status, **self.engine_config)
+            return self.client.load_model(model, progress=progress, status=status, **config)
 
     def restart_engine(self, progress=None, status=None) -> ModelInfo | None:
         """Start a new engine process with the last model (after the old one died). Blocking: run it

@@ -450,6 +450,32 @@ def test_model_switch_replays_the_history(tiny_models, tmp_path):
         client.shutdown()
 
 
+def test_a_chat_template_file_stays_with_the_model_it_was_given_for(tiny_models, tmp_path):
+    """--chat-template (the controller's engine_config) renders the first model's prompts; a model switched to
+    renders with its own template, and the first one, loaded again, with the file's."""
+    from nanochat.models.formats.loader import load
+
+    template = tmp_path / "marks.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    qwen3, llama = str(tiny_models["qwen3"]), str(tiny_models["llama"])
+    marked = len(load(qwen3).tokenizer.encode("<<user>>hello there<<assistant>>", add_special_tokens=False))
+    client = EngineClient(in_process=True)
+    chat = ChatController(client, ChatStore(tmp_path / "template.db"), SAMPLING,
+                          engine_config={**ENGINE, "chat_template": str(template)})
+    try:
+        prompts = []
+        for model in (qwen3, llama, qwen3):
+            chat.load_model(model)
+            chat.drain()
+            prompts.append(chat.wait(chat.send(chat.new_conversation(), "hello there")).reply.stats.prompt_tokens)
+        assert prompts[0] == prompts[2] == marked and prompts[1] != marked
+    finally:
+        chat.close()
+        chat.store.close()
+        client.shutdown()
+
+
 # ---------------------------------------------------------------------------------- engine death
 def test_engine_death_mid_reply_keeps_the_partial_reply_and_recovers(make, client, delay, tmp_path):
     recorder = Recorder()
