@@ -6,8 +6,9 @@ messages (text; an assistant's tool_use blocks its tool_calls; a user's tool_res
 its text; thinking blocks are dropped, as chat templates drop earlier turns' thinking), `tools` (name,
 description, input_schema) OpenAI's function tools, `tool_choice` (auto, any, tool, none; disable_parallel_tool_use)
 OpenAI's, `stop_sequences` the stop strings, `thinking` the template's enable_thinking, `output_config` (its
-format the response_format, its effort the reasoning_effort, for templates that read one). The reply becomes content blocks (`content_blocks`): thinking, text, one tool_use block per call;
-streamed, the same blocks as Messages events (`EventStream`). Errors are Anthropic's error object (`error_body`).
+format the response_format, its effort the reasoning_effort, for templates that read one). The reply becomes
+content blocks (`content_blocks`): thinking, text, one tool_use block per call; streamed, the same blocks as
+Messages events (`EventStream`). Errors are Anthropic's error object (`error_body`).
 """
 
 from __future__ import annotations
@@ -61,16 +62,17 @@ def chat_request(body: dict) -> dict:
         if kind not in ("enabled", "disabled", "adaptive"):
             raise type_error("thinking", '{"type": "enabled", ...} or {"type": "disabled"}', thinking)
         chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
-    config = body.get("output_config")
-    if config is not None and not isinstance(config, dict):
+    config = body.get("output_config", {})
+    if not isinstance(config, dict):
         raise type_error("output_config", 'an object such as {"format": {"type": "json_schema", ...}}', config)
-    where, fmt = ("output_config.format", (config or {}).get("format")) if (config or {}).get("format") is not None \
-        else ("output_format", body.get("output_format"))   # the structured outputs beta's older field
+    fmt, where = config.get("format"), "output_config.format"
+    if fmt is None:   # the structured outputs beta's older field
+        fmt, where = body.get("output_format"), "output_format"
     if fmt is not None:
         if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
             raise type_error(where, '{"type": "json_schema", "schema": {...}}', fmt)
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-    if (config or {}).get("effort") is not None:
+    if config.get("effort") is not None:
         chat["reasoning_effort"] = config["effort"]
     return chat
 
@@ -115,40 +117,14 @@ def messages_of(messages) -> list[dict]:
         content = message.get("content")
         if role == "system":
             out.append({"role": "system", "content": _text_of(content, f"{where}.content")})
-            continue
-        if isinstance(content, str):
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise type_error(f"{where}.content", "a string or a list of content blocks", content)
-        texts, calls, results = [], [], []
-        for k, block in enumerate(content):
-            kind = block.get("type") if isinstance(block, dict) else None
-            spot = f"{where}.content[{k}]"
-            if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
-            elif kind in ("thinking", "redacted_thinking"):
-                continue   # earlier turns' thinking: chat templates leave it out of the prompt
-            elif kind == "tool_use" and role == "assistant":
-                if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
-                        and isinstance(block.get("input"), dict)):
-                    raise type_error(spot, '{"type": "tool_use", "id": ..., "name": ..., "input": {...}}', block)
-                calls.append({"id": block["id"], "type": "function",
-                              "function": {"name": block["name"],
-                                           "arguments": json.dumps(block["input"], ensure_ascii=False)}})
-            elif kind == "tool_result" and role == "user":
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise type_error(f"{spot}.tool_use_id", "a string", block.get("tool_use_id"))
-                text = _text_of(block.get("content", ""), f"{spot}.content")
-                if block.get("is_error"):
-                    text = f"Error: {text}"
-                results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
-            else:
-                raise _unsupported_block(block, spot)
-        if role == "assistant":
+        elif role == "assistant":   # its text, then its calls
+            texts, calls, _ = _blocks(content, role, f"{where}.content")
             out.append({"role": "assistant", "content": "".join(texts) if texts or not calls else None,
                         **({"tool_calls": calls} if calls else {})})
-        else:
+        else:   # the tool results first (they answer the calls before), then the user's text
+            texts, _, results = _blocks(content, role, f"{where}.content")
             out += results
             if texts or not results:
                 out.append({"role": "user", "content": "".join(texts)})
@@ -158,6 +134,37 @@ def messages_of(messages) -> list[dict]:
     return out
 
 
+def _blocks(content, role: str, where: str) -> tuple[list[str], list[dict], list[dict]]:
+    """A message's content blocks: its texts, its calls (an assistant's tool_use) and its tool results (a user's
+    tool_result) in chat's form. Thinking blocks are dropped: chat templates leave earlier thinking out."""
+    if not isinstance(content, list):
+        raise type_error(where, "a string or a list of content blocks", content)
+    texts, calls, results = [], [], []
+    for k, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        spot = f"{where}[{k}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        elif kind == "tool_use" and role == "assistant":
+            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                    and isinstance(block.get("input"), dict)):
+                raise type_error(spot, '{"type": "tool_use", "id": ..., "name": ..., "input": {...}}', block)
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"],
+                                       "arguments": json.dumps(block["input"], ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise type_error(f"{spot}.tool_use_id", "a string", block.get("tool_use_id"))
+            text = _text_of(block.get("content", ""), f"{spot}.content")
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": f"Error: {text}" if block.get("is_error") else text})
+        else:
+            raise _unsupported_block(block, spot)
+    return texts, calls, results
+
+
 def _tools(tools, choice) -> dict:
     out = {}
     if tools is not None:
@@ -165,7 +172,8 @@ def _tools(tools, choice) -> dict:
             raise type_error("tools", "a list of tools", tools)
         functions = []
         for k, tool in enumerate(tools):
-            if not (isinstance(tool, dict) and tool.get("type") in (None, "custom") and isinstance(tool.get("name"), str)):
+            if not (isinstance(tool, dict) and tool.get("type") in (None, "custom")
+                    and isinstance(tool.get("name"), str)):
                 kind = tool.get("type") if isinstance(tool, dict) else None
                 raise ApiError(400, f"tools[{k}]: only client tools (name, description, input_schema) are supported, "
                                     f"got {json.dumps(kind)[:40]}", param=f"tools[{k}]")

@@ -346,7 +346,8 @@ def test_a_chat_template_file_replaces_the_models(home, tiny, tmp_path, capsys):
     finally:
         client.shutdown()
     code = cli.main(["--model", tiny, "--prompt", "hi", "--chat-template", str(tmp_path / "nope.jinja")])
-    assert_one_line_error(code, capsys.readouterr().err, 2, "chat_template must be a chat template file", "no such file")
+    assert_one_line_error(code, capsys.readouterr().err, 2, "chat_template must be a chat template file",
+                          "no such file")
 
 
 def test_prompt_longer_than_max_model_len(home, tiny, capsys):

@@ -30,7 +30,8 @@ def test_a_message_is_the_chat_reply_whole_and_streamed(server):
     sdk, chat_sdk = claude(server), server.sdk()
     chat = chat_sdk.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *HI],
                                             max_tokens=8, extra_body={"temperature": 0})
-    whole = sdk.messages.create(model=MODEL, system="Be brief.", messages=HI, max_tokens=8, extra_body={"temperature": 0})
+    whole = sdk.messages.create(model=MODEL, system="Be brief.", messages=HI, max_tokens=8,
+                                extra_body={"temperature": 0})
     assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
     assert [b.type for b in whole.content] == ["text"] and whole.content[0].text == chat.choices[0].message.content
     assert whole.stop_reason == "max_tokens" and whole.stop_sequence is None
@@ -73,6 +74,14 @@ def test_count_tokens_is_the_prompt_the_request_would_take(server):
     assert counted.input_tokens == made.usage.input_tokens + made.usage.cache_read_input_tokens > 10
 
 
+def test_an_output_format_holds_the_reply_to_its_schema(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    got = claude(server).messages.create(model=MODEL, messages=HI, max_tokens=40, extra_body={"temperature": 0},
+                                         output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert got.stop_reason == "end_turn" and json.loads(got.content[0].text) in ({"ok": True}, {"ok": False})
+
+
 @pytest.mark.parametrize("body, status, kind, words", [
     ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error",
@@ -82,6 +91,8 @@ def test_count_tokens_is_the_prompt_the_request_would_take(server):
     ({"messages": [*HI, {"role": "assistant", "content": "The answer is"}]}, 400, "invalid_request_error",
      "(prefill) is not supported"),
     ({"tool_choice": {"type": "sometimes"}}, 400, "invalid_request_error", "tool_choice must be"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, 400, "invalid_request_error",
+     "output_config.format must be"),
     ({"model": "claude-opus"}, 404, "not_found_error", 'the model "claude-opus" does not exist'),
 ])
 def test_bad_requests_get_anthropics_error_object(server, body, status, kind, words):
