@@ -407,7 +407,7 @@ def test_serve_returns_the_final_channel_as_content_and_the_analysis_as_reasonin
     the template does not take is a 400."""
     openai = pytest.importorskip("openai")
     from nanochat.engine.serve.client import EngineClient
-    from test_serve import MODEL, Server
+    from test_serve import KEY, MODEL, Server
 
     client = EngineClient()
     client.load_model(str(harmony_model), dtype="float32", max_model_len=1024)
@@ -462,6 +462,19 @@ def test_serve_returns_the_final_channel_as_content_and_the_analysis_as_reasonin
                                       tool_choice={"type": "function", "name": "get_time"})
         assert [o.type for o in called.output] == ["reasoning", "function_call"]
         assert called.output[1].name == "get_time" and called.output[0].content[0].text == ANALYSIS
+        # Anthropic's Messages API: the analysis is a thinking block, the final channel the text, a forced call a
+        # tool_use block after the thinking
+        anthropic = pytest.importorskip("anthropic")
+        claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+        message = claude.messages.create(model=MODEL, messages=messages, max_tokens=40, extra_body={"temperature": 0})
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == \
+            [("thinking", ANALYSIS), ("text", ANSWER)] and message.stop_reason == "end_turn"
+        used = claude.messages.create(model=MODEL, messages=messages, max_tokens=80, extra_body={"temperature": 0},
+                                      tools=[{"name": "get_time", "description": "The time.",
+                                              "input_schema": tools[0]["function"]["parameters"]}],
+                                      tool_choice={"type": "tool", "name": "get_time"})
+        assert [b.type for b in used.content] == ["thinking", "tool_use"] and used.stop_reason == "tool_use"
+        assert used.content[1].name == "get_time" and used.content[1].input["zone"] in ("UTC", "CET")
     finally:
         server.stop()
         client.shutdown()
