@@ -449,6 +449,8 @@ class LLMEngine:
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
+        if self.config.chat_template is not None:
+            report.extra["chat template"] = f"{self.config.chat_template} (--chat-template)"
         if self.workers is not None:
             report.extra["tensor parallel"] = (f"{self.config.tensor_parallel_size} ranks; the weights and KV cache "
                                                "above are rank 0's shard")

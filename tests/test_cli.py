@@ -345,6 +345,8 @@ def test_a_chat_template_file_replaces_the_models(home, tiny, tmp_path, capsys):
         assert reply.final.stats.prompt_tokens == marked
     finally:
         client.shutdown()
+    assert cli.main(["info", "--model", tiny, "--chat-template", str(template)]) == 0
+    assert f"chat template      {template} (--chat-template)" in capsys.readouterr().out
     code = cli.main(["--model", tiny, "--prompt", "hi", "--chat-template", str(tmp_path / "nope.jinja")])
     assert_one_line_error(code, capsys.readouterr().err, 2, "chat_template must be a chat template file",
                           "no such file")
