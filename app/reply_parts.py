@@ -16,8 +16,18 @@ class ReplyReader:
         self.splitter = reply_splitter(model, prompted)
         harmony = getattr(model, "harmony", False)
         self.parser = ToolCallParser() if tools and not harmony else None
-        self.answer, self.reasoning, self.calls = "", "", []
+        self.calls: list[dict] = []
         self.reasoning_tokens = 0   # tokens written inside the reasoning
+        self._answer: list[str] = []
+
+    @property
+    def answer(self) -> str:
+        """The answer so far (without the calls' text)."""
+        return "".join(self._answer)
+
+    @property
+    def reasoning(self) -> str:
+        return self.splitter.reasoning or ""
 
     @property
     def reasoned(self) -> bool:
@@ -41,7 +51,8 @@ class ReplyReader:
             calls += found
         if was_thinking or s.thinking or reasoning:
             self.reasoning_tokens += tokens
-        self.answer, self.reasoning, self.calls = self.answer + answer, self.reasoning + reasoning, self.calls + calls
+        self._answer.append(answer)
+        self.calls += calls
         return answer, reasoning, calls
 
 
