@@ -7,6 +7,7 @@
     POST /v1/messages           Anthropic's Messages API over the same chat (app/messages_api.py), and
                                 /v1/messages/count_tokens
     GET  /v1/models             the one model served (/v1/models/{id}: it, by any of its names)
+    POST /tokenize, /detokenize text (or a chat's prompt) to ids and back, as llama.cpp's and vLLM's servers
     GET  /health                200 when a request would be served now, 503 while the engine restarts
     GET  /metrics               Prometheus text (app/metrics.py)
 
@@ -1048,13 +1049,62 @@ class Api:
             self._check_model(body)
             chat = messages_api.chat_request({**body, "max_tokens": 1})
             gen = self._parse(chat, chat=True)
-            try:
-                count = await self.client.count_tokens(gen.system, gen.history + gen.turn, gen.template_kwargs)
-            except (EngineError, ValueError) as e:
-                raise ApiError(400 if isinstance(e, ValueError) else 503, one_line(e)) from None
-            return JSONResponse({"input_tokens": count})
+            ids = await self._engine_call(self.client.tokenize(
+                system_prompt=gen.system, messages=gen.history + gen.turn, template_kwargs=gen.template_kwargs))
+            return JSONResponse({"input_tokens": len(ids)})
         except ApiError as e:
             return self._error(e, "messages")
+
+    @staticmethod
+    async def _engine_call(call):
+        """An engine call's answer; what the engine refuses is a 400, a dead engine a 503."""
+        try:
+            return await call
+        except (EngineError, ValueError) as e:
+            raise ApiError(400 if isinstance(e, ValueError) else 503, one_line(e)) from None
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize, as llama.cpp's server takes it ({"content": ...}, add_special default false) and as
+        vLLM's does ({"prompt": ...}, add_special_tokens default true; or a chat's {"messages": ...} rendered as
+        its prompt). The answer carries both servers' fields: tokens, count, max_model_len."""
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+            self._check_model(body)
+            if body.get("messages") is not None:
+                gen = self._parse({**body, "max_tokens": 1, "stream": False}, chat=True)
+                call = self.client.tokenize(system_prompt=gen.system, messages=gen.history + gen.turn,
+                                            template_kwargs=gen.template_kwargs)
+            else:
+                name = "content" if "content" in body else "prompt"
+                text, special = body.get(name), "add_special" if name == "content" else "add_special_tokens"
+                if not isinstance(text, str):
+                    raise _type_error(name, "a string", text)
+                add = body.get(special, name == "prompt")
+                if not isinstance(add, bool):
+                    raise _type_error(special, "true or false", add)
+                call = self.client.tokenize(text, add)
+            ids = await self._engine_call(call)
+            model = self.client.model
+            return JSONResponse({"tokens": ids, "count": len(ids),
+                                 "max_model_len": model.max_model_len if model else None})
+        except ApiError as e:
+            return e.response()
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize {"tokens": [...]}: their text, special tokens included (as "content", llama.cpp's
+        name, and "prompt", vLLM's)."""
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+            self._check_model(body)
+            ids = body.get("tokens")
+            if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+                raise _type_error("tokens", "a list of token ids", ids)
+            text = await self._engine_call(self.client.detokenize(ids))
+            return JSONResponse({"content": text, "prompt": text})
+        except ApiError as e:
+            return e.response()
 
     # ------------------------------------------------------------------ chat completions' stream
     async def _sse(self, ident, chat, gen, choices, arrivals, watcher, request, started):
@@ -1173,6 +1223,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
               Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
               Route("/v1/responses/{ident}", api.retrieve, methods=["GET", "DELETE"]),
               Route("/v1/models", api.models, methods=["GET"]),
+              Route("/tokenize", api.tokenize, methods=["POST"]),
+              Route("/detokenize", api.detokenize, methods=["POST"]),
               Route("/v1/models/{name:path}", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.metrics_text, methods=["GET"])]

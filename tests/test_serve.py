@@ -1059,3 +1059,31 @@ def _speculative_field(server):
             status, answer = raw(server, "POST", path, json.dumps({**body, "speculative": value}))
             assert status == 400 and words in answer["error"]["message"], (path, answer)
             assert answer["error"]["param"] == "speculative"
+
+
+def test_tokenize_and_detokenize_as_llama_cpp_and_vllm_take_them(server, tiny_models):
+    """Text to ids (llama.cpp's {"content"} without BOS by default, vLLM's {"prompt"} with it), a chat's prompt
+    (the ids a chat completion prefills), and back."""
+    from nanochat.models.formats.loader import load
+
+    tokenizer = load(str(tiny_models["llama"])).tokenizer
+    bare = tokenizer.encode("hello there", add_special_tokens=False)
+    status, answer = raw(server, "POST", "/tokenize", json.dumps({"content": "hello there"}))
+    assert status == 200 and answer["tokens"] == bare and answer["count"] == len(bare)
+    assert answer["max_model_len"] == ENGINE["max_model_len"]
+    status, answer = raw(server, "POST", "/tokenize", json.dumps({"model": MODEL, "prompt": "hello there"}))
+    assert answer["tokens"] == tokenizer.encode("hello there", add_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    status, answer = raw(server, "POST", "/tokenize", json.dumps({"messages": messages}))
+    chat = server.sdk().chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert status == 200 and answer["count"] == chat.usage.prompt_tokens
+    status, back = raw(server, "POST", "/detokenize", json.dumps({"tokens": answer["tokens"]}))
+    assert status == 200 and back["content"] == back["prompt"] == tokenizer.decode(answer["tokens"],
+                                                                                   skip_special_tokens=False)
+    assert "Be brief." in back["content"] and "hi" in back["content"]
+    for path, body, words in (("/tokenize", {"content": 5}, "content must be a string"),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens must be"),
+                              ("/detokenize", {"tokens": [1, "x"]}, "tokens must be a list of token ids"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "outside the vocabulary")):
+        status, answer = raw(server, "POST", path, json.dumps(body))
+        assert status == 400 and words in answer["error"]["message"], answer

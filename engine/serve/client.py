@@ -538,12 +538,19 @@ class EngineClient:
         self.ensure_running()
         return self._call("describe")
 
-    def count_tokens(self, system_prompt: str | None, messages: list[dict], template_kwargs: dict | None = None) -> int:
-        """The prompt tokens of a chat turn after a transcript (`messages`: finished turns, each ending with the
-        assistant's, then the new turn's input), rendered as a session's next turn would be."""
+    def tokenize(self, text: str | None = None, add_special: bool = True, system_prompt: str | None = None,
+                 messages: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """The ids of `text` (`add_special`: with the BOS a prompt starts with), or of a chat turn's prompt after
+        a transcript (`messages`: finished turns, each ending with the assistant's, then the new turn's input),
+        rendered as a session's next turn would be."""
         self.ensure_running()
-        return self._call("count_tokens", system_prompt=system_prompt, messages=messages,
-                          template_kwargs=template_kwargs)
+        return self._call("tokenize", text=text, add_special=add_special, system_prompt=system_prompt,
+                          messages=messages, template_kwargs=template_kwargs)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included."""
+        self.ensure_running()
+        return self._call("detokenize", ids=ids)
 
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
         """A chat session, optionally seeded with a transcript (the messages of finished turns, each
@@ -791,9 +798,13 @@ class AsyncEngineClient:
     async def describe(self) -> list[tuple[str, str]]:
         return await asyncio.to_thread(self.client.describe)
 
-    async def count_tokens(self, system_prompt: str | None, messages: list[dict],
-                           template_kwargs: dict | None = None) -> int:
-        return await asyncio.to_thread(self.client.count_tokens, system_prompt, messages, template_kwargs)
+    async def tokenize(self, text: str | None = None, add_special: bool = True, system_prompt: str | None = None,
+                       messages: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return await asyncio.to_thread(self.client.tokenize, text, add_special, system_prompt, messages,
+                                       template_kwargs)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await asyncio.to_thread(self.client.detokenize, ids)
 
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
         return self.client.open_session(system_prompt, history)

@@ -221,17 +221,28 @@ class EngineCore:
         self.sessions[session_id] = session
         return len(session.token_ids)
 
-    def op_count_tokens(self, call: Call, system_prompt: str | None, messages: list[dict],
-                        template_kwargs: dict | None = None) -> int:
-        """A chat prompt's length in ids: the transcript's turns, then the new turn's input, as a session renders
-        them (nothing is kept)."""
+    def op_tokenize(self, call: Call, text: str | None = None, add_special: bool = True,
+                    system_prompt: str | None = None, messages: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """Text's ids (`add_special`: with the BOS the model's prompts start with), or a chat prompt's: the
+        transcript's turns, then the new turn's input, as a session renders them (nothing is kept)."""
         from nanochat.engine.serve.session import ChatSession
 
         engine = self._engine()
+        if messages is None:
+            return engine.tokenizer.encode(text, add_special_tokens=add_special)
         start = max((at + 1 for at, m in enumerate(messages) if m["role"] == "assistant"), default=0)
         session = ChatSession.from_history(engine.tokenizer, engine.loaded.chat_template, system_prompt,
                                            messages[:start], template_kwargs=template_kwargs)
-        return len(session.prepare_turn(messages[start:], template_kwargs))
+        return session.prepare_turn(messages[start:], template_kwargs)
+
+    def op_detokenize(self, call: Call, ids: list[int]) -> str:
+        engine = self._engine()
+        size = engine.loaded.config.vocab_size
+        bad = next((i for i in ids if not 0 <= i < size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {size})")
+        return engine.tokenizer.decode(ids, skip_special_tokens=False)
 
     def op_touch_session(self, call: Call, session_id: str) -> None:
         """The session is the one shown: its resident KV is the last to be evicted."""
