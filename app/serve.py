@@ -38,9 +38,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                                          "/v1/responses, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics) and "
-                                          "Anthropic's Messages API (/v1/messages). Concurrent requests share the "
-                                          "engine's batching; a conversation's earlier turns come from the KV cache.")
+                                          "/v1/responses, /v1/completions, /v1/models, /tokenize, /detokenize, "
+                                          "/health, /metrics) and Anthropic's Messages API (/v1/messages). "
+                                          "Concurrent requests share the engine's batching; a conversation's "
+                                          "earlier turns come from the KV cache.")
     add_engine_options(p, suppress=True)
     add_option(p, True, "--quiet", "-q", action="store_true", help="no loading progress or per-request log lines")
     g = p.add_argument_group("server")
