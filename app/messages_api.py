@@ -14,10 +14,9 @@ Messages events (`EventStream`). Errors are Anthropic's error object (`error_bod
 from __future__ import annotations
 
 import json
-import uuid
 
 from nanochat.app.api_errors import ApiError, type_error
-from nanochat.app.reply_parts import BlockStream
+from nanochat.app.reply_parts import BlockStream, answer_text
 
 # Fields this server cannot honour, which would change what the reply is: a 400 rather than a reply that ignores them.
 _REFUSED = {"container": "code execution containers are not supported",
@@ -35,10 +34,6 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 def error_body(e: ApiError) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -230,8 +225,9 @@ def tool_use_block(call: dict) -> dict:
 
 def content_blocks(reasoning: str | None, answer: str, calls: list[dict]) -> list[dict]:
     blocks = [] if reasoning is None else [thinking_block(reasoning)]
-    if answer.strip() or not calls:
-        blocks.append({"type": "text", "text": answer if not calls else answer.strip()})
+    text = answer_text(answer, calls)
+    if text is not None:
+        blocks.append({"type": "text", "text": text})
     return blocks + [tool_use_block(call) for call in calls]
 
 

@@ -59,8 +59,8 @@ from nanochat.app.api_errors import ApiError, type_error as _type_error
 from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
-from nanochat.app.reply_parts import ReplyReader
-from nanochat.app.responses_api import Asked, EventStream, ResponseStore, chat_request, new_id, output_items, \
+from nanochat.app.reply_parts import ReplyReader, answer_text, new_id
+from nanochat.app.responses_api import Asked, EventStream, ResponseStore, chat_request, output_items, \
     reply_message, response_object, usage_of
 from nanochat.app.tool_calls import call_grammar
 from nanochat.app.tool_calls import split as split_tool_calls
@@ -755,7 +755,7 @@ class Api:
                     for c in choices[1:]:
                         c.astream.cancel()
             arrivals = self._arrivals(choices, events, started)
-            ident = new_id("resp") if asked else messages_api.new_id("msg") if api == "messages" else \
+            ident = new_id("resp") if asked else new_id("msg", 24) if api == "messages" else \
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if gen.stream:
                 if asked:
@@ -920,7 +920,7 @@ class Api:
                 if reader.reasoned:
                     message["reasoning_content"] = reader.reasoning
                 if reader.calls:
-                    message["content"] = reader.answer.strip() or None
+                    message["content"] = answer_text(reader.answer, reader.calls)
                     message["tool_calls"] = reader.calls
                     choice["finish_reason"] = self._finish_reason(c.final, reader.calls)
             else:
@@ -1047,13 +1047,16 @@ class Api:
             self._authorize(request)
             body = await self._read_json(request)
             self._check_model(body)
-            chat = messages_api.chat_request({**body, "max_tokens": 1})
-            gen = self._parse(chat, chat=True)
-            ids = await self._engine_call(self.client.tokenize(
-                system_prompt=gen.system, messages=gen.history + gen.turn, template_kwargs=gen.template_kwargs))
+            ids = await self._prompt_ids(messages_api.chat_request({**body, "max_tokens": 1}))
             return JSONResponse({"input_tokens": len(ids)})
         except ApiError as e:
             return self._error(e, "messages")
+
+    async def _prompt_ids(self, chat: dict) -> list[int]:
+        """The ids of the prompt a chat completions body would be given."""
+        gen = self._parse(chat, chat=True)
+        return await self._engine_call(self.client.tokenize(
+            system_prompt=gen.system, messages=gen.history + gen.turn, template_kwargs=gen.template_kwargs))
 
     @staticmethod
     async def _engine_call(call):
@@ -1072,9 +1075,7 @@ class Api:
             body = await self._read_json(request)
             self._check_model(body)
             if body.get("messages") is not None:
-                gen = self._parse({**body, "max_tokens": 1, "stream": False}, chat=True)
-                call = self.client.tokenize(system_prompt=gen.system, messages=gen.history + gen.turn,
-                                            template_kwargs=gen.template_kwargs)
+                ids = await self._prompt_ids({**body, "max_tokens": 1, "stream": False})
             else:
                 name = "content" if "content" in body else "prompt"
                 text, special = body.get(name), "add_special" if name == "content" else "add_special_tokens"
@@ -1083,8 +1084,7 @@ class Api:
                 add = body.get(special, name == "prompt")
                 if not isinstance(add, bool):
                     raise _type_error(special, "true or false", add)
-                call = self.client.tokenize(text, add)
-            ids = await self._engine_call(call)
+                ids = await self._engine_call(self.client.tokenize(text, add))
             model = self.client.model
             return JSONResponse({"tokens": ids, "count": len(ids),
                                  "max_model_len": model.max_model_len if model else None})

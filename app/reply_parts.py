@@ -4,8 +4,23 @@ the Responses and Messages APIs stream, each subclass saying what events a block
 
 from __future__ import annotations
 
+import uuid
+
 from nanochat.app.reasoning import reply_splitter
 from nanochat.app.tool_calls import ToolCallParser
+
+
+def new_id(prefix: str, digits: int = 32) -> str:
+    """An API object's id: `prefix`_ and random hex digits."""
+    return f"{prefix}_{uuid.uuid4().hex[:digits]}"
+
+
+def answer_text(answer: str, calls: list[dict]) -> str | None:
+    """A whole reply's answer as its message or text block shows it: the text itself, or beside calls the text
+    without the whitespace around them; None (no message) for calls with no text."""
+    if not calls:
+        return answer
+    return answer.strip() or None
 
 
 class ReplyReader:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanochat.app.api_errors import ApiError, type_error
-from nanochat.app.reply_parts import BlockStream
+from nanochat.app.reply_parts import BlockStream, answer_text, new_id
 
 MAX_STORED = 1024              # responses kept for previous_response_id and GET /v1/responses/{id}
 MAX_STORED_BYTES = 256 * 2 ** 20   # and the most text they hold (each counts its own input and output)
@@ -45,10 +44,6 @@ _REFUSED = {"background": "background responses are not supported: send the requ
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 # Tools OpenAI's servers run themselves (by type prefix): this server runs none, so a request's are left out.
 HOSTED = ("web_search", "file_search", "code_interpreter", "image_generation", "mcp")
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class ResponseStore:
@@ -222,7 +217,7 @@ def functions_of(tools) -> list[tuple[dict, str | None]]:
 
 
 def _tools(body: dict) -> dict:
-    """tools, tool_choice and parallel_tool_calls in chat's form (a function's fields nested under "function")."""
+    """tools and tool_choice in chat's form (a function's fields nested under "function")."""
     out = {}
     if body.get("tools") is not None:
         chat_tools = []
@@ -235,8 +230,6 @@ def _tools(body: dict) -> dict:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None:
         out["tool_choice"] = choice
-    if "parallel_tool_calls" in body:
-        out["parallel_tool_calls"] = body["parallel_tool_calls"]
     return out
 
 
@@ -291,8 +284,9 @@ def output_items(reasoning: str | None, answer: str, calls: list[dict], cut: boo
     """A whole reply's output items: its reasoning (None: none), its message (when it has text or no calls), then its
     calls. `cut`: the reply ended at max_output_tokens, in its last reasoning or message item (incomplete)."""
     items = [] if reasoning is None else [reasoning_item(new_id("rs"), reasoning)]
-    if answer.strip() or not calls:
-        items.append(message_item(new_id("msg"), answer if not calls else answer.strip()))
+    text = answer_text(answer, calls)
+    if text is not None:
+        items.append(message_item(new_id("msg"), text))
     items += [call_item(new_id("fc"), call, namespaces=namespaces) for call in calls]
     if cut and items[-1]["type"] != "function_call":
         items[-1]["status"] = "incomplete"

@@ -16,6 +16,11 @@ def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
         raise RequestError("the prompt is empty")
     if len(ids) >= max_model_len:
         raise ContextExceeded(len(ids), max_model_len)
+    check_ids(ids, vocab_size)
+
+
+def check_ids(ids: list[int], vocab_size: int) -> None:
+    """RequestError unless every id is the vocabulary's."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")

@@ -237,11 +237,10 @@ class EngineCore:
         return session.prepare_turn(messages[start:], template_kwargs)
 
     def op_detokenize(self, call: Call, ids: list[int]) -> str:
+        from nanochat.engine.reply_text import check_ids
+
         engine = self._engine()
-        size = engine.loaded.config.vocab_size
-        bad = next((i for i in ids if not 0 <= i < size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (size {size})")
+        check_ids(ids, engine.loaded.config.vocab_size)
         return engine.tokenizer.decode(ids, skip_special_tokens=False)
 
     def op_touch_session(self, call: Call, session_id: str) -> None:
