@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from nanochat.app.api_errors import ApiError, type_error
-from nanochat.app.reply_parts import BlockStream, answer_text
+from nanochat.app.reply_parts import BlockStream, answer_text, call_arguments
 
 # Fields this server cannot honour, which would change what the reply is: a 400 rather than a reply that ignores them.
 _REFUSED = {"container": "code execution containers are not supported",
@@ -212,15 +212,8 @@ def thinking_block(text: str) -> dict:
 
 
 def tool_use_block(call: dict) -> dict:
-    function = call["function"]
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:   # the model's text, not an object: what it wrote, under a key that says so
-        arguments = None
-    if not isinstance(arguments, dict):
-        arguments = {"arguments": function["arguments"]}
-    return {"type": "tool_use", "id": call["id"].replace("call_", "toolu_", 1), "name": function["name"],
-            "input": arguments}
+    return {"type": "tool_use", "id": call["id"].replace("call_", "toolu_", 1), "name": call["function"]["name"],
+            "input": call_arguments(call)}
 
 
 def content_blocks(reasoning: str | None, answer: str, calls: list[dict]) -> list[dict]:

@@ -6,6 +6,8 @@
                                 DELETE /v1/responses/{id} read and forget a stored response
     POST /v1/messages           Anthropic's Messages API over the same chat (app/messages_api.py), and
                                 /v1/messages/count_tokens
+    POST /api/chat, /api/generate  Ollama's API over the same chat (app/ollama_api.py), with GET /api/tags,
+                                /api/ps, /api/version and POST /api/show
     GET  /v1/models             the one model served (/v1/models/{id}: it, by any of its names)
     POST /tokenize, /detokenize text (or a chat's prompt) to ids and back, as llama.cpp's and vLLM's servers
     GET  /health                200 when a request would be served now, 503 while the engine restarts
@@ -51,10 +53,10 @@ from dataclasses import dataclass, field, replace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanochat.app import messages_api
+from nanochat.app import messages_api, ollama_api
 from nanochat.app.api_errors import ApiError, type_error as _type_error
 from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
@@ -75,6 +77,7 @@ MAX_MESSAGES = 1024            # messages in one chat request
 MAX_SESSIONS = 256             # conversations kept between requests
 MAX_QUEUE = 256                # sequences in flight, running or waiting for the engine; past it 429
 MAX_N = 16                     # choices of one request (each a sequence of the batch)
+OLLAMA = ("ollama_chat", "ollama_generate")
 SYSTEM_ROLES = ("system", "developer")   # OpenAI's newer name for the system message
 
 
@@ -82,6 +85,8 @@ SYSTEM_ROLES = ("system", "developer")   # OpenAI's newer name for the system me
 class ServerConfig:
     model_id: str                      # what /v1/models lists and requests name
     aliases: tuple[str, ...] = ()      # other names a request may use for it (the path it was loaded from)
+    model_path: str | None = None      # the file or folder it was loaded from (Ollama's /api/show reads it)
+    chat_template: str | None = None   # --chat-template's file, if one was given
     api_key: str | None = None
     max_queue: int = MAX_QUEUE
     max_n: int = MAX_N
@@ -586,7 +591,7 @@ class Api:
         self._key = config.api_key.encode("utf-8") if config.api_key else None
 
     # ------------------------------------------------------------------ shared
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         if self._key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -597,7 +602,7 @@ class Api:
             raise ApiError(401, "invalid API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
                            code="invalid_api_key")
 
-    async def _read_json(self, request: Request) -> dict:
+    async def read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
         too_large = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         length = request.headers.get("content-length", "")
@@ -616,13 +621,13 @@ class Api:
             raise ApiError(400, "the request body must be a JSON object")
         return data
 
-    def _check_model(self, body: dict) -> None:
+    def check_model(self, body: dict) -> None:
         name = body.get("model")
         if name is None:
             return
         if not isinstance(name, str):
             raise _type_error("model", "a string", name)
-        if name != self.config.model_id and name not in self.config.aliases:
+        if not ollama_api.names_match(name, {self.config.model_id, *self.config.aliases}):
             raise ApiError(404, f"the model {json.dumps(name)[:120]} does not exist; this server serves "
                                 f"{json.dumps(self.config.model_id)}", param="model", code="model_not_found")
 
@@ -700,27 +705,44 @@ class Api:
     async def messages(self, request: Request) -> Response:
         return await self._generate(request, "messages")
 
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._generate(request, "ollama_chat")
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._generate(request, "ollama_generate")
+
     @staticmethod
     def _error(e: ApiError, api: str) -> Response:
-        """The error in the request's dialect: Anthropic's object for its Messages API, else OpenAI's."""
-        return e.response(messages_api.error_body(e) if api == "messages" else None)
+        """The error in the request's dialect: Anthropic's object for its Messages API, Ollama's for its API, else
+        OpenAI's."""
+        if api == "messages":
+            return e.response(messages_api.error_body(e))
+        return e.response(ollama_api.error_body(e) if api in OLLAMA else None)
 
     async def _generate(self, request: Request, api: str) -> Response:
-        """A generation request of any of the APIs (`api`: chat, completions, responses, messages), all run as
-        chat completions (or completions) are."""
+        """A generation request of any of the APIs (`api`: chat, completions, responses, messages, ollama_chat,
+        ollama_generate), all run as chat completions (or completions) are."""
         started = time.monotonic()
         chat = api != "completions"
         asked = None   # a Responses request (responses_api.Asked)
         try:
-            self._authorize(request)
-            body = await self._read_json(request)
-            self._check_model(body)
+            self.authorize(request)
+            body = await self.read_json(request)
+            self.check_model(body)
             if api == "responses":
                 asked = chat_request(body, self.stored)
                 body = asked.chat
             elif api == "messages":
                 body = messages_api.chat_request(body)
-            if api in ("responses", "messages") and not (self.client.model and self.client.model.reasoning_efforts):
+            elif api == "ollama_chat":
+                body = ollama_api.chat_request(body)
+            elif api == "ollama_generate":
+                body, raw = ollama_api.generate_request(body)
+                chat = not raw
+            if body is None:   # an Ollama load request: the model is loaded
+                self._log(request, 200)
+                return JSONResponse(ollama_api.loaded(self.config.model_id, api == "ollama_chat"))
+            if api != "chat" and not (self.client.model and self.client.model.reasoning_efforts):
                 body.pop("reasoning_effort", None)   # their clients send an effort to any model
             _unsupported(body)
             gen = self._parse(body, chat)
@@ -762,10 +784,12 @@ class Api:
                     stream = self._response_events(ident, asked, choices[0], arrivals, watcher, request, started)
                 elif api == "messages":
                     stream = self._message_events(ident, choices[0], arrivals, watcher, request, started)
+                elif api in OLLAMA:
+                    stream = self._ollama_lines(api, choices[0], arrivals, watcher, request, started)
                 else:
                     stream = self._sse(ident, chat, gen, choices, arrivals, watcher, request, started)
                 handed_over = True
-                return StreamingResponse(stream, media_type="text/event-stream",
+                return StreamingResponse(stream, media_type=ollama_api.NDJSON if api in OLLAMA else "text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             async for c, got in arrivals:
                 if chat:
@@ -779,6 +803,8 @@ class Api:
                 return JSONResponse(self._response(ident, asked, choices[0]))
             if api == "messages":
                 return JSONResponse(self._message(ident, choices[0]))
+            if api in OLLAMA:
+                return JSONResponse(self._ollama_whole(api, choices[0], started))
             return JSONResponse(self._whole(ident, chat, gen, choices, self._usage(choices)))
         except ApiError as e:
             self._log(request, e.status, started=started)
@@ -995,7 +1021,7 @@ class Api:
     async def retrieve(self, request: Request) -> Response:
         """GET /v1/responses/{id}: a stored response; DELETE forgets it."""
         try:
-            self._authorize(request)
+            self.authorize(request)
             ident = request.path_params["ident"]
             if request.method == "DELETE":
                 self.stored.delete(ident)
@@ -1041,12 +1067,49 @@ class Api:
         finally:
             await self._stream_ended([c], arrivals, watcher, request, started)
 
+    # ------------------------------------------------------------------ Ollama's /api/chat, /api/generate
+    def _ollama_piece(self, api: str, answer: str, reasoning: str, calls: list[dict], items: list) -> dict:
+        logprobs = chat_logprobs(items)["content"] if items else None   # Ollama's list is OpenAI's chat list
+        return ollama_api.reply(self.config.model_id, api == "ollama_chat", answer, reasoning, calls, logprobs)
+
+    def _ollama_whole(self, api: str, c: Choice, started: float) -> dict:
+        if c.reader is None:   # raw /api/generate
+            answer, reasoning, calls = c.astream.reply.text, "", []
+        else:
+            reader = c.reader
+            answer, reasoning, calls = answer_text(reader.answer, reader.calls) or "", reader.reasoning, reader.calls
+        piece = self._ollama_piece(api, answer, reasoning, calls, c.astream.reply.logprobs)
+        return ollama_api.final(piece, c.final.finish_reason, c.final.stats, time.monotonic() - started)
+
+    async def _ollama_lines(self, api, c, arrivals, watcher, request, started):
+        """A streamed Ollama request's objects, one JSON per line, the last one `done` (or an error object when the
+        engine fails mid-reply)."""
+        try:
+            async for _, events in arrivals:
+                if c.reader is None:
+                    answer, reasoning, calls = "".join(e.text for e in events), "", []
+                else:
+                    answer, reasoning, calls = self._read(c, events)
+                items = [e.logprobs for e in events if e.logprobs is not None]
+                if answer or reasoning or calls or items:
+                    yield ollama_api.line(self._ollama_piece(api, answer, reasoning, calls, items))
+            if c.final.finish_reason in ("stop", "length"):
+                piece = self._ollama_piece(api, "", "", [], [])
+                yield ollama_api.line(ollama_api.final(piece, c.final.finish_reason, c.final.stats,
+                                                       time.monotonic() - started))
+            else:   # the engine died or failed mid-reply
+                lost = c.astream.lost
+                yield ollama_api.line({"error": (c.final.error or "generation failed")
+                                       + ("; a new engine is starting: try again shortly" if lost else "")})
+        finally:
+            await self._stream_ended([c], arrivals, watcher, request, started)
+
     async def count_tokens(self, request: Request) -> Response:
         """POST /v1/messages/count_tokens: the prompt tokens a Messages request would take."""
         try:
-            self._authorize(request)
-            body = await self._read_json(request)
-            self._check_model(body)
+            self.authorize(request)
+            body = await self.read_json(request)
+            self.check_model(body)
             ids = await self._prompt_ids(messages_api.chat_request({**body, "max_tokens": 1}))
             return JSONResponse({"input_tokens": len(ids)})
         except ApiError as e:
@@ -1071,9 +1134,9 @@ class Api:
         vLLM's does ({"prompt": ...}, add_special_tokens default true; or a chat's {"messages": ...} rendered as
         its prompt). The answer carries both servers' fields: tokens, count, max_model_len."""
         try:
-            self._authorize(request)
-            body = await self._read_json(request)
-            self._check_model(body)
+            self.authorize(request)
+            body = await self.read_json(request)
+            self.check_model(body)
             if body.get("messages") is not None:
                 ids = await self._prompt_ids({**body, "max_tokens": 1, "stream": False})
             else:
@@ -1095,9 +1158,9 @@ class Api:
         """POST /detokenize {"tokens": [...]}: their text, special tokens included (as "content", llama.cpp's
         name, and "prompt", vLLM's)."""
         try:
-            self._authorize(request)
-            body = await self._read_json(request)
-            self._check_model(body)
+            self.authorize(request)
+            body = await self.read_json(request)
+            self.check_model(body)
             ids = body.get("tokens")
             if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
                 raise _type_error("tokens", "a list of token ids", ids)
@@ -1177,13 +1240,13 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._authorize(request)
+            self.authorize(request)
         except ApiError as e:
             return e.response()
         name = request.path_params.get("name")
         if name is not None:
             try:
-                self._check_model({"model": name})
+                self.check_model({"model": name})
             except ApiError as e:
                 return e.response()
         model = self.client.model
@@ -1193,7 +1256,7 @@ class Api:
 
     async def metrics_text(self, request: Request) -> Response:
         try:
-            self._authorize(request)
+            self.authorize(request)
         except ApiError as e:
             return e.response()
         text = self.metrics.render(self.client.stats(), self.in_flight, self.client.restarts)
@@ -1216,6 +1279,10 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
         message = "no such endpoint" if exc.status_code == 404 else exc.detail
         return ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}").response()
 
+    async def root(request: Request) -> Response:   # where Ollama's clients check that a server is up
+        return PlainTextResponse("nanochat is running")
+
+    ollama = ollama_api.Endpoints(api)
     routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/responses", api.responses, methods=["POST"]),
@@ -1227,7 +1294,18 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
               Route("/detokenize", api.detokenize, methods=["POST"]),
               Route("/v1/models/{name:path}", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
-              Route("/metrics", api.metrics_text, methods=["GET"])]
+              Route("/metrics", api.metrics_text, methods=["GET"]),
+              Route("/", root, methods=["GET"]),
+              Route("/api/chat", api.ollama_chat, methods=["POST"]),
+              Route("/api/generate", api.ollama_generate, methods=["POST"]),
+              Route("/api/tags", ollama.tags, methods=["GET"]),
+              Route("/api/ps", ollama.running, methods=["GET"]),
+              Route("/api/show", ollama.show, methods=["POST"]),
+              Route("/api/version", ollama.version, methods=["GET"]),
+              Route("/api/pull", ollama.pull, methods=["POST"]),
+              *[Route(f"/api/{what}", ollama.unsupported, methods=["POST"])
+                for what in ("embed", "embeddings", "create", "copy", "push")],
+              Route("/api/delete", ollama.unsupported, methods=["DELETE"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.api = api
     return app

@@ -4,6 +4,7 @@ the Responses and Messages APIs stream, each subclass saying what events a block
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from nanochat.app.reasoning import reply_splitter
@@ -13,6 +14,17 @@ from nanochat.app.tool_calls import ToolCallParser
 def new_id(prefix: str, digits: int = 32) -> str:
     """An API object's id: `prefix`_ and random hex digits."""
     return f"{prefix}_{uuid.uuid4().hex[:digits]}"
+
+
+def call_arguments(call: dict) -> dict:
+    """A call's arguments as an object, for the APIs that send objects (Anthropic's tool_use, Ollama's tool_calls):
+    the model's text when it is not one, under a key that says so."""
+    text = call["function"]["arguments"]
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    return arguments if isinstance(arguments, dict) else {"arguments": text}
 
 
 def answer_text(answer: str, calls: list[dict]) -> str | None:

@@ -1,5 +1,5 @@
-"""`nanochat serve`: the engine behind an OpenAI-compatible HTTP API (app/openai_api.py), for the tools
-that speak it (editors, agents, notebooks, the `openai` SDK, curl).
+"""`nanochat serve`: the engine behind an OpenAI-compatible HTTP API (app/openai_api.py; Anthropic's and Ollama's
+APIs beside it), for the tools that speak them (editors, agents, notebooks, the `openai` SDK, curl).
 
     nanochat serve                                  the built-in model on http://127.0.0.1:8000/v1
     nanochat serve --model M.gguf --port 9000 --api-key SECRET
@@ -39,7 +39,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                           "/v1/responses, /v1/completions, /v1/models, /tokenize, /detokenize, "
-                                          "/health, /metrics) and Anthropic's Messages API (/v1/messages). "
+                                          "/health, /metrics), Anthropic's Messages API (/v1/messages) and "
+                                          "Ollama's (/api/chat, /api/generate, /api/tags, /api/show; --port 11434 "
+                                          "where Ollama's clients look). "
                                           "Concurrent requests share the engine's batching; a conversation's "
                                           "earlier turns come from the KV cache.")
     add_engine_options(p, suppress=True)
@@ -157,7 +159,8 @@ def _serve(args) -> int:
     if not is_loopback(args.host) and args.api_key is None:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can use the model")
     server_config = ServerConfig(model_id=model_id, aliases=tuple(sorted({model, file_name, *names} - {model_id})),
-                                 api_key=args.api_key, max_queue=args.max_queue, log=None if quiet else say)
+                                 model_path=model, chat_template=config.get("chat_template"), api_key=args.api_key,
+                                 max_queue=args.max_queue, log=None if quiet else say)
     aclient = AsyncEngineClient(client)
     try:
         run_server(build_app(aclient, server_config), sock)

@@ -83,6 +83,19 @@ def gguf_summary(path: str | os.PathLike) -> dict:
     return read_metadata(path, until=_WANTED)
 
 
+def gguf_details(path: str | os.PathLike) -> dict:
+    """A GGUF's metadata scalars (arrays, such as the vocabulary, and values past 1 KiB left out, the chat template
+    kept) and its parameter count as `general.parameter_count`: what a server says about the model it serves.
+    Reads the header and tensor infos only."""
+    from nanochat.models.formats.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    out = {k: v for k, v in f.metadata.items()
+           if isinstance(v, (str, int, float, bool)) and (len(str(v)) <= 1024 or k == "tokenizer.chat_template")}
+    out["general.parameter_count"] = sum(t.n_elements for t in f.tensors.values())
+    return out
+
+
 def _gguf_quant(file_type) -> str | None:
     if not isinstance(file_type, int):
         return None
