@@ -59,7 +59,8 @@ class Run:
 
 
 async def post_stream(host: str, port: int, path: str, body: dict, key: str | None, timeout: float):
-    """POST and yield (time, parsed SSE data) for each event of a streamed reply."""
+    """POST and yield (time, parsed event) for each event of a streamed reply: server-sent events' data, or the JSON
+    objects of a newline-delimited stream (Ollama's /api paths)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     try:
         payload = json.dumps(body).encode()
@@ -92,6 +93,12 @@ async def post_stream(host: str, port: int, path: str, body: dict, key: str | No
                 buffer += data
             now = time.perf_counter()
             buffer = buffer.replace(b"\r\n", b"\n")   # sse-starlette (llama_cpp.server) ends lines with CRLF
+            if path.startswith("/api/"):
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        yield now, json.loads(line)
+                continue
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
                 for line in event.split(b"\n"):
@@ -162,6 +169,9 @@ def request(api: str, model: str, messages: list[dict], max_tokens: int, seed: i
         return "/v1/responses", {**common, "instructions": system, "input": rest, "max_output_tokens": max_tokens}
     if api == "messages":
         return "/v1/messages", {**common, "system": system, "messages": rest, "max_tokens": max_tokens}
+    if api == "ollama":
+        return "/api/chat", {"model": model, "messages": messages,
+                             "options": {"temperature": 0.7, "seed": seed, "num_predict": max_tokens}}
     return "/v1/chat/completions", {**common, "messages": messages, "max_tokens": max_tokens,
                                     "stream_options": {"include_usage": True}}
 
@@ -178,6 +188,11 @@ def read_event(api: str, event: dict, turn: Turn) -> tuple[str | None, str | Non
             turn.cached_tokens = usage["input_tokens_details"]["cached_tokens"]
             return None, event["response"]["status"]
         return None, None
+    if api == "ollama":   # counts the whole prompt, not the part the cache served (unknown: -1)
+        if event.get("done"):
+            turn.tokens, turn.prompt_tokens, turn.cached_tokens = event["eval_count"], event["prompt_eval_count"], -1
+            return None, event["done_reason"]
+        return event["message"]["content"] or None, None
     if api == "messages":
         if event.get("type") == "content_block_delta" and event["delta"].get("type") == "text_delta":
             return event["delta"]["text"], None
@@ -308,8 +323,9 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running server (default: start one)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--peer", choices=["llama-cpp"], default=None, help="start llama_cpp.server instead")
-    p.add_argument("--api", choices=["chat", "responses", "messages"], default="chat",
-                   help="the API the clients speak: chat completions (default), OpenAI's Responses, Anthropic's Messages")
+    p.add_argument("--api", choices=["chat", "responses", "messages", "ollama"], default="chat",
+                   help="the API the clients speak: chat completions (default), OpenAI's Responses, Anthropic's "
+                        "Messages, Ollama's /api/chat")
     p.add_argument("--peer-python", default="/work/peers-venv/bin/python")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--ctx", type=int, default=4096, help="context length of the server started")
