@@ -42,20 +42,21 @@ from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_N
                                        as_history, exchange_sizes, exchanges, exchanges_to_drop, join_notes,
                                        latest_leaf, reply_room)
 from nanochat.app.export import model_name, write_export
-from nanochat.app.options import (REQUEST_RULES, SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES,
-                                  effective_sampling, speculative_refusal, template_variables)
+from nanochat.app.options import (REPLY_FORMATS, REQUEST_RULES, SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES,
+                                  effective_sampling, held_reply_value, speculative_refusal, template_variables)
 from nanochat.app.reasoning import ThinkingSplitter, reply_splitter, reply_thought, split_reply
 from nanochat.app.store import ChatStore, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
-from nanochat.engine.sampling_params import SamplingParams
+from nanochat.engine.sampling_params import ANY_OBJECT, SamplingParams
 from nanochat.engine.serve.client import BranchSessions, EngineClient, RequestStream, Session
 from nanochat.engine.serve.protocol import EngineError, ModelInfo, one_line
 
 SAVE_INTERVAL = 0.5    # seconds between saves of a streaming reply: what a kill -9 of the app can lose
 MAX_BRANCH_SESSIONS = 4   # engine sessions kept per conversation (the branch shown and recent others)
-# What /set may change: sampling, the request's other settings (speculative), and template variables.
-CHAT_SETTINGS = (*SAMPLING_RULES, *REQUEST_RULES, *TEMPLATE_RULES)
-TURN_RULES = {**SAMPLING_RULES, **REQUEST_RULES}   # the chat settings that are SamplingParams fields
+# What /set may change: sampling, the request's other settings (speculative), what holds the replies (a JSON
+# schema or a grammar), and template variables.
+CHAT_SETTINGS = (*SAMPLING_RULES, *REQUEST_RULES, *REPLY_FORMATS, *TEMPLATE_RULES)
+TURN_SETTINGS = (*SAMPLING_RULES, *REQUEST_RULES, *REPLY_FORMATS)   # the chat settings that are SamplingParams fields
 
 
 # ---------------------------------------------------------------------------------- chats
@@ -123,6 +124,8 @@ def setting_value(name: str, raw: str):
     value itself is checked by set_setting, with the others)."""
     if name in TEMPLATE_RULES or name in REQUEST_RULES:   # a word: set_setting checks it
         return raw.lower()
+    if name in REPLY_FORMATS:   # `object`, @FILE or the text, as --json-schema and --grammar take it
+        return held_reply_value(name, raw)
     if name not in SAMPLING_RULES:
         raise ValueError(f"unknown setting {name!r}; one of: {', '.join(CHAT_SETTINGS)}")
     cast = SAMPLING_RULES[name].cast
@@ -150,10 +153,18 @@ def describe_settings(sampling: dict, own: dict | None = None) -> str:
             value = own.get(name)
             if value is None:
                 continue
-        text = f"{value:g}" if isinstance(value, float) else str(value)
+        text = f"{value:g}" if isinstance(value, float) else held_text(value) if name in REPLY_FORMATS else str(value)
         parts.append(f"{name} {text}{'*' if name in own else ''}")
     parts += [f"{name} {'on' if own[name] else 'off'}*" for name in TEMPLATE_SWITCHES if isinstance(own.get(name), bool)]
     return " · ".join(parts)
+
+
+def held_text(value: str) -> str:
+    """A schema or grammar in a settings line: `object` (any JSON object), else its size."""
+    if value == ANY_OBJECT:
+        return "object"
+    lines = value.count("\n") + 1
+    return f"({lines} lines)" if lines > 1 else f"({len(value):,} characters)"
 
 
 SUMMARY_REQUEST = ("Summarize our conversation so far in a few sentences: the topics, what was decided or "
@@ -490,7 +501,9 @@ class ChatController:
         session = self.client.open_session(conv.system_prompt, as_history(held[2 * start:]))
         variables = template_variables(conv.settings)
         try:
-            sampling = SamplingParams(**{**self.sampling_for(conv), "max_tokens": room, "ignore_eos": False})
+            # the summary is prose: the schema or grammar the chat's replies follow does not hold it
+            sampling = SamplingParams(**{**self.sampling_for(conv), "max_tokens": room, "ignore_eos": False,
+                                         "json_schema": None, "grammar": None})
             reply = self.client.submit_turn(session, SUMMARY_REQUEST, sampling,
                                             template_kwargs=variables or None).result(timeout)
         except (EngineError, TimeoutError) as e:
@@ -516,7 +529,7 @@ class ChatController:
         """SamplingParams keywords of a turn: the chat's own settings over the front end's (flags and
         settings.json) over what the model file recommends over CHAT_DEFAULTS."""
         recommended = self.client.model.sampling_defaults if self.client.model is not None else {}
-        own = {k: v for k, v in conv.settings.items() if k in TURN_RULES}
+        own = {k: v for k, v in conv.settings.items() if k in TURN_SETTINGS}
         return effective_sampling({**self.sampling, **own}, recommended)
 
     def set_setting(self, conv: Chat, name: str, value) -> None:
@@ -529,7 +542,7 @@ class ChatController:
         if name in TEMPLATE_RULES:
             self._check_template_setting(name, value)
         try:
-            SamplingParams(**{**self.sampling_for(conv), **{k: v for k, v in settings.items() if k in TURN_RULES}})
+            SamplingParams(**{**self.sampling_for(conv), **{k: v for k, v in settings.items() if k in TURN_SETTINGS}})
         except (TypeError, ValueError) as e:
             raise ChatError(one_line(e)) from None
         refusal = speculative_refusal(value, self.client.model.speculative_modes) \

@@ -71,6 +71,9 @@ speculative_k_int = arg_type(SPECULATIVE_K)
 # SamplingParams fields a chat (/set) or an API request may state that are not sampling: the request's
 # speculative proposer (off, ngram, or the engine's draft model).
 REQUEST_RULES = {"speculative": SPECULATIVE}
+# SamplingParams fields a chat (/set) may state that hold its replies, as --json-schema and --grammar hold a
+# one-shot's: their values are texts (a schema, a grammar), checked by SamplingParams, not by a rule.
+REPLY_FORMATS = ("json_schema", "grammar")
 
 
 def speculative_arg(raw: str) -> str:
@@ -124,11 +127,20 @@ def grammar_arg(raw: str) -> str:
     return _held_arg(raw, "grammar")
 
 
+def held_reply_value(name: str, raw: str) -> str:
+    """--json-schema's or --grammar's value (`name`: the SamplingParams field), from what a user typed (/set);
+    ValueError with one line when it is refused."""
+    try:
+        return (json_schema_arg if name == "json_schema" else grammar_arg)(raw)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
+
+
 def _held_arg(raw: str, field: str) -> str:
     """What holds a one-shot's reply (SamplingParams' json_schema or grammar), from its text or @FILE."""
     if raw.startswith("@"):
         try:
-            with open(raw[1:], encoding="utf-8") as f:
+            with open(os.path.expanduser(raw[1:]), encoding="utf-8") as f:
                 raw = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise argparse.ArgumentTypeError(f"cannot read {shown(raw[1:])} ({e.__class__.__name__})") from None

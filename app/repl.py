@@ -38,8 +38,9 @@ COMMANDS = {
     "/history": "show the conversation with per-turn stats",
     "/clear": "start over (keeps the system prompt, frees the conversation's KV cache)",
     "/system [TEXT]": "show the system prompt, or set it (starts over)",
-    "/set [NAME VALUE|NAME -]": "show or set this chat's sampling (temperature, top_p, ...) or speculative "
-                                "decoding (speculative off|ngram|draft); - : the default again",
+    "/set [NAME VALUE|NAME -]": "show or set this chat's sampling (temperature, top_p, ...), speculative "
+                                "decoding (speculative off|ngram|draft) or what holds the replies (json_schema "
+                                "object|@FILE|JSON, grammar @FILE|TEXT); - : the default again",
     "/think on|off|-": "reasoning models: think before answering, or not (- : the model's default)",
     "/thinking": "show the last reply's thinking",
     "/exit": "leave (also /quit or Ctrl-D)",
@@ -305,7 +306,7 @@ class Repl:
 
     def set_option(self, arg: str) -> None:
         """/set NAME VALUE (or -: the default again) for this chat's next turns, checked as the chat app's /set is."""
-        from nanochat.app.controller import TURN_RULES, describe_settings, setting_value
+        from nanochat.app.controller import TURN_SETTINGS, describe_settings, setting_value
         from nanochat.engine import SamplingParams
 
         if not arg:
@@ -313,8 +314,8 @@ class Repl:
             return
         name, _, raw = arg.partition(" ")
         raw = raw.strip()
-        if name not in TURN_RULES:
-            self.term.info(f"/set: unknown setting {name!r}; one of: {', '.join(TURN_RULES)}")
+        if name not in TURN_SETTINGS:
+            self.term.info(f"/set: unknown setting {name!r}; one of: {', '.join(TURN_SETTINGS)}")
             return
         if not raw:
             self.term.info(f"/set {name}: give a value, or - to use the default again")

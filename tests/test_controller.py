@@ -670,6 +670,53 @@ def test_per_chat_settings_are_validated_saved_and_win(make, tmp_path, monkeypat
         reopened.store.close()
 
 
+def test_a_chat_may_hold_its_replies_to_a_schema_or_a_grammar(make, tmp_path, monkeypatch):
+    """/set json_schema and /set grammar (object, @FILE or the text, as --json-schema and --grammar take them):
+    the chat's next replies follow it, it is saved with the chat, and a summary (prose) is not held to it."""
+    import json
+
+    from nanochat.app.controller import setting_value
+
+    chat = make(db="held.db", ignore_eos=False, max_tokens=40)
+    conv = first(chat)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    chat.set_setting(conv, "json_schema", setting_value("json_schema", f"@{schema}"))
+    assert "json_schema (" in describe_settings(chat.sampling_for(conv), conv.settings)
+    turn = chat.wait(chat.send(conv, "is it ok?"))
+    assert json.loads(turn.reply.content) in ({"ok": True}, {"ok": False})
+    with pytest.raises(ChatError, match="json_schema and grammar cannot both hold a reply"):
+        chat.set_setting(conv, "grammar", setting_value("grammar", 'root ::= "yes" | "no"'))
+    chat.set_setting(conv, "json_schema", setting_value("json_schema", "object"))
+    assert "json_schema object*" in describe_settings(chat.sampling_for(conv), conv.settings)
+    chat.set_setting(conv, "json_schema", None)
+    grammar = tmp_path / "yes.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    chat.set_setting(conv, "grammar", setting_value("grammar", f"@{grammar}"))
+    assert "grammar (2 lines)*" in describe_settings(chat.sampling_for(conv), conv.settings)
+    assert chat.wait(chat.send(conv, "yes or no?")).reply.content in ("yes", "no")
+    for name, raw, why in [("json_schema", "{not json", "json_schema is not valid JSON"),
+                           ("json_schema", "@/no/such.json", "cannot read"), ("grammar", " ", "grammar must be")]:
+        with pytest.raises(ValueError, match=why):
+            setting_value(name, raw)
+    sent = []
+    real = chat.client.submit_turn
+    monkeypatch.setattr(chat.client, "submit_turn", lambda session, text, sp, **kw: (sent.append(sp),
+                                                                                      real(session, text, sp, **kw))[1])
+    try:
+        chat.summarize(conv)
+    except ChatError:   # a random model may write no summary; what it was asked with is the point
+        pass
+    assert sent[-1].grammar is None and sent[-1].json_schema is None
+    reopened = ChatController(chat.client, ChatStore(tmp_path / "held.db"), SAMPLING)
+    try:
+        assert reopened.sampling_for(reopened.conversations[conv.id])["grammar"] == grammar.read_text()
+    finally:
+        reopened.close()
+        reopened.store.close()
+
+
 def test_export_json_keeps_every_branch(make, tmp_path):
     import json
 

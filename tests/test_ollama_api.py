@@ -239,3 +239,25 @@ def test_a_ggufs_entry_is_read_from_its_file(tmp_path):
     assert "tokenizer.ggml.tokens" not in entry["model_info"]   # the vocabulary stays out, as Ollama leaves it
     assert "tokenizer.chat_template" not in entry["model_info"]
     assert model_entry(str(path), str(template), 1024)["template"] == template.read_text()
+
+
+def test_a_tool_round_trip_renders_under_the_qwen3_template(tiny_models, tmp_path):
+    """Calls sent back with object arguments and results matched by tool_name render through a real template that
+    reads tools, and the conversation continues from its KV."""
+    from test_serve import Server, _qwen3_template_client
+
+    engine, _ = _qwen3_template_client(tiny_models, tmp_path)
+    srv = Server(engine)
+    try:
+        sdk = client(srv)
+        ask = [{"role": "user", "content": "the weather in Paris?"}]
+        first = sdk.chat(model=MODEL, messages=ask, tools=[TOOL], options=GREEDY)
+        assert sdk.show(MODEL).capabilities == ["completion", "tools", "thinking"]
+        calls = [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+        messages = [*ask, {"role": "assistant", "content": first.message.content, "tool_calls": calls},
+                    {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+        got = sdk.chat(model=MODEL, messages=messages, tools=[TOOL], options=GREEDY)
+        assert got.done and got.eval_count == 8 and got.prompt_eval_count > first.prompt_eval_count
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -324,3 +324,18 @@ def test_set_speculative_ngram_speculates_on_an_engine_started_with_it_off(env, 
     assert r.returncode == 0, r.stdout + r.stderr
     first, second = (re.search(SPEC, s) for s in re.findall(r"\[[^\]]*\]", r.stderr))
     assert first is None and second is not None and int(second[2]) > 0, r.stderr
+
+
+def test_set_a_grammar_holds_the_next_replies(env, tiny_models, tmp_path):
+    """/set grammar @FILE (and json_schema) in the REPL: the next replies follow it until /set grammar -."""
+    grammar = tmp_path / "yes.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    lines = "\n".join([f"/set grammar @{grammar}", "/set", "yes or no?", "/set json_schema object", "/set grammar -",
+                       "/set json_schema {bad", "/exit"]) + "\n"
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["llama"]),
+                        "--temperature", "0", "--max-tokens", "24"],
+                       input=lines, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "grammar (2 lines)*" in r.stdout and re.search(r"^(yes|no)$", r.stdout, re.M), r.stdout
+    assert "/set json_schema: json_schema and grammar cannot both hold a reply" in r.stdout
+    assert "/set json_schema: json_schema is not valid JSON" in r.stdout and "Traceback" not in r.stderr

@@ -7,7 +7,7 @@ import difflib
 from dataclasses import dataclass
 
 from nanochat.app.controller import CHAT_SETTINGS
-from nanochat.app.options import REQUEST_RULES, TEMPLATE_RULES
+from nanochat.app.options import REPLY_FORMATS, REQUEST_RULES, TEMPLATE_RULES
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ SLASH_COMMANDS: tuple[SlashCommand, ...] = (
     SlashCommand("edit", "/edit", "edit your last message and send it as a new version (a branch)"),
     SlashCommand("fork", "/fork", "copy this conversation's branch shown into a new conversation"),
     SlashCommand("set", "/set [NAME VALUE|NAME -]", "show or set this chat's sampling (temperature, top_p, top_k, "
-                 "seed, max_tokens, repetition_penalty, presence_penalty, frequency_penalty) or speculative decoding "
-                 "(speculative off|ngram|draft); - drops one"),
+                 "seed, max_tokens, repetition_penalty, presence_penalty, frequency_penalty), speculative decoding "
+                 "(speculative off|ngram|draft) or what holds the replies (json_schema object|@FILE|JSON, "
+                 "grammar @FILE|TEXT); - drops one"),
     SlashCommand("think", "/think [on|off|-]", "show or switch this chat's thinking (reasoning models: the chat "
                  "template's enable_thinking); - goes back to the model's default"),
     SlashCommand("clear", "/clear", "forget this conversation's messages (keeps the system prompt, frees its KV)"),
@@ -97,7 +98,10 @@ def completions(theme_names: tuple[str, ...] = (), reasoning_efforts: tuple[str,
     out += [("/copy code", "copy the last code block of the last reply")]
     out += [("/export json", "every branch of this conversation as JSON")]
     out += [(f"/set {name} ", "this chat's sampling") for name in CHAT_SETTINGS
-            if name not in TEMPLATE_RULES and name not in REQUEST_RULES]
+            if name not in TEMPLATE_RULES and name not in REQUEST_RULES and name not in REPLY_FORMATS]
+    out += [("/set json_schema object", "this chat's replies: a JSON object"),
+            ("/set json_schema @", "this chat's replies follow a JSON schema (@FILE, or the schema's JSON)"),
+            ("/set grammar @", "this chat's replies follow a grammar (@FILE, or its GBNF or Lark text)")]
     out += [(f"/set reasoning_effort {v}", "this chat's reasoning effort (gpt-oss)") for v in reasoning_efforts]
     out += [(f"/set speculative {v}", SPECULATIVE_HINTS[v]) for v in speculative]
     out += [("/think on", "this chat's replies think first"), ("/think off", "this chat's replies answer at once")]
