@@ -54,10 +54,12 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from nanochat.app import messages_api, ollama_api
 from nanochat.app.api_errors import ApiError, type_error as _type_error
+from nanochat.app.http_guard import Guard
 from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
@@ -88,6 +90,8 @@ class ServerConfig:
     model_path: str | None = None      # the file or folder it was loaded from (Ollama's /api/show reads it)
     chat_template: str | None = None   # --chat-template's file, if one was given
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()   # web page origins allowed besides this machine's ("*": any)
+    loopback: bool = True              # it listens on loopback only (app/http_guard.py checks Host then)
     max_queue: int = MAX_QUEUE
     max_n: int = MAX_N
     max_body_bytes: int = MAX_BODY_BYTES
@@ -1306,6 +1310,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
               *[Route(f"/api/{what}", ollama.unsupported, methods=["POST"])
                 for what in ("embed", "embeddings", "create", "copy", "push")],
               Route("/api/delete", ollama.unsupported, methods=["DELETE"])]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    guard = Middleware(Guard, allowed_origins=config.allowed_origins,
+                       check_host=config.loopback and config.api_key is None)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=[guard])
     app.state.api = api
     return app

@@ -18,13 +18,13 @@ stderr through the terminal sanitizer: they quote model names and paths that cli
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import socket
 import sys
 from pathlib import Path
 
 from nanochat.app.errors import EXIT_OK, UsageError, run_guarded
+from nanochat.app.http_guard import is_loopback_name
 from nanochat.app.options import (Rule, add_engine_options, add_option, arg_type, engine_config, positive_int,
                                   resolve_model)
 from nanochat.app.terminal_text import for_stream
@@ -52,6 +52,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--port", type=port_int, default=8000, metavar="N", help="port (default 8000)")
     g.add_argument("--api-key", metavar="KEY", default=None,
                    help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every request but /health")
+    g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=(),
+                   help="web page origins (https://app.example) whose requests are served, with CORS headers, besides "
+                        "pages from this machine; \"*\" for any. Other pages' requests get 403")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
                    help="the model's name in the API (the first is listed; requests may use any of them, or the "
                         "model's path); default: the file or folder name")
@@ -68,15 +71,6 @@ def run_serve_cli(args) -> int:
 
 def say(line: str) -> None:
     print(for_stream(f"{PROG}: {line}", sys.stderr), file=sys.stderr, flush=True)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -156,10 +150,11 @@ def _serve(args) -> int:
     url = url_of(sock, args.host)
     say(f"serving {model_id} ({info.arch}, {info.device}, {info.dtype}, context {info.max_model_len}) "
         f"at {url}/v1")
-    if not is_loopback(args.host) and args.api_key is None:
+    if not is_loopback_name(args.host) and args.api_key is None:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can use the model")
     server_config = ServerConfig(model_id=model_id, aliases=tuple(sorted({model, file_name, *names} - {model_id})),
                                  model_path=model, chat_template=config.get("chat_template"), api_key=args.api_key,
+                                 allowed_origins=tuple(args.allowed_origins), loopback=is_loopback_name(args.host),
                                  max_queue=args.max_queue, log=None if quiet else say)
     aclient = AsyncEngineClient(client)
     try:

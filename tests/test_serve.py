@@ -1087,3 +1087,17 @@ def test_tokenize_and_detokenize_as_llama_cpp_and_vllm_take_them(server, tiny_mo
                               ("/detokenize", {"tokens": [10 ** 9]}, "outside the vocabulary")):
         status, answer = raw(server, "POST", path, json.dumps(body))
         assert status == 400 and words in answer["error"]["message"], answer
+
+
+def test_web_pages_of_other_origins_are_refused_and_local_ones_get_cors(server):
+    """The guard stands in front of every endpoint of the real server (tests/test_http_guard.py checks it alone)."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    got, answer = raw(server, "POST", "/v1/chat/completions", body, headers={"Origin": "https://evil.example"})
+    assert got == 403 and "--allowed-origins" in answer["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/api/chat", body=body, headers={"Authorization": f"Bearer {KEY}",
+                                                          "Origin": "http://localhost:3000"})
+    response = conn.getresponse()
+    response.read()
+    conn.close()
+    assert response.status == 200 and response.getheader("access-control-allow-origin") == "http://localhost:3000"
