@@ -1,6 +1,6 @@
 """Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`) on the chat
-machinery of app/openai_api.py, for the tools that speak it (Open WebUI, oterm, Continue, LangChain's ChatOllama,
-the `ollama` SDKs): `nanochat serve --port 11434` stands where they look for Ollama.
+machinery of app/openai_api.py, for the tools that speak it (the `ollama` SDKs, oterm, Open WebUI, Continue,
+LangChain's ChatOllama): `nanochat serve --port 11434` stands where they look for Ollama.
 
 A chat request becomes a chat completions request (`chat_request`): its messages (an assistant's tool_calls, whose
 arguments are objects, get ids; a tool message answers the open call its `tool_name` names), `tools` as they are,

@@ -36,7 +36,7 @@ port_int = arg_type(Rule(int, lambda v: 0 <= v <= 65535, "from 0 to 65535 (0: an
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from nanochat.app.openai_api import MAX_QUEUE
 
-    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+    p = subparsers.add_parser("serve", help="serve the model over HTTP: OpenAI's, Anthropic's and Ollama's APIs",
                               description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                           "/v1/responses, /v1/completions, /v1/models, /tokenize, /detokenize, "
                                           "/health, /metrics), Anthropic's Messages API (/v1/messages) and "

@@ -261,3 +261,26 @@ def test_a_tool_round_trip_renders_under_the_qwen3_template(tiny_models, tmp_pat
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_a_reply_that_fails_midway_ends_its_stream_with_an_error_object(server, monkeypatch):
+    from nanochat.engine.output import RequestStats, TokenEvent
+    from test_serve import Scripted
+
+    def failing(pieces):
+        stream = Scripted(pieces)
+        stream.batches[-1] = [TokenEvent("scripted", None, "", True, "error", RequestStats(prompt_tokens=9),
+                                         "the engine process died (killed by SIGKILL)")]
+        return stream
+
+    async def submit_turns(sessions, user, samplings, template_kwargs=None):
+        return [failing(["Hel", "lo"]) for _ in sessions]
+
+    monkeypatch.setattr(server.aclient, "submit_turns", submit_turns)
+    status, _, objects = lines(server, "/api/chat", {"model": MODEL, "messages": HI})
+    assert status == 200 and "".join(o["message"]["content"] for o in objects[:-1]) == "Hello"
+    assert objects[-1] == {"error": "the engine process died (killed by SIGKILL)"}
+    with pytest.raises(ollama.ResponseError, match="killed by SIGKILL"):   # the SDK raises it, streamed or not
+        list(client(server).chat(model=MODEL, messages=HI, stream=True))
+    got, answer = raw(server, "POST", "/api/chat", json.dumps({"model": MODEL, "messages": HI, "stream": False}))
+    assert got == 500 and answer == {"error": "the engine process died (killed by SIGKILL)"}
