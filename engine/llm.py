@@ -1,4 +1,5 @@
-"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))` and a streaming form."""
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, a streaming form, and `chat(messages)`
+(vLLM's LLM.chat: conversations rendered with the model's chat template)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from nanochat.engine.output import Reply, RequestResult, TokenEvent
 from nanochat.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Conversation = list[dict]
 
 
 class LLM:
@@ -42,6 +44,28 @@ class LLM:
         finally:   # a consumer that stops early must not leave requests holding blocks
             for rid in pending:
                 self.engine.abort(rid)
+
+    def chat_prompt(self, messages: Conversation, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """A conversation's prompt ids: its messages ({"role", "content"}, an assistant's `tool_calls`, tool
+        results) rendered whole by the model's chat template (or --chat-template's) with the generation prompt,
+        as transformers' apply_chat_template(..., add_generation_prompt=True) renders them. `tools`: function tools
+        for templates that render them; `chat_template_kwargs`: the template's other variables (enable_thinking,
+        reasoning_effort)."""
+        variables = dict(chat_template_kwargs or {})
+        if tools:
+            variables["tools"] = tools
+        text = self.engine.loaded.chat_template.render(list(messages), add_generation_prompt=True, **variables)
+        return self.tokenizer.encode(text, add_special_tokens=False)   # the template writes any BOS it wants
+
+    def chat(self, messages: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, use_tqdm: bool = False) -> list[RequestResult]:
+        """The next assistant message of one conversation (a list of messages) or of each of several, batched as
+        generate() batches prompts. The text is the model's whole reply (a reasoning model's thinking included)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt(c, tools, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -516,3 +516,41 @@ def test_a_dropped_engine_frees_its_model_at_once(tiny_models):
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_chat_renders_each_conversation_as_transformers_does_and_generates(tiny_models, tmp_path):
+    """LLM.chat (vLLM's): a conversation's prompt is the chat template's render of it with the generation prompt,
+    ids equal to transformers' apply_chat_template, tools included; the replies are generate()'s on those ids."""
+    import json
+    import shutil
+
+    import transformers
+
+    from test_chat_template import QWEN3_TEMPLATE
+
+    folder = shutil.copytree(tiny_models[ARCH], tmp_path / "qwen3-template")
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": QWEN3_TEMPLATE}))
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}}}}]
+    conversations = [
+        [{"role": "user", "content": "hi there"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "and then?"}],
+    ]
+    def hf_ids(conversation, **kw) -> list[int]:   # the text transformers renders, in the tokenizer's ids
+        return hf.encode(hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kw),
+                         add_special_tokens=False)
+
+    for conversation in conversations:
+        assert llm.chat_prompt(conversation) == hf_ids(conversation)
+    assert llm.chat_prompt(conversations[0], tools=tools) == hf_ids(conversations[0], tools=tools)
+    off = llm.chat_prompt(conversations[0], chat_template_kwargs={"enable_thinking": False})
+    assert off != llm.chat_prompt(conversations[0])   # Qwen3's template opens an empty think block
+    got = llm.chat(conversations, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in llm.generate([llm.chat_prompt(c)
+                                                                              for c in conversations], GREEDY)]
+    assert llm.chat(conversations[0], GREEDY)[0].token_ids == got[0].token_ids
