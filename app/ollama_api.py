@@ -165,8 +165,8 @@ def sampling_fields(options) -> dict:
 
 
 def messages_of(messages) -> list[dict]:
-    """Ollama messages as chat messages. An assistant's calls get ids (Ollama's have none); a tool message answers
-    the first open call of the name its tool_name gives, else the first open call."""
+    """Ollama messages as chat messages. An assistant's calls keep their ids or get ones; a tool message answers the
+    open call its tool_call_id names, else the first open call of its tool_name, else the first open call."""
     if not isinstance(messages, list):
         raise type_error("messages", "a list of messages", messages)
     out, open_calls = [], []   # the last assistant message's calls that no tool message has answered: (id, name)
@@ -186,9 +186,10 @@ def messages_of(messages) -> list[dict]:
                      for k, call in enumerate(message.get("tool_calls") or [])]
             out.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
             open_calls = [(c["id"], c["function"]["name"]) for c in calls]
-        elif role == "tool":
-            name = message.get("tool_name") or message.get("name")
-            match = next((c for c in open_calls if c[1] == name), open_calls[0] if open_calls else None)
+        elif role == "tool":   # the call its id names (newer clients send ids), else its tool_name's, else the next
+            name, ident = message.get("tool_name") or message.get("name"), message.get("tool_call_id")
+            match = next((c for c in open_calls if c[0] == ident), None) or \
+                next((c for c in open_calls if c[1] == name), open_calls[0] if open_calls else None)
             if match is not None:
                 open_calls.remove(match)
             out.append({"role": "tool", "content": content,

@@ -182,6 +182,15 @@ def test_calls_are_tool_calls_and_results_answer_them_by_tool_name(server, monke
     assert [c["function"]["arguments"] for c in history[-1]["tool_calls"]] == [{"zone": "CET"}, {"city": "Paris"}]
     assert turn == [{"role": "tool", "content": "sunny", "tool_call_id": ids[1]},
                     {"role": "tool", "content": "noon", "tool_call_id": ids[0]}]
+    # a client that sends ids: its results answer the calls they name, whatever their order or names
+    named = [{"id": "call_b", **calls[0]}, {"id": "call_a", **calls[1]}]
+    messages = [*ask, {"role": "assistant", "content": "", "tool_calls": named},
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_a"},
+                {"role": "tool", "content": "noon", "tool_call_id": "call_b"}]
+    got, _ = raw(server, "POST", "/api/chat", json.dumps({"model": MODEL, "stream": False, "tools": [TOOL],
+                                                          "messages": messages}))
+    assert got == 200 and [m["tool_call_id"] for m in given[-1][1]] == ["call_a", "call_b"]
+    assert [c["id"] for c in given[-1][0][-1]["tool_calls"]] == ["call_b", "call_a"]
 
 
 def test_thinking_comes_back_as_thinking_and_think_reaches_the_template(server, monkeypatch):
