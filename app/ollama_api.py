@@ -3,7 +3,8 @@ machinery of app/openai_api.py, for the tools that speak it (the `ollama` SDKs, 
 LangChain's ChatOllama): `nanochat serve --port 11434` stands where they look for Ollama.
 
 A chat request becomes a chat completions request (`chat_request`): its messages (an assistant's tool_calls, whose
-arguments are objects, get ids; a tool message answers the open call its `tool_name` names), `tools` as they are,
+arguments are objects, keep their ids or get ones; a tool message answers the open call its `tool_call_id` or
+`tool_name` names), `tools` as they are,
 `format` ("json" or a JSON schema) the response_format, `think` the template's enable_thinking (or, as "low" /
 "medium" / "high", the reasoning effort of templates that read one), `options` the sampling fields. /api/generate
 renders its prompt as a one-turn chat with its `system`, or sends it as it is with `raw`. Replies are Ollama's
