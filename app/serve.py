@@ -149,7 +149,7 @@ def _serve(args) -> int:
     model_id = names[0] if names else given or file_name
     url = url_of(sock, args.host)
     say(f"serving {model_id} ({info.arch}, {info.device}, {info.dtype}, context {info.max_model_len}) "
-        f"at {url}/v1")
+        f"at {url}/v1 (Ollama's API at {url}/api)")
     if not is_loopback_name(args.host) and args.api_key is None:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can use the model")
     server_config = ServerConfig(model_id=model_id, aliases=tuple(sorted({model, file_name, *names} - {model_id})),
