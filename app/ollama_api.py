@@ -7,7 +7,8 @@ arguments are objects, keep their ids or get ones; a tool message answers the op
 `tool_name` names), `tools` as they are,
 `format` ("json" or a JSON schema) the response_format, `think` the template's enable_thinking (or, as "low" /
 "medium" / "high", the reasoning effort of templates that read one), `options` the sampling fields. /api/generate
-renders its prompt as a one-turn chat with its `system`, or sends it as it is with `raw`. Replies are Ollama's
+renders its prompt as a one-turn chat with its `system`, sends it as it is with `raw`, or with a `suffix` asks for
+the middle (completions' fill in the middle). Replies are Ollama's
 objects (`reply`, `final`): the answer as content, the reasoning as `thinking`, calls as `tool_calls` with object
 arguments, durations in nanoseconds; streamed (Ollama's default) as newline-delimited JSON.
 
@@ -40,7 +41,6 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "
 # loads and runs a model, which this server's own flags decide: ignored, as Ollama ignores the ones it cannot apply.
 _OFF = {"mirostat": 0, "typical_p": 1, "tfs_z": 1, "min_p": 0}
 _REFUSED = {"images": "images are not supported: the model reads text only",
-            "suffix": "suffix (fill in the middle) is not supported",
             "context": "context (Ollama's deprecated token memory) is not supported: send the conversation to "
                        "/api/chat",
             "template": "Go templates are not supported: give the server a Jinja template with --chat-template FILE"}
@@ -82,12 +82,14 @@ def generate_request(body: dict) -> tuple[dict | None, bool]:
         return None, False
     if not isinstance(prompt, str):
         raise type_error("prompt", "a string", prompt)
-    raw = _flag(body, "raw", False)
+    raw = _flag(body, "raw", False) or bool(body.get("suffix"))   # fill in the middle: no chat template either
     out = _common(body)
     if raw:   # no template: the completions endpoint's body, whose logprobs field is the alternatives per token
         out.pop("chat_template_kwargs", None)
         out.pop("reasoning_effort", None)
         out["prompt"] = prompt
+        if body.get("suffix"):
+            out["suffix"] = body["suffix"]
         if out.pop("logprobs", False):
             out["logprobs"] = out.pop("top_logprobs", None) or 0
         out.pop("top_logprobs", None)

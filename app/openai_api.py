@@ -112,6 +112,7 @@ class Generation:
     history: list[dict] = field(default_factory=list)   # finished turns' messages, each turn ending with the reply
     turn: list[dict] | None = None                      # the new turn's messages: the user's, or tool results (chat)
     prompt: str | list[int] | None = None               # the raw prompt (completions)
+    suffix: str | None = None                           # the text after the completion: fill in the middle
     n: int = 1                                          # choices: sequences of the same prompt
     tools: list[dict] | None = None                     # for the chat template; calls are parsed from replies
     harmony: bool = False                               # replies in harmony's channels (gpt-oss): split them
@@ -279,8 +280,6 @@ def _unsupported(body: dict) -> None:
         raise ApiError(400, "functions and function_call are not supported: use tools", param="functions")
     if body.get("echo"):
         raise ApiError(400, "echo is not supported by this server", param="echo")
-    if body.get("suffix"):
-        raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "best_of is not supported by this server: use n", param="best_of")
 
@@ -494,6 +493,17 @@ def parse_messages(messages, limit: int) -> tuple[str | None, list[dict], list[d
         raise ApiError(400, "the last message must be the user's or a tool result", param="messages")
     start = max((at + 1 for at, m in enumerate(parsed) if m["role"] == "assistant"), default=0)
     return system, parsed[:start], parsed[start:]
+
+
+def parse_suffix(suffix, prompt) -> str | None:
+    """A completion's suffix (OpenAI's field): the text after the one to write; None when there is none."""
+    if suffix is None or suffix == "":
+        return None
+    if not isinstance(suffix, str):
+        raise _type_error("suffix", "a string", suffix)
+    if not isinstance(prompt, str):
+        raise ApiError(400, "suffix needs a text prompt (the text before the one to write)", param="suffix")
+    return suffix
 
 
 def parse_prompt(prompt) -> str | list[int]:
@@ -750,6 +760,8 @@ class Api:
                 body.pop("reasoning_effort", None)   # their clients send an effort to any model
             _unsupported(body)
             gen = self._parse(body, chat)
+            if gen.suffix is not None:
+                await self._fill_in_the_middle(gen)
             if asked:   # the Response states the sampling it ran with
                 asked.body = {**asked.body, "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p}
             self._admit(gen.n)
@@ -901,6 +913,8 @@ class Api:
             sampling = replace(sampling, logprobs=asked)
         gen = Generation(sampling, stream, _stream_options(body, stream), n=self._n(body))
         if chat:
+            if body.get("suffix"):
+                raise ApiError(400, "suffix (fill in the middle) is for /v1/completions", param="suffix")
             gen.system, gen.history, gen.turn = parse_messages(body.get("messages"), self.config.max_messages)
             gen.tools, forced = parse_tools(body, bool(model and model.tools))
             gen.harmony = bool(model and model.harmony)
@@ -927,7 +941,17 @@ class Api:
                                     "or results", param="messages")
         else:
             gen.prompt = parse_prompt(body.get("prompt"))
+            gen.suffix = parse_suffix(body.get("suffix"), gen.prompt)
         return gen
+
+    async def _fill_in_the_middle(self, gen: Generation) -> None:
+        """A completion with a suffix: its prompt becomes the model's fill-in-the-middle prompt (half the context
+        at least; longer text is cut at its far ends), and the FIM tokens that end a middle stop it."""
+        context = self.client.model.max_model_len if self.client.model else 1
+        budget = context - min(gen.sampling.max_tokens, context // 2)
+        ids, ends = await self._engine_call(self.client.infill(gen.prompt, gen.suffix, budget))
+        gen.prompt = ids
+        gen.sampling = replace(gen.sampling, stop_token_ids=gen.sampling.stop_token_ids + tuple(ends))
 
     def _n(self, body: dict) -> int:
         n, most = body.get("n"), min(self.config.max_n, self.config.max_queue)

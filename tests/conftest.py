@@ -50,12 +50,12 @@ def build_tokenizer(vocab_size: int, specials: list[str] = SPECIALS):
 
 
 def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vocab_size: int = 320,
-                  dtype=torch.float32, rope: dict | None = None, **shape) -> Path:
+                  dtype=torch.float32, rope: dict | None = None, specials: list[str] = SPECIALS, **shape) -> Path:
     """A tiny random transformers model (norms randomised too) saved with tokenizer files. `shape`
-    overrides TINY's sizes (e.g. hidden_size=256 for K-quant blocks)."""
+    overrides TINY's sizes (e.g. hidden_size=256 for K-quant blocks); `specials`: its special tokens."""
     import transformers
 
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size, specials)
     cls_cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config}[arch]
     kw = dict(TINY, **shape, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=None,

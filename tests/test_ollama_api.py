@@ -138,7 +138,7 @@ def test_a_format_holds_the_reply_to_json_or_a_schema(server):
      "images are not supported"),
     ("/api/chat", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content must be a string"),
     ("/api/chat", {"messages": [{"role": "tool", "content": "sunny"}]}, 400, "must answer an assistant"),
-    ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "suffix (fill in the middle) is not supported"),
+    ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "no fill-in-the-middle tokens"),   # this model has none
     ("/api/generate", {"prompt": "x", "context": [1, 2]}, 400, "send the conversation to /api/chat"),
     ("/api/generate", {"prompt": "x", "template": "{{ .Prompt }}"}, 400, "--chat-template"),
     ("/api/embed", {"input": "x"}, 501, "does not support embeddings"),

@@ -893,7 +893,8 @@ def test_a_text_response_format_is_served_and_completions_options_it_cannot_hono
     # served as plain text: the reply's two tokens (a random tiny model's may decode to no visible text)
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert body["usage"]["completion_tokens"] == 2 and isinstance(body["choices"][0]["message"]["content"], str)
-    for extra, words in (({"suffix": "end"}, "suffix is not supported"), ({"best_of": 3}, "best_of is not supported")):
+    for extra, words in (({"suffix": "end"}, "no fill-in-the-middle tokens"),   # tests/test_fim.py: a model with them
+                         ({"best_of": 3}, "best_of is not supported")):
         status, body = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, **extra}))
         assert status == 400 and words in body["error"]["message"], body
     status, body = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, "best_of": 1}))

@@ -547,6 +547,14 @@ class EngineClient:
         return self._call("tokenize", text=text, add_special=add_special, system_prompt=system_prompt,
                           messages=messages, template_kwargs=template_kwargs)
 
+    def infill(self, prefix: str, suffix: str, budget: int) -> tuple[list[int], list[int]]:
+        """A fill-in-the-middle prompt for the text between `prefix` and `suffix` (at most `budget` tokens: the
+        ends are cut as llama.cpp cuts them), and the tokens that end its middle; ValueError for a model
+        without FIM tokens."""
+        self.ensure_running()
+        got = self._call("infill", prefix=prefix, suffix=suffix, budget=budget)
+        return got["ids"], got["stop_token_ids"]
+
     def detokenize(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included."""
         self.ensure_running()
@@ -805,6 +813,9 @@ class AsyncEngineClient:
 
     async def detokenize(self, ids: list[int]) -> str:
         return await asyncio.to_thread(self.client.detokenize, ids)
+
+    async def infill(self, prefix: str, suffix: str, budget: int) -> tuple[list[int], list[int]]:
+        return await asyncio.to_thread(self.client.infill, prefix, suffix, budget)
 
     def open_session(self, system_prompt: str | None = None, history: list[dict] | None = None) -> Session:
         return self.client.open_session(system_prompt, history)

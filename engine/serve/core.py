@@ -236,6 +236,14 @@ class EngineCore:
                                            messages[:start], template_kwargs=template_kwargs)
         return session.prepare_turn(messages[start:], template_kwargs)
 
+    def op_infill(self, call: Call, prefix: str, suffix: str, budget: int) -> dict:
+        """A fill-in-the-middle prompt's ids (at most `budget`) and the tokens that end its middle
+        (models/text/fim.py); ValueError for a model without FIM tokens."""
+        from nanochat.models.text.fim import infill_ids
+
+        tokenizer = self._engine().tokenizer
+        return {"ids": infill_ids(tokenizer, prefix, suffix, budget), "stop_token_ids": list(tokenizer.fim.ends)}
+
     def op_detokenize(self, call: Call, ids: list[int]) -> str:
         from nanochat.engine.reply_text import check_ids
 

@@ -22,6 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from nanochat.models.formats.gguf_file import GGUFFile, read_metadata, to_python
+from nanochat.models.text.fim import FimTokens, find_fim, stated_fim
 from nanochat.models.text.tokenizer_spm import build_spm
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,8 @@ class Tokenizer:
     def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
                  add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None,
-                 name: str = "", decoder: Callable[[list[int], bool], str] | None = None):
+                 name: str = "", decoder: Callable[[list[int], bool], str] | None = None,
+                 fim: FimTokens | None = None):
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -186,6 +188,8 @@ class Tokenizer:
         self.eos_token = self.id_to_token(eos_token_id) if eos_token_id is not None else None
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        # fill-in-the-middle tokens: as the file states them, else by their spellings (models/text/fim.py)
+        self.fim = fim or find_fim(self.token_to_id)
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name or 'unnamed'}, vocab={self.vocab_size}, bos={self.bos_token!r}, "
@@ -193,8 +197,16 @@ class Tokenizer:
 
     # -- core API ---------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """`parse_special`: special tokens' spellings in the text are those tokens (off: plain text)."""
+        if parse_special:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:
+            self.backend.encode_special_tokens = True
+            try:
+                ids = self.backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = False
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self.add_eos:
@@ -280,7 +292,8 @@ class Tokenizer:
             spm = build_spm(meta, name, cache)
             return cls(spm.backend, bos_token_id=spm.bos_token_id, eos_token_id=spm.eos_token_id,
                        pad_token_id=spm.pad_token_id, add_bos=spm.add_bos, add_eos=spm.add_eos,
-                       chat_template=meta.get("tokenizer.chat_template"), name=name, decoder=spm.decode)
+                       chat_template=meta.get("tokenizer.chat_template"), name=name, decoder=spm.decode,
+                       fim=stated_fim(meta, spm.backend.get_vocab_size(with_added_tokens=True)))
         if model != "gpt2":
             raise UnsupportedTokenizerError(
                 f"{name}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2' and "
@@ -308,7 +321,7 @@ class Tokenizer:
         return cls(backend, bos_token_id=special("bos_token_id"), eos_token_id=special("eos_token_id"),
                    pad_token_id=special("padding_token_id"),
                    add_bos=pre["add_bos"] if add_bos is None else bool(add_bos),
-                   chat_template=meta.get("tokenizer.chat_template"), name=name)
+                   chat_template=meta.get("tokenizer.chat_template"), name=name, fim=stated_fim(meta, len(tokens)))
 
 
 def _build_byte_level_bpe(tokens: list[str], types, merges: list[str], pre: dict) -> _HFTokenizer:
