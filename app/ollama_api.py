@@ -10,7 +10,8 @@ arguments are objects, keep their ids or get ones; a tool message answers the op
 renders its prompt as a one-turn chat with its `system`, sends it as it is with `raw`, or with a `suffix` asks for
 the middle (completions' fill in the middle). Replies are Ollama's
 objects (`reply`, `final`): the answer as content, the reasoning as `thinking`, calls as `tool_calls` with object
-arguments, durations in nanoseconds; streamed (Ollama's default) as newline-delimited JSON.
+arguments, durations in nanoseconds; streamed (Ollama's default) as newline-delimited JSON. A chat longer than the
+context loses its oldest turns, as Ollama's server drops them (Api._fit_to_context).
 
 The server holds one model for its life: `keep_alive` changes nothing, a load request answers at once, and the
 model-managing endpoints (pull, create, copy, push, delete) and embeddings are one-line errors.

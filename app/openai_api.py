@@ -762,6 +762,8 @@ class Api:
             gen = self._parse(body, chat)
             if gen.suffix is not None:
                 await self._fill_in_the_middle(gen)
+            if api == "ollama_chat":
+                await self._fit_to_context(gen)
             if asked:   # the Response states the sampling it ran with
                 asked.body = {**asked.body, "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p}
             self._admit(gen.n)
@@ -943,6 +945,33 @@ class Api:
             gen.prompt = parse_prompt(body.get("prompt"))
             gen.suffix = parse_suffix(body.get("suffix"), gen.prompt)
         return gen
+
+    async def _fit_to_context(self, gen: Generation) -> None:
+        """Drop a chat's oldest turns until its prompt leaves the reply room in the context (its max_tokens, at most a
+        quarter of the context), as Ollama's server drops them for its clients: they send long chats whole and expect
+        them to go on (the other APIs answer 400 instead). The system prompt and the new turn stay; a cut starts at a
+        user message. Counting renders the prompt in the engine: once when it fits, a binary search over the cuts
+        when it does not."""
+        context = self.client.model.max_model_len if self.client.model else 0
+        room = min(gen.sampling.max_tokens, context // 4)
+
+        async def fits(history: list[dict]) -> bool:
+            ids = await self._engine_call(self.client.tokenize(system_prompt=gen.system, messages=history + gen.turn,
+                                                                template_kwargs=gen.template_kwargs))
+            return len(ids) + room <= context
+
+        if not gen.history or await fits(gen.history):
+            return
+        cuts = [at for at, m in enumerate(gen.history) if at and m["role"] == "user"
+                and gen.history[at - 1]["role"] == "assistant"] + [len(gen.history)]
+        low, high = 0, len(cuts) - 1   # cuts[high] (no history) is the last resort, fitting or not
+        while low < high:
+            mid = (low + high) // 2
+            if await fits(gen.history[cuts[mid]:]):
+                high = mid
+            else:
+                low = mid + 1
+        gen.history = gen.history[cuts[low]:]
 
     async def _fill_in_the_middle(self, gen: Generation) -> None:
         """A completion with a suffix: its prompt becomes the model's fill-in-the-middle prompt (half the context

@@ -293,3 +293,23 @@ def test_a_reply_that_fails_midway_ends_its_stream_with_an_error_object(server, 
         list(client(server).chat(model=MODEL, messages=HI, stream=True))
     got, answer = raw(server, "POST", "/api/chat", json.dumps({"model": MODEL, "messages": HI, "stream": False}))
     assert got == 500 and answer == {"error": "the engine process died (killed by SIGKILL)"}
+
+
+def test_a_chat_longer_than_the_context_drops_its_oldest_turns(server):
+    """Ollama's server drops the oldest messages that do not fit, and its clients rely on it: a long chat goes on
+    (the system prompt and the new message kept), where chat completions answer 400."""
+    words = " ".join(f"w{k}" for k in range(24))
+    chat = [{"role": "system", "content": "Be brief."}]
+    for k in range(3):
+        chat += [{"role": "user", "content": f"question {k}: {words}"}, {"role": "assistant", "content": words}]
+    chat.append({"role": "user", "content": "the last question"})
+    context = server.aclient.model.max_model_len
+    status, answer = raw(server, "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": chat,
+                                                                             "max_tokens": 4}))
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    options = {"temperature": 0, "num_predict": 4}
+    got = client(server).chat(model=MODEL, messages=chat, options=options)
+    assert got.done and got.eval_count == 4 and got.prompt_eval_count + 4 <= context
+    last_turn = client(server).chat(model=MODEL, messages=chat[:1] + chat[-3:], options=options)
+    assert got.prompt_eval_count >= last_turn.prompt_eval_count   # it kept what fits, not just the last message
+    assert got.message.content == client(server).chat(model=MODEL, messages=chat, options=options).message.content
