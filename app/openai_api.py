@@ -578,6 +578,13 @@ class Conversations:
                 return self.client.branch_session(other, turns)
         return self.client.open_session(system, history)
 
+    def held_tokens(self, system: str | None, history: list[dict], tools: list[dict] | None = None) -> int | None:
+        """The tokens of the kept session holding exactly `history`, when its ids are all known."""
+        session = self._idle.get(self._key(system, history, tools))
+        if session is None or session.token_ids is None or len(session.turn_starts or ()) != session.turns:
+            return None
+        return len(session.token_ids)
+
     def keep(self, session) -> None:
         """A session whose turn ended well, kept for the transcript's next turn."""
         key = self._key(session.system_prompt, session.history, self._tools(session))
@@ -950,10 +957,16 @@ class Api:
         """Drop a chat's oldest turns until its prompt leaves the reply room in the context (its max_tokens, at most a
         quarter of the context), as Ollama's server drops them for its clients: they send long chats whole and expect
         them to go on (the other APIs answer 400 instead). The system prompt and the new turn stay; a cut starts at a
-        user message. Counting renders the prompt in the engine: once when it fits, a binary search over the cuts
-        when it does not."""
+        user message. A conversation kept from its last turn whose ids plus a bound on the new messages' fit is not
+        counted (the usual case); else counting renders the prompt in the engine: once when it fits, a binary search
+        over the cuts when it does not."""
         context = self.client.model.max_model_len if self.client.model else 0
         room = min(gen.sampling.max_tokens, context // 4)
+        held = self.conversations.held_tokens(gen.system, gen.history, gen.tools)
+        if held is not None:   # a token is at least a byte; the template adds a few words around each message
+            bound = held + sum(len(m["content"].encode("utf-8", "surrogatepass")) + 32 for m in gen.turn) + 32
+            if bound + room <= context:
+                return
 
         async def fits(history: list[dict]) -> bool:
             ids = await self._engine_call(self.client.tokenize(system_prompt=gen.system, messages=history + gen.turn,

@@ -42,7 +42,7 @@ def lines(server, path: str, body: dict) -> tuple[int, str, list[dict]]:
     return response.status, response.getheader("content-type"), [json.loads(x) for x in data.splitlines() if x]
 
 
-def test_a_chat_is_the_chat_completions_reply_whole_and_streamed(server):
+def test_a_chat_is_the_chat_completions_reply_whole_and_streamed(server, monkeypatch):
     sdk = client(server)
     chat = server.sdk().chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
                                                                        *HI], max_tokens=8, temperature=0)
@@ -59,10 +59,20 @@ def test_a_chat_is_the_chat_completions_reply_whole_and_streamed(server):
     assert [p.done for p in pieces] == [False] * (len(pieces) - 1) + [True]
     assert pieces[-1].message.content == "" and pieces[-1].done_reason == "length" and pieces[-1].eval_count == 8
 
-    # the next turn continues the conversation: its earlier turns come from the KV cache
+    # the next turn continues the conversation: its earlier turns come from the KV cache, and the kept
+    # conversation's size spares counting it against the context
+    counted = []
+    real_tokenize = server.aclient.tokenize
+
+    async def tokenize(*args, **kw):
+        counted.append(kw)
+        return await real_tokenize(*args, **kw)
+
+    monkeypatch.setattr(server.aclient, "tokenize", tokenize)
     follow = sdk.chat(model=MODEL, options=GREEDY, messages=[*ask, {"role": "assistant", "content":
-                                                                    whole.message.content},
-                                                             {"role": "user", "content": "and then?"}])
+                                                                whole.message.content},
+                                                         {"role": "user", "content": "and then?"}])
+    assert counted == []
     cached = int(server.log[-1].split(" prompt (")[1].split(" cached")[0])
     assert follow.prompt_eval_count > whole.prompt_eval_count + 8 and cached >= whole.prompt_eval_count
 
