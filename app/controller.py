@@ -549,6 +549,11 @@ class ChatController:
             if name == "speculative" and self.client.model is not None else None
         if refusal:
             raise ChatError(refusal)
+        if name in REPLY_FORMATS and value is not None and self.client.model is not None:
+            try:   # the engine's check, so that a grammar it cannot follow is refused here, not at the next turn
+                self.client.check_hold(**{name: value})
+            except (EngineError, ValueError) as e:
+                raise ChatError(one_line(e)) from None
         conv.settings = settings
         self.store.set_settings(conv.id, settings)
 

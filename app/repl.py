@@ -307,6 +307,8 @@ class Repl:
     def set_option(self, arg: str) -> None:
         """/set NAME VALUE (or -: the default again) for this chat's next turns, checked as the chat app's /set is."""
         from nanochat.app.controller import TURN_SETTINGS, describe_settings, setting_value
+        from nanochat.app.options import REPLY_FORMATS
+        from nanochat.engine.serve.protocol import EngineError
         from nanochat.engine import SamplingParams
 
         if not arg:
@@ -329,7 +331,9 @@ class Repl:
             refusal = speculative_refusal(value, self.client.model.speculative_modes) if name == "speculative" else None
             if refusal:
                 raise ValueError(refusal)
-        except ValueError as e:
+            if name in REPLY_FORMATS and value is not None:
+                self.client.check_hold(**{name: value})
+        except (ValueError, EngineError) as e:
             self.term.info(f"/set {name}: {e}")
             return
         self.own, self.sp = own, sp

@@ -696,6 +696,9 @@ def test_a_chat_may_hold_its_replies_to_a_schema_or_a_grammar(make, tmp_path, mo
     chat.set_setting(conv, "grammar", setting_value("grammar", f"@{grammar}"))
     assert "grammar (2 lines)*" in describe_settings(chat.sampling_for(conv), conv.settings)
     assert chat.wait(chat.send(conv, "yes or no?")).reply.content in ("yes", "no")
+    with pytest.raises(ChatError, match="grammar cannot be followed: .*undefined_rule"):   # the engine's check
+        chat.set_setting(conv, "grammar", setting_value("grammar", "root ::= undefined_rule"))
+    assert conv.settings["grammar"] == grammar.read_text()   # the one set before stays
     for name, raw, why in [("json_schema", "{not json", "json_schema is not valid JSON"),
                            ("json_schema", "@/no/such.json", "cannot read"), ("grammar", " ", "grammar must be")]:
         with pytest.raises(ValueError, match=why):

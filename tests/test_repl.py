@@ -331,7 +331,7 @@ def test_set_a_grammar_holds_the_next_replies(env, tiny_models, tmp_path):
     grammar = tmp_path / "yes.gbnf"
     grammar.write_text('root ::= "yes" | "no"\n')
     lines = "\n".join([f"/set grammar @{grammar}", "/set", "yes or no?", "/set json_schema object", "/set grammar -",
-                       "/set json_schema {bad", "/exit"]) + "\n"
+                       "/set json_schema {bad", "/set grammar root ::= undefined_rule", "/exit"]) + "\n"
     r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(tiny_models["llama"]),
                         "--temperature", "0", "--max-tokens", "24"],
                        input=lines, capture_output=True, text=True, env=env, timeout=60)
@@ -339,3 +339,4 @@ def test_set_a_grammar_holds_the_next_replies(env, tiny_models, tmp_path):
     assert "grammar (2 lines)*" in r.stdout and re.search(r"^(yes|no)$", r.stdout, re.M), r.stdout
     assert "/set json_schema: json_schema and grammar cannot both hold a reply" in r.stdout
     assert "/set json_schema: json_schema is not valid JSON" in r.stdout and "Traceback" not in r.stderr
+    assert re.search(r"/set grammar: grammar cannot be followed: .*undefined_rule", r.stdout), r.stdout

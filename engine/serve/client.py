@@ -547,6 +547,11 @@ class EngineClient:
         return self._call("tokenize", text=text, add_special=add_special, system_prompt=system_prompt,
                           messages=messages, template_kwargs=template_kwargs)
 
+    def check_hold(self, json_schema: str | None = None, grammar: str | None = None) -> None:
+        """ValueError (one line) unless the loaded model can follow this JSON schema or grammar."""
+        self.ensure_running()
+        self._call("check_hold", json_schema=json_schema, grammar=grammar)
+
     def infill(self, prefix: str, suffix: str, budget: int) -> tuple[list[int], list[int]]:
         """A fill-in-the-middle prompt for the text between `prefix` and `suffix` (at most `budget` tokens: the
         ends are cut as llama.cpp cuts them), and the tokens that end its middle; ValueError for a model

@@ -236,6 +236,13 @@ class EngineCore:
                                            messages[:start], template_kwargs=template_kwargs)
         return session.prepare_turn(messages[start:], template_kwargs)
 
+    def op_check_hold(self, call: Call, json_schema: str | None = None, grammar: str | None = None) -> None:
+        """Whether this model can follow a JSON schema or a grammar (a chat's /set): ValueError with the one line a
+        turn held to it would fail with."""
+        from nanochat.engine.sampling_params import SamplingParams
+
+        self._engine().grammars.constraint(SamplingParams(json_schema=json_schema, grammar=grammar), [])
+
     def op_infill(self, call: Call, prefix: str, suffix: str, budget: int) -> dict:
         """A fill-in-the-middle prompt's ids (at most `budget`) and the tokens that end its middle
         (models/text/fim.py); ValueError for a model without FIM tokens."""
