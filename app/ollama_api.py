@@ -13,8 +13,10 @@ objects (`reply`, `final`): the answer as content, the reasoning as `thinking`, 
 arguments, durations in nanoseconds; streamed (Ollama's default) as newline-delimited JSON. A chat longer than the
 context loses its oldest turns, as Ollama's server drops them (Api._fit_to_context).
 
-The server holds one model for its life: `keep_alive` changes nothing, a load request answers at once, and the
-model-managing endpoints (pull, create, copy, push, delete) and embeddings are one-line errors.
+/api/tags lists every model the server may load (app/serve_models.py), the loaded one first; one is loaded at a time,
+and a request naming another loads it, as Ollama's server does (a load request too); `keep_alive` changes nothing.
+The model-managing endpoints (pull of a model the server has not, create, copy, push, delete) and embeddings are
+one-line errors.
 """
 
 from __future__ import annotations
@@ -313,29 +315,28 @@ def _size_label(count: int) -> str:
     return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
-def names_match(given: str, served: set[str]) -> bool:
-    """Whether a request's model names the served one; Ollama adds a ":latest" tag to names without one."""
-    return given in served or given.removesuffix(":latest") in served
-
-
 class Endpoints:
-    """The endpoints that describe the model or would manage models, over the Api of app/openai_api.py."""
+    """The endpoints that describe the models or would manage them, over the Api of app/openai_api.py (its
+    roster says which models it serves and which is loaded)."""
 
     def __init__(self, api):
         self.api = api
-        self._entry: dict | None = None
+        self._entries: dict[str, dict] = {}
 
-    async def entry(self) -> dict:
-        """model_entry's answer, read once (in a thread: a large file's header takes a while)."""
-        if self._entry is None:
-            c, model = self.api.config, self.api.client.model
-            self._entry = await asyncio.to_thread(model_entry, c.model_path, c.chat_template,
-                                                  model.max_model_len if model else 0)
-        return self._entry
+    async def entry(self, served) -> dict:
+        """model_entry's answer for a served model, read once (in a thread: a large file's header takes a while);
+        the context is the loaded model's, 0 for the others until they load."""
+        model, loaded = self.api.client.model, served == self.api.roster.loaded
+        context = model.max_model_len if model and loaded else 0
+        key = (served.id, context)
+        if key not in self._entries:
+            template = self.api.config.chat_template if served == self.api.roster.first else None
+            self._entries[key] = await asyncio.to_thread(model_entry, served.path, template, context)
+        return self._entries[key]
 
-    async def _listed(self) -> dict:
-        name, e = self.api.config.model_id, await self.entry()
-        return {"name": name, "model": name, "modified_at": e["modified_at"], "size": e["size"],
+    async def _listed(self, served) -> dict:
+        e = await self.entry(served)
+        return {"name": served.id, "model": served.id, "modified_at": e["modified_at"], "size": e["size"],
                 "digest": "", "details": e["details"]}
 
     async def _guarded(self, request: Request, answer) -> Response:
@@ -350,37 +351,41 @@ class Endpoints:
 
     async def tags(self, request: Request) -> Response:
         async def answer():
-            return JSONResponse({"models": [await self._listed()]})
+            await self.api.roster.refresh()
+            return JSONResponse({"models": [await self._listed(m) for m in self.api.roster.models]})
         return await self._guarded(request, answer)
 
     async def running(self, request: Request) -> Response:
         async def answer():
-            model, e = self.api.client.model, await self.entry()
+            served, model = self.api.roster.loaded, self.api.client.model
+            e = await self.entry(served)
             on_gpu = bool(model and model.device.startswith("cuda"))
-            return JSONResponse({"models": [{**await self._listed(), "expires_at": "9999-12-31T23:59:59Z",
+            return JSONResponse({"models": [{**await self._listed(served), "expires_at": "9999-12-31T23:59:59Z",
                                              "size_vram": e["size"] if on_gpu else 0, "context_length": e["context"]}]})
         return await self._guarded(request, answer)
 
     async def show(self, request: Request) -> Response:
+        """A model's details; what its chat template can do (tools, thinking) is known once it is loaded."""
         async def answer():
             body = await self.api.read_json(request)
-            self.api.check_model({"model": body.get("model", body.get("name"))})
-            model, e = self.api.client.model, await self.entry()
+            served = await self.api.find_model({"model": body.get("model", body.get("name"))})
+            e = await self.entry(served)
+            model = self.api.client.model if served == self.api.roster.loaded else None
             stated = (model.sampling_defaults if model else {}) or {}
             capabilities = ["completion"] + (["tools"] if model and model.tools else []) + \
                 (["thinking"] if model and (model.thinking_switch or model.harmony or model.thinking_opened) else [])
             parameters = "\n".join(f"{name:<20}{value}" for name, value in stated.items())
-            modelfile = f"# served by nanochat\nFROM {self.api.config.model_path}\n"
+            modelfile = f"# served by nanochat\nFROM {served.path}\n"
             return JSONResponse({"license": "", "modelfile": modelfile, "parameters": parameters,
                                  "template": e["template"], "details": e["details"], "model_info": e["model_info"],
                                  "capabilities": capabilities, "modified_at": e["modified_at"]})
         return await self._guarded(request, answer)
 
     async def pull(self, request: Request) -> Response:
-        """The served model is there already; any other is refused (this server serves one model)."""
+        """A model the server has is there already; any other is refused (fetch it with `nanochat pull`)."""
         async def answer():
             body = await self.api.read_json(request)
-            self.api.check_model({"model": body.get("model", body.get("name"))})
+            await self.api.find_model({"model": body.get("model", body.get("name"))})
             return JSONResponse({"status": "success"})
         return await self._guarded(request, answer)
 
@@ -388,8 +393,8 @@ class Endpoints:
         async def answer():
             what = request.url.path.removeprefix("/api/")
             if what in ("embed", "embeddings"):
-                raise ApiError(501, f"{json.dumps(self.api.config.model_id)} does not support embeddings: nanochat "
-                                    "serves a chat model")
-            raise ApiError(501, f"/api/{what} is not supported: nanochat serve serves one model, "
-                                f"{json.dumps(self.api.config.model_id)} (fetch GGUFs with `nanochat pull`)")
+                raise ApiError(501, f"{json.dumps(self.api.model_id)} does not support embeddings: nanochat "
+                                    "serves chat models")
+            raise ApiError(501, f"/api/{what} is not supported: nanochat serve serves the models it finds (the "
+                                "models folder, ./models, the hub cache); fetch GGUFs with `nanochat pull`")
         return await self._guarded(request, answer)

@@ -8,7 +8,8 @@
                                 /v1/messages/count_tokens
     POST /api/chat, /api/generate  Ollama's API over the same chat (app/ollama_api.py), with GET /api/tags,
                                 /api/ps, /api/version and POST /api/show
-    GET  /v1/models             the one model served (/v1/models/{id}: it, by any of its names)
+    GET  /v1/models             the models served, the loaded one first (/v1/models/{id}: one, by any of its
+                                names); a request naming another loads it (app/serve_models.py)
     POST /tokenize, /detokenize text (or a chat's prompt) to ids and back, as llama.cpp's and vLLM's servers
     GET  /health                200 when a request would be served now, 503 while the engine restarts
     GET  /metrics               Prometheus text (app/metrics.py)
@@ -48,6 +49,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
@@ -64,6 +66,7 @@ from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
 from nanochat.app.reply_parts import ReplyReader, answer_text, new_id
+from nanochat.app.serve_models import Roster, Served
 from nanochat.app.responses_api import Asked, EventStream, ResponseStore, chat_request, output_items, \
     reply_message, response_object, usage_of
 from nanochat.app.tool_calls import call_grammar
@@ -88,7 +91,9 @@ class ServerConfig:
     model_id: str                      # what /v1/models lists and requests name
     aliases: tuple[str, ...] = ()      # other names a request may use for it (the path it was loaded from)
     model_path: str | None = None      # the file or folder it was loaded from (Ollama's /api/show reads it)
-    chat_template: str | None = None   # --chat-template's file, if one was given
+    chat_template: str | None = None   # --chat-template's file, if one was given (it stays with that model)
+    discover: Callable[[], list] | None = None   # the catalog's other models (ModelEntry), loaded when named
+    engine_config: dict = field(default_factory=dict)   # how they are loaded (the command line's engine options)
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()   # web page origins allowed besides this machine's ("*": any)
     loopback: bool = True              # it listens on loopback only (app/http_guard.py checks Host then)
@@ -595,6 +600,11 @@ class Conversations:
         while len(self._idle) > self.capacity:
             self.client.close_session(self._idle.popitem(last=False)[1])
 
+    def close_all(self) -> None:
+        """Forget every kept conversation (another model is loading: their KV was the previous model's)."""
+        while self._idle:
+            self.client.close_session(self._idle.popitem()[1])
+
     def drop(self, session) -> None:
         """Forget a session (its turn failed, or its client went away): its KV is released at once."""
         self.client.close_session(session)
@@ -605,6 +615,9 @@ class Api:
     def __init__(self, client: AsyncEngineClient, config: ServerConfig):
         self.client, self.config = client, config
         self.conversations = Conversations(client, config.max_sessions)
+        first = Served(config.model_id, config.model_path or config.model_id, config.aliases)
+        self.roster = Roster(first, config.discover, {k: v for k, v in config.engine_config.items()
+                                                      if k != "chat_template"})   # the template stays with its model
         self.stored = ResponseStore()          # responses kept for previous_response_id (/v1/responses)
         self.in_flight = 0                    # sequences (a request with n choices counts n)
         self.metrics = Metrics()
@@ -642,15 +655,45 @@ class Api:
             raise ApiError(400, "the request body must be a JSON object")
         return data
 
-    def check_model(self, body: dict) -> None:
+    @property
+    def model_id(self) -> str:
+        """The loaded model's name in the API."""
+        return self.roster.loaded.id
+
+    async def find_model(self, body: dict) -> Served:
+        """The model a request names (its `model`; none: the loaded one); 404 for one the server does not have."""
         name = body.get("model")
-        if name is None:
-            return
-        if not isinstance(name, str):
+        if name is not None and not isinstance(name, str):
             raise _type_error("model", "a string", name)
-        if not ollama_api.names_match(name, {self.config.model_id, *self.config.aliases}):
+        served = await self.roster.find(name)
+        if served is None:
+            others = len(self.roster.models) - 1
+            more = f" and {others} more (GET /v1/models)" if others else ""
             raise ApiError(404, f"the model {json.dumps(name)[:120]} does not exist; this server serves "
-                                f"{json.dumps(self.config.model_id)}", param="model", code="model_not_found")
+                                f"{json.dumps(self.model_id)}{more}", param="model", code="model_not_found")
+        return served
+
+    async def hold_model(self, body: dict) -> None:
+        """The model a request names loaded, and held so until `roster.release()`: another one is loaded first
+        (after the requests in flight end), as Ollama's server does."""
+        await self.roster.use(await self.find_model(body), self._load)
+
+    @asynccontextmanager
+    async def using_model(self, body: dict):
+        await self.hold_model(body)
+        try:
+            yield
+        finally:
+            self.roster.release()
+
+    async def _load(self, path: str) -> None:
+        self.conversations.close_all()   # their KV was the previous model's
+        if self.config.log:
+            self.config.log(f"loading {path}")
+        try:
+            await self.client.load_model(path, **self.roster.engine_config)
+        except Exception as e:   # a bad file, no memory: the previous model stays loaded
+            raise ApiError(500, f"cannot load the model {path}: {one_line(e)}", code="model_load_failed") from None
 
     def _admit(self, n: int) -> None:
         if self.in_flight + n > self.config.max_queue:
@@ -746,10 +789,12 @@ class Api:
         started = time.monotonic()
         chat = api != "completions"
         asked = None   # a Responses request (responses_api.Asked)
+        held = False   # the model is held for this request: _settle releases it once the request has choices
         try:
             self.authorize(request)
             body = await self.read_json(request)
-            self.check_model(body)
+            await self.hold_model(body)
+            held = True
             if api == "responses":
                 asked = chat_request(body, self.stored)
                 body = asked.chat
@@ -762,7 +807,8 @@ class Api:
                 chat = not raw
             if body is None:   # an Ollama load request: the model is loaded
                 self._log(request, 200)
-                return JSONResponse(ollama_api.loaded(self.config.model_id, api == "ollama_chat"))
+                self.roster.release()
+                return JSONResponse(ollama_api.loaded(self.model_id, api == "ollama_chat"))
             if api != "chat" and not (self.client.model and self.client.model.reasoning_efforts):
                 body.pop("reasoning_effort", None)   # their clients send an effort to any model
             _unsupported(body)
@@ -774,7 +820,11 @@ class Api:
             if asked:   # the Response states the sampling it ran with
                 asked.body = {**asked.body, "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p}
             self._admit(gen.n)
-        except ApiError as e:
+        except BaseException as e:
+            if held:
+                self.roster.release()
+            if not isinstance(e, ApiError):
+                raise
             self._log(request, e.status)
             return self._error(e, api)
         self.in_flight += gen.n
@@ -907,6 +957,7 @@ class Api:
             if c.session is not None:
                 (self.conversations.keep if ok else self.conversations.drop)(c.session)
         self.in_flight -= len(choices)
+        self.roster.release()
 
     def _parse(self, body: dict, chat: bool) -> Generation:
         model = self.client.model
@@ -1023,7 +1074,7 @@ class Api:
                 choice["text"] = c.astream.reply.text
             out.append(choice)
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.config.model_id, "choices": out, "usage": usage}
+                "model": self.model_id, "choices": out, "usage": usage}
 
     @staticmethod
     def _read(c: Choice, events: list[TokenEvent]) -> tuple[str, str, list[dict]]:
@@ -1049,7 +1100,7 @@ class Api:
         usage = usage_of(stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens,
                          c.reader.reasoning_tokens)
         status = "incomplete" if c.final.finish_reason == "length" else "completed"
-        response = response_object(ident, asked.body, self.config.model_id, status, output, usage, created)
+        response = response_object(ident, asked.body, self.model_id, status, output, usage, created)
         if asked.body.get("store") is not False:
             reply = reply_message(output)
             self.stored.put(response, asked.messages + [reply], asked.added + [reply])
@@ -1064,7 +1115,7 @@ class Api:
             return f"event: {payload['type']}\n".encode() + _sse(payload)
 
         def lifecycle(kind: str, status: str, output: list[dict], error: dict | None = None) -> bytes:
-            return sse(stream.event(kind, response=response_object(ident, asked.body, self.config.model_id, status,
+            return sse(stream.event(kind, response=response_object(ident, asked.body, self.model_id, status,
                                                                    output, None, created, error)))
 
         try:
@@ -1106,7 +1157,7 @@ class Api:
         content = messages_api.content_blocks(reader.reasoning if reader.reasoned else None, reader.answer,
                                               reader.calls)
         stop = messages_api.stop_reason(c.final.finish_reason, stats, reader.calls)
-        return messages_api.message_object(ident, self.config.model_id, content, stop, messages_api.usage_of(stats))
+        return messages_api.message_object(ident, self.model_id, content, stop, messages_api.usage_of(stats))
 
     async def _message_events(self, ident, c, arrivals, watcher, request, started):
         """A streamed Messages request's events (messages_api.EventStream), from message_start to message_stop;
@@ -1117,7 +1168,7 @@ class Api:
             return f"event: {payload['type']}\n".encode() + _sse(payload)
 
         try:
-            start = messages_api.message_object(ident, self.config.model_id, [], (None, None),
+            start = messages_api.message_object(ident, self.model_id, [], (None, None),
                                                 {"input_tokens": 0, "output_tokens": 0})
             yield sse({"type": "message_start", "message": start})
             async for _, events in arrivals:
@@ -1140,7 +1191,7 @@ class Api:
     # ------------------------------------------------------------------ Ollama's /api/chat, /api/generate
     def _ollama_piece(self, api: str, answer: str, reasoning: str, calls: list[dict], items: list) -> dict:
         logprobs = chat_logprobs(items)["content"] if items else None   # Ollama's list is OpenAI's chat list
-        return ollama_api.reply(self.config.model_id, api == "ollama_chat", answer, reasoning, calls, logprobs)
+        return ollama_api.reply(self.model_id, api == "ollama_chat", answer, reasoning, calls, logprobs)
 
     def _ollama_whole(self, api: str, c: Choice, started: float) -> dict:
         if c.reader is None:   # raw /api/generate
@@ -1179,8 +1230,8 @@ class Api:
         try:
             self.authorize(request)
             body = await self.read_json(request)
-            self.check_model(body)
-            ids = await self._prompt_ids(messages_api.chat_request({**body, "max_tokens": 1}))
+            async with self.using_model(body):
+                ids = await self._prompt_ids(messages_api.chat_request({**body, "max_tokens": 1}))
             return JSONResponse({"input_tokens": len(ids)})
         except ApiError as e:
             return self._error(e, "messages")
@@ -1206,19 +1257,19 @@ class Api:
         try:
             self.authorize(request)
             body = await self.read_json(request)
-            self.check_model(body)
-            if body.get("messages") is not None:
-                ids = await self._prompt_ids({**body, "max_tokens": 1, "stream": False})
-            else:
-                name = "content" if "content" in body else "prompt"
-                text, special = body.get(name), "add_special" if name == "content" else "add_special_tokens"
-                if not isinstance(text, str):
-                    raise _type_error(name, "a string", text)
-                add = body.get(special, name == "prompt")
-                if not isinstance(add, bool):
-                    raise _type_error(special, "true or false", add)
-                ids = await self._engine_call(self.client.tokenize(text, add))
-            model = self.client.model
+            async with self.using_model(body):
+                if body.get("messages") is not None:
+                    ids = await self._prompt_ids({**body, "max_tokens": 1, "stream": False})
+                else:
+                    name = "content" if "content" in body else "prompt"
+                    text, special = body.get(name), "add_special" if name == "content" else "add_special_tokens"
+                    if not isinstance(text, str):
+                        raise _type_error(name, "a string", text)
+                    add = body.get(special, name == "prompt")
+                    if not isinstance(add, bool):
+                        raise _type_error(special, "true or false", add)
+                    ids = await self._engine_call(self.client.tokenize(text, add))
+                model = self.client.model
             return JSONResponse({"tokens": ids, "count": len(ids),
                                  "max_model_len": model.max_model_len if model else None})
         except ApiError as e:
@@ -1230,11 +1281,11 @@ class Api:
         try:
             self.authorize(request)
             body = await self.read_json(request)
-            self.check_model(body)
             ids = body.get("tokens")
             if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
                 raise _type_error("tokens", "a list of token ids", ids)
-            text = await self._engine_call(self.client.detokenize(ids))
+            async with self.using_model(body):
+                text = await self._engine_call(self.client.detokenize(ids))
             return JSONResponse({"content": text, "prompt": text})
         except ApiError as e:
             return e.response()
@@ -1260,7 +1311,7 @@ class Api:
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return _sse({"id": ident, "object": kind, "created": created, "model": self.config.model_id,
+            return _sse({"id": ident, "object": kind, "created": created, "model": self.model_id,
                          "choices": [choice]})
 
         failed = None
@@ -1289,7 +1340,7 @@ class Api:
                     yield chunk(c.index, None, self._finish_reason(c.final, c.reader and c.reader.calls))
             if failed is None:
                 if gen.include_usage:
-                    yield _sse({"id": ident, "object": kind, "created": created, "model": self.config.model_id,
+                    yield _sse({"id": ident, "object": kind, "created": created, "model": self.model_id,
                                 "choices": [], "usage": self._usage(choices)})
             else:   # the engine died or failed mid-reply: the SDKs raise on an error event
                 lost = failed.astream.lost
@@ -1314,15 +1365,20 @@ class Api:
         except ApiError as e:
             return e.response()
         name = request.path_params.get("name")
+        model = self.client.model
+
+        def entry(served: Served) -> dict:   # the context is known for the loaded model only
+            loaded = served == self.roster.loaded
+            return {"id": served.id, "object": "model", "created": self.created, "owned_by": "nanochat",
+                    "loaded": loaded, "max_model_len": model.max_model_len if model and loaded else None}
+
         if name is not None:
             try:
-                self.check_model({"model": name})
+                return JSONResponse(entry(await self.find_model({"model": name})))
             except ApiError as e:
                 return e.response()
-        model = self.client.model
-        entry = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "nanochat",
-                 "max_model_len": model.max_model_len if model else None}
-        return JSONResponse(entry if name is not None else {"object": "list", "data": [entry]})
+        await self.roster.refresh()
+        return JSONResponse({"object": "list", "data": [entry(m) for m in self.roster.models]})
 
     async def metrics_text(self, request: Request) -> Response:
         try:
@@ -1334,8 +1390,8 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         if self.client.restarting or not self.client.client.alive:
-            return JSONResponse({"status": "restarting", "model": self.config.model_id}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.config.model_id})
+            return JSONResponse({"status": "restarting", "model": self.model_id}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_id})
 
 
 def _sse(payload: dict) -> bytes:

@@ -127,6 +127,15 @@ def run_server(app, sock: socket.socket) -> None:
     say("stopped")
 
 
+def catalog(settings) -> list:
+    """The models the server may load besides the one it started with: those the app's model picker lists (the
+    built-in one, recent ones, the models folder, ./models, the hub cache)."""
+    from nanochat.app.paths import get_paths
+    from nanochat.models.formats.catalog import discover_models
+
+    return discover_models([get_paths().models_dir, Path.cwd() / "models"], recent=list(settings.recent_models))
+
+
 def _serve(args) -> int:
     from nanochat.app.oneshot import load_client
     from nanochat.app.openai_api import ServerConfig, build_app
@@ -153,7 +162,8 @@ def _serve(args) -> int:
     if not is_loopback_name(args.host) and args.api_key is None:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can use the model")
     server_config = ServerConfig(model_id=model_id, aliases=tuple(sorted({model, file_name, *names} - {model_id})),
-                                 model_path=model, chat_template=config.get("chat_template"), api_key=args.api_key,
+                                 model_path=model, chat_template=config.get("chat_template"),
+                                 discover=lambda: catalog(settings), engine_config=config, api_key=args.api_key,
                                  allowed_origins=tuple(args.allowed_origins), loopback=is_loopback_name(args.host),
                                  max_queue=args.max_queue, log=None if quiet else say)
     aclient = AsyncEngineClient(client)

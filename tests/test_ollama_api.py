@@ -152,7 +152,7 @@ def test_a_format_holds_the_reply_to_json_or_a_schema(server):
     ("/api/generate", {"prompt": "x", "context": [1, 2]}, 400, "send the conversation to /api/chat"),
     ("/api/generate", {"prompt": "x", "template": "{{ .Prompt }}"}, 400, "--chat-template"),
     ("/api/embed", {"input": "x"}, 501, "does not support embeddings"),
-    ("/api/create", {"model": "m"}, 501, "serves one model"),
+    ("/api/create", {"model": "m"}, 501, "/api/create is not supported"),
 ])
 def test_bad_requests_get_ollamas_error_object(server, path, body, status, words):
     request = {"model": MODEL, "messages": HI, "stream": False, **body}

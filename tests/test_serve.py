@@ -39,13 +39,14 @@ LIMITS = dict(max_body_bytes=64 * 1024, max_messages=9, max_queue=3)
 
 
 class Server:
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EngineClient, **config):   # config: more ServerConfig fields
         self.aclient = AsyncEngineClient(client)
         self.sock = bind("127.0.0.1", 0)
         self.url = url_of(self.sock, "127.0.0.1")
         self.port = self.sock.getsockname()[1]
         self.log: list[str] = []
-        self.app = build_app(self.aclient, ServerConfig(model_id=MODEL, api_key=KEY, log=self.log.append, **LIMITS))
+        self.app = build_app(self.aclient, ServerConfig(model_id=MODEL, api_key=KEY, log=self.log.append,
+                                                        **{**LIMITS, **config}))
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -1011,9 +1012,10 @@ def test_the_command_line(tiny_models, tmp_path):
             except OSError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        # the first name is the one listed; requests may name any of them, or the model's path
+        # the first name is the one listed (first: the loaded model; then the catalog's, the built-in one among
+        # them); requests may name any of them, or the model's path
         models = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-").models.list()
-        assert [m.id for m in models.data] == ["local"]
+        assert models.data[0].id == "local" and "claude-haiku" not in [m.id for m in models.data]
         for name in ("local", "claude-haiku", str(tiny_models["llama"])):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             conn.request("POST", "/v1/messages", json.dumps({"model": name, "max_tokens": 1, "messages": [
