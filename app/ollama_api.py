@@ -272,8 +272,9 @@ def line(payload: dict) -> bytes:
 
 # ---------------------------------------------------------------------------------- the model's entry
 def model_entry(path: str | None, chat_template: str | None, context: int) -> dict:
-    """What /api/tags, /api/show and /api/ps say about the model: its details, size, date, Ollama's model_info
-    (a GGUF's metadata scalars, with its parameter count) and template. Read from the file once."""
+    """What /api/tags, /api/show and /api/ps say about a model: its details, size, date, Ollama's model_info
+    (a GGUF's metadata scalars, with its parameter count) and template; `context`: the context it is served with
+    (0: not loaded). Read from the file once."""
     from nanochat.models.formats.catalog import describe_path
 
     entry = describe_path(path) if path else None
@@ -283,7 +284,8 @@ def model_entry(path: str | None, chat_template: str | None, context: int) -> di
     elif entry is not None:
         info = {"general.architecture": entry.arch}
     arch = (entry.arch if entry else None) or "unknown"
-    info[f"{arch}.context_length"] = context
+    if context:   # the loaded model's context as served; another keeps its file's
+        info[f"{arch}.context_length"] = context
     if chat_template:
         try:
             template = Path(chat_template).read_text(encoding="utf-8")

@@ -126,3 +126,18 @@ def test_a_reply_in_flight_ends_before_another_model_loads(two_models):
     assert streamed[-1].choices[0].finish_reason == "length" and text   # not cut by the switch
     assert switched["reply"].model == "qwen3" and switched["reply"].usage.completion_tokens == 2
     sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+
+
+def test_tags_and_show_describe_every_model_and_ps_the_loaded_one(two_models):
+    pytest.importorskip("ollama")
+    import ollama
+
+    srv = two_models
+    client = ollama.Client(host=srv.url, headers={"Authorization": f"Bearer {KEY}"})
+    srv.sdk().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert [m.model for m in client.list().models] == [MODEL, "qwen3", "broken.gguf"]
+    assert [m.model for m in client.ps().models] == [MODEL]
+    shown = client.show("qwen3")   # not loaded: its folder's facts; what its template can do is known once loaded
+    assert shown.details.family == "qwen3" and shown.capabilities == ["completion"]
+    assert "qwen3.context_length" not in shown.modelinfo
+    assert client.show(MODEL).modelinfo["llama.context_length"] == srv.aclient.model.max_model_len
