@@ -54,9 +54,9 @@ from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from nanochat.app import messages_api, ollama_api
@@ -66,9 +66,9 @@ from nanochat.app.metrics import Metrics
 from nanochat.app.options import REQUEST_RULES, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
 from nanochat.app.reply_parts import ReplyReader, answer_text, new_id
-from nanochat.app.serve_models import Roster, Served
 from nanochat.app.responses_api import Asked, EventStream, ResponseStore, chat_request, output_items, \
     reply_message, response_object, usage_of
+from nanochat.app.serve_models import Roster, Served
 from nanochat.app.tool_calls import call_grammar
 from nanochat.app.tool_calls import split as split_tool_calls
 from nanochat.engine.output import TokenEvent, TokenLogprobs

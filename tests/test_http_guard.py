@@ -3,7 +3,6 @@ On a bare app (what reaches it is counted) and on the real server."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

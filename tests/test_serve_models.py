@@ -104,7 +104,7 @@ def test_a_request_naming_another_model_loads_it(two_models, tiny_models):
 
 
 def test_a_reply_in_flight_ends_before_another_model_loads(two_models):
-    srv, sdk = two_models, two_models.sdk()
+    sdk = two_models.sdk()
     streamed, switched = [], {}
     stream = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=200,
                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
