@@ -33,3 +33,13 @@ class ApiError(Exception):
 
 def type_error(name: str, wanted: str, value) -> ApiError:
     return ApiError(400, f"{name} must be {wanted}, got {json.dumps(value)[:80]}", param=name)
+
+
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """A request's true/false field (`default` when it is absent or null)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise type_error(name, "true or false", value)
+    return value

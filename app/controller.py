@@ -43,7 +43,8 @@ from nanochat.app.conversation import (DEFAULT_TITLE, INTERRUPTED_NOTE, REPLAY_N
                                        latest_leaf, reply_room)
 from nanochat.app.export import model_name, write_export
 from nanochat.app.options import (REPLY_FORMATS, REQUEST_RULES, SAMPLING_RULES, TEMPLATE_RULES, TEMPLATE_SWITCHES,
-                                  effective_sampling, held_reply_value, speculative_refusal, template_variables)
+                                  effective_sampling, held_reply_value, model_config, speculative_refusal,
+                                  template_variables)
 from nanochat.app.reasoning import ThinkingSplitter, reply_splitter, reply_thought, split_reply
 from nanochat.app.store import ChatStore, warn_on_stderr
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
@@ -745,11 +746,8 @@ class ChatController:
         """Load (or switch to) `model`. Blocking: run it in a worker thread. Replies in flight are
         cancelled; on failure the previous model stays and the engine's error is raised. `progress` and
         `status`: as EngineClient.load_model's."""
-        config = dict(self.engine_config)
-        if "chat_template" in config:   # --chat-template is for the model given with it, the first one loaded
-            self._template_model = self._template_model or model
-            if model != self._template_model:
-                del config["chat_template"]
+        self._template_model = self._template_model or model   # --chat-template's: the first one loaded
+        config = model_config(self.engine_config, model, self._template_model)
         with self._engine_job(EngineState.LOADING, model):
             return self.client.load_model(model, progress=progress, status=status, **config)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from nanochat.app.api_errors import ApiError, type_error
+from nanochat.app.api_errors import ApiError, flag, type_error
 from nanochat.app.reply_parts import call_arguments
 from nanochat.engine.rules import SAMPLING_RULES, accepts
 
@@ -85,7 +85,7 @@ def generate_request(body: dict) -> tuple[dict | None, bool]:
         return None, False
     if not isinstance(prompt, str):
         raise type_error("prompt", "a string", prompt)
-    raw = _flag(body, "raw", False) or bool(body.get("suffix"))   # fill in the middle: no chat template either
+    raw = flag(body, "raw") or bool(body.get("suffix"))   # fill in the middle: no chat template either
     out = _common(body)
     if raw:   # no template: the completions endpoint's body, whose logprobs field is the alternatives per token
         out.pop("chat_template_kwargs", None)
@@ -105,18 +105,9 @@ def generate_request(body: dict) -> tuple[dict | None, bool]:
     return out, False
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise type_error(name, "true or false", value)
-    return value
-
-
 def _common(body: dict) -> dict:
     """The fields /api/chat and /api/generate share, as chat completions fields."""
-    out = {"model": body.get("model"), "stream": _flag(body, "stream", True)}
+    out = {"model": body.get("model"), "stream": flag(body, "stream", True)}
     out.update(sampling_fields(body.get("options")))
     fmt = body.get("format")
     if fmt == "json":
@@ -133,7 +124,7 @@ def _common(body: dict) -> dict:
         out["reasoning_effort"] = think
     elif think is not None:
         raise type_error("think", 'true, false, "low", "medium" or "high"', think)
-    if _flag(body, "logprobs", False):
+    if flag(body, "logprobs"):
         out["logprobs"] = True
         if body.get("top_logprobs") is not None:
             out["top_logprobs"] = body["top_logprobs"]
@@ -258,7 +249,8 @@ def final(piece: dict, finish_reason: str, stats, seconds: float) -> dict:
 
 
 def loaded(model: str, chat: bool) -> dict:
-    """The answer to a load request: the model is loaded (for the server's life, whatever keep_alive says)."""
+    """The answer to a load request: the model it names is loaded (the Api loads it first); keep_alive changes
+    nothing."""
     return {**reply(model, chat, ""), "done": True, "done_reason": "load"}
 
 
@@ -323,7 +315,7 @@ class Endpoints:
 
     def __init__(self, api):
         self.api = api
-        self._entries: dict[str, dict] = {}
+        self._entries: dict[tuple[str, int], dict] = {}   # by model and served context
 
     async def entry(self, served) -> dict:
         """model_entry's answer for a served model, read once (in a thread: a large file's header takes a while);

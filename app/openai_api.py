@@ -60,10 +60,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from nanochat.app import messages_api, ollama_api
-from nanochat.app.api_errors import ApiError, type_error as _type_error
+from nanochat.app.api_errors import ApiError, flag, type_error as _type_error
 from nanochat.app.http_guard import Guard
 from nanochat.app.metrics import Metrics
-from nanochat.app.options import REQUEST_RULES, speculative_refusal
+from nanochat.app.options import REQUEST_RULES, model_config, speculative_refusal
 from nanochat.app.reasoning import CLOSE as THINK_CLOSE
 from nanochat.app.reply_parts import ReplyReader, answer_text, new_id
 from nanochat.app.responses_api import Asked, EventStream, ResponseStore, chat_request, output_items, \
@@ -154,15 +154,6 @@ class Choice:
     reader: ReplyReader | None = None       # its reply's reasoning, answer and calls (chat)
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise _type_error(name, "true or false", value)
-    return value
-
-
 def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
     """SamplingParams from the request's fields over the model's recommended ones. max_tokens (or
     max_completion_tokens) defaults to the context and is clamped to it: the engine ends a reply where
@@ -188,7 +179,7 @@ def sampling_from(body: dict, defaults: dict, context: int) -> SamplingParams:
             raise _type_error("logit_bias", "an object mapping token ids to numbers from -100 to 100", bias)
         stated["logit_bias"] = {int(k): v for k, v in bias.items()}
     stated.update(held_reply(body))
-    if _flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
+    if flag(body, "ignore_eos"):   # vLLM's extra, for fixed-length replies (benchmarks)
         stated["ignore_eos"] = True
     for name, rule in REQUEST_RULES.items():   # nanochat's extra: the request's speculative proposer
         value = body.get(name)
@@ -349,7 +340,7 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
     Chat says `logprobs: true` and `top_logprobs: k`; completions `logprobs: k`."""
     if chat:
         top = body.get("top_logprobs")
-        if not _flag(body, "logprobs"):
+        if not flag(body, "logprobs"):
             if top is not None:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             return None
@@ -395,7 +386,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
-    return _flag(options, "include_usage")
+    return flag(options, "include_usage")
 
 
 def _content(message: dict, at: int) -> str:
@@ -616,8 +607,7 @@ class Api:
         self.client, self.config = client, config
         self.conversations = Conversations(client, config.max_sessions)
         first = Served(config.model_id, config.model_path or config.model_id, config.aliases)
-        self.roster = Roster(first, config.discover, {k: v for k, v in config.engine_config.items()
-                                                      if k != "chat_template"})   # the template stays with its model
+        self.roster = Roster(first, config.discover)
         self.stored = ResponseStore()          # responses kept for previous_response_id (/v1/responses)
         self.in_flight = 0                    # sequences (a request with n choices counts n)
         self.metrics = Metrics()
@@ -691,7 +681,9 @@ class Api:
         if self.config.log:
             self.config.log(f"loading {path}")
         try:
-            await self.client.load_model(path, **self.roster.engine_config)
+            # --chat-template stays with the model the server started with
+            config = model_config(self.config.engine_config, path, self.roster.first.path)
+            await self.client.load_model(path, **config)
         except Exception as e:   # a bad file, no memory: the previous model stays loaded
             raise ApiError(500, f"cannot load the model {path}: {one_line(e)}", code="model_load_failed") from None
 
@@ -967,7 +959,7 @@ class Api:
             refusal = speculative_refusal("draft", model.speculative_modes, "nanochat serve")
             if refusal:
                 raise ApiError(400, refusal, param="speculative")
-        stream = _flag(body, "stream")
+        stream = flag(body, "stream")
         asked = logprobs_asked(body, chat)
         if asked is not None:
             sampling = replace(sampling, logprobs=asked)

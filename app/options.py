@@ -233,6 +233,14 @@ def engine_config(args, settings, **extra) -> dict:
     return cfg
 
 
+def model_config(engine_config: dict, model: str, template_model: str | None) -> dict:
+    """The engine options to load `model` with: --chat-template's file only for the model it was given with
+    (`template_model`); a model switched to renders with its own template."""
+    if model == template_model:
+        return dict(engine_config)
+    return {k: v for k, v in engine_config.items() if k != "chat_template"}
+
+
 def _absolute(path: str | None) -> str | None:
     """A path given on the command line, as the engine process (another working directory, perhaps) finds it."""
     return None if path is None else os.path.abspath(os.path.expanduser(path))

@@ -43,10 +43,9 @@ class Roster:
     for or a request names a model not seen yet), and the switch between them. `holds`: requests that use the
     loaded model now (from `use` until `release`)."""
 
-    def __init__(self, loaded: Served, discover=None, engine_config: dict | None = None):
-        self.first = self.loaded = loaded
+    def __init__(self, loaded: Served, discover=None):
+        self.first = self.loaded = loaded   # first: the one the server started with
         self.others: list[Served] = []
-        self.engine_config = dict(engine_config or {})
         self.holds = 0
         self._discover = discover
         self._idle = asyncio.Event()

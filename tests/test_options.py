@@ -240,3 +240,13 @@ def test_expert_threads_default_to_the_physical_cores(smt, expected, tmp_path, m
     assert physical_cores(str(tmp_path)) == expected
     assert physical_cores(str(tmp_path / "absent")) == 2            # unreadable: half the logical CPUs
     assert KernelOptions(expert_threads=3).expert_thread_count() == 3
+
+
+def test_a_chat_template_file_stays_with_the_model_it_was_given_with():
+    """The app and the server load other models without --chat-template's file, and the first one with it again."""
+    from nanochat.app.options import model_config
+
+    config = {"threads": 2, "chat_template": "/t.jinja"}
+    assert model_config(config, "a.gguf", "a.gguf") == config
+    assert model_config(config, "b.gguf", "a.gguf") == {"threads": 2}
+    assert model_config({"threads": 2}, "b.gguf", "a.gguf") == {"threads": 2}
