@@ -41,7 +41,7 @@ def teacher_forced_logits(model: str, tokens: int, **engine_kwargs) -> torch.Ten
     out = []
     for nxt in ids[16:]:
         chunks = eng.scheduler.schedule()
-        out.append(eng.runner.run(chunks)[0].float().clone())
+        out.append(eng.runner.run(chunks).logits[0].float().clone())
         chunks[0].seq.num_computed_tokens = chunks[0].end
         chunks[0].seq.append_token(nxt)
     return torch.stack(out)

@@ -75,7 +75,7 @@ def logit_errors(path: Path, folder: Path, mxfp4: Path | None, ids: list[int], p
     ours = []
     for token in [*ids[1:], None]:   # every row's logits: the prompt's tokens forced one by one
         chunks = engine.scheduler.schedule()
-        ours.append(engine.runner.run(chunks)[0].clone())
+        ours.append(engine.runner.run(chunks).logits[0].clone())
         if token is not None:
             chunks[0].seq.num_computed_tokens = chunks[0].end
             chunks[0].seq.append_token(token)

@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "LLM": "llm", "LLMEngine": "llm_engine", "Config": "config", "SamplingParams": "sampling_params",
     "RequestError": "output", "RequestResult": "output", "RequestStats": "output", "TokenEvent": "output",
-    "EngineStats": "output", "Reply": "output",
+    "EngineStats": "output", "Reply": "output", "PoolingParams": "pooling", "EmbeddingResult": "output",
 }
 __all__ = list(_EXPORTS)
 

@@ -189,7 +189,8 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> tuple[list[Block], Block | None, int]:
         """Blocks holding a prefix of seq, capped so at least one token is computed; then a full block
         whose first tokens continue that prefix (and how many), for a copy-on-write partial hit."""
-        if not self.enable_prefix_caching or self.hybrid:
+        if not self.enable_prefix_caching or self.hybrid or (seq.pooling is not None and
+                                                               seq.pooling.reads_every_position):
             return [], None, 0
         hits: list[Block] = []
         prev = -1

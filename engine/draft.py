@@ -109,7 +109,7 @@ class DraftModel:
             n = min(len(d) - d.num_computed_tokens, self.config.max_num_batched_tokens)
             if not self.blocks.ensure_slots(d, d.num_computed_tokens + n):
                 return None
-            logits = self.runner.run([ScheduledChunk(d, d.num_computed_tokens, n)])
+            logits = self.runner.run([ScheduledChunk(d, d.num_computed_tokens, n)]).logits
             d.num_computed_tokens += n
         return logits
 

@@ -1,12 +1,13 @@
-"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, a streaming form, and `chat(messages)`
-(vLLM's LLM.chat: conversations rendered with the model's chat template)."""
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, a streaming form, `chat(messages)`
+(vLLM's LLM.chat: conversations rendered with the model's chat template) and `embed(prompts)` (vLLM's LLM.embed)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence as Seq
 
 from nanochat.engine.llm_engine import LLMEngine
-from nanochat.engine.output import Reply, RequestResult, TokenEvent
+from nanochat.engine.output import EmbeddingResult, Reply, RequestResult, TokenEvent
+from nanochat.engine.pooling import PoolingParams
 from nanochat.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -88,3 +89,29 @@ class LLM:
             if bar:
                 bar.close()
         return [replies[rid].result(rid) for rid in ids]
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
+              truncate: bool = False) -> list[EmbeddingResult]:
+        """One embedding per prompt (text, encoded as generate() encodes it, or ids), batched as generate() batches:
+        the final hidden states pooled as the model's files say (mean when they do not) and normalized, unless
+        `pooling_params` says otherwise (engine/pooling.py)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        try:
+            for p in prompts:
+                ids.append(self.engine.add_embedding(p, pooling_params, truncate=truncate))
+            replies = {rid: Reply() for rid in ids}
+            while not all(r.done for r in replies.values()):
+                for ev in self.engine.step():
+                    replies[ev.request_id].add(ev)
+        finally:
+            for rid in ids:
+                self.engine.abort(rid)   # those still running, when a step failed or a prompt was refused
+        results = []
+        for rid in ids:
+            reply = replies[rid]
+            if reply.embedding is None:
+                raise RuntimeError(reply.final.error or f"embedding request {rid} ended: {reply.final.finish_reason}")
+            results.append(EmbeddingResult(rid, reply.embedding, reply.stats))
+        return results

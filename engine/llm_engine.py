@@ -16,7 +16,8 @@ from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, kv_window
 from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent, TokenLogprobs
-from nanochat.engine.reply_text import add_token, check_prompt, request_stats, take_delta
+from nanochat.engine.pooling import PoolingParams, default_pooling, finish
+from nanochat.engine.reply_text import add_token, check_ids, check_prompt, request_stats, take_delta
 from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs, verify
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.scheduler import Scheduler
@@ -91,6 +92,10 @@ class LLMEngine:
         stated = sampling_defaults(self.loaded.source)
         self.card_sampling = {k: v for k, v in card_defaults(self.loaded.source).items() if k not in stated}
         self.sampling_defaults = {**self.card_sampling, **stated}
+        stated_pooling = self.loaded.source.stated_pooling()
+        self.pooling = default_pooling(stated_pooling)   # an embedding request's default
+        self.embedding_model = stated_pooling in ("mean", "cls", "last")
+        self.embedding_length = self.loaded.config.hidden_size
         self.workers = None
         if self.config.tensor_parallel_size > 1:
             from nanochat.engine.tensor_parallel import Workers, worker_device
@@ -218,6 +223,36 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def add_embedding(self, prompt: str | list[int], pooling: PoolingParams | None = None,
+                      request_id: str | None = None, truncate: bool = False) -> str:
+        """An embedding request: the prompt's final hidden states pooled (engine/pooling.py; `pooling` None: the
+        model's own pooling, normalized). Its one event is the final one, with `embedding` set. `truncate`: an
+        input longer than the context keeps its first max_model_len tokens (else it is refused)."""
+        pooling = pooling or PoolingParams(self.pooling)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        limit = self.config.max_model_len
+        if truncate:
+            ids = ids[:limit]
+        if not ids:
+            raise RequestError("the input is empty")
+        if len(ids) > limit:   # the whole context is the input's: nothing is generated after it
+            raise RequestError(f"the input has {len(ids)} tokens, but the context holds {limit} (max_model_len)")
+        check_ids(ids, self.loaded.config.vocab_size)
+        if self.block_manager.num_blocks_for(len(ids)) > len(self.block_manager.blocks):
+            raise RequestError(f"the input needs {len(ids)} tokens of KV cache but the cache holds only "
+                               f"{len(self.block_manager.blocks) * self.config.kvcache_block_size}")
+        width = self.embedding_length
+        if pooling.dimensions is not None and pooling.dimensions > width:
+            raise RequestError(f"dimensions is {pooling.dimensions}, but this model's embeddings have {width}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(ids, SamplingParams(temperature=0.0, max_tokens=1))
+        seq.pooling, seq.request_id = pooling, request_id
+        self.requests[request_id] = _Request(request_id, seq, None, None)
+        self.scheduler.add(seq)
+        return request_id
+
     def _constraint(self, sp: SamplingParams, ids: list[int]) -> Constraint | None:
         try:
             return self.grammars.constraint(sp, ids)
@@ -297,7 +332,8 @@ class LLMEngine:
         threads = self.kernels.threads
         if threads and torch.get_num_threads() != threads:   # torch's count is per process: another engine's
             torch.set_num_threads(threads)
-        logits = self.runner.run(chunks)
+        out = self.runner.run(chunks)
+        logits = out.logits
         sampled = [c for c in chunks if c.samples]
         first = list(itertools.accumulate((1 + len(c.draft) for c in sampled), initial=0))   # each chunk's rows
         plain = [i for i, c in enumerate(sampled) if not c.draft]
@@ -332,9 +368,31 @@ class LLMEngine:
                 c.seq.num_computed_tokens = c.end
                 self.block_manager.commit_computed(c.seq)
                 self.block_manager.drop_outside_window(c.seq)
-        events = []
+        events = self._pool([c for c in chunks if c.seq.pooling is not None], out.pooled)
         for i, (c, tokens) in enumerate(zip(sampled, emitted)):
             events += self._emit(c, tokens, now, logprobs.get(i))
+        return events
+
+    def _pool(self, chunks: list, pooled: list[torch.Tensor]) -> list[TokenEvent]:
+        """Embedding requests: add each chunk's pooled rows (`pooled`: one sum per chunk with a pool_span, in order);
+        a request whose prompt is all computed ends with its embedding. A chunk from position 0 starts the sum
+        again (a preempted request recomputes its prompt)."""
+        events, sums = [], iter(pooled)
+        for c in chunks:
+            seq, at = c.seq, c.pool_span
+            if c.start == 0:
+                seq.pool_sum, seq.pool_count = None, 0
+            if at is not None:
+                rows = next(sums)
+                seq.pool_sum = rows if seq.pool_sum is None else seq.pool_sum + rows
+                seq.pool_count += at[1] - at[0]
+            if c.end < len(seq):
+                continue
+            req = self.requests.pop(seq.request_id)
+            vector = finish(seq.pool_sum, seq.pool_count, seq.pooling)
+            self._finish(seq, "stop")
+            events.append(TokenEvent(req.request_id, None, "", True, "stop", self._request_stats(req, "stop"),
+                                     embedding=vector))
         return events
 
     @staticmethod
@@ -449,6 +507,8 @@ class LLMEngine:
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
+        report.extra["embeddings"] = (f"{self.pooling} pooling, as the model's files state" if self.embedding_model
+                                      else "mean pooling (the model's files state none: a chat model)")
         if self.config.chat_template is not None:
             report.extra["chat template"] = f"{self.config.chat_template} (--chat-template)"
         if self.workers is not None:

@@ -35,6 +35,17 @@ class StepInputs:
     state_fresh: list[bool] | None = None
     window_slots: list[int] | None = None          # two KV groups: the windowed layers' slots and tables
     window_block_tables: list[list[int]] | None = None
+    pool_spans: list[tuple[int, int]] | None = None   # embedding requests: the rows each one's pooling sums
+
+
+@dataclass
+class StepOutput:
+    """What a step returns on rank 0: fp32 logits for the chunks that sample (in order; a chunk with proposals: one
+    row for its last real token and one per proposal), or None; and per pooling chunk (ScheduledChunk.pool_span,
+    in order) the fp32 sum of its rows' final hidden states."""
+
+    logits: torch.Tensor | None
+    pooled: list[torch.Tensor]
 
 
 def kv_window(model_config) -> int:
@@ -177,7 +188,7 @@ class ModelRunner:
 
     def step_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
         input_ids, positions, slots = [], [], []
-        cu_q, context_lens, logit_rows = [0], [], []
+        cu_q, context_lens, logit_rows, pool_spans = [0], [], [], []
         bs = self.block_size
         for c in chunks:
             input_ids.extend(c.input_ids())
@@ -188,9 +199,12 @@ class ModelRunner:
             context_lens.append(c.stop)
             if c.samples:   # the last real token's row, and each proposal's
                 logit_rows.extend(range(cu_q[-1] - 1 - len(c.draft), cu_q[-1]))
+            if (pool := c.pool_span) is not None:
+                pool_spans.append((cu_q[-2] + pool[0] - c.start, cu_q[-2] + pool[1] - c.start))
         width = max(len(c.seq.block_table) for c in chunks)
         step = StepInputs(input_ids, positions, slots, cu_q, context_lens,
-                          [_padded(c.seq.block_table, width) for c in chunks], logit_rows)
+                          [_padded(c.seq.block_table, width) for c in chunks], logit_rows,
+                          pool_spans=pool_spans or None)
         if self.group_window:
             width = max(len(c.seq.window_block_table) for c in chunks)
             step.window_slots = [c.seq.window_block_table[p // bs] * bs + p % bs for c in chunks
@@ -219,9 +233,8 @@ class ModelRunner:
             meta.state_fresh = t(step.state_fresh, torch.bool)
         return t(step.input_ids, torch.int64), t(step.positions, torch.int64), meta, step.logit_rows
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """Forward one step; returns fp32 logits for the chunks that sample (in order; a chunk with proposals:
-        one row for its last real token and one per proposal), or None."""
+    def run(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        """Forward one step (StepOutput: the logits of the chunks that sample, the pooled rows of those that pool)."""
         step = self.step_inputs(chunks)
         if self.workers is None:
             return self.forward(step)
@@ -232,8 +245,8 @@ class ModelRunner:
             raise self.workers.lost(e) from None
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
-        """The model on one step's inputs (every rank); the logits come back on rank 0 only."""
+    def forward(self, step: StepInputs) -> StepOutput:
+        """The model on one step's inputs (every rank); the outputs are rank 0's to use."""
         input_ids, positions, meta, logit_rows = self.tensors(step)
         pure_decode = meta.max_q_len == 1
         batch = len(step.context_lens)
@@ -241,7 +254,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
+        pooled = [hidden[a:b].float().sum(0) for a, b in step.pool_spans or ()]
         if not logit_rows:
-            return None
+            return StepOutput(None, pooled)
         rows = torch.tensor(logit_rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return StepOutput(self.model.compute_logits(hidden.index_select(0, rows)), pooled)

@@ -76,6 +76,7 @@ class TokenEvent:
     stats: RequestStats | None = None # set on the final event
     error: str = ""                   # why, when finish_reason is "error"
     logprobs: TokenLogprobs | None = None   # the token's, when its request asks
+    embedding: list[float] | None = None    # an embedding request's answer, on its final event
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     final: TokenEvent | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    embedding: list[float] | None = None
 
     def add(self, event: TokenEvent) -> "Reply":
         if event.text:
@@ -94,6 +96,8 @@ class Reply:
             self.token_ids.append(event.token_id)
         if event.logprobs is not None:
             self.logprobs.append(event.logprobs)
+        if event.embedding is not None:
+            self.embedding = event.embedding
         if event.finished:
             self.final = event
         return self
@@ -120,6 +124,13 @@ class Reply:
 
     def result(self, request_id: str) -> "RequestResult":
         return RequestResult(request_id, self.text, self.token_ids, self.final.finish_reason, self.stats)
+
+
+@dataclass
+class EmbeddingResult:
+    request_id: str
+    embedding: list[float]
+    stats: RequestStats   # prompt_tokens: the input's tokens
 
 
 @dataclass

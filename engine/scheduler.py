@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from nanochat.engine.block_manager import BlockManager
+from nanochat.engine.pooling import span
 from nanochat.engine.sequence import Sequence, SequenceStatus
 
 
@@ -43,8 +44,14 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """This chunk reaches the end of the sequence, so a token is sampled from it (from each of its rows
-        from the last real token on, when it carries proposals)."""
-        return self.end == len(self.seq)
+        from the last real token on, when it carries proposals); an embedding request samples nothing."""
+        return self.end == len(self.seq) and self.seq.pooling is None
+
+    @property
+    def pool_span(self) -> tuple[int, int] | None:
+        """An embedding request's positions in this chunk that its pooling reads (engine/pooling.py), or None."""
+        pooling = self.seq.pooling
+        return None if pooling is None else span(pooling.pooling, self.start, self.end, len(self.seq))
 
     def input_ids(self) -> list[int]:
         return self.seq.token_ids[self.start:self.end] + self.draft

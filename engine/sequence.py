@@ -50,6 +50,9 @@ class Sequence:
         self.block_hashes: list[int] = []   # chained hashes of the leading full, computed blocks
         self.state_slot: int | None = None  # hybrid models: the recurrent-state slot
         self.spec = None                    # engine/speculative.py Speculation, when the sequence speculates
+        self.pooling = None                 # engine/pooling.py PoolingParams: an embedding request
+        self.pool_sum = None                # its pooled rows' sum so far, and how many rows
+        self.pool_count = 0
         self.finish_reason: str | None = None
         self.stats = SequenceStats(arrival_time=time.perf_counter())
 

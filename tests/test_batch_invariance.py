@@ -220,12 +220,13 @@ def _generate(path: str, prompts, params, **config):
     run = runner.run
 
     def recording(chunks):
-        logits = run(chunks)
+        out = run(chunks)
+        logits = out.logits
         keys = [(int(c.seq.request_id.split("-")[1]), len(c.seq) + j) for c in chunks if c.samples
                 for j in range(1 + len(c.draft))]
         for key, row in zip(keys, [] if logits is None else logits):
             rows[key] = row.clone()
-        return logits
+        return out
 
     runner.run = recording
     out = llm.generate(prompts, params)

@@ -111,7 +111,7 @@ def step_logits(engine: LLMEngine, prompt: list[int], forced: list[int]) -> torc
     out = []
     for token in [*forced, None]:
         chunks = engine.scheduler.schedule()
-        logits = engine.runner.run(chunks)
+        logits = engine.runner.run(chunks).logits
         out.append(logits[0].clone())
         if token is not None:
             chunks[0].seq.num_computed_tokens = chunks[0].end

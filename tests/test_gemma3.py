@@ -353,3 +353,18 @@ def test_gguf_layer_pattern_and_27b_scale_as_llama_cpp(models, tmp_path):
     assert windows(**{key: MetaValue(flags, VT.ARRAY, VT.BOOL)}) == tuple(WINDOW if f else 0 for f in flags)
     assert gemma3_attention_scale(62, 5376, 32, 128) == 168 ** -0.5   # Gemma 3 27B: query_pre_attn_scalar 168
     assert gemma3_attention_scale(34, 2560, 8, 256) == 256 ** -0.5
+
+
+def test_embeddings_of_a_windowed_model_match_transformers(models, oracle):
+    """An input several windows long, prefilled in chunks while the windowed group gives back what falls behind:
+    every position's final hidden state still reaches the mean, and the last one is transformers' last."""
+    from nanochat.engine.pooling import PoolingParams
+
+    ids = [(7 * i) % 300 + 3 for i in range(5 * WINDOW)]
+    with torch.no_grad():
+        h = oracle("gemma3").model(torch.tensor([ids])).last_hidden_state[0].double()
+    llm = LLM(str(models["gemma3"]), dtype="float32", max_model_len=512, max_num_batched_tokens=WINDOW + 3)
+    for pooling, ref in (("mean", h.mean(0)), ("last", h[-1])):
+        got = torch.tensor(llm.embed(ids, PoolingParams(pooling))[0].embedding, dtype=torch.float64)
+        assert float((got - ref / ref.norm()).abs().max()) < 2e-4, pooling
+    assert llm.engine.block_manager.stats().used == 0

@@ -83,7 +83,7 @@ def test_tiny_gguf_matches_dequantized_reference(arch, qtype, dequantize, wide_m
         engine.add_request(p, greedy)
     for step in range(3):
         chunks = engine.scheduler.schedule()
-        logits = engine.runner.run(chunks)
+        logits = engine.runner.run(chunks).logits
         for row, c in enumerate(chunks):
             with torch.no_grad():
                 want = ref(torch.tensor([c.seq.token_ids])).logits[0, -1]
@@ -140,7 +140,7 @@ def test_smollm2_logits_match_transformers_on_the_same_file():
                                                             dtype=torch.float32).eval()
     llm.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
     chunks = llm.scheduler.schedule()
-    ours = llm.runner.run(chunks)[0]
+    ours = llm.runner.run(chunks).logits[0]
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0, -1]
     err = (ours - want).abs().max().item()

@@ -23,7 +23,7 @@ APP_MAY_IMPORT = {
     "nanochat.kernels.cpp_build",                    # cache_root: the one definition of the cache dir
 }
 PUBLIC_ENGINE_NAMES = {"SamplingParams", "TokenEvent", "RequestStats", "EngineStats", "Reply", "RequestError",
-                       "RequestResult"}
+                       "RequestResult", "PoolingParams"}
 LAYERS = ["app", "engine", "models", "kernels"]
 
 

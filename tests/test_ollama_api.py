@@ -151,7 +151,9 @@ def test_a_format_holds_the_reply_to_json_or_a_schema(server):
     ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "no fill-in-the-middle tokens"),   # this model has none
     ("/api/generate", {"prompt": "x", "context": [1, 2]}, 400, "send the conversation to /api/chat"),
     ("/api/generate", {"prompt": "x", "template": "{{ .Prompt }}"}, 400, "--chat-template"),
-    ("/api/embed", {"input": "x"}, 501, "does not support embeddings"),
+    ("/api/embed", {"input": 3}, 400, "input must be a string or a list of strings"),
+    ("/api/embed", {"input": "x", "dimensions": 1000}, 400, "this model's embeddings have 64 values"),
+    ("/api/embeddings", {"prompt": 7}, 400, "prompt must be a string"),
     ("/api/create", {"model": "m"}, 501, "/api/create is not supported"),
 ])
 def test_bad_requests_get_ollamas_error_object(server, path, body, status, words):

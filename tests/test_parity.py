@@ -32,7 +32,7 @@ def test_logits_match_transformers_prefill_and_decode(arch, tiny_models, hf_mode
     seqs = {rid: engine.requests[rid].seq for rid in rids}
     for step in range(5):
         chunks = engine.scheduler.schedule()
-        logits = engine.runner.run(chunks)
+        logits = engine.runner.run(chunks).logits
         assert logits.shape[0] == len(PROMPTS)
         for row, c in enumerate(chunks):
             ids = torch.tensor([c.seq.token_ids])

@@ -137,7 +137,7 @@ def step_logits(engine: LLMEngine, prompts, steps: int = 4) -> list[torch.Tensor
     out = []
     for _ in range(steps):
         chunks = engine.scheduler.schedule()
-        logits = engine.runner.run(chunks)
+        logits = engine.runner.run(chunks).logits
         out.append(logits)
         for row, c in enumerate(chunks):
             c.seq.num_computed_tokens = c.end
@@ -450,3 +450,20 @@ def test_speculative_decoding_under_tensor_parallelism(name, zoo):
         stats = engine.stats()
         assert 0 < stats.total_spec_accepted < stats.total_spec_proposed
         engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["hf:qwen3", "gguf-kquant:qwen3", "hf:qwen3_next"])
+def test_embeddings_under_tensor_parallelism(name, zoo):
+    """Rank 0 pools the final hidden states the ranks' all-reduce left whole: TP 1's vectors, mean and last."""
+    import torch
+
+    from nanochat.engine.pooling import PoolingParams
+
+    path = zoo.get(name)
+    for pooling in ("mean", "last"):
+        one = LLM(path, **EXACT).embed(PROMPTS, PoolingParams(pooling))
+        with tp2(path, **EXACT) as llm:
+            two = llm.embed(PROMPTS, PoolingParams(pooling))
+            assert llm.engine.block_manager.stats().used == 0
+        for a, b in zip(one, two):
+            assert float((torch.tensor(a.embedding) - torch.tensor(b.embedding)).abs().max()) < 1e-5, (name, pooling)

@@ -35,6 +35,7 @@ from functools import partial
 
 from nanochat.engine.config import engine_process_env
 from nanochat.engine.output import EngineStats, Reply, TokenEvent
+from nanochat.engine.pooling import PoolingParams
 from nanochat.engine.sampling_params import SamplingParams
 from nanochat.engine.serve.protocol import (Call, EngineDied, EngineError, EngineRestarting, ModelInfo, one_line,
                                             remote_error)
@@ -675,16 +676,20 @@ class EngineClient:
         return stream
 
     def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-               on_event: Callable[[TokenEvent], None] | None = None) -> RequestStream:
-        """A raw request: text (encoded without a chat template) or token ids."""
+               on_event: Callable[[TokenEvent], None] | None = None, pooling: PoolingParams | None = None,
+               truncate: bool = False) -> RequestStream:
+        """A raw request: text (encoded without a chat template) or token ids. With `pooling`, an embedding of
+        them: the stream's one event is the final one, with `embedding` (engine/pooling.py; `truncate`: an input
+        longer than the context keeps its first tokens instead of failing)."""
         self.ensure_running()
         with self._lock:
             request_id = f"r{next(self._ids)}"
             stream = RequestStream(self, request_id, on_event)
             self._streams[request_id] = stream
+            extra = {} if pooling is None else {"pooling": pooling, "truncate": truncate}
             try:
                 self._post("submit", request_id=request_id, sampling=sampling or SamplingParams(),
-                           prompt=prompt if isinstance(prompt, str) else list(prompt))
+                           prompt=prompt if isinstance(prompt, str) else list(prompt), **extra)
             except EngineDied:
                 self._streams.pop(request_id, None)
                 raise
@@ -866,6 +871,12 @@ class AsyncEngineClient:
                           samplings: list[SamplingParams | None]) -> list[AsyncRequestStream]:
         """The same raw prompt once per sampling."""
         return await self._submit([partial(self.client.submit, prompt, sampling) for sampling in samplings])
+
+    async def embed(self, prompts: list[str | list[int]], pooling: PoolingParams,
+                    truncate: bool = False) -> list[AsyncRequestStream]:
+        """One embedding request per prompt (EngineClient.submit with `pooling`), taken in one engine step."""
+        return await self._submit([partial(self.client.submit, prompt, None, pooling=pooling, truncate=truncate)
+                                   for prompt in prompts])
 
     def stats(self) -> EngineStats:
         return self.client.stats()

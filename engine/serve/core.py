@@ -189,7 +189,9 @@ class EngineCore:
                          tools=engine.loaded.chat_template.takes_tools(),
                          harmony=engine.loaded.chat_template.harmony,
                          reasoning_efforts=engine.loaded.chat_template.reasoning_efforts(),
-                         speculative=engine.speculative, speculative_modes=engine.speculative_modes)
+                         speculative=engine.speculative, speculative_modes=engine.speculative_modes,
+                         pooling=engine.pooling, embedding_model=engine.embedding_model,
+                         embedding_length=engine.embedding_length)
 
     def create_engine(self, model: str, config: dict, progress):
         """The engine for op_load (engine/lean.py's core makes its own)."""
@@ -269,11 +271,16 @@ class EngineCore:
             self.engine.release_session(session_id)
 
     def op_submit(self, call: Call, request_id: str, sampling, prompt=None, session_id: str | None = None,
-                  messages: list[dict] | None = None, template_kwargs: dict | None = None) -> None:
+                  messages: list[dict] | None = None, template_kwargs: dict | None = None, pooling=None,
+                  truncate: bool = False) -> None:
         """A raw prompt (text or ids), or a chat turn (its input `messages` in session `session_id`, its
-        prompt rendered with the template variables `template_kwargs`). A refused request ends at once
-        with an error event (submits are posted: nobody waits for an answer)."""
+        prompt rendered with the template variables `template_kwargs`), or with `pooling` (PoolingParams) an
+        embedding of the prompt (`truncate`: cut to the context). A refused request ends at once with an error
+        event (submits are posted: nobody waits for an answer)."""
         try:
+            if pooling is not None:
+                self._engine().add_embedding(prompt, pooling, request_id=request_id, truncate=truncate)
+                return
             self._add(request_id, sampling, prompt, session_id, messages, template_kwargs)
         except BaseException as e:
             if not _answerable(e):

@@ -57,6 +57,9 @@ class ModelInfo:
     reasoning_efforts: tuple = ()   # the reasoning_effort values the chat template reads (gpt-oss: low, medium, high)
     speculative: str = "off"        # the engine's speculative proposer: off, ngram or draft (a request may pick another)
     speculative_modes: tuple = ("off",)   # the proposers a request may pick here (draft: with a draft model loaded)
+    pooling: str = "mean"           # an embedding request's pooling (engine/pooling.py): the model's own, else mean
+    embedding_model: bool = False   # the model's files state a pooling: an embedding model (Ollama's "embedding")
+    embedding_length: int = 0       # the width of its embeddings (the hidden size)
 
 
 class EngineError(RuntimeError):

@@ -87,6 +87,7 @@ class _Ref:
 
 
 # SamplingParams name -> general.sampling.* key (min_p has no SamplingParams counterpart).
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 _SAMPLING_KEYS = {
     "temperature": gguf.Keys.General.SAMPLING_TEMP,
     "top_p": gguf.Keys.General.SAMPLING_TOP_P,
@@ -804,6 +805,11 @@ class GGUFSource:
             if value is not None:
                 stated[name] = value
         return stated
+
+    def stated_pooling(self) -> str | None:
+        """{arch}.pooling_type (llama.cpp's enum: 0 none, 1 mean, 2 cls, 3 last, 4 rank)."""
+        value = self.metadata(f"{self.arch}.pooling_type")
+        return POOLING_TYPES.get(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
     def quant_summary(self) -> str:
         """The dominant tensor type by element count over the 2-D and 3-D (expert) weights (e.g. "Q4_1")."""

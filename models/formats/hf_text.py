@@ -41,6 +41,25 @@ class FolderText:
             stated = {"temperature": 0.0, **{k: v for k, v in stated.items() if k == "repetition_penalty"}}
         return stated
 
+    def stated_pooling(self) -> str | None:
+        """A sentence-transformers folder's pooling (modules.json names the Pooling module's folder; its
+        config.json sets one pooling_mode_* flag), as llama.cpp's converter reads it."""
+        modules = self.root / "modules.json"
+        if not modules.is_file():
+            return None
+        listed = read_json(modules)
+        folder = next((m.get("path") for m in listed if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling")),
+                      None) if isinstance(listed, list) else None
+        config = self.root / str(folder) / "config.json" if folder is not None else None
+        if config is None or not config.is_file():
+            return None
+        pooling = read_json(config)
+        for flag, mode in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+                           ("pooling_mode_lasttoken", "last")):
+            if pooling.get(flag):
+                return mode
+        return {"mean": "mean", "cls": "cls", "lasttoken": "last"}.get(pooling.get("pooling_mode"))
+
     def tokenizer_path(self) -> Path | None:
         p = self.root / "tokenizer.json"
         return p if p.is_file() else None

@@ -70,6 +70,10 @@ class WeightSource(Protocol):
     def stated_sampling(self) -> dict:
         """The sampling settings the files recommend (SamplingParams names, values not checked)."""
 
+    def stated_pooling(self) -> str | None:
+        """How the files say to pool the final hidden states into one embedding ("mean", "cls", "last", or "none" /
+        "rank" for what has no such vector), None when they do not say (a chat model)."""
+
 
 def weight_type(t: Weight) -> int | torch.dtype:
     """A QuantWeight's GGML type, a tensor's torch dtype (what WeightSource.peek answers)."""

@@ -174,13 +174,16 @@ class Tokenizer:
                  eos_token_id: int | None = None, pad_token_id: int | None = None,
                  add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None,
                  name: str = "", decoder: Callable[[list[int], bool], str] | None = None,
-                 fim: FimTokens | None = None):
+                 fim: FimTokens | None = None, appended_id: int | None = None):
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        # add_eos appends the EOS, or `appended_id` where a folder's post-processor appends another token
+        # (Qwen3-Embedding: <|endoftext|>, its EOS being <|im_end|>)
+        self.appended_id = appended_id if appended_id is not None else eos_token_id
         self.add_bos = bool(add_bos) and bos_token_id is not None
-        self.add_eos = bool(add_eos) and eos_token_id is not None
+        self.add_eos = bool(add_eos) and self.appended_id is not None
         self._decoder = decoder
         self.chat_template = chat_template
         self.name = name
@@ -210,7 +213,7 @@ class Tokenizer:
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self.add_eos:
-            ids.append(self.eos_token_id)
+            ids.append(self.appended_id)
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -233,6 +236,8 @@ class Tokenizer:
         cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos}
         if self.add_eos:
             cfg["add_eos_token"] = True
+            if self.appended_id != self.eos_token_id:
+                cfg["appended_token"] = self.id_to_token(self.appended_id)
         if self.pad_token_id is not None:
             cfg["pad_token"] = self.id_to_token(self.pad_token_id)
         if self.chat_template:
@@ -268,13 +273,19 @@ class Tokenizer:
             return backend.token_to_id(tok) if tok is not None else None
 
         bos_id = tid("bos_token")
-        add_bos = cfg.get("add_bos_token")
-        if add_bos is None:
-            # No flag: trust the tokenizer.json post-processor (llama3 adds <|begin_of_text|> there).
+        add_bos, add_eos, appended = cfg.get("add_bos_token"), cfg.get("add_eos_token"), tid("appended_token")
+        if add_bos is None or add_eos is None:
+            # No flag: trust the tokenizer.json post-processor (llama3 adds <|begin_of_text|> there; an embedding
+            # model may end every input with a token of its own).
+            plain = backend.encode("a", add_special_tokens=False).ids
             probe = backend.encode("a", add_special_tokens=True).ids
-            add_bos = bos_id is not None and len(probe) > 1 and probe[0] == bos_id
+            if add_bos is None:
+                add_bos = bos_id is not None and len(probe) > 1 and probe[0] == bos_id
+            if add_eos is None and len(probe) > len(plain) and probe[-len(plain) - 1:-1] == plain \
+                    and probe[-1] in {i for i, t in backend.get_added_tokens_decoder().items() if t.special}:
+                add_eos, appended = True, probe[-1]
         return cls(backend, bos_token_id=bos_id, eos_token_id=tid("eos_token"), pad_token_id=tid("pad_token"),
-                   add_bos=bool(add_bos), add_eos=bool(cfg.get("add_eos_token")),
+                   add_bos=bool(add_bos), add_eos=bool(add_eos), appended_id=appended,
                    chat_template=_pick_chat_template(cfg.get("chat_template")), name=name)
 
     @classmethod
@@ -318,8 +329,9 @@ class Tokenizer:
             return int(val) if val is not None and 0 <= int(val) < len(tokens) else None
 
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        # add_eos: embedding models' files (Qwen3-Embedding ends every input with <|endoftext|>), as llama.cpp reads it
         return cls(backend, bos_token_id=special("bos_token_id"), eos_token_id=special("eos_token_id"),
-                   pad_token_id=special("padding_token_id"),
+                   pad_token_id=special("padding_token_id"), add_eos=meta.get("tokenizer.ggml.add_eos_token") is True,
                    add_bos=pre["add_bos"] if add_bos is None else bool(add_bos),
                    chat_template=meta.get("tokenizer.chat_template"), name=name, fim=stated_fim(meta, len(tokens)))
 
