@@ -15,8 +15,8 @@ context loses its oldest turns, as Ollama's server drops them (Api._fit_to_conte
 
 /api/tags lists every model the server may load (app/serve_models.py), the loaded one first; one is loaded at a time,
 and a request naming another loads it, as Ollama's server does (a load request too); `keep_alive` changes nothing.
-The model-managing endpoints (pull of a model the server has not, create, copy, push, delete) and embeddings are
-one-line errors.
+The model-managing endpoints (pull of a model the server has not, create, copy, push, delete) are one-line errors;
+/api/embed and /api/embeddings are app/embeddings_api.py's.
 """
 
 from __future__ import annotations
@@ -366,8 +366,11 @@ class Endpoints:
             e = await self.entry(served)
             model = self.api.client.model if served == self.api.roster.loaded else None
             stated = (model.sampling_defaults if model else {}) or {}
-            capabilities = ["completion"] + (["tools"] if model and model.tools else []) + \
-                (["thinking"] if model and (model.thinking_switch or model.harmony or model.thinking_opened) else [])
+            # an embedding model (its file states a pooling) is Ollama's "embedding" model; the rest complete
+            embedding = model.embedding_model if model else any(
+                key.endswith(".pooling_type") and value in (1, 2, 3) for key, value in e["model_info"].items())
+            capabilities = ["embedding"] if embedding else ["completion"] + (["tools"] if model and model.tools else []) \
+                + (["thinking"] if model and (model.thinking_switch or model.harmony or model.thinking_opened) else [])
             parameters = "\n".join(f"{name:<20}{value}" for name, value in stated.items())
             modelfile = f"# served by nanochat\nFROM {served.path}\n"
             return JSONResponse({"license": "", "modelfile": modelfile, "parameters": parameters,
@@ -386,9 +389,6 @@ class Endpoints:
     async def unsupported(self, request: Request) -> Response:
         async def answer():
             what = request.url.path.removeprefix("/api/")
-            if what in ("embed", "embeddings"):
-                raise ApiError(501, f"{json.dumps(self.api.model_id)} does not support embeddings: nanochat "
-                                    "serves chat models")
             raise ApiError(501, f"/api/{what} is not supported: nanochat serve serves the models it finds (the "
                                 "models folder, ./models, the hub cache); fetch GGUFs with `nanochat pull`")
         return await self._guarded(request, answer)

@@ -8,6 +8,7 @@
                                 /v1/messages/count_tokens
     POST /api/chat, /api/generate  Ollama's API over the same chat (app/ollama_api.py), with GET /api/tags,
                                 /api/ps, /api/version and POST /api/show
+    POST /v1/embeddings         embeddings (app/embeddings_api.py), and Ollama's /api/embed and /api/embeddings
     GET  /v1/models             the models served, the loaded one first (/v1/models/{id}: one, by any of its
                                 names); a request naming another loads it (app/serve_models.py)
     POST /tokenize, /detokenize text (or a chat's prompt) to ids and back, as llama.cpp's and vLLM's servers
@@ -51,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -59,7 +61,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanochat.app import messages_api, ollama_api
+from nanochat.app import embeddings_api, messages_api, ollama_api
 from nanochat.app.api_errors import ApiError, flag, type_error as _type_error
 from nanochat.app.http_guard import Guard
 from nanochat.app.metrics import Metrics
@@ -749,23 +751,61 @@ class Api:
         return "tool_calls" if tool_calls else "stop"
 
     # ------------------------------------------------------------------ endpoints
-    async def chat(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completions")
-
-    async def responses(self, request: Request) -> Response:
-        return await self._generate(request, "responses")
-
-    async def messages(self, request: Request) -> Response:
-        return await self._generate(request, "messages")
-
-    async def ollama_chat(self, request: Request) -> Response:
-        return await self._generate(request, "ollama_chat")
-
-    async def ollama_generate(self, request: Request) -> Response:
-        return await self._generate(request, "ollama_generate")
+    async def embed(self, request: Request, api: str) -> Response:
+        """An embeddings request (app/embeddings_api.py; `api`: embeddings, ollama_embed, ollama_embeddings): one
+        engine request per input, batched, cancelled when the client goes away."""
+        started = time.monotonic()
+        dialect = "chat" if api == "embeddings" else "ollama_chat"
+        choices: list[Choice] = []
+        try:
+            self.authorize(request)
+            body = await self.read_json(request)
+            async with self.using_model(body):
+                model = self.client.model
+                pooling, width = (model.pooling, model.embedding_length) if model else ("mean", 0)
+                fmt, truncate = "float", True
+                if api == "embeddings":
+                    inputs, params, fmt = embeddings_api.openai_request(body, pooling, width)
+                    truncate = False
+                elif api == "ollama_embed":
+                    inputs, params, truncate = embeddings_api.ollama_embed_request(body, pooling, width)
+                else:
+                    inputs, params = embeddings_api.ollama_embeddings_request(body, pooling)
+                if not inputs:   # Ollama's load request: the model is loaded
+                    self._log(request, 200)
+                    return JSONResponse({"model": self.model_id, "embeddings": []} if api == "ollama_embed"
+                                        else {"embedding": []})
+                self._admit(len(inputs))
+                self.in_flight += len(inputs)
+                choices = [Choice(i) for i in range(len(inputs))]
+                watcher = None
+                try:
+                    await self._streams(choices, self.client.embed(inputs, params, truncate))
+                    watcher = asyncio.create_task(self._watch_disconnect(request, choices))
+                    for c in choices:
+                        c.final = (await c.astream.result()).final
+                        self.metrics.finished(c.final.finish_reason, c.final.stats)
+                finally:
+                    if watcher is not None:
+                        watcher.cancel()
+                    self.in_flight -= len(inputs)
+                failed = next((c for c in choices if c.astream.reply.embedding is None), None)
+                if failed is not None:
+                    raise self._refusal(failed.final, failed.astream)
+        except ApiError as e:
+            self._log(request, e.status, started=started)
+            return self._error(e, dialect)
+        vectors = [c.astream.reply.embedding for c in choices]
+        tokens = sum(c.final.stats.prompt_tokens for c in choices)
+        if self.config.log:
+            self.config.log(f"{request.client.host if request.client else '-'} POST {request.url.path} 200 · "
+                            f"{len(vectors)} input(s) · {tokens} tokens · {time.monotonic() - started:.2f}s")
+        if api == "embeddings":
+            return JSONResponse(embeddings_api.openai_response(self.model_id, vectors, tokens, fmt))
+        if api == "ollama_embed":
+            return JSONResponse(embeddings_api.ollama_embed_response(self.model_id, vectors, tokens,
+                                                                     time.monotonic() - started))
+        return JSONResponse({"embedding": vectors[0]})
 
     @staticmethod
     def _error(e: ApiError, api: str) -> Response:
@@ -775,7 +815,7 @@ class Api:
             return e.response(messages_api.error_body(e))
         return e.response(ollama_api.error_body(e) if api in OLLAMA else None)
 
-    async def _generate(self, request: Request, api: str) -> Response:
+    async def generate(self, request: Request, api: str) -> Response:
         """A generation request of any of the APIs (`api`: chat, completions, responses, messages, ollama_chat,
         ollama_generate), all run as chat completions (or completions) are."""
         started = time.monotonic()
@@ -882,12 +922,18 @@ class Api:
 
     async def _submit(self, gen: Generation, choices: list[Choice]) -> None:
         samplings = [gen.sampling_for(c.index) for c in choices]
+        if gen.prompt is None:
+            await self._streams(choices, self.client.submit_turns([c.session for c in choices], gen.turn, samplings,
+                                                                  gen.template_kwargs))
+        else:
+            await self._streams(choices, self.client.submit_many(gen.prompt, samplings))
+
+    @staticmethod
+    async def _streams(choices: list[Choice], submitted) -> None:
+        """Each choice's stream, from the client call `submitted` (awaited here): what the client refuses is a 400,
+        an engine that is restarting or gone a 503."""
         try:
-            if gen.prompt is None:
-                streams = await self.client.submit_turns([c.session for c in choices], gen.turn, samplings,
-                                                         gen.template_kwargs)
-            else:
-                streams = await self.client.submit_many(gen.prompt, samplings)
+            streams = await submitted
         except EngineRestarting as e:
             raise ApiError(503, str(e), code="engine_restarting") from None
         except (EngineError, ValueError) as e:
@@ -1400,29 +1446,34 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> Starlette:
     async def root(request: Request) -> Response:   # where Ollama's clients check that a server is up
         return PlainTextResponse("nanochat is running")
 
+    def post(path: str, endpoint, name: str) -> Route:   # one endpoint method serves several APIs, by name
+        return Route(path, partial(endpoint, api=name), methods=["POST"])
+
     ollama = ollama_api.Endpoints(api)
-    routes = [Route("/v1/chat/completions", api.chat, methods=["POST"]),
-              Route("/v1/completions", api.completions, methods=["POST"]),
-              Route("/v1/responses", api.responses, methods=["POST"]),
-              Route("/v1/messages", api.messages, methods=["POST"]),
+    routes = [post("/v1/chat/completions", api.generate, "chat"),
+              post("/v1/completions", api.generate, "completions"),
+              post("/v1/responses", api.generate, "responses"),
+              post("/v1/messages", api.generate, "messages"),
               Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
               Route("/v1/responses/{ident}", api.retrieve, methods=["GET", "DELETE"]),
               Route("/v1/models", api.models, methods=["GET"]),
+              post("/v1/embeddings", api.embed, "embeddings"),
               Route("/tokenize", api.tokenize, methods=["POST"]),
               Route("/detokenize", api.detokenize, methods=["POST"]),
               Route("/v1/models/{name:path}", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.metrics_text, methods=["GET"]),
               Route("/", root, methods=["GET"]),
-              Route("/api/chat", api.ollama_chat, methods=["POST"]),
-              Route("/api/generate", api.ollama_generate, methods=["POST"]),
+              post("/api/chat", api.generate, "ollama_chat"),
+              post("/api/generate", api.generate, "ollama_generate"),
               Route("/api/tags", ollama.tags, methods=["GET"]),
               Route("/api/ps", ollama.running, methods=["GET"]),
               Route("/api/show", ollama.show, methods=["POST"]),
               Route("/api/version", ollama.version, methods=["GET"]),
               Route("/api/pull", ollama.pull, methods=["POST"]),
-              *[Route(f"/api/{what}", ollama.unsupported, methods=["POST"])
-                for what in ("embed", "embeddings", "create", "copy", "push")],
+              post("/api/embed", api.embed, "ollama_embed"),
+              post("/api/embeddings", api.embed, "ollama_embeddings"),
+              *[Route(f"/api/{what}", ollama.unsupported, methods=["POST"]) for what in ("create", "copy", "push")],
               Route("/api/delete", ollama.unsupported, methods=["DELETE"])]
     guard = Middleware(Guard, allowed_origins=config.allowed_origins,
                        check_host=config.loopback and config.api_key is None)
