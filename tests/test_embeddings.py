@@ -163,6 +163,22 @@ def test_an_embedding_folder_pools_and_ends_its_inputs_as_transformers_does(tiny
     assert LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64).engine.pooling == "mean"
 
 
+def test_a_base_model_folder_loads_without_a_head(tiny_models, hf_base, tmp_path):
+    """transformers' AutoModel saves a base model's tensors without the `model.` prefix and without lm_head (as
+    embedding checkpoints are published): its embeddings are the base model's."""
+    folder = tmp_path / "base"
+    hf_base.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_models["qwen3"] / name, folder / name)
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" in f.keys() and not any(k.startswith(("model.", "lm_head")) for k in f.keys())
+    base = LLM(str(folder), dtype="float32", max_model_len=128)
+    ids = base.tokenizer.encode(TEXTS[0])
+    got = torch.tensor(base.embed(ids, PoolingParams("last"))[0].embedding, dtype=torch.float64)
+    assert float((got - reference(hf_base, ids, "last")).abs().max()) < TOL
+
+
 def test_a_gguf_states_its_pooling(tiny_models, hf_base, tmp_path):
     import gguf
     from tests.gguf_writer import write_gguf_from_hf

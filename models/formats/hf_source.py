@@ -25,7 +25,9 @@ from nanochat.models.formats.weights import weight_type
 # transformers 4.52 on) or `language_model.model.` (Gemma 3 before); we expose it under the plain text names
 # (`model.`) and hide the vision towers, projectors and the multi-token-prediction head.
 _PREFIX_MAP = (("model.language_model.", "model."), ("language_model.model.", "model."),
-               ("language_model.lm_head.", "lm_head."))
+               ("language_model.lm_head.", "lm_head."),
+               # a base model saved alone (transformers' AutoModel: embedding models such as Qwen3-Embedding)
+               ("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."), ("norm.", "model.norm."))
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.", "vision_tower.", "model.vision_tower.",
                      "multi_modal_projector.", "model.multi_modal_projector.")
 # safetensors dtypes the model code reads as weights (anything else would be reinterpreted as floats).
