@@ -86,8 +86,9 @@ class _Ref:
     parts: int = 1
 
 
-# SamplingParams name -> general.sampling.* key (min_p has no SamplingParams counterpart).
+# {arch}.pooling_type -> how an embedding pools the final hidden states (llama.cpp's enum).
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+# SamplingParams name -> general.sampling.* key (min_p has no SamplingParams counterpart).
 _SAMPLING_KEYS = {
     "temperature": gguf.Keys.General.SAMPLING_TEMP,
     "top_p": gguf.Keys.General.SAMPLING_TOP_P,
