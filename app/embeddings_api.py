@@ -22,6 +22,7 @@ import struct
 
 from nanochat.app.api_errors import ApiError, flag, type_error
 from nanochat.engine import PoolingParams
+from nanochat.engine.rules import POSITIVE_INT, accepts
 
 MAX_INPUTS = 2048   # OpenAI's limit on one request's inputs
 
@@ -57,8 +58,8 @@ def _dimensions(body: dict) -> int | None:
     value = body.get("dimensions")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise type_error("dimensions", "a positive integer", value)
+    if not accepts(POSITIVE_INT, value):
+        raise type_error("dimensions", POSITIVE_INT.text, value)
     return value
 
 

@@ -695,8 +695,8 @@ class Api:
                                 "it takes is --max-queue; try again shortly", code="queue_full")
 
     def _log(self, request: Request, status: int, choices: list[Choice] | None = None,
-             started: float | None = None) -> None:
-        """One line per request; `choices` once they all ended well."""
+             started: float | None = None, detail: str = "") -> None:
+        """One line per request; `choices` once they all ended well; `detail`: what else it did."""
         if self.config.log is None:
             return
         peer = request.client.host if request.client else "-"
@@ -707,6 +707,7 @@ class Api:
                      f" · {usage['completion_tokens']} out")
             if ttft is not None:
                 line += f" · TTFT {ttft:.2f}s"
+        line += detail
         if started is not None:
             line += f" · {time.monotonic() - started:.2f}s"
         self.config.log(line)
@@ -797,9 +798,7 @@ class Api:
             return self._error(e, dialect)
         vectors = [c.astream.reply.embedding for c in choices]
         tokens = sum(c.final.stats.prompt_tokens for c in choices)
-        if self.config.log:
-            self.config.log(f"{request.client.host if request.client else '-'} POST {request.url.path} 200 · "
-                            f"{len(vectors)} input(s) · {tokens} tokens · {time.monotonic() - started:.2f}s")
+        self._log(request, 200, started=started, detail=f" · {len(vectors)} input(s) · {tokens} tokens")
         if api == "embeddings":
             return JSONResponse(embeddings_api.openai_response(self.model_id, vectors, tokens, fmt))
         if api == "ollama_embed":

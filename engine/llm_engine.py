@@ -16,7 +16,7 @@ from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, kv_window
 from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent, TokenLogprobs
-from nanochat.engine.pooling import PoolingParams, default_pooling, finish
+from nanochat.engine.pooling import POOLINGS, PoolingParams, default_pooling, finish
 from nanochat.engine.reply_text import add_token, check_ids, check_prompt, request_stats, take_delta
 from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs, verify
 from nanochat.engine.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class LLMEngine:
         self.sampling_defaults = {**self.card_sampling, **stated}
         stated_pooling = self.loaded.source.stated_pooling()
         self.pooling = default_pooling(stated_pooling)   # an embedding request's default
-        self.embedding_model = stated_pooling in ("mean", "cls", "last")
+        self.embedding_model = stated_pooling in POOLINGS
         self.embedding_length = self.loaded.config.hidden_size
         self.workers = None
         if self.config.tensor_parallel_size > 1:

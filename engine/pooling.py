@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLINGS = ("mean", "cls", "last")
+from nanochat.engine.rules import POOLING, POOLINGS, POSITIVE_INT, check
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,9 @@ class PoolingParams:
     dimensions: int | None = None   # keep the first N values (Matryoshka models), before normalizing
 
     def __post_init__(self):
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        d = self.dimensions
-        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
-            raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+        check("pooling", POOLING, self.pooling)
+        if self.dimensions is not None:
+            check("dimensions", POSITIVE_INT, self.dimensions)
 
     @property
     def reads_every_position(self) -> bool:

@@ -62,6 +62,8 @@ FRACTION = Rule(float, lambda v: 0 < v <= 1, "in (0, 1]")
 # model's path (Config.speculative).
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 SPECULATIVE = Rule(str, lambda v: v in SPECULATIVE_MODES, "off, ngram or draft")
+POOLINGS = ("mean", "cls", "last")   # how an embedding pools a prompt's final hidden states (engine/pooling.py)
+POOLING = Rule(str, lambda v: v in POOLINGS, "one of mean, cls, last")
 SPECULATIVE_K = Rule(int, lambda v: 1 <= v <= 32, "from 1 to 32")
 
 # Every sampling setting a user can state (flags, settings.json, a chat's /set, the HTTP API).
