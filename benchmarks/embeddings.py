@@ -7,13 +7,17 @@ Parity: a tiny random Qwen3 saved as Qwen3-Embedding is (a sentence-transformers
 tokenizer whose post-processor ends every input with <|endoftext|>) is converted by convert_hf_to_gguf.py at F32
 (it writes qwen3.pooling_type and add_eos as it does for the real model); both engines embed the same texts from
 it, and each vector is compared with transformers' (the folder's last hidden state at the last token, normalized).
+Then a tiny random BertModel and a tiny NomicBertModel (nomic-ai's layout) likewise, mean pooling, with their
+WordPiece ids compared with llama.cpp's.
 
 Speed: N passages of 100-300 words embedded in one call by each engine, 2 threads: the whole batch's wall time
 (tokens per second) and the worker's peak RSS, the two engines alternating. llama-cpp-python's `embed` cuts each
 input to its batch, so its batch (and context) is the longest passage's tokens, at least llama.cpp's default 512: a
-batch of 2048 in a context of 4096 was slower (SmolLM2: 205 against 298 tok/s), 512 cuts the longer passages. The files: a Qwen3-Embedding-0.6B-shaped
-GGUF (the random Qwen3-0.6B folder benchmarks/hf_folder.py makes, with last-token pooling, converted at Q8_0 by
-llama.cpp's converter) and the built-in SmolLM2 (a chat model: mean pooling on both sides, as Ollama pools one).
+batch of 2048 in a context of 4096 was slower (SmolLM2: 205 against 298 tok/s), 512 cuts the longer passages; an
+encoder's stops at its positions. The files: a Qwen3-Embedding-0.6B-shaped GGUF (the random Qwen3-0.6B folder
+benchmarks/hf_folder.py makes, with last-token pooling, converted at Q8_0 by llama.cpp's converter), the built-in
+SmolLM2 (a chat model: mean pooling on both sides, as Ollama pools one), and the encoders in BERTS (random weights,
+converted at F16 and Q8_0 by llama.cpp's converter). `--files TEXT` runs only the rows whose name holds TEXT.
 """
 
 from __future__ import annotations
@@ -39,15 +43,21 @@ import json, resource, sys, time
 from llama_cpp import Llama
 path, texts, pooling = sys.argv[1], json.loads(open(sys.argv[2]).read()), int(sys.argv[3])
 vocab = Llama(model_path=path, vocab_only=True, verbose=False)
-lengths = [len(vocab.tokenize(x.encode(), add_bos=True, special=True)) for x in texts]
-batch = max(512, max(lengths))   # embed() cuts an input to the batch: the smallest batch that holds each whole
+ids = [vocab.tokenize(x.encode(), add_bos=True, special=True) for x in texts]
+lengths = [len(x) for x in ids]
+# embed() cuts an input to the batch: the smallest batch that holds each whole (an encoder's: within its positions)
+batch = max(512, max(lengths))
+if vocab.metadata.get("general.architecture") == "bert":
+    batch = min(batch, int(vocab.metadata["bert.context_length"]))
+t = time.perf_counter()
 llm = Llama(model_path=path, embedding=True, n_ctx=batch, n_batch=batch, n_ubatch=batch, n_threads=2,
             pooling_type=pooling, verbose=False)
+load = time.perf_counter() - t
 t = time.perf_counter()
 vectors = llm.embed(texts, normalize=True)
 seconds = time.perf_counter() - t
 tokens = sum(lengths)
-json.dump({"vectors": vectors, "seconds": seconds, "tokens": tokens,
+json.dump({"vectors": vectors, "seconds": seconds, "tokens": tokens, "ids": ids, "load": load,
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, open(sys.argv[4], "w"))
 """
 
@@ -56,16 +66,19 @@ import json, resource, sys, time
 from nanochat.engine import LLM
 from nanochat.engine.pooling import PoolingParams
 path, texts, pooling = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3]
-llm = LLM(path, max_model_len=4096, cpu_threads=2)
+t = time.perf_counter()
+llm = LLM(path, max_model_len=4096, max_num_batched_tokens=4096, cpu_threads=2)
+load = time.perf_counter() - t
 t = time.perf_counter()
 results = llm.embed(texts, PoolingParams(pooling) if pooling != "file" else None)
 seconds = time.perf_counter() - t
 json.dump({"vectors": [r.embedding for r in results], "seconds": seconds,
+           "ids": [llm.tokenizer.encode(x) for x in texts], "load": load,
            "tokens": sum(r.stats.prompt_tokens for r in results),
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, open(sys.argv[4], "w"))
 """
 
-LLAMA_POOLING = {"mean": 1, "last": 3, "file": -1}   # llama.cpp's enum; -1: the file's own
+LLAMA_POOLING = {"mean": 1, "cls": 2, "last": 3, "file": -1}   # llama.cpp's enum; -1: the file's own
 
 
 def run(python: str, script: str, path: Path, texts: list[str], pooling: str, tmp: Path, env: dict) -> dict:
@@ -108,7 +121,6 @@ def passages(n: int, seed: int = 0) -> list[str]:
 
 
 def parity(args, tmp: Path, env: dict) -> None:
-    import numpy as np
     import torch
     import transformers
 
@@ -123,13 +135,37 @@ def parity(args, tmp: Path, env: dict) -> None:
     hf = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     print("parity (tiny Qwen3 embedder converted by llama.cpp at F32, last-token pooling):")
+    _compare(texts, ours, theirs, hf, tok, lambda h: h[-1])
+    # Encoders: both ways attention, WordPiece; accents, CJK, a [CLS] inside the text and a long word test the
+    # tokenizers
+    from conftest import make_bert_folder
+
+    texts += ["Naïve CAFÉ résumé, 数字 and the text; " + "x" * 120, "a [CLS] inside the text"]
+    for name, nomic in (("BertModel", False), ("NomicBertModel", True)):
+        folder = make_bert_folder(tmp / name, context=512, seed=4, nomic=nomic)
+        path = matrix_models.convert_hf(folder, tmp / f"{name}.gguf", "f32", Path(args.llama_cpp), "default")
+        theirs = run(args.peer_python, PEER, path, texts, "mean", tmp, env)
+        ours = run(sys.executable, OURS, path, texts, "mean", tmp, env)
+        print(f"parity (tiny {name} converted by llama.cpp at F32, mean pooling):")
+        _compare(texts, ours, theirs, transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval(),
+                 transformers.AutoTokenizer.from_pretrained(folder), lambda h: h.mean(0), ours_ids=True)
+
+
+def _compare(texts, ours, theirs, hf, tok, pool, ours_ids: bool = False) -> None:
+    """Each engine's vector against transformers' (pooled by `pool`, normalized); ours_ids: transformers reads the
+    ids nanochat's tokenizer gave (transformers cuts a word over 100 characters to one [UNK], llama.cpp does not),
+    and they are checked against llama.cpp's."""
+    import numpy as np
+    import torch
+
     for i, text in enumerate(texts):
-        ids = tok(text)["input_ids"]
+        ids = ours["ids"][i] if ours_ids else tok(text)["input_ids"]
         with torch.no_grad():
-            ref = hf(torch.tensor([ids])).last_hidden_state[0, -1].double()
+            ref = pool(hf(torch.tensor([ids])).last_hidden_state[0].double())
         ref = (ref / ref.norm()).numpy()
         a, b = np.array(ours["vectors"][i]), np.array(theirs["vectors"][i])
-        print(f"  text {i}: {len(ids)} tokens; max |nanochat - transformers| {np.abs(a - ref).max():.2e}, "
+        same = f"ids {'equal' if ours['ids'][i] == theirs['ids'][i] else 'DIFFER'} to llama.cpp's; " if ours_ids else ""
+        print(f"  text {i}: {len(ids)} tokens; {same}max |nanochat - transformers| {np.abs(a - ref).max():.2e}, "
               f"max |llama.cpp - transformers| {np.abs(b - ref).max():.2e}, cosine(nanochat, llama.cpp) "
               f"{float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)):.6f}")
 
@@ -148,8 +184,11 @@ def speed(args, tmp: Path, env: dict) -> None:
     files.append(("Qwen3-Embedding-0.6B-shaped Q8_0 (last)", shaped, "file"))
     from conftest import smollm_gguf_path
     files.append(("SmolLM2-135M-Instruct Q4_1 (mean)", smollm_gguf_path(), "mean"))
+    files += bert_files(args, tmp, cache)
     texts = passages(args.passages)
     for name, path, pooling in files:
+        if args.files and args.files not in name:
+            continue
         rows = {"nanochat": [], "llama.cpp": []}
         for _ in range(args.repeats):
             for engine, python, script in (("nanochat", sys.executable, OURS), ("llama.cpp", args.peer_python, PEER)):
@@ -165,8 +204,35 @@ def speed(args, tmp: Path, env: dict) -> None:
               f"{tok_s['nanochat'] / tok_s['llama.cpp']:.2f}x  (runs: "
               + ", ".join(f"{r['tokens'] / r['seconds']:.0f}" for r in rows["nanochat"]) + " / "
               + ", ".join(f"{r['tokens'] / r['seconds']:.0f}" for r in rows["llama.cpp"]) + ")")
-        print(f"  peak RSS MB nanochat {rss['nanochat']:.0f}, llama.cpp {rss['llama.cpp']:.0f}; cosine between the "
-              f"engines' vectors min {min(cos):.5f}, median {statistics.median(cos):.5f}")
+        load = {e: statistics.median(r["load"] for r in rs) for e, rs in rows.items()}
+        print(f"  peak RSS MB nanochat {rss['nanochat']:.0f}, llama.cpp {rss['llama.cpp']:.0f}; load s nanochat "
+              f"{load['nanochat']:.2f}, llama.cpp {load['llama.cpp']:.2f}; cosine between the engines' vectors min "
+              f"{min(cos):.5f}, median {statistics.median(cos):.5f}")
+
+
+# The encoders people embed with: bge-small-en-v1.5 (all-MiniLM-L12's widths too), bge-large-en-v1.5 /
+# mxbai-embed-large-v1 (the same shapes; CLS pooling) and nomic-embed-text-v1.5 (mean pooling); random weights, a
+# WordPiece vocabulary trained on the passages' words.
+BERTS = {"bge-small-en-v1.5-shaped": (dict(hidden=384, layers=12, heads=12, intermediate=1536), "cls"),
+         "bge-large-en-v1.5-shaped": (dict(hidden=1024, layers=24, heads=16, intermediate=4096), "cls"),
+         "nomic-embed-text-v1.5-shaped": (dict(hidden=768, layers=12, heads=12, intermediate=3072, nomic=True),
+                                          "mean")}
+
+
+def bert_files(args, tmp: Path, cache: Path) -> list[tuple[str, Path, str]]:
+    from conftest import make_bert_folder
+
+    files = []
+    for name, (shape, pooling) in BERTS.items():
+        for outtype in ("f16", "q8_0"):
+            path = cache / f"{name}.{outtype.upper()}.gguf"
+            if not path.exists():
+                folder = tmp / name
+                if not folder.exists():
+                    make_bert_folder(folder, passages(200, seed=9), vocab_size=2000, context=512, **shape)
+                matrix_models.convert_hf(folder, path, outtype, Path(args.llama_cpp), "default")
+            files.append((f"{name} {outtype.upper()} ({pooling})", path, pooling))
+    return files
 
 
 def main() -> None:
@@ -178,6 +244,7 @@ def main() -> None:
     ap.add_argument("--passages", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", choices=["parity", "speed"], help="run one of the two parts")
+    ap.add_argument("--files", help="only the speed rows whose name contains this")
     args = ap.parse_args()
     env = dict(os.environ)
     if args.isa:

@@ -7,7 +7,7 @@ import itertools
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,6 +83,14 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_thread_count())
             config.use_cpu_isa()
         self.loaded = loaded or load(model, cache=config.pack_cache, template_file=config.chat_template)
+        # An encoder (BERT) reads an input in one chunk, attending both ways: no chunk may start after a cached
+        # prefix (its positions' states depend on what follows them), and one step holds a whole input.
+        self.encoder = self.loaded.config.encoder
+        if self.encoder:
+            if config.tensor_parallel_size > 1:
+                raise ValueError(f"{self.loaded.config.name}: an encoder (embedding) model runs without tensor "
+                                 "parallelism (tensor_parallel_size 1)")
+            config = replace(config, enable_prefix_caching=False, speculative="off")
         self.config = config.with_model_limits(self.loaded.config.max_position_embeddings)
         self.kernels = config.kernel_options()
         self.dtype = self.config.resolved_dtype(self.device)
@@ -94,7 +102,8 @@ class LLMEngine:
         self.sampling_defaults = {**self.card_sampling, **stated}
         stated_pooling = self.loaded.source.stated_pooling()
         self.pooling = default_pooling(stated_pooling)   # an embedding request's default
-        self.embedding_model = stated_pooling in POOLINGS
+        self.pooling_stated = stated_pooling in POOLINGS
+        self.embedding_model = self.pooling_stated or self.encoder
         self.embedding_length = self.loaded.config.hidden_size
         self.workers = None
         if self.config.tensor_parallel_size > 1:
@@ -128,7 +137,7 @@ class LLMEngine:
                 self.close()
                 raise
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+                                   self.config.max_num_batched_tokens, whole=self.encoder)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -196,6 +205,9 @@ class LLMEngine:
         from nanochat.models.text.tokenizer import IncrementalDetokenizer
 
         sp = sampling_params or SamplingParams()
+        if self.encoder:
+            raise RequestError(f"{self.loaded.config.name} is an embedding model: it writes no text (ask it for "
+                               "embeddings: LLM.embed, or /v1/embeddings of `nanochat serve`)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
         vocab = self.loaded.config.vocab_size
@@ -230,13 +242,14 @@ class LLMEngine:
         input longer than the context keeps its first max_model_len tokens (else it is refused)."""
         pooling = pooling or PoolingParams(self.pooling)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        limit = self.config.max_model_len
+        limit = self.embedding_limit
         if truncate:
             ids = ids[:limit]
         if not ids:
             raise RequestError("the input is empty")
         if len(ids) > limit:   # the whole context is the input's: nothing is generated after it
-            raise RequestError(f"the input has {len(ids)} tokens, but the context holds {limit} (max_model_len)")
+            raise RequestError(f"the input has {len(ids)} tokens, but the context holds {limit} "
+                               f"({'max_num_batched_tokens' if limit < self.config.max_model_len else 'max_model_len'})")
         check_ids(ids, self.loaded.config.vocab_size)
         if self.block_manager.num_blocks_for(len(ids)) > len(self.block_manager.blocks):
             raise RequestError(f"the input needs {len(ids)} tokens of KV cache but the cache holds only "
@@ -252,6 +265,12 @@ class LLMEngine:
         self.requests[request_id] = _Request(request_id, seq, None, None)
         self.scheduler.add(seq)
         return request_id
+
+    @property
+    def embedding_limit(self) -> int:
+        """The longest input an embedding request takes: the context, and for an encoder one step's tokens."""
+        c = self.config
+        return min(c.max_model_len, c.max_num_batched_tokens) if self.encoder else c.max_model_len
 
     def _constraint(self, sp: SamplingParams, ids: list[int]) -> Constraint | None:
         try:
@@ -503,12 +522,14 @@ class LLMEngine:
         per_token = r.kv_bytes_per_block() // self.config.kvcache_block_size
         report.extra["KV cache"] = (f"{dtype_name(r.kv_dtype)}, {per_token / 1024:.1f} KiB per token, up to "
                                     f"{r.num_blocks * self.config.kvcache_block_size:,} tokens "
-                                    f"(pages are used as tokens are)")
+                                    f"(pages are used as tokens are)") if per_token else \
+            f"none (an encoder reads each input in one step, up to {self.embedding_limit:,} tokens)"
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
-        report.extra["embeddings"] = (f"{self.pooling} pooling, as the model's files state" if self.embedding_model
-                                      else "mean pooling (the model's files state none: a chat model)")
+        report.extra["embeddings"] = (f"{self.pooling} pooling, as the model's files state" if self.pooling_stated
+                                      else "mean pooling (the model's files state none"
+                                      + (": an encoder, embeddings only)" if self.encoder else ": a chat model)"))
         if self.config.chat_template is not None:
             report.extra["chat template"] = f"{self.config.chat_template} (--chat-template)"
         if self.workers is not None:

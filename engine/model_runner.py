@@ -131,6 +131,10 @@ class ModelRunner:
             n = self.config.num_kvcache_blocks
             return n, min(n, self._window_reach()) if self.group_window else 0
         per_block = self.kv_bytes_per_block()
+        # Never allocate more than the running set could ever use.
+        cap = self.config.max_num_seqs * ((self.config.max_model_len + self.block_size - 1) // self.block_size)
+        if not per_block:   # an encoder keeps no KV: its blocks only count the tokens of the running inputs
+            return cap, 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -139,8 +143,6 @@ class ModelRunner:
             budget = self.config.kv_cache_gib * 2**30
         if self.is_hybrid:
             budget -= self.num_state_slots * self.model.hybrid_state_spec()
-        # Never allocate more than the running set could ever use.
-        cap = self.config.max_num_seqs * ((self.config.max_model_len + self.block_size - 1) // self.block_size)
         n, n_window = min(int(budget // per_block), cap), 0
         if self.group_window:
             layers = self.model.attention_layers()

@@ -58,8 +58,12 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 whole: bool = False):
+        """whole: every sequence is computed in one chunk (an encoder's inputs attend both ways), admitted only
+        when the step's budget holds all of it."""
         self.block_manager = block_manager
+        self.whole = whole
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -98,6 +102,8 @@ class Scheduler:
         # 2. admit waiting sequences
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.whole and len(seq) > budget:
+                break
             if not self.block_manager.allocate(seq, budget):
                 break
             self.waiting.popleft()

@@ -16,8 +16,10 @@ if TYPE_CHECKING:
     from nanochat.models.families.spec import FamilySpec
 
 
-# The gated MLP's activation (ModelConfig.hidden_act) for each config.json name of it.
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# The MLP's activation (ModelConfig.hidden_act) for each config.json name of it: a decoder's gated MLP takes silu
+# (SwiGLU; an encoder's "swiglu") or gelu_tanh (GeGLU); "gelu" is BERT's ungated MLP with the erf GELU.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu",
+               "swiglu": "silu"}
 
 
 def merge_text_config(cfg: dict) -> dict:
@@ -50,7 +52,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6     # the norms' epsilon (an encoder's LayerNorms: config.json's layer_norm_eps)
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None   # HF rope_scaling dict (e.g. llama3), or None
     max_position_embeddings: int = 4096
@@ -102,6 +104,8 @@ class ModelConfig:
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # An encoder (BERT): every position reads every position of its input; no output head (embeddings only).
+    encoder: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -126,7 +130,11 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict (a wrapper's text_config merged: merge_text_config)
         of `family` (models/families/registry.py `hf_config` finds it)."""
         arch = family.name
-        cfg = {**family.defaults, **cfg}
+        # a family's own key names count where transformers' are absent
+        cfg = {**family.defaults, **{family.hf_keys[k]: v for k, v in cfg.items() if k in family.hf_keys}, **cfg}
+        if isinstance(cfg.get("max_trained_positions"), int) and isinstance(cfg.get("max_position_embeddings"), int):
+            # Nomic BERT states 8192 positions but was trained for 2048, as llama.cpp's converter reads it
+            cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], cfg["max_trained_positions"])
         heads = cfg["num_attention_heads"]
         if not cfg.get("head_dim") and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"num_attention_heads is {heads!r}; it must be a positive integer")
@@ -166,7 +174,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -196,6 +204,7 @@ class ModelConfig:
             partial_rotary_factor=float(partial),
             attn_output_gate=hybrid,
             norm_zero_centred=family.norm_zero_centred,
+            encoder=family.encoder,
         )
 
 
@@ -212,7 +221,7 @@ def fused_rows(cfg: "ModelConfig", modules: tuple[str, ...]) -> list[int]:
 
 def _layer_options(cfg: dict, family: FamilySpec, num_layers: int) -> dict:
     """layer_windows and layer_rope from config.json, as transformers reads them."""
-    rope = (True,) * num_layers
+    rope = (not family.absolute_positions,) * num_layers
     if family.no_rope_interval:
         flags = cfg.get("no_rope_layers")
         if flags is None:   # transformers' default: every no_rope_layer_interval-th layer without RoPE
@@ -265,6 +274,9 @@ def _family_options(cfg: dict, family: FamilySpec, per_type: dict | None) -> dic
         out["local_rope_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
     if cfg.get("attn_logit_softcapping") is not None:
         raise ValueError("attn_logit_softcapping (Gemma 2's soft-capped attention scores) is not supported")
+    for key, value in family.hf_requires.items():
+        if cfg.get(key, value) != value:
+            raise ValueError(f"{key} {cfg[key]!r} is not supported for {family.name} (only {value!r})")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an embedding model, not a causal LM) is not supported")
     if family.moe_router != "softmax_topk" or family.expert_act != "silu" or family.attention_sinks:
@@ -451,6 +463,8 @@ def expected_shapes(cfg: ModelConfig, name: str) -> Shapes | None:
     """The torch-order shape(s) the model code needs for tensor `name` (HF naming) and why, or None for
     a tensor it does not read (or does not know)."""
     h, v = cfg.hidden_size, cfg.vocab_size
+    if cfg.encoder:
+        return _encoder_shapes(cfg, name)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return ((v, h),), f"vocab_size {v} x hidden_size {h}"
     if name == "model.norm.weight":
@@ -469,6 +483,51 @@ def expected_shapes(cfg: ModelConfig, name: str) -> Shapes | None:
     if rest.startswith("mlp."):
         return _mlp_shapes(cfg, i, rest[len("mlp."):])
     return None
+
+
+def _encoder_shapes(cfg: ModelConfig, name: str) -> Shapes | None:
+    """An encoder's tensors (models/families/bert.py)."""
+    h, i, p = cfg.hidden_size, cfg.intermediate_size, cfg.max_position_embeddings
+    hidden: Shapes = ((h,),), f"hidden_size {h}"
+    wide: Shapes = (((i, h),), f"intermediate_size {i} by hidden_size {h}")
+    top = {"model.embed_tokens.weight": (((cfg.vocab_size, h),), f"vocab_size {cfg.vocab_size} x hidden_size {h}"),
+           "model.embed_positions.weight": (((p, h),), f"max_position_embeddings {p} x hidden_size {h}"),
+           "model.embed_types.weight": (tuple((t, h) for t in range(1, 17)), f"token types x hidden_size {h}"),
+           "model.embed_norm.weight": hidden, "model.embed_norm.bias": hidden}
+    if name in top:
+        return top[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or int(m.group(1)) >= cfg.num_hidden_layers:
+        return None
+    rest = m.group(2)
+    square: Shapes = ((h, h),), f"hidden_size {h} x hidden_size {h}"
+    return {**{f"self_attn.{x}_proj.weight": square for x in "qkvo"},
+            **{f"self_attn.{x}_proj.bias": hidden for x in "qkvo"},
+            **{f"{n}.{k}": hidden for n in ("post_attention_layernorm", "post_feedforward_layernorm")
+               for k in ("weight", "bias")},
+            "self_attn.qkv_proj.weight": (((3 * h, h),), f"3 x hidden_size {h} by hidden_size {h}"),
+            "mlp.up_proj.weight": wide, "mlp.gate_proj.weight": wide,
+            "mlp.up_proj.bias": (((i,),), f"intermediate_size {i}"),
+            "mlp.down_proj.weight": (((h, i),), f"hidden_size {h} by intermediate_size {i}"),
+            "mlp.down_proj.bias": hidden}.get(rest)
+
+
+def _encoder_tensors(cfg: ModelConfig) -> Iterator[str]:
+    """An encoder's tensors: the position table without RoPE (BERT), biases where it has them, a gate for SwiGLU."""
+    yield "model.embed_tokens.weight"
+    if not any(cfg.layer_rope):
+        yield "model.embed_positions.weight"
+    yield from ("model.embed_norm.weight", "model.embed_norm.bias")
+    linears = (*(f"self_attn.{x}_proj" for x in "qkvo"), "mlp.up_proj", "mlp.down_proj")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield from (f"{p}.{m}.weight" for m in linears)
+        if cfg.hidden_act == "silu":
+            yield f"{p}.mlp.gate_proj.weight"
+        if cfg.attention_bias:
+            yield from (f"{p}.{m}.bias" for m in linears)
+        yield from (f"{p}.{n}.{k}" for n in ("post_attention_layernorm", "post_feedforward_layernorm")
+                    for k in ("weight", "bias"))
 
 
 def _attention_shapes(cfg: ModelConfig) -> dict[str, Shapes]:
@@ -548,6 +607,9 @@ def required_tensors(cfg: ModelConfig, names: Collection[str]) -> Iterator[str]:
     """The tensors (HF naming) the model code reads for this config, in load order (a generator: a
     caller looking for the first missing one stops there); `names` (what the source has) picks between
     equivalent layouts (fused or per-expert experts, grouped or split GDN projections)."""
+    if cfg.encoder:
+        yield from _encoder_tensors(cfg)
+        return
     yield from ("model.embed_tokens.weight", "model.norm.weight")
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"

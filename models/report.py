@@ -71,15 +71,15 @@ def _describe_linear(lin) -> tuple[str, int, int]:
 def attention_layout(cfg) -> str | None:
     """Sliding windows, NoPE layers, partial and LongRoPE in one line (None for plain full attention)."""
     n = cfg.num_hidden_layers
-    parts = []
+    parts = ["both ways: each position reads its whole input (an encoder)"] if cfg.encoder else []
     for window in sorted({w for w in cfg.layer_windows if w}):
         count = sum(w == window for w in cfg.layer_windows)
         parts.append(f"sliding window {window:,} on {count} of {n} layers")
     if cfg.local_rope_theta and any(cfg.layer_windows):
         parts.append(f"RoPE base {cfg.local_rope_theta:,g} on the windowed layers, {cfg.rope_theta:,g} on the others")
-    if not all(cfg.layer_rope):
+    if not all(cfg.layer_rope) and not cfg.encoder:
         parts.append(f"no RoPE on {sum(not r for r in cfg.layer_rope)} of {n} layers")
-    if cfg.rotary_dim != cfg.head_dim:
+    if cfg.rotary_dim != cfg.head_dim and not cfg.encoder:
         parts.append(f"RoPE on {cfg.rotary_dim} of {cfg.head_dim} head dims")
     if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
         parts.append(f"LongRoPE (long factors from position {cfg.rope_scaling['original_max_position_embeddings']:,})")
@@ -103,7 +103,8 @@ def describe(model) -> ModelReport:
             params, nbytes = params + p, nbytes + b
     projections = {name: ", ".join(f"{d}" + (f" x{n}" if len(c) > 1 else "") for d, n in c.most_common())
                    for name, c in counts.items()}
-    head, hp, hb = _describe_linear(model.lm_head)
+    lm_head = getattr(model, "lm_head", None)
+    head, hp, hb = ("none (embeddings only)", 0, 0) if lm_head is None else _describe_linear(lm_head)
     emb = model.embed_tokens
     if emb.packed is not None:
         embedding = "shared with lm_head (rows dequantized on lookup)"

@@ -77,6 +77,83 @@ def make_hf_model(arch: str, out_dir: Path, seed: int = 0, tie: bool = False, vo
     return save_tiny(model, tok, out_dir)
 
 
+BERT_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world! Embeddings are vectors of numbers.",
+               "Paris is the capital of France; Berlin is Germany's.", "def add(a, b): return a + b  # 42 and 3.14",
+               "naïve café résumé über straße", "数字 and emoji in text"]
+
+
+def make_bert_folder(out_dir: Path, corpus: list[str] = BERT_CORPUS, vocab_size: int = 300, hidden: int = 64,
+                     layers: int = 2, heads: int = 4, intermediate: int = 128, context: int = 64,
+                     seed: int = 0, nomic: bool = False) -> Path:
+    """A random BertModel saved as transformers does, with a lowercasing WordPiece vocabulary trained on `corpus`
+    ([CLS] text [SEP]); biases and norms randomised too (transformers starts them at 0 and 1). nomic: a
+    NomicBertModel as nomic-ai publishes it instead (make_nomic_weights)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(corpus * 10, trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
+    fast = BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                             pad_token="[PAD]", mask_token="[MASK]", do_lower_case=True)
+    fast.save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    if nomic:
+        return make_nomic_weights(out_dir, len(fast), hidden, layers, heads, intermediate)
+    cfg = BertConfig(vocab_size=len(fast), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=intermediate, max_position_embeddings=context, type_vocab_size=2)
+    model = BertModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_nomic_weights(out_dir: Path, vocab: int, hidden: int, layers: int, heads: int, intermediate: int) -> Path:
+    """A random transformers NomicBertModel (RoPE base 1000, SwiGLU, no biases), saved as nomic-ai publishes
+    nomic-embed-text: its remote code's tensor names (fused Wqkv, fc11 = up, fc12 = gate, fc2, norm1, norm2, emb_ln)
+    and config keys (n_embd, ..., 8192 positions stated and 2048 trained, as llama.cpp's converter insists) beside
+    transformers' own (which it reads such a folder with)."""
+    from safetensors.torch import save_file
+    from transformers import NomicBertConfig, NomicBertModel
+
+    cfg = NomicBertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          intermediate_size=intermediate, max_position_embeddings=2048)
+    model = NomicBertModel(cfg).eval()
+    state = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or "layernorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, p in model.state_dict().items():
+            name = name.replace("embeddings.LayerNorm", "emb_ln")
+            for ours, theirs in (("post_attention_layernorm", "norm1"), ("post_mlp_layernorm", "norm2"),
+                                 ("mlp.up_proj", "mlp.fc11"), ("mlp.gate_proj", "mlp.fc12"),
+                                 ("mlp.down_proj", "mlp.fc2"), ("self_attn.o_proj", "attn.out_proj")):
+                name = name.replace(ours, theirs)
+            state[name.replace("layers.", "encoder.layers.", 1) if name.startswith("layers.") else name] = p
+        for i in range(layers):
+            p = f"encoder.layers.{i}"
+            state[f"{p}.attn.Wqkv.weight"] = torch.cat([state.pop(f"{p}.self_attn.{x}_proj.weight") for x in "qkv"])
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({
+        **cfg.to_dict(), "architectures": ["NomicBertModel"], "activation_function": "swiglu", "n_embd": hidden,
+        "n_head": heads, "n_inner": intermediate, "n_layer": layers, "n_positions": 8192,
+        "max_trained_positions": 2048, "layer_norm_epsilon": 1e-12, "rotary_emb_base": 1000,
+        "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+        "rotary_scaling_factor": None, "causal": False, "prenorm": False, "qkv_proj_bias": False,
+        "mlp_fc1_bias": False, "mlp_fc2_bias": False}))
+    return out_dir
+
+
 def save_tiny(model, tok, out_dir: Path) -> Path:
     """A tiny model saved as a Hugging Face folder with the suite's tokenizer and a ChatML template."""
     out_dir.mkdir(parents=True, exist_ok=True)

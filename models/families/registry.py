@@ -4,7 +4,7 @@ the lookups read the list when called (a test may register a family for a while 
 from __future__ import annotations
 
 from nanochat.models.config import ModelConfig, merge_text_config
-from nanochat.models.families import gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe, qwen3_next, smollm3
+from nanochat.models.families import bert, gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe, qwen3_next, smollm3
 from nanochat.models.families.spec import FamilySpec
 
 FAMILIES: list[FamilySpec] = [
@@ -20,6 +20,8 @@ FAMILIES: list[FamilySpec] = [
     qwen3_next.QWEN3_NEXT,
     qwen3_next.QWEN3_5_MOE,
     qwen3_next.QWEN3_5,
+    bert.BERT,
+    bert.NOMIC_BERT,
 ]
 
 

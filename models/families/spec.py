@@ -48,6 +48,8 @@ class FamilySpec:
     gguf_arch: str | None = None      # GGUF general.architecture (None: llama.cpp writes it as another family)
     moe: bool = False                 # routed experts and routers (config: num_experts; GGUF: ffn_*_exps)
     hybrid: bool = False              # Gated DeltaNet layers beside gated attention (models/families/qwen3_next.py)
+    encoder: bool = False             # reads its input both ways, makes embeddings only (models/families/bert.py)
+    absolute_positions: bool = False  # a learned position table instead of RoPE (BERT)
 
     # --- options, on both sources
     attention_bias: bool = False      # bias on q/k/v (Qwen2)
@@ -88,6 +90,13 @@ class FamilySpec:
     # Checkpoint tensors stored in another layout than the one the model reads (gpt-oss's interleaved, transposed
     # or MXFP4 experts): (stored names, the ModelConfig) -> {our name: (stored names read, function of them)}.
     hf_views: Callable[[Collection[str], Any], dict[str, tuple[tuple[str, ...], Callable]]] | None = None
+    # Checkpoint tensor names laid out otherwise than Llama's: stored name -> ours, or None for one never read.
+    hf_name: Callable[[str], str | None] | None = None
+    # config.json keys named otherwise than transformers' Llama config: theirs -> ours (Nomic BERT's n_embd, ...).
+    hf_keys: Mapping[str, str] = field(default_factory=dict)
+    # config.json keys whose every other value is a variant this family's code does not implement: key -> the value
+    # it does (an absent key is taken as that value).
+    hf_requires: Mapping[str, Any] = field(default_factory=dict)
 
     # --- GGUF only
     block_tensors: Mapping[str, str] = field(default_factory=lambda: DENSE_BLOCK_TENSORS)

@@ -531,7 +531,8 @@ class GGUFSource:
                 "hidden_size": f"{a}.embedding_length", "intermediate_size": f"{a}.feed_forward_length",
                 "num_hidden_layers": f"{a}.block_count", "num_attention_heads": f"{a}.attention.head_count",
                 "num_key_value_heads": f"{a}.attention.head_count_kv", "head_dim": f"{a}.attention.key_length",
-                "rms_norm_eps": f"{a}.attention.layer_norm_rms_epsilon", "rope_theta": f"{a}.rope.freq_base",
+                "rms_norm_eps": f"{a}.attention.layer_norm_{'' if self.family.encoder else 'rms_'}epsilon",
+                "rope_theta": f"{a}.rope.freq_base",
                 "max_position_embeddings": f"{a}.context_length", "rope_scaling": f"{a}.rope.scaling",
                 "partial_rotary_factor": f"{a}.rope.dimension_count", "bos_token_id": "tokenizer.ggml.bos_token_id",
                 "eos_token_ids": "tokenizer.ggml.eos_token_id", "num_experts": f"{a}.expert_count",
@@ -590,12 +591,15 @@ class GGUFSource:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=self._float("attention.layer_norm_rms_epsilon", 1e-6),
+            # an encoder's LayerNorms: attention.layer_norm_epsilon
+            rms_norm_eps=self._float("attention.layer_norm_epsilon" if self.family.encoder
+                                     else "attention.layer_norm_rms_epsilon", 1e-6),
+            encoder=self.family.encoder,
             rope_theta=self._float("rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(),
             max_position_embeddings=self._int("context_length", 4096),
             tie_word_embeddings="output.weight" not in self._tensors,
-            attention_bias=self._any_layer_has("attn_q.bias"),
+            attention_bias=self.family.attention_bias or self._any_layer_has("attn_q.bias"),
             qk_norm=self._any_layer_has("attn_q_norm.weight"),
             torch_dtype=_DTYPE_NAMES.get(self.quant_summary(), "bfloat16"),
             bos_token_id=bos,
@@ -621,7 +625,8 @@ class GGUFSource:
         every = self.family.no_rope_interval   # llama.cpp's fixed rule, not a metadata key
         windowed = self._swa_layers(n) if window else (False,) * n
         out: dict[str, Any] = {"layer_windows": tuple(window if w else 0 for w in windowed),
-                               "layer_rope": tuple(not every or (i + 1) % every != 0 for i in range(n))}
+                               "layer_rope": tuple(not self.family.absolute_positions and (not every or (i + 1) % every != 0)
+                                                   for i in range(n))}
         if self.family.partial_rope and rope_dim is not None:
             out["partial_rotary_factor"] = rope_dim / head_dim
         family = self.family

@@ -44,8 +44,11 @@ def _torch_dtype(dtype: str) -> torch.dtype | None:
     return found if isinstance(found, torch.dtype) else None
 
 
-def canonical_name(stored: str) -> str | None:
-    """Our (text-model HF) name for a checkpoint tensor name, or None for tensors we never use."""
+def canonical_name(stored: str, family=None) -> str | None:
+    """Our (text-model HF) name for a checkpoint tensor name, or None for tensors we never use; `family`: the
+    FamilySpec, whose own name map (hf_name) wins where it has one."""
+    if family is not None and family.hf_name is not None:
+        return family.hf_name(stored)
     if stored.startswith(_SKIPPED_PREFIXES):
         return None
     for old, new in _PREFIX_MAP:
@@ -85,7 +88,7 @@ class HFSource(FolderText):
         check_config(self.config, str(cfg_path))
         self.family = registry.family(self.config.arch)
         self.root = root
-        self._where = self._index_tensors(root)
+        self._where = self._index_tensors(root, self.family)
         self.file_size = sum(f.stat().st_size for f in {f for f, _ in self._where.values()})
         self._parts = self._split_fused()
         # A family's views of tensors stored in another layout (gpt-oss's experts): the stored ones are read
@@ -167,7 +170,7 @@ class HFSource(FolderText):
                 raise ModelLoadError(f"{f}: tensor {stored} has dtype {dtype}; supported: {', '.join(_FLOAT_DTYPES)}")
 
     @staticmethod
-    def _index_tensors(root: Path) -> dict[str, tuple[Path, str]]:
+    def _index_tensors(root: Path, family=None) -> dict[str, tuple[Path, str]]:
         """Our tensor name -> (file, name stored in that file)."""
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -189,7 +192,7 @@ class HFSource(FolderText):
                     raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         where = {}
         for name, f in stored.items():
-            ours = canonical_name(name)
+            ours = canonical_name(name, family)
             if ours is not None:
                 where[ours] = (f, name)
         return where

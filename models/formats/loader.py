@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,8 +61,11 @@ def load_tokenizer_and_template(source, cache: bool = False, template_file: str 
     text, origin = source.chat_template(), source.chat_template_origin()
     if template_file is not None:
         text, origin = read_template(template_file), template_file
-    template = ChatTemplate(text, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
-                            origin=origin)
+    with warnings.catch_warnings():
+        if source.config.encoder:   # it never chats: no warning that it has no chat template
+            warnings.simplefilter("ignore")
+        template = ChatTemplate(text, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
+                                origin=origin)
     eos = set(source.eos_ids())
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from nanochat.models.formats.gguf_file import GGUFFile, read_metadata, to_python
 from nanochat.models.text.fim import FimTokens, find_fim, stated_fim
 from nanochat.models.text.tokenizer_spm import build_spm
+from nanochat.models.text.tokenizer_wpm import build_wpm
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,8 @@ class Tokenizer:
             tok = _token_content(cfg.get(key))
             return backend.token_to_id(tok) if tok is not None else None
 
-        bos_id = tid("bos_token")
+        # An encoder's tokenizer (BERT) starts its inputs with a [CLS] token and names no BOS.
+        bos_id = tid("bos_token") if tid("bos_token") is not None else tid("cls_token")
         add_bos, add_eos, appended = cfg.get("add_bos_token"), cfg.get("add_eos_token"), tid("appended_token")
         if add_bos is None or add_eos is None:
             # No flag: trust the tokenizer.json post-processor (llama3 adds <|begin_of_text|> there; an embedding
@@ -305,10 +307,16 @@ class Tokenizer:
                        pad_token_id=spm.pad_token_id, add_bos=spm.add_bos, add_eos=spm.add_eos,
                        chat_template=meta.get("tokenizer.chat_template"), name=name, decoder=spm.decode,
                        fim=stated_fim(meta, spm.backend.get_vocab_size(with_added_tokens=True)))
+        if model == "bert":
+            wpm = build_wpm(meta, name)
+            return cls(wpm.backend, bos_token_id=wpm.bos_token_id, eos_token_id=wpm.eos_token_id,
+                       pad_token_id=wpm.pad_token_id, add_bos=wpm.add_bos, add_eos=wpm.add_eos,
+                       appended_id=wpm.appended_id, name=name)
         if model != "gpt2":
             raise UnsupportedTokenizerError(
-                f"{name}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2' and "
-                f"SentencePiece 'llama'); put a tokenizer.json beside the file or set {TOKENIZER_PATH_ENV}")
+                f"{name}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2', "
+                f"SentencePiece 'llama' and WordPiece 'bert'); put a tokenizer.json beside the file or set "
+                f"{TOKENIZER_PATH_ENV}")
         tokens = list(meta.get("tokenizer.ggml.tokens") or [])
         merges = meta.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
