@@ -223,11 +223,12 @@ class _PlanSource:
 
 
 def _plan_config(meta: dict):
-    """The part of the model's config the tokenizer and template checks read, as the plan keeps it."""
+    """The part of the model's config the tokenizer and template checks read, as the plan keeps it (a lean plan is
+    a fused decoder's: never an encoder)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(vocab_size=meta["vocab_size"], arch=meta["arch"],
-                           max_position_embeddings=meta["max_position_embeddings"])
+                           max_position_embeddings=meta["max_position_embeddings"], encoder=False)
 
 
 class _FolderPlanSource(FolderText):
