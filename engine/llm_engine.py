@@ -248,8 +248,8 @@ class LLMEngine:
         if not ids:
             raise RequestError("the input is empty")
         if len(ids) > limit:   # the whole context is the input's: nothing is generated after it
-            raise RequestError(f"the input has {len(ids)} tokens, but the context holds {limit} "
-                               f"({'max_num_batched_tokens' if limit < self.config.max_model_len else 'max_model_len'})")
+            knob = "max_num_batched_tokens" if limit < self.config.max_model_len else "max_model_len"
+            raise RequestError(f"the input has {len(ids)} tokens, but the context holds {limit} ({knob})")
         check_ids(ids, self.loaded.config.vocab_size)
         if self.block_manager.num_blocks_for(len(ids)) > len(self.block_manager.blocks):
             raise RequestError(f"the input needs {len(ids)} tokens of KV cache but the cache holds only "

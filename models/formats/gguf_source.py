@@ -623,10 +623,10 @@ class GGUFSource:
         n = self._num_layers()
         window = self._int("attention.sliding_window", 0, minimum=0) or 0
         every = self.family.no_rope_interval   # llama.cpp's fixed rule, not a metadata key
+        rope = not self.family.absolute_positions
         windowed = self._swa_layers(n) if window else (False,) * n
         out: dict[str, Any] = {"layer_windows": tuple(window if w else 0 for w in windowed),
-                               "layer_rope": tuple(not self.family.absolute_positions and (not every or (i + 1) % every != 0)
-                                                   for i in range(n))}
+                               "layer_rope": tuple(rope and (not every or (i + 1) % every != 0) for i in range(n))}
         if self.family.partial_rope and rope_dim is not None:
             out["partial_rotary_factor"] = rope_dim / head_dim
         family = self.family
