@@ -16,7 +16,7 @@ from torch import nn
 from nanochat.models.config import ModelConfig
 from nanochat.models.families.spec import FamilySpec
 from nanochat.models.layers.attention import AttnMetadata
-from nanochat.models.layers.common import Embedding, Linear, RotaryEmbedding, WeightLoader
+from nanochat.models.layers.common import Linear, RotaryEmbedding, WeightLoader, token_embedding
 
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
@@ -144,11 +144,7 @@ class BertModel(nn.Module):
     def __init__(self, cfg: ModelConfig, w: WeightLoader, block_size: int, max_positions: int):
         super().__init__()
         self.config, self.tp = cfg, w.tp
-        # The token table as the file has it (16-bit rows widened, GGML blocks dequantized, on lookup).
-        table = w.get("model.embed_tokens.weight")
-        if isinstance(table, torch.Tensor) and table.dtype not in (torch.float16, torch.bfloat16):
-            table = table.float()
-        self.embed_tokens = Embedding(table, torch.float32)
+        self.embed_tokens = token_embedding(w, "model.embed_tokens.weight")
         # learned absolute positions (BERT), else RoPE in every layer (Nomic BERT)
         rope = any(cfg.layer_rope)
         self.embed_positions = None if rope else nn.Parameter(

@@ -306,19 +306,21 @@ def embedding_and_head(cfg: ModelConfig, w: "WeightLoader") -> tuple[Embedding, 
     mine = [(start, count)] if tp.on else None     # this rank's vocabulary rows
     gather = (tp, [n for _, n in vocab]) if tp.on else None
     head = Linear(w.linear_weight([embed if tied else "lm_head.weight"], mine and [mine]), gather=gather)
-
-    def embedding(table):
-        return Embedding(table, w.dtype, tp, start)
-
     if tied and head.quant is not None and head.quant.backend == "q8":
-        return embedding(head.quant), head
-    table = w.get(embed)
+        return Embedding(head.quant, w.dtype, tp, start), head
+    return token_embedding(w, embed, mine, start), head
+
+
+def token_embedding(w: "WeightLoader", name: str, rows: Ranges | None = None, start: int = 0) -> Embedding:
+    """A token table as the file has it: GGML blocks, or 16-bit rows on the CPU, read where they lie (dequantized or
+    widened on lookup); else dense. rows / start: this rank's vocabulary rows (tensor parallel)."""
+    table = w.get(name)
     if isinstance(table, QuantWeight) and not w.dequantize:
-        return embedding(_slice(table, mine, None).to(w.device)), head
+        return Embedding(_slice(table, rows, None).to(w.device), w.dtype, w.tp, start)
     if isinstance(table, torch.Tensor) and table.dtype in (torch.float16, torch.bfloat16) and not w.dequantize \
             and w.device.type == "cpu":
-        return embedding(_slice(table, mine, None)), head   # 16-bit rows straight from the file
-    return embedding(w.dense(embed, rows=mine)), head
+        return Embedding(_slice(table, rows, None), w.dtype, w.tp, start)   # 16-bit rows straight from the file
+    return Embedding(w.dense(name, rows=rows), w.dtype, w.tp, start)
 
 
 def head_logits(lm_head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
