@@ -203,6 +203,30 @@ def test_batch_invariant_and_thread_invariant(t):
         assert torch.equal(cpu_qgemv.matmul(x[5:5 + n], pw), full[5:5 + n])
 
 
+@pytest.mark.parametrize("t", DENSE, ids=NAMES)
+def test_dense_rows_exact_in_any_batch(t):
+    """Dense weights over several 128-column chunks with a k % 4 tail: each batch size (AVX2 splits one into
+    passes of 3-6 rows and groups of 12) gives every row the bits it gets alone, on every SIMD level."""
+    qw = _weight(t, 40, 291, seed=8)
+    pw = cpu_qgemv.pack(qw)
+    x = torch.randn(26, 291)
+    best = cpu_qgemv.simd_level()
+    levels = [lv for lv in ("scalar", "avx2", "avx512-vnni")
+              if list(cpu_qgemv.SIMD_LEVELS.values()).index(lv) <= list(cpu_qgemv.SIMD_LEVELS.values()).index(best)]
+    try:
+        alone = None
+        for lv in levels:
+            cpu_qgemv.set_simd_level(lv)
+            rows = torch.cat([cpu_qgemv.matmul(x[i:i + 1], pw) for i in range(26)])
+            assert alone is None or torch.equal(rows, alone), lv
+            alone = rows
+            for n in (*range(2, 14), 25, 26):
+                assert torch.equal(cpu_qgemv.matmul(x[:n], pw), alone[:n]), (lv, n)
+    finally:
+        cpu_qgemv.set_simd_level(None)
+    _check_dense_bound(alone, x, gq.dequantize(qw), torch.zeros(40))
+
+
 @pytest.mark.parametrize("t", [gq.Q4_0, gq.Q8_0, gq.Q4_K, gq.Q6_K, gq.MXFP4, gq.F16], ids=NAMES)
 def test_weight_ending_at_unmapped_memory(t):
     """The kernels prefetch the weight stream ahead of the block they read, past the end of the weight on

@@ -65,6 +65,7 @@ using nc::qg::parallel_for;
 
 constexpr int ROWS = 16;  // output rows per tile
 constexpr int TMAX = 8;   // rows of x per pass over a tile
+constexpr int TMAX_DENSE_AVX2 = 12;  // dense weights on AVX2: two of dense_split's 6-row passes
 enum : int {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39
@@ -831,6 +832,11 @@ struct V256 {
     const I v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   }
+  static void bf16_unpacked(const uint8_t* p, F& lo, F& hi) {  // 16 bf16: rows 0-3, 8-11 | 4-7, 12-15
+    const I v = load(p);
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero(), v));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero(), v));
+  }
   static F loadf(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
   static F u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F s8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
@@ -1378,17 +1384,17 @@ inline float dense_w(int type, const uint8_t* p) {
 
 void dense_scalar(const Fmt& f, const uint8_t* w, int64_t k, const Acts& a, int64_t t0, int nt, const Out& o,
                   int64_t row0) {
-  float acc[TMAX][ROWS];
   for (int t = 0; t < nt; ++t) {
     const float* x = a.x + (t0 + t) * a.ldx;
+    float acc[ROWS];
     for (int r = 0; r < ROWS; ++r) {
       float p[DSPLIT] = {};
       for (int64_t i = 0; i < k; ++i)
         p[i % DSPLIT] = std::fma(dense_w(f.type, w + (i * ROWS + r) * f.raw_bytes), x[i], p[i % DSPLIT]);
-      acc[t][r] = (p[0] + p[1]) + (p[2] + p[3]);
+      acc[r] = (p[0] + p[1]) + (p[2] + p[3]);
     }
+    store_rows(o, t0 + t, row0, acc);
   }
-  for (int t = 0; t < nt; ++t) store_rows(o, t0 + t, row0, acc[t]);
 }
 
 #if NC_HAS_SIMD
@@ -1441,10 +1447,77 @@ inline void dense_simd(const uint8_t* w, int64_t k, const Acts& a, int64_t t0, c
   for (int t = 0; t < T; ++t) store_rows(o, t0 + t, row0, out[t]);
 }
 
+// AVX2, 3 or more rows of x. dense_simd keeps a row's 4 partials of an 8-row half in registers, so its
+// 16 registers hold 2 rows and each column costs a widening and 2 broadcasts per 2 FMAs (~57% of the
+// FMA peak). Here a pass runs one partial (columns j, j + 4, ...) of up to 6 rows over both halves:
+// 12 accumulators, each column widened once for 12 FMAs; the partials wait in `part` between passes
+// and chunks of KC columns (the chunk stays in L1 for its 4 passes). The arithmetic per output is
+// dense_simd's and the scalar's: 4 column-order chains, y = (p0 + p1) + (p2 + p3).
+template <class V, int TYPE, int T>
+inline void dense_split(const uint8_t* w, int64_t k, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
+  constexpr int ESZ = fmt_of(TYPE).raw_bytes, COL = ROWS * ESZ, KC = 128, H = V::HALVES;
+  // BF16: a column's 16 values widened by two unpacks, rows 0-3, 8-11 | 4-7, 12-15 (put back at the end)
+  constexpr bool UNPACKED = TYPE == BF16;
+  alignas(64) float part[DSPLIT][T][ROWS];
+  const float* x[T];
+  for (int t = 0; t < T; ++t) x[t] = a.x + (t0 + t) * a.ldx;
+  for (int64_t c0 = 0; c0 < k; c0 += KC) {
+    const int64_t c1 = std::min<int64_t>(k, c0 + KC);
+    for (int j = 0; j < DSPLIT; ++j) {
+      typename V::F p[H][T];
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < T; ++t)
+          p[h][t] = c0 == 0 ? V::zerof() : V::loadf(reinterpret_cast<const uint8_t*>(part[j][t] + V::L * h));
+      for (int64_t i = c0 + j; i < c1; i += DSPLIT) {
+        if (j == 0 && t0 == 0)  // the strided passes defeat the hardware prefetchers, F32's too
+          prefetch_lines<(DSPLIT * COL + 63) / 64>(w + i * COL + PF_AHEAD);
+        typename V::F wv[H];
+        if constexpr (UNPACKED) {
+          V::bf16_unpacked(w + i * COL, wv[0], wv[1]);
+        } else {
+          for (int h = 0; h < H; ++h) wv[h] = dense_load<V, TYPE>(w + i * COL + V::L * ESZ * h);
+        }
+        for (int t = 0; t < T; ++t) {
+          const typename V::F xb = V::set1f(x[t][i]);
+          for (int h = 0; h < H; ++h) p[h][t] = V::fma(wv[h], xb, p[h][t]);
+        }
+      }
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < T; ++t) V::store(part[j][t] + V::L * h, p[h][t]);
+    }
+  }
+  alignas(64) float out[ROWS], ordered[ROWS];
+  for (int t = 0; t < T; ++t) {
+    for (int c = 0; c < ROWS; c += V::L) {
+      auto ld = [&](int j) { return V::loadf(reinterpret_cast<const uint8_t*>(part[j][t] + c)); };
+      V::store(out + c, V::addf(V::addf(ld(0), ld(1)), V::addf(ld(2), ld(3))));
+    }
+    if constexpr (UNPACKED)
+      for (int r = 0; r < ROWS; ++r) ordered[r] = out[(r & 3) | (r >> 2 & 1) << 3 | (r >> 3) << 2];
+    store_rows(o, t0 + t, row0, UNPACKED ? ordered : out);
+  }
+}
+
 template <class V, int TYPE>
 void dense_any(const uint8_t* w, int64_t k, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
-  // Passes over up to 4 rows of x (AVX2: 2) keep the 4 partials per row in registers; the tile stays
-  // in cache between passes.
+  if constexpr (V::L == 8) {
+    if (nt >= 3) {
+      for (int groups = (nt + 5) / 6; groups > 0; --groups) {
+        const int m = (nt + groups - 1) / groups;  // the rows left spread evenly: 8 = 4 + 4, not 6 + 2
+        switch (m) {
+          case 6: dense_split<V, TYPE, 6>(w, k, a, t0, o, row0); break;
+          case 5: dense_split<V, TYPE, 5>(w, k, a, t0, o, row0); break;
+          case 4: dense_split<V, TYPE, 4>(w, k, a, t0, o, row0); break;
+          default: dense_split<V, TYPE, 3>(w, k, a, t0, o, row0); break;
+        }
+        t0 += m;
+        nt -= m;
+      }
+      return;
+    }
+  }
+  // Passes over up to 4 rows of x (AVX2: 1 or 2 rows, the rest above) keep the 4 partials per row in
+  // registers; the tile stays in cache between passes.
   while (nt > 0) {
     if constexpr (V::L == 16) {
       if (nt >= 4) { dense_simd<V, TYPE, 4>(w, k, a, t0, o, row0); t0 += 4; nt -= 4; continue; }
@@ -2461,8 +2534,9 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   if (n <= 0 || rows <= 0) return OK;
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const int64_t tile_stride = nblk * f->tile_bytes;
-  const int64_t groups = (n + TMAX - 1) / TMAX, items = tiles * groups;
-  const int64_t per_item = tile_stride * std::min<int64_t>(n, TMAX);
+  const int gsize = dense && g_simd == NC_ISA_AVX2 ? TMAX_DENSE_AVX2 : TMAX;
+  const int64_t groups = (n + gsize - 1) / gsize, items = tiles * groups;
+  const int64_t per_item = tile_stride * std::min<int64_t>(n, gsize);
   const int nt = call_threads(tiles * per_item, threads);
   Acts a{};
   a.k = k;
@@ -2489,11 +2563,11 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   const Out o{y, y_bf16, ldy, bias, rows};
   const TileFn fn = pick(type);
   const Fmt fm = *f;
-  // Items are (tile, group of 8 rows of x), tile-major: a chunk's tile stays in cache across its groups.
+  // Items are (tile, group of gsize rows of x), tile-major: a chunk's tile stays in cache across its groups.
   parallel_for(items, chunk_items(items, per_item, nt), nt, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t tile = it / groups, t0 = (it % groups) * TMAX;
-      const int cnt_t = static_cast<int>(std::min<int64_t>(TMAX, n - t0));
+      const int64_t tile = it / groups, t0 = (it % groups) * gsize;
+      const int cnt_t = static_cast<int>(std::min<int64_t>(gsize, n - t0));
       const uint8_t* tw = w + tile * tile_stride;
       if (fn)
         fn(tw, nblk, a, t0, cnt_t, o, tile * ROWS);
