@@ -372,6 +372,7 @@ def run_repl(opts: ReplOptions, quiet: bool = False, on_loaded=None) -> int:
     """Load the model (progress on stderr), then chat until /exit or end of input.
     `on_loaded()` runs once the model loaded (the CLI records it as a recent model)."""
     from nanochat.app.oneshot import load_client
+    from nanochat.engine.output import embeddings_only
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     client, _ = load_client(opts.model, opts.engine_config, quiet)
@@ -379,6 +380,9 @@ def run_repl(opts: ReplOptions, quiet: bool = False, on_loaded=None) -> int:
         if on_loaded is not None:
             on_loaded()
         repl = Repl(opts, client, interactive)
+        if client.model is not None and not client.model.writes_text:   # every message would be refused
+            repl.term.error(embeddings_only(model_name(opts.model)))
+            return 1
         if interactive:
             repl.term.note(f"nanochat · {model_name(opts.model)} · /help for commands, Ctrl-D to exit")
         return repl.run(_line_reader(opts, interactive))

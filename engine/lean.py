@@ -253,6 +253,7 @@ class LeanEngine:
     speculative_modes = ("off", "ngram")   # prompt lookup, for greedy requests (accept_greedy)
     # one-shots ask for no embeddings: it has no add_embedding
     pooling, embedding_model, embedding_length = "mean", False, 0
+    encoder = False
 
     def __init__(self, plan: LeanPlan, load_progress=None):
         from nanochat.engine.generation_defaults import card_defaults, sampling_defaults

@@ -15,7 +15,8 @@ from nanochat.engine.block_manager import BlockManager
 from nanochat.engine.config import Config
 from nanochat.engine.generation_defaults import card_defaults, sampling_defaults
 from nanochat.engine.model_runner import ModelRunner, kv_window
-from nanochat.engine.output import EngineStats, RequestError, RequestStats, TokenEvent, TokenLogprobs
+from nanochat.engine.output import (EngineStats, RequestError, RequestStats, TokenEvent, TokenLogprobs,
+                                    embeddings_only)
 from nanochat.engine.pooling import POOLINGS, PoolingParams, default_pooling, finish
 from nanochat.engine.reply_text import add_token, check_ids, check_prompt, request_stats, take_delta
 from nanochat.engine.sampler import Sampler, TokenHistory, token_logprobs, verify
@@ -206,8 +207,7 @@ class LLMEngine:
 
         sp = sampling_params or SamplingParams()
         if self.encoder:
-            raise RequestError(f"{self.loaded.config.name} is an embedding model: it writes no text (ask it for "
-                               "embeddings: LLM.embed, or /v1/embeddings of `nanochat serve`)")
+            raise RequestError(embeddings_only(self.loaded.config.name))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
         vocab = self.loaded.config.vocab_size

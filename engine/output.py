@@ -13,6 +13,12 @@ class RequestError(ValueError):
     """A request the engine cannot take (empty, longer than the context, larger than the KV cache)."""
 
 
+def embeddings_only(name: str) -> str:
+    """Why an encoder (ModelInfo.writes_text False) takes no message: one line for every front end."""
+    return (f"{name} is an embedding model: it writes no text (ask it for embeddings: LLM.embed, or /v1/embeddings "
+            "of `nanochat serve`)")
+
+
 class ContextExceeded(RequestError):
     """The prompt does not fit in the context (max_model_len) with room for one generated token."""
 

@@ -266,6 +266,37 @@ def test_an_encoder_writes_no_text_and_says_so(folder):
         LLM(str(folder), tensor_parallel_size=2)
 
 
+def test_front_ends_say_an_encoder_writes_no_text(folder, tmp_path):
+    """The client's ModelInfo says so; the TUI's gauges label the model "embeddings only" before any message is sent;
+    the REPL stops at once with the one-line reason (exit 1) instead of refusing every message."""
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from nanochat.app.controller import EngineState
+    from nanochat.app.tui.app import engine_labels
+    from nanochat.engine.serve.client import EngineClient
+    from nanochat.engine.serve.protocol import ModelInfo
+
+    client = EngineClient()
+    try:
+        info = client.load_model(str(folder))
+    finally:
+        client.shutdown()
+    assert not info.writes_text and info.embedding_model
+    chat = ModelInfo(model="chat", arch="qwen3", device="cpu", dtype="float32", max_model_len=64, load_seconds=0.0)
+    labels = {i.arch: engine_labels(SimpleNamespace(engine_state=EngineState.READY, model=i))[1] for i in (info, chat)}
+    assert labels == {"bert": "bert · cpu · float32 · embeddings only", "qwen3": "qwen3 · cpu · float32"}
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "repl", "--model", str(folder)], input="hello\n",
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home")))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith("is an embedding model: it writes no text (ask it for embeddings: "
+                                                       "LLM.embed, or /v1/embeddings of `nanochat serve`)")
+    assert "user: hello" not in r.stdout
+
+
 def test_bad_encoder_files_are_one_line_errors(folder, tmp_path):
     import shutil
 

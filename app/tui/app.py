@@ -105,7 +105,8 @@ def engine_labels(controller: ChatController, note: str | None = None) -> tuple[
     if info is None:
         return name, "", False
     device = info.device if info.tensor_parallel_size == 1 else f"{info.device} × {info.tensor_parallel_size} ranks"
-    return name, " · ".join(x for x in (info.arch, device, info.dtype) if x), False
+    only = "" if info.writes_text else "embeddings only"   # before a message is sent and refused
+    return name, " · ".join(x for x in (info.arch, device, info.dtype, only) if x), False
 
 
 class NanochatApp(App):

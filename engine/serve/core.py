@@ -191,7 +191,7 @@ class EngineCore:
                          reasoning_efforts=engine.loaded.chat_template.reasoning_efforts(),
                          speculative=engine.speculative, speculative_modes=engine.speculative_modes,
                          pooling=engine.pooling, embedding_model=engine.embedding_model,
-                         embedding_length=engine.embedding_length)
+                         embedding_length=engine.embedding_length, writes_text=not engine.encoder)
 
     def create_engine(self, model: str, config: dict, progress):
         """The engine for op_load (engine/lean.py's core makes its own)."""

@@ -60,6 +60,7 @@ class ModelInfo:
     pooling: str = "mean"           # an embedding request's pooling (engine/pooling.py): the model's own, else mean
     embedding_model: bool = False   # the model's files state a pooling: an embedding model (Ollama's "embedding")
     embedding_length: int = 0       # the width of its embeddings (the hidden size)
+    writes_text: bool = True        # False: an encoder (BERT-style): embeddings only, no replies
 
 
 class EngineError(RuntimeError):
