@@ -21,7 +21,7 @@ import os
 
 from nanochat.app.errors import UsageError
 from nanochat.engine.config import DEVICES, DTYPES, Config, names_a_model, valid_device
-from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POSITIVE_INT, REASONING_EFFORT,
+from nanochat.engine.rules import (KV_CACHE_GIB, NON_NEGATIVE_INT, PENALTY, POOLINGS, POSITIVE_INT, REASONING_EFFORT,
                                    REPETITION_PENALTY, SAMPLING_RULES, SEED, SPECULATIVE, SPECULATIVE_K, TEMPERATURE,
                                    TEMPLATE_RULES, THREADS, TOP_K, TOP_P, Rule, accepts, shown)
 from nanochat.engine.sampling_params import ANY_OBJECT, SamplingParams
@@ -189,6 +189,9 @@ def add_engine_options(parser, suppress: bool = False) -> None:
                help=f"most tokens proposed per step ({SPECULATIVE_K.text}; default 8)")
     add_option(parser, suppress, "--chat-template", type=name_arg, metavar="FILE",
                help="a Jinja chat template file to use instead of the model's (one that renders tools, say)")
+    add_option(parser, suppress, "--pooling", choices=["auto", *POOLINGS],
+               help="embeddings' pooling of the final hidden states when a request names none (auto: the model's "
+                    "files' own, else mean)")
     add_option(parser, suppress, "--quantize", choices=["q8_0"],
                help="quantize a Hugging Face checkpoint's linears to Q8_0 at load (~4x less memory than fp32, "
                     "the fast CPU path)")
@@ -224,6 +227,7 @@ def engine_config(args, settings, **extra) -> dict:
            "speculative": pick(args, "speculative", settings.speculative),
            "speculative_k": pick(args, "speculative_k", settings.speculative_k),
            "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
+           "pooling": getattr(args, "pooling", None),
            "chat_template": _absolute(getattr(args, "chat_template", None)), **extra}
     cfg = {k: v for k, v in cfg.items() if v is not None}
     try:

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from nanochat.engine.rules import (FRACTION, KV_CACHE_GIB, POSITIVE_INT, SPECULATIVE_K, THREADS, TP_SIZE, check,
-                                   shown)
+from nanochat.engine.rules import (FRACTION, KV_CACHE_GIB, POOLINGS, POSITIVE_INT, SPECULATIVE_K, THREADS, TP_SIZE,
+                                   check, shown)
 from nanochat.kernels.options import ACT_LEVELS
 
 if TYPE_CHECKING:
@@ -138,6 +138,8 @@ class Config:
     speculative: str = "auto"           # speculative decoding's proposer: auto | off | ngram | a draft model (its path
                                         # or hub id: same tokenizer); auto: ngram where exact (LLMEngine._proposer)
     speculative_k: int = 8              # most tokens proposed for one step
+    pooling: str = "auto"               # embedding requests' default pooling: auto (the model's files' own, else
+                                        # mean) | mean | cls | last (engine/pooling.py)
     tensor_parallel_size: int = 1       # ranks the model is split over (engine/tensor_parallel.py); under a
                                         # torch.distributed launcher (torchrun) its WORLD_SIZE
     chat_template: str | None = None    # a Jinja chat template file used instead of the model's
@@ -220,6 +222,9 @@ class Config:
             raise ValueError(f"speculative must be auto, off, ngram or a draft model's path or hub id, "
                              f"got {shown(self.speculative)}")
         check("speculative_k", SPECULATIVE_K, self.speculative_k)
+        if self.pooling not in ("auto", *POOLINGS):
+            raise ValueError(f"pooling must be auto, {', '.join(POOLINGS[:-1])} or {POOLINGS[-1]}, "
+                             f"got {shown(self.pooling)}")
         if self.act_levels not in ACT_LEVELS:
             raise ValueError(f"act_levels must be 1 or 2, got {self.act_levels!r}")
 

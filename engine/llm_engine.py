@@ -102,7 +102,8 @@ class LLMEngine:
         self.card_sampling = {k: v for k, v in card_defaults(self.loaded.source).items() if k not in stated}
         self.sampling_defaults = {**self.card_sampling, **stated}
         stated_pooling = self.loaded.source.stated_pooling()
-        self.pooling = default_pooling(stated_pooling)   # an embedding request's default
+        # an embedding request's default: --pooling, else the files' own, else mean
+        self.pooling = default_pooling(stated_pooling) if self.config.pooling == "auto" else self.config.pooling
         self.pooling_stated = stated_pooling in POOLINGS
         self.embedding_model = self.pooling_stated or self.encoder
         self.embedding_length = self.loaded.config.hidden_size
@@ -527,7 +528,10 @@ class LLMEngine:
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
-        report.extra["embeddings"] = (f"{self.pooling} pooling, as the model's files state" if self.pooling_stated
+        stated = self.loaded.source.stated_pooling() if self.pooling_stated else "none"
+        report.extra["embeddings"] = (f"{self.pooling} pooling (--pooling; the model's files state {stated})"
+                                      if self.config.pooling != "auto" else
+                                      f"{self.pooling} pooling, as the model's files state" if self.pooling_stated
                                       else "mean pooling (the model's files state none"
                                       + (": an encoder, embeddings only)" if self.encoder else ": a chat model)"))
         if self.config.chat_template is not None:

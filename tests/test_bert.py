@@ -149,6 +149,26 @@ def test_a_folder_embeds_as_transformers_does(folder, hf, hf_tok, pooling):
     assert llm.engine.block_manager.stats().used == 0
 
 
+def test_pooling_option_overrides_the_models_own(folder, hf, hf_tok, tmp_path):
+    """--pooling (Config.pooling) is what a request naming no pooling gets, and what the served model states; auto
+    keeps the files' own (a BERT folder states none: mean); a bad value is a one-line usage error."""
+    import subprocess
+    import sys
+
+    llm = LLM(str(folder), pooling="cls")
+    text = TEXTS[0]
+    got = torch.tensor(llm.embed([text])[0].embedding, dtype=torch.float64)
+    want = reference(hf, hf_tok(text).input_ids, "cls", normalize=True)
+    assert float((got - want).abs().max()) < 1e-5
+    assert dict(llm.engine.describe().lines())["embeddings"] == "cls pooling (--pooling; the model's files state none)"
+    assert LLM(str(folder), pooling="auto").engine.pooling == "mean"
+    with pytest.raises(ValueError, match="pooling must be auto, mean, cls or last, got 'max'"):
+        LLM(str(folder), pooling="max")
+    r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "serve", "--model", str(folder), "--pooling", "max"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--pooling: invalid choice: 'max'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_a_gguf_embeds_and_tokenizes_as_the_folder_does(folder, hf, hf_tok, tmp_path):
     path = write_bert_gguf(folder, tmp_path / "bert-f32.gguf")
     llm = LLM(str(path))
