@@ -39,7 +39,11 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
 import matrix_models  # noqa: E402
 
 PEER = """
-import json, resource, sys, time
+import json, sys, time
+# The peak resident set of this process's own memory (VmHWM; ru_maxrss also keeps a parent's across exec: a benchmark
+# that has just built a model in-process would be reported for the worker)
+def hwm_mb():
+    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:")) / 1024
 from llama_cpp import Llama
 path, texts, pooling = sys.argv[1], json.loads(open(sys.argv[2]).read()), int(sys.argv[3])
 vocab = Llama(model_path=path, vocab_only=True, verbose=False)
@@ -58,11 +62,15 @@ vectors = llm.embed(texts, normalize=True)
 seconds = time.perf_counter() - t
 tokens = sum(lengths)
 json.dump({"vectors": vectors, "seconds": seconds, "tokens": tokens, "ids": ids, "load": load,
-           "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, open(sys.argv[4], "w"))
+           "rss_mb": hwm_mb()}, open(sys.argv[4], "w"))
 """
 
 OURS = """
-import json, resource, sys, time
+import json, sys, time
+# The peak resident set of this process's own memory (VmHWM; ru_maxrss also keeps a parent's across exec: a benchmark
+# that has just built a model in-process would be reported for the worker)
+def hwm_mb():
+    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:")) / 1024
 from nanochat.engine import LLM
 from nanochat.engine.pooling import PoolingParams
 path, texts, pooling = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3]
@@ -75,7 +83,7 @@ seconds = time.perf_counter() - t
 json.dump({"vectors": [r.embedding for r in results], "seconds": seconds,
            "ids": [llm.tokenizer.encode(x) for x in texts], "load": load,
            "tokens": sum(r.stats.prompt_tokens for r in results),
-           "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, open(sys.argv[4], "w"))
+           "rss_mb": hwm_mb()}, open(sys.argv[4], "w"))
 """
 
 LLAMA_POOLING = {"mean": 1, "cls": 2, "last": 3, "file": -1}   # llama.cpp's enum; -1: the file's own
