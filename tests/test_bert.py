@@ -149,11 +149,13 @@ def test_a_folder_embeds_as_transformers_does(folder, hf, hf_tok, pooling):
     assert llm.engine.block_manager.stats().used == 0
 
 
-def test_pooling_option_overrides_the_models_own(folder, hf, hf_tok, tmp_path):
+def test_pooling_option_overrides_the_models_own(folder, hf, hf_tok):
     """--pooling (Config.pooling) is what a request naming no pooling gets, and what the served model states; auto
     keeps the files' own (a BERT folder states none: mean); a bad value is a one-line usage error."""
     import subprocess
     import sys
+
+    from nanochat.engine.serve.client import EngineClient
 
     llm = LLM(str(folder), pooling="cls")
     text = TEXTS[0]
@@ -162,6 +164,11 @@ def test_pooling_option_overrides_the_models_own(folder, hf, hf_tok, tmp_path):
     assert float((got - want).abs().max()) < 1e-5
     assert dict(llm.engine.describe().lines())["embeddings"] == "cls pooling (--pooling; the model's files state none)"
     assert LLM(str(folder), pooling="auto").engine.pooling == "mean"
+    client = EngineClient()
+    try:   # what /v1/embeddings and /api/embed pool with when serving
+        assert client.load_model(str(folder), pooling="cls").pooling == "cls"
+    finally:
+        client.shutdown()
     with pytest.raises(ValueError, match="pooling must be auto, mean, cls or last, got 'max'"):
         LLM(str(folder), pooling="max")
     r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "serve", "--model", str(folder), "--pooling", "max"],
