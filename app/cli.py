@@ -123,6 +123,7 @@ def build_parser(argv: list[str] | None = None) -> Parser:
 # External subcommands: (name, module, parser adder, one-line help for the listing).
 EXTERNAL = (("bench", "nanochat.app.bench_cli", "add_bench_parser", "benchmark the engine"),
             ("convert-model", "nanochat.app.convert_cli", "add_convert_parser", "convert a model"),
+            ("embed", "nanochat.app.embed_cli", "add_embed_parser", "print the embeddings of texts (one JSON line each)"),
             ("pull", "nanochat.app.pull", "add_pull_parser", "download a GGUF from a Hugging Face repo (REPO[:QUANT])"),
             ("serve", "nanochat.app.serve", "add_serve_parser", "serve the model over an OpenAI-compatible HTTP API"))
 

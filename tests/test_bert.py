@@ -324,6 +324,39 @@ def test_front_ends_say_an_encoder_writes_no_text(folder, tmp_path):
     assert "user: hello" not in r.stdout
 
 
+def test_embed_command_prints_the_engines_vectors(folder, tmp_path):
+    """`nanochat embed`: a JSON line per text (arguments, else stdin's non-blank lines) with the vector LLM.embed
+    gives; --dimensions / --no-normalize / --truncate as the API's; a refused input is one line, exit 1, no vectors."""
+    import os
+    import subprocess
+    import sys
+
+    def embed(*args, stdin=None):
+        r = subprocess.run([sys.executable, "-m", "nanochat.app.cli", "embed", "--model", str(folder), "-q", *args],
+                           input=stdin, capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, NANOCHAT_HOME=str(tmp_path / "home")))
+        assert "Traceback" not in r.stderr
+        return r.returncode, [json.loads(line) for line in r.stdout.splitlines()], r.stderr
+
+    llm = LLM(str(folder))
+    texts = TEXTS[:3]
+    rc, rows, _ = embed(*texts)
+    want = llm.embed(texts)
+    assert rc == 0 and [r["index"] for r in rows] == [0, 1, 2]
+    assert [r["embedding"] for r in rows] == [w.embedding for w in want]
+    assert [r["tokens"] for r in rows] == [w.stats.prompt_tokens for w in want]
+    rc, rows, _ = embed("--dimensions", "8", "--no-normalize", stdin=f"{texts[0]}\n\n  \n{texts[1]}\n")
+    raw = llm.embed(texts[:2], PoolingParams("mean", normalize=False, dimensions=8))
+    assert rc == 0 and [r["embedding"] for r in rows] == [w.embedding for w in raw]
+    long = " ".join(["word"] * (2 * CONTEXT))
+    rc, rows, err = embed(texts[0], long)
+    assert rc == 1 and rows == [] and err.startswith("nanochat embed: error: input 2: ") and len(err.splitlines()) == 1
+    rc, rows, _ = embed(long, "--truncate")
+    assert rc == 0 and rows[0]["tokens"] == CONTEXT
+    rc, rows, err = embed(stdin="\n \n")
+    assert rc == 2 and rows == [] and "nothing to embed" in err
+
+
 def test_bad_encoder_files_are_one_line_errors(folder, tmp_path):
     import shutil
 
