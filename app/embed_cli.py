@@ -54,7 +54,7 @@ def read_texts(args) -> list[str]:
 
 def _embed(args) -> int:
     from nanochat.app.oneshot import load_client
-    from nanochat.engine.pooling import PoolingParams
+    from nanochat.engine import PoolingParams
 
     settings = args.settings
     texts = read_texts(args)
