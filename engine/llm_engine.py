@@ -104,8 +104,8 @@ class LLMEngine:
         stated_pooling = self.loaded.source.stated_pooling()
         # an embedding request's default: --pooling, else the files' own, else mean
         self.pooling = default_pooling(stated_pooling) if self.config.pooling == "auto" else self.config.pooling
-        self.pooling_stated = stated_pooling in POOLINGS
-        self.embedding_model = self.pooling_stated or self.encoder
+        self.stated_pooling = stated_pooling if stated_pooling in POOLINGS else None
+        self.embedding_model = self.stated_pooling is not None or self.encoder
         self.embedding_length = self.loaded.config.hidden_size
         self.workers = None
         if self.config.tensor_parallel_size > 1:
@@ -528,10 +528,10 @@ class LLMEngine:
         report.extra["context"] = f"{self.config.max_model_len:,} tokens (model: " \
                                   f"{self.loaded.config.max_position_embeddings:,})"
         report.extra["load time"] = f"{self.load_seconds:.2f} s"
-        stated = self.loaded.source.stated_pooling() if self.pooling_stated else "none"
-        report.extra["embeddings"] = (f"{self.pooling} pooling (--pooling; the model's files state {stated})"
+        report.extra["embeddings"] = (f"{self.pooling} pooling (--pooling; the model's files state "
+                                      f"{self.stated_pooling or 'none'})"
                                       if self.config.pooling != "auto" else
-                                      f"{self.pooling} pooling, as the model's files state" if self.pooling_stated
+                                      f"{self.pooling} pooling, as the model's files state" if self.stated_pooling
                                       else "mean pooling (the model's files state none"
                                       + (": an encoder, embeddings only)" if self.encoder else ": a chat model)"))
         if self.config.chat_template is not None:
