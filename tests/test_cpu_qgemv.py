@@ -195,12 +195,38 @@ def test_batch_invariant_and_thread_invariant(t):
     """A row's output does not depend on the rest of the batch or the thread count (greedy invariance)."""
     in_f = _in_sizes(t)[-1]
     pw = cpu_qgemv.pack(_weight(t, 1000, in_f, seed=3))  # big enough to run on several threads
-    x = torch.randn(19, in_f)
+    x = torch.randn(31, in_f)  # from 16 rows AVX2 widens each tile once per thread (tile_gemm)
     full = cpu_qgemv.matmul(x, pw, threads=2)
     assert torch.equal(cpu_qgemv.matmul(x, pw, threads=1), full)
-    assert torch.equal(torch.cat([cpu_qgemv.matmul(x[i:i + 1], pw) for i in range(19)]), full)
-    for n in (2, 3, 4, 5, 6, 7):  # every pass size the kernels split a batch into
-        assert torch.equal(cpu_qgemv.matmul(x[5:5 + n], pw), full[5:5 + n])
+    assert torch.equal(torch.cat([cpu_qgemv.matmul(x[i:i + 1], pw) for i in range(31)]), full)
+    for n in (2, 3, 4, 5, 6, 7, 16, 25):  # every pass size the kernels split a batch into
+        assert torch.equal(cpu_qgemv.matmul(x[5:5 + n], pw, threads=2), full[5:5 + n])
+
+
+@pytest.mark.parametrize("t", QUANT, ids=NAMES)
+def test_prefill_rows_exact_on_every_path(t):
+    """Prefill-sized batches (on AVX2: each tile widened once, 6 rows of x at a time against it, the rest in
+    the usual passes) give every row the bits it gets alone, on every SIMD level, for fp32 and bf16 x."""
+    in_f = _in_sizes(t)[-1]
+    pw = cpu_qgemv.pack(_weight(t, 37, in_f, seed=t + 5))  # two whole tiles and a part
+    x = torch.randn(47, in_f)
+    best = cpu_qgemv.simd_level()
+    levels = [lv for lv in ("scalar", "avx2", "avx512-vnni")
+              if list(cpu_qgemv.SIMD_LEVELS.values()).index(lv) <= list(cpu_qgemv.SIMD_LEVELS.values()).index(best)]
+    try:
+        for xx in (x, x.bfloat16()):
+            alone = None
+            for lv in levels:
+                cpu_qgemv.set_simd_level(lv)
+                rows = torch.cat([cpu_qgemv.matmul(xx[i:i + 1], pw, out_dtype=torch.float32) for i in range(47)])
+                assert alone is None or torch.equal(rows, alone), lv
+                alone = rows
+                # AVX2 passes: 12 = 6 + 6; 15 = 12 + 3 the usual way; 16 = 12 + 4 by a pass that starts at row 10;
+                # 25 = 24 + 1; 28 = 24 + 4 by a pass from row 22 (the first group's); 47 = 24 + 18 + 5
+                for n in (12, 15, 16, 25, 28, 47):
+                    assert torch.equal(cpu_qgemv.matmul(xx[:n], pw, out_dtype=torch.float32), alone[:n]), (lv, n)
+    finally:
+        cpu_qgemv.set_simd_level(None)
 
 
 @pytest.mark.parametrize("t", DENSE, ids=NAMES)

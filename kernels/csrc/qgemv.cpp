@@ -23,7 +23,8 @@
 // the GGML blocks: per tile and block, the 16 rows' scales are stored side by side (one vector
 // load) and the quants are interleaved 4 bytes per row, so one `vpdpbusd` against a broadcast
 // group of 4 activations advances 16 rows at once and no horizontal sums are needed. A tile's
-// codes are unpacked once per block for up to 8 rows of x (prefill reuses them). Dense tiles hold
+// codes are unpacked once per block for up to 8 rows of x; for prefill's many rows (two levels) a thread
+// widens its tile once to int16 and dots 6-8 rows of x at a time against it (tile_gemm). Dense tiles hold
 // the 16 rows' values of each column side by side: one vector load per column, FMA'd with x[i].
 // The SIMD kernels prefetch the weight stream in software (PF_AHEAD): decode reads each weight once
 // from DRAM, and the hardware prefetchers alone leave the K-quant kernels at a third to a half of the
@@ -73,6 +74,7 @@ enum : int {
 enum : int { OK = 0, ERR_TYPE = 1, ERR_SHAPE = 2, ERR_RANGE = 3 };
 
 int g_simd = NC_ISA;
+std::atomic<uint64_t> g_calls{0};  // nc_qg_matmul calls that widen their tiles once (tile_gemm)
 
 // ------------------------------------------------------------------ formats
 // Per type: raw GGML block (elements, bytes) and the layout of one tile block (16 rows x 1 block).
@@ -556,7 +558,7 @@ inline int code(const Fmt& f, const uint8_t* b, int s, int r, int e) {
   return v;
 }
 
-int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == MXFP4 ? MX_OFF : 0; }
+constexpr int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == MXFP4 ? MX_OFF : 0; }
 
 // K-quants: the integer scale and min of the two 16-element halves of sub-block s from the block's scale
 // bytes (Q4_K / Q5_K have one per 32: both halves alike).
@@ -784,6 +786,7 @@ struct V256 {
   // one vpmaddwd per 16 pairs: the multiplies of one level, and the same exact int32 sums as the two
   // passes. Per half of the groups, its 8 widened vectors stay in registers for all T rows of x.
   static constexpr bool WIDE_X2 = true;
+  static constexpr int GEMM_T = 6;  // rows of x per pass of tile_gemm
   // Which passes widen: several rows of x share each widening; one row (decode) gains nothing from it,
   // bar Q8_0, whose sign handling it also saves. nc_qg_matmul fills the combined codes by the same rule.
   static constexpr bool widens(int type, int64_t rows) { return rows > 1 || type == Q8_0; }
@@ -885,6 +888,7 @@ struct V512 {
     return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x);
   }
   static constexpr bool WIDE_X2 = false;  // vpdpbusd: two passes cost no more than widening would
+  static constexpr int GEMM_T = 8;        // rows of x per pass of tile_gemm
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I set1(int v) { return _mm512_set1_epi32(v); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
@@ -1221,6 +1225,72 @@ inline void dot32(const typename V::I u[8], const int8_t* xq, typename V::I& lo,
   }
 }
 
+// The fp32 factors of sub-block s of a tile block for the rows of part h (a vector's rows): the scale and
+// min of the sub-block (dsc, cm), or of its 16-element halves (dg0 / dg1, cm0 / cm1); d and m are the part's.
+template <class V>
+struct Factors {
+  typename V::F dsc, cm, dg0, dg1, cm0, cm1;
+};
+
+template <class V, int TYPE>
+__attribute__((always_inline)) inline Factors<V> factors(const uint8_t* b, const uint8_t (*sc)[16],
+                                                         const uint8_t (*mn)[16], int s, int h, typename V::F d,
+                                                         typename V::F m) {
+  constexpr Fmt f = fmt_of(TYPE);
+  Factors<V> z{d, m, d, d, m, m};
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    z.dsc = V::mul(d, V::u8f(sc[s] + V::L * h));
+    z.cm = V::mul(m, V::u8f(mn[s] + V::L * h));
+  } else if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+    const uint8_t* planes = TYPE == Q6_K ? b + f.sc : sc[0];
+    z.dg0 = V::mul(d, V::s8f(planes + 16 * (2 * s) + V::L * h));
+    z.dg1 = V::mul(d, V::s8f(planes + 16 * (2 * s + 1) + V::L * h));
+  } else if constexpr (TYPE == Q2_K) {
+    z.dg0 = V::mul(d, V::u8f(sc[2 * s] + V::L * h));
+    z.dg1 = V::mul(d, V::u8f(sc[2 * s + 1] + V::L * h));
+    z.cm0 = V::mul(m, V::u8f(mn[2 * s] + V::L * h));
+    z.cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
+  }
+  return z;
+}
+
+// acc plus 32-block blk of row `row` of x against the factors' rows: lo and hi are the integer dot products of
+// the block's two 16-element halves (WIDE: the codes' offset already out of them). The fp32 operations of
+// every code path, in their order (apply_sums).
+template <class V, int TYPE, bool WIDE>
+__attribute__((always_inline)) inline typename V::F fold(typename V::F acc, const Factors<V>& z, typename V::I lo,
+                                                         typename V::I hi, const Acts& a, int64_t row, int64_t blk) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : int_offset(TYPE);
+  const int64_t kb32 = a.k >> 5, kb16 = a.k >> 4;
+  const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+  const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
+  if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
+    if constexpr (!WIDE) {
+      constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
+      lo = V::sub(lo, V::set1(OFF16 * s16[0]));
+      hi = V::sub(hi, V::set1(OFF16 * s16[1]));
+    }
+    acc = V::fma(V::mul(z.dg0, dx), V::cvt(lo), acc);
+    return V::fma(V::mul(z.dg1, dx), V::cvt(hi), acc);
+  } else if constexpr (TYPE == Q2_K) {
+    const float dxs = a.d[row * kb32 + blk];
+    acc = V::fma(V::mul(z.dg0, dx), V::cvt(lo), acc);
+    acc = V::fma(V::mul(z.dg1, dx), V::cvt(hi), acc);
+    acc = V::fnma(z.cm0, V::set1f(dxs * static_cast<float>(s16[0])), acc);
+    return V::fnma(z.cm1, V::set1f(dxs * static_cast<float>(s16[1])), acc);
+  } else {
+    typename V::I tot = V::add(lo, hi);
+    if constexpr (OFF != 0 && !WIDE) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
+    acc = V::fma(V::mul(z.dsc, dx), V::cvt(tot), acc);
+    if constexpr (TYPE == Q4_K || TYPE == Q5_K)
+      acc = V::fnma(z.cm, V::set1f(a.ds[row * kb32 + blk]), acc);
+    else if constexpr (f.m >= 0)
+      acc = V::fma(z.cm, V::set1f(a.ds[row * kb32 + blk]), acc);
+    return acc;
+  }
+}
+
 template <class V, int TYPE, int T, bool X2>
 inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
@@ -1230,7 +1300,6 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
     if constexpr (X2 && V::WIDE_X2) return V::widens(TYPE, T);
     return false;
   }();
-  const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
   alignas(64) float out[T][ROWS];
   // Vectors narrower than a tile (AVX2, NEON) take its rows a part (half, quarter) at a time. One row of x
   // (decode) takes all parts of a block in one pass, so the tile streams from memory once, front to back,
@@ -1270,21 +1339,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
           }
           typename V::I u[8];
           unpack<V, TYPE>(b, s, h, u);
-          // scale and min of the sub-block, or of its halves (dg0 / dg1, cm0 / cm1)
-          typename V::F dsc = d, cm = m, dg0 = d, dg1 = d, cm0 = m, cm1 = m;
-          if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
-            dsc = V::mul(d, V::u8f(sc[s] + V::L * h));
-            cm = V::mul(m, V::u8f(mn[s] + V::L * h));
-          } else if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-            const uint8_t* planes = TYPE == Q6_K ? b + f.sc : sc[0];
-            dg0 = V::mul(d, V::s8f(planes + 16 * (2 * s) + V::L * h));
-            dg1 = V::mul(d, V::s8f(planes + 16 * (2 * s + 1) + V::L * h));
-          } else if constexpr (TYPE == Q2_K) {
-            dg0 = V::mul(d, V::u8f(sc[2 * s] + V::L * h));
-            dg1 = V::mul(d, V::u8f(sc[2 * s + 1] + V::L * h));
-            cm0 = V::mul(m, V::u8f(mn[2 * s] + V::L * h));
-            cm1 = V::mul(m, V::u8f(mn[2 * s + 1] + V::L * h));
-          }
+          const Factors<V> fz = factors<V, TYPE>(b, sc, mn, s, h, d, m);
           const int64_t blk = kb * SUBS + s;
           // The codes' offset (Q6_K's 32, Q3_K's 4, OFF), subtracted from the integer sums as sums of x; WIDE
           // dots take it out of the widened codes instead.
@@ -1307,30 +1362,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
             } else {
               dot32<V, TYPE>(u, xq1 + row * a.k + 32 * blk, lo, hi);
             }
-            const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
-            const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
-            if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
-              if constexpr (!WIDE) {
-                lo = V::sub(lo, V::set1(OFF16 * s16[0]));
-                hi = V::sub(hi, V::set1(OFF16 * s16[1]));
-              }
-              acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
-              acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
-            } else if constexpr (TYPE == Q2_K) {
-              const float dxs = a.d[row * kb32 + blk];
-              acc[t] = V::fma(V::mul(dg0, dx), V::cvt(lo), acc[t]);
-              acc[t] = V::fma(V::mul(dg1, dx), V::cvt(hi), acc[t]);
-              acc[t] = V::fnma(cm0, V::set1f(dxs * static_cast<float>(s16[0])), acc[t]);
-              acc[t] = V::fnma(cm1, V::set1f(dxs * static_cast<float>(s16[1])), acc[t]);
-            } else {
-              typename V::I tot = V::add(lo, hi);
-              if constexpr (OFF != 0 && !WIDE) tot = V::sub(tot, V::set1(OFF * (s16[0] + s16[1])));
-              acc[t] = V::fma(V::mul(dsc, dx), V::cvt(tot), acc[t]);
-              if constexpr (TYPE == Q4_K || TYPE == Q5_K)
-                acc[t] = V::fnma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
-              else if constexpr (f.m >= 0)
-                acc[t] = V::fma(cm, V::set1f(a.ds[row * kb32 + blk]), acc[t]);
-            }
+            acc[t] = fold<V, TYPE, WIDE>(acc[t], fz, lo, hi, a, row, blk);
           }
         }
       }
@@ -1356,12 +1388,210 @@ void tile_split(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int n
   }
 }
 
+#if NC_HAS_AVX2
+// ------------------------------------------------------------------ prefill: a tile's codes widened once
+// For many rows of x (prefill, two activation levels) a thread widens its tile once (WideTile: per pair of
+// elements, the 16 rows' codes less their offset as int16, one row per int32 lane; the blocks' fp32 factors)
+// and dots V::GEMM_T rows of x at a time against it, with the combined codes 256 q + q2 as int16: per pair, one
+// load of the codes (two on AVX2), then per row of x a broadcast of its pair and one vpdpwssd (AVX-512 VNNI) or a
+// vpmaddwd and an add (AVX2), into int32 accumulators that hold a block's (or a half's) sums in registers. The
+// per-pass work of tile_simd goes: the codes' unpacking (and, on AVX2, widening) for every 8 rows of x, AVX2's
+// horizontal adds (its vectors hold 4 rows x 4 elements), and on AVX-512 the second level's products. Per block
+// the same integer sums and the same fp32 operations (fold) as every other path.
+constexpr int64_t GEMM_MIN_ROWS = 12;  // fewer rows of x do not repay a tile's widening (nor a pass's overlap)
+constexpr int GEMM_GROUP = 24;         // rows of x per work item (nc_qg_matmul): 4 AVX2 passes, 3 AVX-512 ones
+
+struct WideTile {  // one thread's widened tile
+  const uint8_t* w = nullptr;
+  uint64_t call = 0;
+  std::vector<__m256i> codes;  // per 32-block: 16 pairs x rows 0-7 | 8-15
+  std::vector<float> factors;  // per 32-block: planes of 16 rows (Factors: dsc, cm or dg0, dg1, cm0, cm1)
+};
+thread_local WideTile t_wide;
+
+constexpr int FPLANES = 4;
+
+template <int TYPE>
+void widen_tile(const uint8_t* w, int64_t nblk, WideTile& wt) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr int SUBS = f.elems / 32;
+  constexpr int OFF = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : TYPE == Q8_0 ? 0 : int_offset(TYPE);
+  const int64_t nsb = nblk * SUBS;
+  if (static_cast<int64_t>(wt.codes.size()) < 32 * nsb) wt.codes.resize(32 * nsb);
+  if (static_cast<int64_t>(wt.factors.size()) < FPLANES * 16 * nsb) wt.factors.resize(FPLANES * 16 * nsb);
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    const uint8_t* b = w + kb * f.tile_bytes;
+    prefetch_lines<(f.tile_bytes + 63) / 64>(b + PF_AHEAD);
+    alignas(16) uint8_t sc[16][16], mn[16][16];
+    if constexpr (TYPE == Q4_K || TYPE == Q5_K) k_scales16(b + f.sc, sc, mn);
+    if constexpr (TYPE == Q2_K) q2k_scales16(b + f.sc, sc, mn);
+    if constexpr (TYPE == Q3_K) q3k_scales16(b + f.sc, sc);
+    for (int h = 0; h < 2; ++h) {
+      __m256 d, m = V256::zerof();
+      if constexpr (TYPE == MXFP4) d = V256::e8m0(b + f.d + 8 * h);
+      else d = V256::f16(b + f.d + 16 * h);
+      if constexpr (f.m >= 0) m = V256::f16(b + f.m + 16 * h);
+      for (int s = 0; s < SUBS; ++s) {
+        const int64_t blk = kb * SUBS + s;
+        const Factors<V256> z = factors<V256, TYPE>(b, sc, mn, s, h, d, m);
+        float* fp = wt.factors.data() + FPLANES * 16 * blk + 8 * h;
+        const __m256 planes[FPLANES] = {TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K ? z.dg0 : z.dsc,
+                                        TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K ? z.dg1 : z.cm, z.cm0, z.cm1};
+        for (int p = 0; p < FPLANES; ++p) V256::store(fp + 16 * p, planes[p]);
+        __m256i u[8];
+        unpack<V256, TYPE>(b, s, h, u);
+        __m256i* dst = wt.codes.data() + 32 * blk + h;
+        for (int g = 0; g < 8; ++g) {  // elements 4g..4g+3 of the 8 rows -> pairs 2g, 2g + 1, a row per lane
+          const __m256i ext = TYPE == Q8_0 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), u[g]) : _mm256_setzero_si256();
+          const __m256i off = _mm256_set1_epi16(OFF);
+          const __m256 lo = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_unpacklo_epi8(u[g], ext), off));  // rows 0, 1 | 4, 5
+          const __m256 hi = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_unpackhi_epi8(u[g], ext), off));  // rows 2, 3 | 6, 7
+          dst[2 * (2 * g)] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
+          dst[2 * (2 * g + 1)] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xdd));
+        }
+      }
+    }
+  }
+}
+
+// acc[2t + h] += the dot products of pairs [p0, p1) of a widened block (codes) with row t < 6 of x's combined
+// codes (x + t * ld): rows 8h..8h+7 of the tile, one per lane. In assembly: the compilers keep fewer than the 12
+// accumulators in the 16 registers and spill them on every pair.
+__attribute__((always_inline)) inline void gemm_dots(V256, const __m256i* codes, const int16_t* x, int64_t ld, int p0,
+                                                     int p1, __m256i acc[12]) {
+  __m256i a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7],
+          a8 = acc[8], a9 = acc[9], a10 = acc[10], a11 = acc[11];
+  const int64_t ldb = 2 * ld;
+  for (int p = p0; p < p1; ++p) {
+    const __m256i* c = codes + 2 * p;
+    const int16_t* x0 = x + 2 * p;
+    const int16_t* x3 = x0 + 3 * ld;
+    asm("vmovdqu (%[c]), %%ymm12\n\t"
+        "vmovdqu 32(%[c]), %%ymm13\n\t"
+        "vpbroadcastd (%[x0]), %%ymm14\n\t"
+        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\tvpaddd %%ymm15, %[a0], %[a0]\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a1], %[a1]\n\t"
+        "vpbroadcastd (%[x0],%[ld]), %%ymm14\n\t"
+        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\tvpaddd %%ymm15, %[a2], %[a2]\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a3], %[a3]\n\t"
+        "vpbroadcastd (%[x0],%[ld],2), %%ymm14\n\t"
+        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\tvpaddd %%ymm15, %[a4], %[a4]\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a5], %[a5]\n\t"
+        "vpbroadcastd (%[x3]), %%ymm14\n\t"
+        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\tvpaddd %%ymm15, %[a6], %[a6]\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a7], %[a7]\n\t"
+        "vpbroadcastd (%[x3],%[ld]), %%ymm14\n\t"
+        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\tvpaddd %%ymm15, %[a8], %[a8]\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a9], %[a9]\n\t"
+        "vpbroadcastd (%[x3],%[ld],2), %%ymm14\n\t"
+        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\tvpaddd %%ymm15, %[a10], %[a10]\n\t"
+        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a11], %[a11]\n\t"
+        : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3), [a4] "+x"(a4), [a5] "+x"(a5), [a6] "+x"(a6),
+          [a7] "+x"(a7), [a8] "+x"(a8), [a9] "+x"(a9), [a10] "+x"(a10), [a11] "+x"(a11)
+        : [c] "r"(c), [x0] "r"(x0), [x3] "r"(x3), [ld] "r"(ldb), "m"(*(const __m256i(*)[2])c)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
+  acc[6] = a6, acc[7] = a7, acc[8] = a8, acc[9] = a9, acc[10] = a10, acc[11] = a11;
+}
+
+#if NC_HAS_AVX512
+// acc[t] += the dot products of pairs [p0, p1) of a widened block with row t < 8 of x's combined codes: the 16
+// rows of the tile, one per lane, each row's broadcast folded into vpdpwssd's memory operand. In assembly: GCC
+// copied the accumulators between registers and spilled the codes on every pair.
+__attribute__((always_inline)) inline void gemm_dots(V512, const __m256i* codes, const int16_t* x, int64_t ld, int p0,
+                                                     int p1, __m512i acc[8]) {
+  __m512i a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
+  const int64_t ldb = 2 * ld;
+  for (int p = p0; p < p1; ++p) {
+    const __m256i* c = codes + 2 * p;
+    const int16_t* x0 = x + 2 * p;
+    const int16_t* x3 = x0 + 3 * ld;
+    const int16_t* x6 = x0 + 6 * ld;
+    __m512i w;
+    asm("vmovdqu64 (%[c]), %[w]\n\t"
+        "vpdpwssd (%[x0])%{1to16%}, %[w], %[a0]\n\t"
+        "vpdpwssd (%[x0],%[ld])%{1to16%}, %[w], %[a1]\n\t"
+        "vpdpwssd (%[x0],%[ld],2)%{1to16%}, %[w], %[a2]\n\t"
+        "vpdpwssd (%[x3])%{1to16%}, %[w], %[a3]\n\t"
+        "vpdpwssd (%[x3],%[ld])%{1to16%}, %[w], %[a4]\n\t"
+        "vpdpwssd (%[x3],%[ld],2)%{1to16%}, %[w], %[a5]\n\t"
+        "vpdpwssd (%[x6])%{1to16%}, %[w], %[a6]\n\t"
+        "vpdpwssd (%[x6],%[ld])%{1to16%}, %[w], %[a7]\n\t"
+        : [a0] "+v"(a0), [a1] "+v"(a1), [a2] "+v"(a2), [a3] "+v"(a3), [a4] "+v"(a4), [a5] "+v"(a5), [a6] "+v"(a6),
+          [a7] "+v"(a7), [w] "=&v"(w)
+        : [c] "r"(c), [x0] "r"(x0), [x3] "r"(x3), [x6] "r"(x6), [ld] "r"(ldb), "m"(*(const __m256i(*)[2])c));
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
+}
+#endif
+
+// Rows t0 .. t0 + nt of x against a tile, GEMM_T at a time through its widened codes; returns how many it took
+// from t0, the rest (at most 3 rows) left to tile_split. A last pass of 4 or 5 rows runs as a whole pass that
+// starts earlier (rows of x before t0 + nt - GEMM_T exist: a call has at least GEMM_MIN_ROWS) and stores only
+// its new rows: a row's bits do not depend on the pass that computes it.
+template <class V, int TYPE>
+int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
+  constexpr Fmt f = fmt_of(TYPE);
+  constexpr bool HALVES = TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K;  // factors per 16 elements
+  constexpr int T = V::GEMM_T, P = ROWS / V::L;  // rows of x per pass, vectors per row of x
+  const int done = nt % T >= T - 2 ? nt : nt / T * T;
+  if (!done) return 0;
+  WideTile& wt = t_wide;
+  if (wt.w != w || wt.call != a.call) {
+    widen_tile<TYPE>(w, nblk, wt);
+    wt.w = w;
+    wt.call = a.call;
+  }
+  const int64_t nsb = nblk * (f.elems / 32);
+  for (int64_t next = t0; next < t0 + done; next += T) {
+    const int64_t t1 = std::min(next, t0 + done - T);
+    typename V::F acc[P * T];  // a local array: its stores do not alias x's scales (fold's loads)
+    for (typename V::F& v : acc) v = V::zerof();
+    for (int64_t blk = 0; blk < nsb; ++blk) {
+      const __m256i* codes = wt.codes.data() + 32 * blk;
+      const int16_t* x = a.c16 + t1 * a.k + 32 * blk;
+      typename V::I lo[P * T], hi[P * T];
+      for (int i = 0; i < P * T; ++i) lo[i] = hi[i] = V::zero();
+      gemm_dots(V{}, codes, x, a.k, 0, HALVES ? 8 : 16, lo);
+      if constexpr (HALVES) gemm_dots(V{}, codes, x, a.k, 8, 16, hi);
+      const float* fp = wt.factors.data() + FPLANES * 16 * blk;
+      for (int h = 0; h < P; ++h) {
+        auto plane = [&](int i) { return V::loadf(reinterpret_cast<const uint8_t*>(fp + 16 * i + V::L * h)); };
+        Factors<V> z;
+        z.dsc = z.dg0 = plane(0);
+        z.cm = z.dg1 = plane(1);
+        z.cm0 = plane(2);
+        z.cm1 = plane(3);
+        for (int t = 0; t < T; ++t)
+          acc[P * t + h] = fold<V, TYPE, true>(acc[P * t + h], z, lo[P * t + h], hi[P * t + h], a, t1 + t, blk);
+      }
+    }
+    for (int t = static_cast<int>(next - t1); t < T; ++t) {
+      alignas(64) float out[ROWS];
+      for (int h = 0; h < P; ++h) V::store(out + V::L * h, acc[P * t + h]);
+      store_rows(o, t1 + t, row0, out);
+    }
+  }
+  return done;
+}
+#endif
+
 template <class V, int TYPE>
 void tile_any(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
-  if (a.q2)
+  if (a.q2) {
+#if NC_HAS_AVX2
+    if constexpr (requires { V::GEMM_T; })
+      if (a.call) {
+        const int done = tile_gemm<V, TYPE>(w, nblk, a, t0, nt, o, row0);
+        t0 += done;
+        nt -= done;
+      }
+#endif
     tile_split<V, TYPE, true>(w, nblk, a, t0, nt, o, row0);
-  else
+  } else {
     tile_split<V, TYPE, false>(w, nblk, a, t0, nt, o, row0);
+  }
 }
 #endif
 
@@ -2534,7 +2764,13 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   if (n <= 0 || rows <= 0) return OK;
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const int64_t tile_stride = nblk * f->tile_bytes;
-  const int gsize = dense && g_simd == NC_ISA_AVX2 ? TMAX_DENSE_AVX2 : TMAX;
+#if NC_HAS_AVX2
+  const bool gemm = !dense && x2 && n >= GEMM_MIN_ROWS && (g_simd == NC_ISA_AVX2 || g_simd == NC_ISA_AVX512);
+  const int gsize = dense && g_simd == NC_ISA_AVX2 ? TMAX_DENSE_AVX2 : gemm ? GEMM_GROUP : TMAX;
+#else
+  const bool gemm = false;
+  const int gsize = TMAX;
+#endif
   const int64_t groups = (n + gsize - 1) / gsize, items = tiles * groups;
   const int64_t per_item = tile_stride * std::min<int64_t>(n, gsize);
   const int nt = call_threads(tiles * per_item, threads);
@@ -2552,13 +2788,14 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   } else {
     // The V256 kernels' widened passes read the combined codes (a pass has at most n rows).
 #if NC_HAS_AVX2
-    const bool wide = g_simd == NC_ISA_AVX2 && V256::widens(type, n);
+    const bool wide = gemm || (g_simd == NC_ISA_AVX2 && V256::widens(type, n));
 #else
     const bool wide = false;
 #endif
     g_acts.reserve(n, k, x2, wide);
     quantize_rows(g_acts, x, x_bf16, n, ldx, nt);
     a = g_acts.view();
+    if (gemm) a.call = ++g_calls;  // its tiles widened once per thread (tile_gemm)
   }
   const Out o{y, y_bf16, ldy, bias, rows};
   const TileFn fn = pick(type);

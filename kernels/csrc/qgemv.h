@@ -30,6 +30,7 @@ struct Acts {
   int64_t k;
   const float* x;
   int64_t ldx;
+  uint64_t call;  // nonzero: the AVX2 kernels may widen each tile once for this call's many rows (tile_gemm)
 };
 
 // Storage for quantized rows; grows, never shrinks (a thread's buffer serves all its calls).
