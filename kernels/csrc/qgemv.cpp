@@ -1526,15 +1526,16 @@ __attribute__((always_inline)) inline void gemm_dots(V512, const __m256i* codes,
 }
 #endif
 
-// Rows t0 .. t0 + nt of x against a tile, GEMM_T at a time through its widened codes; returns how many it took
-// from t0, the rest (at most 3 rows) left to tile_split. A last pass of 4 or 5 rows runs as a whole pass that
-// starts earlier (rows of x before t0 + nt - GEMM_T exist: a call has at least GEMM_MIN_ROWS) and stores only
-// its new rows: a row's bits do not depend on the pass that computes it.
+// Rows t0 .. t0 + nt of x against a tile, V::GEMM_T (T) at a time through its widened codes; returns how many it
+// took from t0, the rest (fewer than T - 2 rows) left to tile_split. A last pass of T - 2 or T - 1 rows runs as a
+// whole pass that starts earlier (rows of x before t0 + nt - T exist: a call has at least GEMM_MIN_ROWS) and
+// stores only its new rows: a row's bits do not depend on the pass that computes it.
 template <class V, int TYPE>
 int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr bool HALVES = TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K;  // factors per 16 elements
   constexpr int T = V::GEMM_T, P = ROWS / V::L;  // rows of x per pass, vectors per row of x
+  static_assert(GEMM_MIN_ROWS >= T);
   const int done = nt % T >= T - 2 ? nt : nt / T * T;
   if (!done) return 0;
   WideTile& wt = t_wide;
