@@ -205,11 +205,12 @@ def test_batch_invariant_and_thread_invariant(t):
 
 @pytest.mark.parametrize("t", QUANT, ids=NAMES)
 def test_prefill_rows_exact_on_every_path(t):
-    """Prefill-sized batches (on AVX2: each tile widened once, 6 rows of x at a time against it, the rest in
-    the usual passes) give every row the bits it gets alone, on every SIMD level, for fp32 and bf16 x."""
+    """Prefill-sized batches (AVX2 from 12 rows, AVX-512 from 64: each tile widened once, 6 or 8 rows of x at a
+    time against it, the rest in the usual passes) give every row the bits it gets alone, on every SIMD level,
+    for fp32 and bf16 x."""
     in_f = _in_sizes(t)[-1]
     pw = cpu_qgemv.pack(_weight(t, 37, in_f, seed=t + 5))  # two whole tiles and a part
-    x = torch.randn(47, in_f)
+    x = torch.randn(70, in_f)
     best = cpu_qgemv.simd_level()
     levels = [lv for lv in ("scalar", "avx2", "avx512-vnni")
               if list(cpu_qgemv.SIMD_LEVELS.values()).index(lv) <= list(cpu_qgemv.SIMD_LEVELS.values()).index(best)]
@@ -218,12 +219,13 @@ def test_prefill_rows_exact_on_every_path(t):
             alone = None
             for lv in levels:
                 cpu_qgemv.set_simd_level(lv)
-                rows = torch.cat([cpu_qgemv.matmul(xx[i:i + 1], pw, out_dtype=torch.float32) for i in range(47)])
+                rows = torch.cat([cpu_qgemv.matmul(xx[i:i + 1], pw, out_dtype=torch.float32) for i in range(70)])
                 assert alone is None or torch.equal(rows, alone), lv
                 alone = rows
                 # AVX2 passes: 12 = 6 + 6; 15 = 12 + 3 the usual way; 16 = 12 + 4 by a pass that starts at row 10;
-                # 25 = 24 + 1; 28 = 24 + 4 by a pass from row 22 (the first group's); 47 = 24 + 18 + 5
-                for n in (12, 15, 16, 25, 28, 47):
+                # 25 = 24 + 1; 28 = 24 + 4 by a pass from row 22 (the first group's); 47 = 24 + 18 + 5.
+                # AVX-512: 64 = 24 + 24 + 16; 66 = ... + 16 + 2 the usual way; 70 = ... + 16 + 6 from row 62
+                for n in (12, 15, 16, 25, 28, 47, 64, 66, 70):
                     assert torch.equal(cpu_qgemv.matmul(xx[:n], pw, out_dtype=torch.float32), alone[:n]), (lv, n)
     finally:
         cpu_qgemv.set_simd_level(None)

@@ -1398,7 +1398,10 @@ void tile_split(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int n
 // per-pass work of tile_simd goes: the codes' unpacking (and, on AVX2, widening) for every 8 rows of x, AVX2's
 // horizontal adds (its vectors hold 4 rows x 4 elements), and on AVX-512 the second level's products. Per block
 // the same integer sums and the same fp32 operations (fold) as every other path.
-constexpr int64_t GEMM_MIN_ROWS = 12;  // fewer rows of x do not repay a tile's widening (nor a pass's overlap)
+// Fewer rows of x do not repay a tile's widening (nor a pass's overlap). AVX-512's own passes unpack 16 rows of
+// codes a vector and run near this path's speed until x outgrows the caches (qgemv_tiles.cpp, Q4_1 / Q4_K in L2:
+// 0.83-0.96x at 12-32 rows, even at 64, 1.2-1.5x at 256).
+constexpr int64_t GEMM_MIN_ROWS_AVX2 = 12, GEMM_MIN_ROWS_AVX512 = 64;
 constexpr int GEMM_GROUP = 24;         // rows of x per work item (nc_qg_matmul): 4 AVX2 passes, 3 AVX-512 ones
 
 struct WideTile {  // one thread's widened tile
@@ -1528,14 +1531,14 @@ __attribute__((always_inline)) inline void gemm_dots(V512, const __m256i* codes,
 
 // Rows t0 .. t0 + nt of x against a tile, V::GEMM_T (T) at a time through its widened codes; returns how many it
 // took from t0, the rest (fewer than T - 2 rows) left to tile_split. A last pass of T - 2 or T - 1 rows runs as a
-// whole pass that starts earlier (rows of x before t0 + nt - T exist: a call has at least GEMM_MIN_ROWS) and
+// whole pass that starts earlier (rows of x before t0 + nt - T exist: a call has at least GEMM_MIN_ROWS_*) and
 // stores only its new rows: a row's bits do not depend on the pass that computes it.
 template <class V, int TYPE>
 int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr bool HALVES = TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K;  // factors per 16 elements
   constexpr int T = V::GEMM_T, P = ROWS / V::L;  // rows of x per pass, vectors per row of x
-  static_assert(GEMM_MIN_ROWS >= T);
+  static_assert(GEMM_MIN_ROWS_AVX2 >= T && GEMM_MIN_ROWS_AVX512 >= T);
   const int done = nt % T >= T - 2 ? nt : nt / T * T;
   if (!done) return 0;
   WideTile& wt = t_wide;
@@ -2766,7 +2769,8 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const int64_t tile_stride = nblk * f->tile_bytes;
 #if NC_HAS_AVX2
-  const bool gemm = !dense && x2 && n >= GEMM_MIN_ROWS && (g_simd == NC_ISA_AVX2 || g_simd == NC_ISA_AVX512);
+  const bool gemm = !dense && x2 &&
+                    ((g_simd == NC_ISA_AVX2 && n >= GEMM_MIN_ROWS_AVX2) || (g_simd == NC_ISA_AVX512 && n >= GEMM_MIN_ROWS_AVX512));
   const int gsize = dense && g_simd == NC_ISA_AVX2 ? TMAX_DENSE_AVX2 : gemm ? GEMM_GROUP : TMAX;
 #else
   const bool gemm = false;
