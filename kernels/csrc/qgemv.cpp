@@ -1259,11 +1259,11 @@ __attribute__((always_inline)) inline Factors<V> factors(const uint8_t* b, const
 // every code path, in their order (apply_sums).
 template <class V, int TYPE, bool WIDE>
 __attribute__((always_inline)) inline typename V::F fold(typename V::F acc, const Factors<V>& z, typename V::I lo,
-                                                         typename V::I hi, const Acts& a, int64_t row, int64_t blk) {
+                                                         typename V::I hi, const Acts& a, int64_t row, int64_t blk,
+                                                         int64_t kb32) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : int_offset(TYPE);
-  const int64_t kb32 = a.k >> 5, kb16 = a.k >> 4;
-  const int32_t* s16 = a.s16 + row * kb16 + 2 * blk;
+  const int32_t* s16 = a.s16 + row * 2 * kb32 + 2 * blk;
   const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
   if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
     if constexpr (!WIDE) {
@@ -1300,6 +1300,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
     if constexpr (X2 && V::WIDE_X2) return V::widens(TYPE, T);
     return false;
   }();
+  const int64_t kb32 = a.k / 32;
   alignas(64) float out[T][ROWS];
   // Vectors narrower than a tile (AVX2, NEON) take its rows a part (half, quarter) at a time. One row of x
   // (decode) takes all parts of a block in one pass, so the tile streams from memory once, front to back,
@@ -1362,7 +1363,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
             } else {
               dot32<V, TYPE>(u, xq1 + row * a.k + 32 * blk, lo, hi);
             }
-            acc[t] = fold<V, TYPE, WIDE>(acc[t], fz, lo, hi, a, row, blk);
+            acc[t] = fold<V, TYPE, WIDE>(acc[t], fz, lo, hi, a, row, blk, kb32);
           }
         }
       }
@@ -1547,7 +1548,7 @@ int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt,
     wt.w = w;
     wt.call = a.call;
   }
-  const int64_t nsb = nblk * (f.elems / 32);
+  const int64_t nsb = nblk * (f.elems / 32), kb32 = a.k / 32;
   for (int64_t next = t0; next < t0 + done; next += T) {
     const int64_t t1 = std::min(next, t0 + done - T);
     typename V::F acc[P * T];  // a local array: its stores do not alias x's scales (fold's loads)
@@ -1568,7 +1569,7 @@ int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt,
         z.cm0 = plane(2);
         z.cm1 = plane(3);
         for (int t = 0; t < T; ++t)
-          acc[P * t + h] = fold<V, TYPE, true>(acc[P * t + h], z, lo[P * t + h], hi[P * t + h], a, t1 + t, blk);
+          acc[P * t + h] = fold<V, TYPE, true>(acc[P * t + h], z, lo[P * t + h], hi[P * t + h], a, t1 + t, blk, kb32);
       }
     }
     for (int t = static_cast<int>(next - t1); t < T; ++t) {
