@@ -559,6 +559,11 @@ inline int code(const Fmt& f, const uint8_t* b, int s, int r, int e) {
 }
 
 constexpr int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == MXFP4 ? MX_OFF : 0; }
+// The offset a type's unsigned codes carry (Q6_K's q + 32, Q3_K's q + 4 besides int_offset's): what the widened
+// int16 codes have taken out.
+constexpr int wide_offset(int type) { return type == Q6_K ? 32 : type == Q3_K ? 4 : int_offset(type); }
+// Whether a type's blocks scale each 16-element half on its own (the other types: each 32-element block).
+constexpr bool half_scales(int type) { return type == Q6_K || type == Q3_K || type == Q2_K; }
 
 // K-quants: the integer scale and min of the two 16-element halves of sub-block s from the block's scale
 // bytes (Q4_K / Q5_K have one per 32: both halves alike).
@@ -1267,9 +1272,8 @@ __attribute__((always_inline)) inline typename V::F fold(typename V::F acc, cons
   const typename V::F dx = V::set1f(a.d[row * kb32 + blk]);
   if constexpr (TYPE == Q6_K || TYPE == Q3_K) {
     if constexpr (!WIDE) {
-      constexpr int OFF16 = TYPE == Q6_K ? 32 : 4;
-      lo = V::sub(lo, V::set1(OFF16 * s16[0]));
-      hi = V::sub(hi, V::set1(OFF16 * s16[1]));
+      lo = V::sub(lo, V::set1(wide_offset(TYPE) * s16[0]));
+      hi = V::sub(hi, V::set1(wide_offset(TYPE) * s16[1]));
     }
     acc = V::fma(V::mul(z.dg0, dx), V::cvt(lo), acc);
     return V::fma(V::mul(z.dg1, dx), V::cvt(hi), acc);
@@ -1295,7 +1299,6 @@ template <class V, int TYPE, int T, bool X2>
 inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32;
-  constexpr int OFF = TYPE == Q8_0 ? V::Q8_BIAS : (TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == MXFP4 ? MX_OFF : 0);
   constexpr bool WIDE = [] {
     if constexpr (X2 && V::WIDE_X2) return V::widens(TYPE, T);
     return false;
@@ -1344,7 +1347,7 @@ inline void tile_simd(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0,
           const int64_t blk = kb * SUBS + s;
           // The codes' offset (Q6_K's 32, Q3_K's 4, OFF), subtracted from the integer sums as sums of x; WIDE
           // dots take it out of the widened codes instead.
-          constexpr int OFF16 = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : OFF;
+          constexpr int OFF16 = wide_offset(TYPE);  // (widening is AVX2's: its Q8_BIAS is 0)
           [[maybe_unused]] typename V::I wide_lo[T], wide_hi[T];
           if constexpr (WIDE)
             V::template dots_wide<T, TYPE == Q8_0, OFF16>(u, a.c16 + t0 * a.k + 32 * blk, a.k, wide_lo, wide_hi);
@@ -1408,7 +1411,7 @@ constexpr int GEMM_GROUP = 24;         // rows of x per work item (nc_qg_matmul)
 struct WideTile {  // one thread's widened tile
   const uint8_t* w = nullptr;
   uint64_t call = 0;
-  std::vector<__m256i> codes;  // per 32-block: 16 pairs x rows 0-7 | 8-15
+  std::vector<int16_t> codes;  // per 32-block: 16 pairs x 16 rows x 2 codes (a pair's rows 0-7 | 8-15: 64 bytes)
   std::vector<float> factors;  // per 32-block: planes of 16 rows (Factors: dsc, cm or dg0, dg1, cm0, cm1)
 };
 thread_local WideTile t_wide;
@@ -1419,9 +1422,9 @@ template <int TYPE>
 void widen_tile(const uint8_t* w, int64_t nblk, WideTile& wt) {
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32;
-  constexpr int OFF = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : TYPE == Q8_0 ? 0 : int_offset(TYPE);
+  constexpr int OFF = wide_offset(TYPE);
   const int64_t nsb = nblk * SUBS;
-  if (static_cast<int64_t>(wt.codes.size()) < 32 * nsb) wt.codes.resize(32 * nsb);
+  if (static_cast<int64_t>(wt.codes.size()) < 512 * nsb) wt.codes.resize(512 * nsb);
   if (static_cast<int64_t>(wt.factors.size()) < FPLANES * 16 * nsb) wt.factors.resize(FPLANES * 16 * nsb);
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const uint8_t* b = w + kb * f.tile_bytes;
@@ -1439,19 +1442,23 @@ void widen_tile(const uint8_t* w, int64_t nblk, WideTile& wt) {
         const int64_t blk = kb * SUBS + s;
         const Factors<V256> z = factors<V256, TYPE>(b, sc, mn, s, h, d, m);
         float* fp = wt.factors.data() + FPLANES * 16 * blk + 8 * h;
-        const __m256 planes[FPLANES] = {TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K ? z.dg0 : z.dsc,
-                                        TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K ? z.dg1 : z.cm, z.cm0, z.cm1};
+        const __m256 planes[FPLANES] = {half_scales(TYPE) ? z.dg0 : z.dsc, half_scales(TYPE) ? z.dg1 : z.cm, z.cm0,
+                                        z.cm1};
         for (int p = 0; p < FPLANES; ++p) V256::store(fp + 16 * p, planes[p]);
         __m256i u[8];
         unpack<V256, TYPE>(b, s, h, u);
-        __m256i* dst = wt.codes.data() + 32 * blk + h;
+        int16_t* dst = wt.codes.data() + 512 * blk + 16 * h;  // pair p's rows 8h..8h+7 at dst + 32 p
         for (int g = 0; g < 8; ++g) {  // elements 4g..4g+3 of the 8 rows -> pairs 2g, 2g + 1, a row per lane
           const __m256i ext = TYPE == Q8_0 ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), u[g]) : _mm256_setzero_si256();
           const __m256i off = _mm256_set1_epi16(OFF);
-          const __m256 lo = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_unpacklo_epi8(u[g], ext), off));  // rows 0, 1 | 4, 5
-          const __m256 hi = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_unpackhi_epi8(u[g], ext), off));  // rows 2, 3 | 6, 7
-          dst[2 * (2 * g)] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88));
-          dst[2 * (2 * g + 1)] = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xdd));
+          // rows 0, 1 | 4, 5 (lo) and 2, 3 | 6, 7 (hi), 4 codes each; then a row per lane, pair 2g and 2g + 1
+          const __m256 lo = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_unpacklo_epi8(u[g], ext), off));
+          const __m256 hi = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_unpackhi_epi8(u[g], ext), off));
+          auto store = [&](int p, __m256 v) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * p), _mm256_castps_si256(v));
+          };
+          store(2 * g, _mm256_shuffle_ps(lo, hi, 0x88));
+          store(2 * g + 1, _mm256_shuffle_ps(lo, hi, 0xdd));
         }
       }
     }
@@ -1461,13 +1468,13 @@ void widen_tile(const uint8_t* w, int64_t nblk, WideTile& wt) {
 // acc[2t + h] += the dot products of pairs [p0, p1) of a widened block (codes) with row t < 6 of x's combined
 // codes (x + t * ld): rows 8h..8h+7 of the tile, one per lane. In assembly: the compilers keep fewer than the 12
 // accumulators in the 16 registers and spill them on every pair.
-__attribute__((always_inline)) inline void gemm_dots(V256, const __m256i* codes, const int16_t* x, int64_t ld, int p0,
+__attribute__((always_inline)) inline void gemm_dots(V256, const int16_t* codes, const int16_t* x, int64_t ld, int p0,
                                                      int p1, __m256i acc[12]) {
   __m256i a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7],
           a8 = acc[8], a9 = acc[9], a10 = acc[10], a11 = acc[11];
   const int64_t ldb = 2 * ld;
   for (int p = p0; p < p1; ++p) {
-    const __m256i* c = codes + 2 * p;
+    const int16_t* c = codes + 32 * p;
     const int16_t* x0 = x + 2 * p;
     const int16_t* x3 = x0 + 3 * ld;
     asm("vmovdqu (%[c]), %%ymm12\n\t"
@@ -1492,7 +1499,7 @@ __attribute__((always_inline)) inline void gemm_dots(V256, const __m256i* codes,
         "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\tvpaddd %%ymm15, %[a11], %[a11]\n\t"
         : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3), [a4] "+x"(a4), [a5] "+x"(a5), [a6] "+x"(a6),
           [a7] "+x"(a7), [a8] "+x"(a8), [a9] "+x"(a9), [a10] "+x"(a10), [a11] "+x"(a11)
-        : [c] "r"(c), [x0] "r"(x0), [x3] "r"(x3), [ld] "r"(ldb), "m"(*(const __m256i(*)[2])c)
+        : [c] "r"(c), [x0] "r"(x0), [x3] "r"(x3), [ld] "r"(ldb), "m"(*(const int16_t(*)[32])c)
         : "xmm12", "xmm13", "xmm14", "xmm15");
   }
   acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
@@ -1503,12 +1510,12 @@ __attribute__((always_inline)) inline void gemm_dots(V256, const __m256i* codes,
 // acc[t] += the dot products of pairs [p0, p1) of a widened block with row t < 8 of x's combined codes: the 16
 // rows of the tile, one per lane, each row's broadcast folded into vpdpwssd's memory operand. In assembly: GCC
 // copied the accumulators between registers and spilled the codes on every pair.
-__attribute__((always_inline)) inline void gemm_dots(V512, const __m256i* codes, const int16_t* x, int64_t ld, int p0,
+__attribute__((always_inline)) inline void gemm_dots(V512, const int16_t* codes, const int16_t* x, int64_t ld, int p0,
                                                      int p1, __m512i acc[8]) {
   __m512i a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
   const int64_t ldb = 2 * ld;
   for (int p = p0; p < p1; ++p) {
-    const __m256i* c = codes + 2 * p;
+    const int16_t* c = codes + 32 * p;
     const int16_t* x0 = x + 2 * p;
     const int16_t* x3 = x0 + 3 * ld;
     const int16_t* x6 = x0 + 6 * ld;
@@ -1524,7 +1531,7 @@ __attribute__((always_inline)) inline void gemm_dots(V512, const __m256i* codes,
         "vpdpwssd (%[x6],%[ld])%{1to16%}, %[w], %[a7]\n\t"
         : [a0] "+v"(a0), [a1] "+v"(a1), [a2] "+v"(a2), [a3] "+v"(a3), [a4] "+v"(a4), [a5] "+v"(a5), [a6] "+v"(a6),
           [a7] "+v"(a7), [w] "=&v"(w)
-        : [c] "r"(c), [x0] "r"(x0), [x3] "r"(x3), [x6] "r"(x6), [ld] "r"(ldb), "m"(*(const __m256i(*)[2])c));
+        : [c] "r"(c), [x0] "r"(x0), [x3] "r"(x3), [x6] "r"(x6), [ld] "r"(ldb), "m"(*(const int16_t(*)[32])c));
   }
   acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
 }
@@ -1537,7 +1544,7 @@ __attribute__((always_inline)) inline void gemm_dots(V512, const __m256i* codes,
 template <class V, int TYPE>
 int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt, const Out& o, int64_t row0) {
   constexpr Fmt f = fmt_of(TYPE);
-  constexpr bool HALVES = TYPE == Q6_K || TYPE == Q3_K || TYPE == Q2_K;  // factors per 16 elements
+  constexpr bool HALVES = half_scales(TYPE);
   constexpr int T = V::GEMM_T, P = ROWS / V::L;  // rows of x per pass, vectors per row of x
   static_assert(GEMM_MIN_ROWS_AVX2 >= T && GEMM_MIN_ROWS_AVX512 >= T);
   const int done = nt % T >= T - 2 ? nt : nt / T * T;
@@ -1554,7 +1561,7 @@ int tile_gemm(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int nt,
     typename V::F acc[P * T];  // a local array: its stores do not alias x's scales (fold's loads)
     for (typename V::F& v : acc) v = V::zerof();
     for (int64_t blk = 0; blk < nsb; ++blk) {
-      const __m256i* codes = wt.codes.data() + 32 * blk;
+      const int16_t* codes = wt.codes.data() + 512 * blk;
       const int16_t* x = a.c16 + t1 * a.k + 32 * blk;
       typename V::I lo[P * T], hi[P * T];
       for (int i = 0; i < P * T; ++i) lo[i] = hi[i] = V::zero();
@@ -2216,7 +2223,7 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
   if constexpr (NT == 1) n = 1;
   constexpr Fmt f = fmt_of(TYPE);
   constexpr int SUBS = f.elems / 32, RAW = f.raw_bytes;
-  constexpr int OFF = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == MXFP4 ? MX_OFF : 0;
+  constexpr int OFF = int_offset(TYPE);
   // One scale for all 32 elements of a sub-block: rows are dotted two per vector, both halves summed in the dot.
   constexpr bool PAIRED = !WIDE && TYPE != Q2_K && TYPE != Q3_K && TYPE != Q6_K;
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
@@ -2287,7 +2294,7 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
         __m256i u[8];
         for (int r = 0; r < 8; ++r) u[r] = raw_codes32<TYPE, S>(b[r]);
         // WIDE: the codes less their offset as int16 (tile_simd's dots_wide), elements 0..7 | 16..23 and 8..15 | 24..31
-        constexpr int OFF16 = TYPE == Q6_K ? 32 : TYPE == Q3_K ? 4 : OFF;
+        constexpr int OFF16 = wide_offset(TYPE);
         [[maybe_unused]] __m256i wl[8], wh[8];
         if constexpr (WIDE)
           for (int r = 0; r < 8; ++r) {
@@ -2770,8 +2777,8 @@ int nc_qg_matmul(int type, const uint8_t* w, int64_t rows, int64_t k, const void
   const int64_t nblk = k / f->elems, tiles = (rows + ROWS - 1) / ROWS;
   const int64_t tile_stride = nblk * f->tile_bytes;
 #if NC_HAS_AVX2
-  const bool gemm = !dense && x2 &&
-                    ((g_simd == NC_ISA_AVX2 && n >= GEMM_MIN_ROWS_AVX2) || (g_simd == NC_ISA_AVX512 && n >= GEMM_MIN_ROWS_AVX512));
+  const bool gemm = !dense && x2 && ((g_simd == NC_ISA_AVX2 && n >= GEMM_MIN_ROWS_AVX2) ||
+                                     (g_simd == NC_ISA_AVX512 && n >= GEMM_MIN_ROWS_AVX512));
   const int gsize = dense && g_simd == NC_ISA_AVX2 ? TMAX_DENSE_AVX2 : gemm ? GEMM_GROUP : TMAX;
 #else
   const bool gemm = false;

@@ -18,7 +18,7 @@ namespace nc::qg {
 // Rows of x as the kernels take them (qgemv.cpp, "activations"): per row int8 codes q (and q2, the
 // residual's, with two levels); per 32 values the scale d of one unit of the combined code (q, or
 // 256 q + q2) and d * the sum of the combined codes; per 16 the sums of the combined codes. c16: the
-// combined codes as int16, where the AVX2 kernels read them (two levels, several rows at once). x, ldx:
+// combined codes as int16, where the AVX2 kernels (several rows at once) and tile_gemm read them (two levels). x, ldx:
 // dense weights' fp32 x.
 struct Acts {
   const int8_t* q;
@@ -30,7 +30,7 @@ struct Acts {
   int64_t k;
   const float* x;
   int64_t ldx;
-  uint64_t call;  // nonzero: the AVX2 kernels may widen each tile once for this call's many rows (tile_gemm)
+  uint64_t call;  // nonzero: the AVX2 / AVX-512 kernels widen each tile once for this call's many rows (tile_gemm)
 };
 
 // Storage for quantized rows; grows, never shrinks (a thread's buffer serves all its calls).
