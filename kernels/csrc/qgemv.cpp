@@ -692,8 +692,8 @@ inline void apply_sums(const Fmt& f, const RowBlock& rb, int64_t kb, const Acts&
     const int32_t* s16 = a.s16 + row * (a.k / 16) + 2 * blk;
     const int* isum = sums + 2 * s;
     if (f.type == Q6_K || f.type == Q3_K) {
-      const int off = f.type == Q6_K ? 32 : 4;
-      for (int h = 0; h < 2; ++h) y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - off * s16[h]), y);
+      for (int h = 0; h < 2; ++h)
+        y = std::fma(dg[h] * dx, static_cast<float>(isum[h] - wide_offset(f.type) * s16[h]), y);
       continue;
     }
     if (f.type == Q2_K) {
@@ -1403,8 +1403,8 @@ void tile_split(const uint8_t* w, int64_t nblk, const Acts& a, int64_t t0, int n
 // horizontal adds (its vectors hold 4 rows x 4 elements), and on AVX-512 the second level's products. Per block
 // the same integer sums and the same fp32 operations (fold) as every other path.
 // Fewer rows of x do not repay a tile's widening (nor a pass's overlap). AVX-512's own passes unpack 16 rows of
-// codes a vector and run near this path's speed until x outgrows the caches (qgemv_tiles.cpp, Q4_1 / Q4_K in L2:
-// 0.83-0.96x at 12-32 rows, even at 64, 1.2-1.5x at 256).
+// codes a vector and keep up with this path until x outgrows the caches (benchmarks/README.md, "Prefill: a tile
+// widened once").
 constexpr int64_t GEMM_MIN_ROWS_AVX2 = 12, GEMM_MIN_ROWS_AVX512 = 64;
 constexpr int GEMM_GROUP = 24;         // rows of x per work item (nc_qg_matmul): 4 AVX2 passes, 3 AVX-512 ones
 
@@ -2225,7 +2225,7 @@ void raw_rows8(const uint8_t* w, int64_t stride, int64_t nblk, int64_t pf, const
   constexpr int SUBS = f.elems / 32, RAW = f.raw_bytes;
   constexpr int OFF = int_offset(TYPE);
   // One scale for all 32 elements of a sub-block: rows are dotted two per vector, both halves summed in the dot.
-  constexpr bool PAIRED = !WIDE && TYPE != Q2_K && TYPE != Q3_K && TYPE != Q6_K;
+  constexpr bool PAIRED = !WIDE && !half_scales(TYPE);
   const int64_t kb32 = a.k / 32, kb16 = a.k / 16;
   // Rows 4..7 addressed from rows 0..3 (+ s4): 8 row pointers would not fit the general registers.
   const int64_t s4 = 4 * stride;
