@@ -60,7 +60,8 @@ def replay(ids: list[int], reply: list[int], costs: dict[int, float], max_tokens
     config = SpeculationConfig()
     times = StepTimes(config.row_cost)
     for n, ms in costs.items():
-        times.record(n, ms)
+        for _ in range(StepTimes.SETTLE):   # a row count's cost stands for it once it has SETTLE steps
+            times.record(n, ms)
     spec = Speculation(config, "ngram")
     pos, spent, steps = 1, 0.0, 0          # the first token comes from the prefill, as speculative.py counts
     while pos < len(reply):

@@ -179,6 +179,25 @@ def test_a_batchs_step_cost_is_a_line_through_noisy_measurements():
     assert steep.ratio(36, 4) == pytest.approx(40 / 36)
 
 
+def test_the_policy_replay_decides_on_the_costs_it_is_given():
+    """benchmarks/spec_policy.py charges each step the given cost of its rows, and the policy must choose k on
+    those same costs: with one record per row count (none settled) it chose on the prior's 0.15 a row, so a replay
+    at costs where extra rows do not pay proposed anyway and read below 1x."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        from spec_policy import replay
+    finally:
+        sys.path.pop(0)
+    ids = list(range(100, 160))
+    reply = ids[:40]                      # a reply that copies the prompt: every proposal after the first holds
+    expensive = {n: 1.0 * n for n in range(1, 10)}           # a row costs a whole step: no k pays
+    cheap = {n: 1.0 + 0.05 * (n - 1) for n in range(1, 10)}
+    assert replay(ids, reply, expensive, 64)["proposed"] <= 1   # at most the one probe of an unjudged kind
+    assert replay(ids, reply, cheap, 64)["gain"] > 3
+
 # ---------------------------------------------------------------------------------- verification
 def test_greedy_verification_keeps_the_agreeing_prefix_then_the_targets_token():
     logits = torch.full((4, 10), -1.0)
