@@ -2,12 +2,13 @@
 hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536), per build of the library.
 
     python benchmarks/bench_fused_step.py [--builds native avx2] [--type Q4_1] [--kv float16 float32]
-                                          [--prompt 2048] [--chunk 512] [--threads 2] [--repeats 3] [--segments]
+                                          [--prompt 2048] [--chunk 512] [--rows 1 3 8] [--threads 2]
+                                          [--repeats 3] [--segments]
 
 Prefill: a `prompt`-token prompt in chunks of `chunk` rows (one step each; later chunks attend over the
-earlier ones' cached keys), ms per chunk and their mean. Decode: one sequence, one row per step, ms per
-step after the prompt (its attention reads `prompt` keys). Each figure is the minimum over `repeats`
-runs (the machine may be shared). "avx2" is the library compiled with -mavx2 -mfma -mf16c (the AVX2
+earlier ones' cached keys), ms per chunk and their mean. Decode: one sequence, `rows` rows per step (1: plain
+decoding; more: a speculative verification step), ms per step after the prompt (its attention reads `prompt`
+keys). Each figure is the minimum over `repeats` runs (the machine may be shared). "avx2" is the library compiled with -mavx2 -mfma -mf16c (the AVX2
 code paths, as on most laptops) beside the native build.
 """
 
@@ -84,26 +85,30 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=int, default=16, help="decode steps per run")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="rows per decode step (2-9: verification)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     qtype = getattr(gq, args.type)
     x = torch.randn(args.chunk, 576, generator=torch.Generator().manual_seed(0))
     for kv in args.kv:
-        stack = build_stack(qtype, getattr(torch, kv), args.prompt + args.decode, segments=args.segments)
+        stack = build_stack(qtype, getattr(torch, kv), args.prompt + args.decode * max(args.rows),
+                            segments=args.segments)
         for build in args.builds:
             lib = cpu_qgemv.extension() if build == "native" else cpu_qgemv.build_variant(build, BUILD_FLAGS[build])
             dec = FusedDecoder(*stack, lib=lib)
             chunks = [(lo, min(args.prompt, lo + args.chunk)) for lo in range(0, args.prompt, args.chunk)]
-            prefill, decode = [float("inf")] * len(chunks), float("inf")
+            prefill, decode = [float("inf")] * len(chunks), {r: float("inf") for r in args.rows}
             for _ in range(args.repeats):
                 prefill = [min(a, step(dec, lo, hi, args.threads, x)) for a, (lo, hi) in zip(prefill, chunks)]
-                end = args.prompt + args.decode
-                decode = min([decode] + [step(dec, p, p + 1, args.threads, x) for p in range(args.prompt, end)])
+                for r in args.rows:
+                    starts = range(args.prompt, args.prompt + args.decode * r, r)
+                    decode[r] = min([decode[r]] + [step(dec, p, p + r, args.threads, x) for p in starts])
             contexts = ", ".join(str(hi) for _, hi in chunks)
+            steps = ", ".join(f"{r} rows {1e3 * t:.2f}" for r, t in decode.items())
             print(f"{build:6s} {args.type} kv {kv}: prefill ms per chunk (context {contexts}):"
                   f" {', '.join(f'{1e3 * t:.0f}' for t in prefill)}, mean {1e3 * sum(prefill) / len(prefill):.0f};"
-                  f" decode ms per step at context {args.prompt}: {1e3 * decode:.2f}", flush=True)
+                  f" decode ms per step at context {args.prompt}: {steps}", flush=True)
 
 
 if __name__ == "__main__":

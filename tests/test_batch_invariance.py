@@ -83,8 +83,9 @@ SCHEDULES = {
     "mixed": [[(0, 0, 37), (1, 0, 1), (2, 0, 7)], [(0, 37, 38), (1, 1, 70)], [(0, 38, 130), (1, 70, 71)],
               [(1, 71, 150), (0, 130, 200)]],
     # chunks of a few rows deep into a sequence (speculative verification: attended row by row) beside longer ones
-    "short chunks": [[(0, 0, 120), (1, 0, 5)], [(0, 120, 125), (1, 5, 150), (2, 0, 3)], [(0, 125, 133), (2, 3, 7)],
-                     [(0, 133, 142)], [(0, 142, 200)]],
+    # (past 128 keys their chunks share the key parts all their rows see whole, two sequences' in one step)
+    "short chunks": [[(0, 0, 120), (1, 0, 5)], [(0, 120, 125), (1, 5, 140), (2, 0, 3)], [(0, 125, 133), (2, 3, 7)],
+                     [(0, 133, 140), (1, 140, 146)], [(0, 140, 142), (1, 146, 150)], [(0, 142, 200)]],
 }
 
 
@@ -109,6 +110,23 @@ def _assert_schedules_agree(dec, dims, layers) -> tuple[list, list, dict]:
         differ = [key for key, row in runs[name].items() if not torch.equal(row, runs["alone"][key])]
         assert not differ, f"{name}: {len(differ)} rows differ from the sequence run alone, first {differ[0]}"
     return tables, x, runs["alone"]
+
+
+@pytest.mark.parametrize("build", ["native", "scalar"])
+@pytest.mark.parametrize("head_dim,heads", [(64, 6), (32, 4)], ids=["hd64", "hd32"])
+def test_short_chunks_deep_in_a_sequence_keep_its_bits(head_dim, heads, build):
+    """Verification-sized chunks (2-8 rows) past 256 keys, in a full-attention layer and a windowed one (130 keys:
+    at 385 the window's first part is whole): the key parts their rows share give each row the bits it has when
+    the sequence runs alone."""
+    lib = cpu_qgemv.build_variant("scalar", []) if build == "scalar" else None
+    dec, dims, layers = _stack(head_dim, heads, lib, windows=(130, 0))
+    tables = [np.random.default_rng(2).permutation(64)[:25].tolist()]
+    x = [torch.randn(395, dims.hidden, generator=torch.Generator().manual_seed(3))]
+    alone = _run_schedule(dec, dims, layers, tables, x, [[(0, 0, 395)]])
+    chunks = _run_schedule(dec, dims, layers, tables, x, [[(0, 0, 250)], [(0, 250, 258)], [(0, 258, 260)],
+                                                           [(0, 260, 385)], [(0, 385, 391)], [(0, 391, 395)]])
+    differ = [key for key, row in chunks.items() if not torch.equal(row, alone[key])]
+    assert not differ, f"{len(differ)} rows differ from the sequence run alone, first {differ[0]}"
 
 
 @pytest.mark.parametrize("head_dim,heads", [(64, 6), (32, 4)], ids=["hd64", "hd32"])

@@ -559,6 +559,10 @@ void activation_row(int op, const float* x, const float* u, int64_t n, float* ou
 //   that go this way: a one-row sequence (a decode row, or a chunk of one token) and each row of a short chunk
 //   (up to SHORT_ROWS: speculative verification), whose keys end at its own position. With fewer rows than
 //   threads a long context is several items ("split-K" as in flash-decoding) that the threads share.
+// - SHARED: the parts that every row of a short chunk sees whole (all but its last part or two, and a window's
+//   partial first part): each key and value row widened once for all the rows' query heads, the scores 8 keys
+//   at a time, each value row loaded once per pass for up to PV query vectors of any of the rows. Each query
+//   vector's part sums are those a PART item gives it.
 // - WIDEN: the keys of a longer several-row sequence (a prefill chunk) for one KV head, as fp32 rows, once
 //   for all its row blocks.
 // - ROWS: up to ROW_BLOCK rows of a several-row sequence x one KV head: the scores of all their query
@@ -574,17 +578,19 @@ constexpr int64_t ROW_BLOCK = 16, PART = 128;
 // few rows read and wrote the cache twice over, and their KV heads were too few items to share out.
 constexpr int64_t SHORT_ROWS = 8;
 
-enum class Work { PART, WIDEN, ROWS };
+enum class Work { PART, SHARED, WIDEN, ROWS };
 
-// A query row attended part by part: its sequence, its batch row and the keys it sees (its position + 1).
+// A query row attended part by part: its sequence, its batch row, the keys it sees (its position + 1) and
+// where its first part starts (the part holding its window's first key).
 struct OneRow {
-  int64_t seq, row, keys;
+  int64_t seq, row, keys, start;
 };
 
 struct Item {
-  int64_t seq;      // PART: the OneRow; WIDEN, ROWS: the sequence
-  int64_t lo, hi;   // PART: keys [lo, hi) (whole parts but the last); ROWS: batch rows [lo, hi)
-  int64_t index;    // PART: the first part's index in ml / o; WIDEN, ROWS: the KV head
+  int64_t seq;      // PART: the OneRow; SHARED: the first of its OneRows; WIDEN, ROWS: the sequence
+  int64_t lo, hi;   // PART, SHARED: keys [lo, hi) (whole parts but PART's last); ROWS: batch rows [lo, hi)
+  int64_t index;    // PART: the first part's index in ml / o; SHARED: the OneRow after its last; WIDEN, ROWS:
+                    // the KV head
   Work work;
 };
 
@@ -601,7 +607,7 @@ struct AttnJob {
   const float* sinks;               // [heads]: a logit per query head in the denominator only, or null
   std::vector<Item> items;
   std::vector<OneRow> one_rows;     // the rows attended part by part
-  std::vector<int64_t> first_part;  // [one_rows + 1]: parts of one_rows[i]
+  std::vector<int64_t> first_part;  // [one_rows + 1]: parts of one_rows[i] (its part at key p: part_index)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
   std::vector<float> o;             // [parts, heads, head_dim]
   // Several-row sequences: their keys' cache slots and fp32 keys [kv_heads][context][head_dim].
@@ -609,6 +615,8 @@ struct AttnJob {
   std::vector<float> keys;
 
   float* key_rows(int64_t t, int64_t g) { return &keys[keys_at[t] + g * b->context_lens[t] * m->head_dim]; }
+  // Where one_rows[i]'s part holding key p keeps its (m, l) and output in ml / o.
+  int64_t part_index(int64_t i, int64_t p) const { return first_part[i] + (p - one_rows[i].start) / PART; }
 
   void bind(const Model& model, const Batch& batch, const float* q, int64_t q_stride, float q_scale, const void* kc,
             const void* vc, float* dst, int64_t win, const float* sink_logits) {
@@ -635,13 +643,23 @@ struct AttnJob {
     const int64_t bs = m->block_size;
     return static_cast<int64_t>(b->block_tables[t * b->table_stride + p / bs]) * bs + p % bs;
   }
+  // Into out: where the cached rows of keys [p0, p1) of sequence t start (element offsets), a block at a time.
+  const std::vector<int64_t>& part_slots(int64_t t, int64_t p0, int64_t p1, std::vector<int64_t>& out) const {
+    const int64_t bs = m->block_size, kv = m->kv_size();
+    out.resize(p1 - p0);
+    for (int64_t p = p0; p < p1;) {
+      const int64_t end = std::min(p1, (p / bs + 1) * bs), base = slot(t, p) - p;
+      for (; p < end; ++p) out[p - p0] = (base + p) * kv;
+    }
+    return out;
+  }
 };
 
 // A pool thread's buffers: scores, one cached row widened to fp32, a chunk of value rows widened, and
 // for a block of rows per query vector its parts' (m, l), merged sum of l, largest m, a part's output and
 // where the query is.
 struct Local {
-  std::vector<float> scores, row, vals, ml, l_sum, top, o;
+  std::vector<float> scores, row, vals, ml, l_sum, top, o, keys;
   std::vector<int64_t> slots;
   std::vector<const float*> queries;
 };
@@ -758,7 +776,7 @@ template <int D, class T>
 __attribute__((noinline)) void attend_part(AttnJob& j, const OneRow& qr, int64_t p0, int64_t p1, int64_t index,
                                            Local& local) {
   const Model& m = *j.m;
-  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim, bs = m.block_size;
+  const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim;
   const int64_t len = p1 - p0, kv = m.kv_size();
   const float* q = j.qkv + qr.row * j.ldq;
   const T* k_cache = static_cast<const T*>(j.k_cache);
@@ -766,12 +784,7 @@ __attribute__((noinline)) void attend_part(AttnJob& j, const OneRow& qr, int64_t
   std::vector<float>& scores = local.scores;
   scores.resize(heads * len);
   local.row.resize(d);
-  std::vector<int64_t>& slots = local.slots;   // the keys' cache rows
-  slots.resize(len);
-  for (int64_t p = p0; p < p1;) {
-    const int64_t end = std::min(p1, (p / bs + 1) * bs), base = j.slot(qr.seq, p) - p;
-    for (; p < end; ++p) slots[p - p0] = (base + p) * kv;
-  }
+  const std::vector<int64_t>& slots = j.part_slots(qr.seq, p0, p1, local.slots);
   float* const sc = scores.data();
   for (int64_t i = 0; i < len; ++i) {
     const T* krow = k_cache + slots[i];
@@ -801,6 +814,76 @@ __attribute__((noinline)) void attend_part(AttnJob& j, const OneRow& qr, int64_t
           out[u] = o + (h0 + u) * d;
         }
         weighted_values_n<D, PV>(nv, w, n, [&](int64_t i) { return vg + slots[i0 + i]; }, d, i0 > 0, out);
+      }
+    }
+  }
+}
+
+// attend_part for one part [p0, p1) that one_rows [i0, i1) (a short chunk's rows) all see whole: per KV head the
+// part's keys widened once (local.keys) and its query vectors' scores by head_dots8 (head_dot's sums, 8 keys at a
+// time), their (m, l) as attend_part's, and per block of VBLOCK keys the value rows widened once (local.vals) for
+// passes of PV query vectors from any of the rows: the same FMA chains as attend_part's.
+template <int D, class T>
+__attribute__((noinline)) void attend_part_rows(AttnJob& j, int64_t i0, int64_t i1, int64_t p0, int64_t p1,
+                                                Local& local) {
+  const Model& m = *j.m;
+  const int64_t heads = m.heads, kvh = m.kv_heads, group = heads / kvh, d = D ? D : m.head_dim;
+  const int64_t len = p1 - p0, kv = m.kv_size(), rows = i1 - i0;
+  const T* k_cache = static_cast<const T*>(j.k_cache);
+  const T* v_cache = static_cast<const T*>(j.v_cache);
+  const std::vector<int64_t>& slots = j.part_slots(j.one_rows[i0].seq, p0, p1, local.slots);
+  // Per KV head, its keys as fp32 rows (in L1 or L2 for every query vector of its group), then their scores.
+  local.keys.resize(len * d);
+  float* const kb = local.keys.data();
+  local.scores.resize(rows * heads * len);
+  float* const sc = local.scores.data();
+  const int64_t len8 = len / 8 * 8;
+  for (int64_t g = 0; g < kvh; ++g) {
+    for (int64_t i = 0; i < len; ++i) {
+      const float* row = as_f32(k_cache + slots[i] + g * d, d, kb + i * d);
+      if (row != kb + i * d) std::memcpy(kb + i * d, row, d * sizeof(float));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = j.qkv + j.one_rows[i0 + r].row * j.ldq;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        float* s = sc + (r * heads + h) * len;
+        for (int64_t i = 0; i < len8; i += 8) head_dots8<D>(q + h * d, kb + i * d, d, s + i);
+        for (int64_t i = len8; i < len; ++i) s[i] = head_dot<D>(q + h * d, kb + i * d, d, nullptr);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* ml = &j.ml[j.part_index(i0 + r, p0) * heads * 2];
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = sc + (r * heads + h) * len;
+      for (int64_t i = 0; i < len; ++i) s[i] *= j.scale;
+      ml[2 * h] = max_of(s, len);
+      ml[2 * h + 1] = exp_shifted(s, len, ml[2 * h]);
+    }
+  }
+  constexpr int PV = values_per_pass<D>();
+  constexpr int64_t VBLOCK = 32;
+  local.vals.resize(VBLOCK * kv);
+  float* const vb = local.vals.data();
+  for (int64_t b0 = 0; b0 < len; b0 += VBLOCK) {
+    const int64_t n = std::min(VBLOCK, len - b0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = as_f32(v_cache + slots[b0 + i], kv, vb + i * kv);
+      if (row != vb + i * kv) std::memcpy(vb + i * kv, row, kv * sizeof(float));
+    }
+    for (int64_t g = 0; g < kvh; ++g) {
+      // The group's query vectors of every row, (row, head) in order, PV per pass.
+      const int64_t nq = rows * group;
+      for (int64_t q0 = 0; q0 < nq; q0 += PV) {
+        const int64_t nv = std::min<int64_t>(PV, nq - q0);
+        const float* w[PV];
+        float* out[PV];
+        for (int64_t u = 0; u < nv; ++u) {
+          const int64_t r = (q0 + u) / group, h = g * group + (q0 + u) % group;
+          w[u] = sc + (r * heads + h) * len + b0;
+          out[u] = &j.o[(j.part_index(i0 + r, p0) * heads + h) * d];
+        }
+        weighted_values_n<D, PV>(nv, w, n, [&](int64_t i) { return vb + i * kv + g * d; }, d, b0 > 0, out);
       }
     }
   }
@@ -920,9 +1003,13 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
   for (int64_t i = 0; i < nq; ++i) merge_end(out_row(i), local.l_sum[i], d);
 }
 
-// The parts of a PART item, each on its own (the item's bounds follow the threads; a part's do not).
+// The parts of a PART or SHARED item, each on its own (the item's bounds follow the threads; a part's do not).
 template <int D, class T>
 void attend_parts(AttnJob& j, const Item& it, Local& local) {
+  if (it.work == Work::SHARED) {
+    for (int64_t p = it.lo; p < it.hi; p += PART) attend_part_rows<D, T>(j, it.seq, it.index, p, p + PART, local);
+    return;
+  }
   const OneRow& qr = j.one_rows[it.seq];
   const int64_t from = j.first_key(qr.keys - 1);
   for (int64_t p = it.lo; p < it.hi; p += PART)
@@ -934,15 +1021,15 @@ void run_item(AttnJob& j, const Item& it, Local& local) {
   if (it.work == Work::WIDEN)
     widen_keys<T>(j, it.seq, it.index, local);
   else if (j.m->head_dim == 64)
-    it.work == Work::PART ? attend_parts<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
+    it.work != Work::ROWS ? attend_parts<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
   else if (j.m->head_dim == 96)   // Phi-3
-    it.work == Work::PART ? attend_parts<96, T>(j, it, local) : attend_rows<96, T>(j, it, local);
+    it.work != Work::ROWS ? attend_parts<96, T>(j, it, local) : attend_rows<96, T>(j, it, local);
   else if (j.m->head_dim == 128)
-    it.work == Work::PART ? attend_parts<128, T>(j, it, local) : attend_rows<128, T>(j, it, local);
+    it.work != Work::ROWS ? attend_parts<128, T>(j, it, local) : attend_rows<128, T>(j, it, local);
   else if (j.m->head_dim == 256)  // Gemma 3
-    it.work == Work::PART ? attend_parts<256, T>(j, it, local) : attend_rows<256, T>(j, it, local);
+    it.work != Work::ROWS ? attend_parts<256, T>(j, it, local) : attend_rows<256, T>(j, it, local);
   else
-    it.work == Work::PART ? attend_parts<0, T>(j, it, local) : attend_rows<0, T>(j, it, local);
+    it.work != Work::ROWS ? attend_parts<0, T>(j, it, local) : attend_rows<0, T>(j, it, local);
 }
 
 void run_items(AttnJob& job, int threads) {
@@ -971,8 +1058,9 @@ void attention(AttnJob& job, int threads) {
     if (r1 - r0 > SHORT_ROWS) continue;
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t seen = b.context_lens[t] - (r1 - 1 - r);   // a sequence's rows end at its context length
-      job.one_rows.push_back({t, r, seen});
-      longest = std::max<int64_t>(longest, seen - job.first_key(seen - 1) / PART * PART);   // from its first part
+      const int64_t start = job.first_key(seen - 1) / PART * PART;   // from its window's first part
+      job.one_rows.push_back({t, r, seen, start});
+      longest = std::max<int64_t>(longest, seen - start);
     }
   }
   const int64_t one_row = static_cast<int64_t>(job.one_rows.size());
@@ -984,14 +1072,33 @@ void attention(AttnJob& job, int threads) {
   if (one_row < 2 * nt && b.n == one_row) per_item = std::max<int64_t>(1, (per_item * one_row + 2 * nt - 1) / (2 * nt));
   job.items.clear();
   job.first_part.assign(one_row + 1, 0);
-  for (int64_t i = 0; i < one_row; ++i) {
-    const OneRow& qr = job.one_rows[i];
-    job.first_part[i + 1] = job.first_part[i];
-    for (int64_t p = job.first_key(qr.keys - 1) / PART * PART; p < qr.keys; p += per_item * PART) {  // from the window's first part
-      job.items.push_back({i, p, std::min<int64_t>(qr.keys, p + per_item * PART), job.first_part[i + 1], Work::PART});
-      job.first_part[i + 1] += (job.items.back().hi - p + PART - 1) / PART;
+  for (int64_t i = 0; i < one_row; ++i)
+    job.first_part[i + 1] = job.first_part[i] + (job.one_rows[i].keys - job.one_rows[i].start + PART - 1) / PART;
+  std::vector<Item> parts;   // PART items, after the SHARED ones (larger: the pool hands items out in order)
+  auto part_items = [&](int64_t i, int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; p += per_item * PART)
+      parts.push_back({i, p, std::min(hi, p + per_item * PART), job.part_index(i, p), Work::PART});
+  };
+  for (int64_t i = 0, e; i < one_row; i = e) {
+    for (e = i + 1; e < one_row && job.one_rows[e].seq == job.one_rows[i].seq;) ++e;   // a sequence's rows [i, e)
+    // The parts all its rows see whole: from past every row's window start to its first row's last whole part.
+    int64_t lo = 0;
+    for (int64_t r = i; r < e; ++r) lo = std::max(lo, (job.first_key(job.one_rows[r].keys - 1) + PART - 1) / PART * PART);
+    const int64_t hi = e - i > 1 ? job.one_rows[i].keys / PART * PART : lo;
+    if (hi > lo) {
+      const int64_t share = std::max<int64_t>(1, (hi - lo) / PART / (2 * nt));
+      for (int64_t p = lo; p < hi; p += share * PART) job.items.push_back({i, p, std::min(hi, p + share * PART), e, Work::SHARED});
+    }
+    for (int64_t r = i; r < e; ++r) {
+      if (hi > lo) {
+        part_items(r, job.one_rows[r].start, lo);
+        part_items(r, hi, job.one_rows[r].keys);
+      } else {
+        part_items(r, job.one_rows[r].start, job.one_rows[r].keys);
+      }
     }
   }
+  job.items.insert(job.items.end(), parts.begin(), parts.end());
   job.slots.clear();
   job.slots_at.assign(b.seqs, -1);
   job.keys_at.assign(b.seqs, -1);
