@@ -36,6 +36,7 @@ class SpeculationConfig:
     min_ngram: int = 1          # shortest suffix matched by prompt lookup
     max_ngram: int = 4          # longest (the longest that matches wins)
     prior_acceptance: float = 0.6   # what a sequence is assumed to accept before it has been measured
+    prior_weight: float = 0.25      # verification steps' worth of that prior kept in the measured estimate
     row_cost: float = 0.15      # a step's extra row, as a share of a one-row step, until StepTimes has measured it
     window: int = 8             # verification steps the acceptance estimate remembers (EMA span)
     backoff: int = 16           # plain steps after speculation stopped paying, doubled each time it fails again
@@ -183,9 +184,12 @@ class Acceptance:
         for proposing eight, and a short reply cannot earn back a long rejected step."""
         return room if self.last is None else min(room, 2 * (self.last + 1))
 
-    def estimate(self, prior: float) -> float:
+    def estimate(self, prior: float, weight: float) -> float:
+        """Accepted tokens over accepted tokens and rejections, with `weight` verification steps' worth of the prior
+        added to both: one rejected first proposal set a kind's estimate to 0, and with it paused proposals that
+        cost nothing (a second row is free with AVX-512 on a small model)."""
         a, r = self.accepted_ema, self.rejected_ema
-        return a / (a + r) if self.measured and a + r > 0 else prior
+        return (a + prior * weight) / (a + r + weight) if self.measured else prior
 
     def record(self, proposed: int, accepted: int, window: int) -> None:
         alpha = 2.0 / (window + 1)
@@ -240,7 +244,7 @@ class Speculation:
 
     @property
     def acceptance(self) -> float:
-        return self.state.estimate(self.config.prior_acceptance)
+        return self.state.estimate(self.config.prior_acceptance, self.config.prior_weight)
 
     def choose_k(self, room: int, ratio, batch: int = 1) -> int:
         """How many tokens to propose this step (0: a plain step): the k up to `room` that maximizes the
