@@ -606,6 +606,8 @@ struct AttnJob {
   int64_t window;                   // 0: full attention, else the window W (keys p - W + 1 .. p)
   const float* sinks;               // [heads]: a logit per query head in the denominator only, or null
   std::vector<Item> items;
+  std::vector<Item> part_items;     // attention()'s PART items, queued after its SHARED ones (larger: the pool
+                                    // hands items out in order)
   std::vector<OneRow> one_rows;     // the rows attended part by part
   std::vector<int64_t> first_part;  // [one_rows + 1]: parts of one_rows[i] (its part at key p: part_index)
   std::vector<float> ml;            // [parts, heads, 2]: m, l
@@ -1074,10 +1076,10 @@ void attention(AttnJob& job, int threads) {
   job.first_part.assign(one_row + 1, 0);
   for (int64_t i = 0; i < one_row; ++i)
     job.first_part[i + 1] = job.first_part[i] + (job.one_rows[i].keys - job.one_rows[i].start + PART - 1) / PART;
-  std::vector<Item> parts;   // PART items, after the SHARED ones (larger: the pool hands items out in order)
+  job.part_items.clear();
   auto part_items = [&](int64_t i, int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; p += per_item * PART)
-      parts.push_back({i, p, std::min(hi, p + per_item * PART), job.part_index(i, p), Work::PART});
+      job.part_items.push_back({i, p, std::min(hi, p + per_item * PART), job.part_index(i, p), Work::PART});
   };
   for (int64_t i = 0, e; i < one_row; i = e) {
     for (e = i + 1; e < one_row && job.one_rows[e].seq == job.one_rows[i].seq;) ++e;   // a sequence's rows [i, e)
@@ -1098,7 +1100,7 @@ void attention(AttnJob& job, int threads) {
       }
     }
   }
-  job.items.insert(job.items.end(), parts.begin(), parts.end());
+  job.items.insert(job.items.end(), job.part_items.begin(), job.part_items.end());
   job.slots.clear();
   job.slots_at.assign(b.seqs, -1);
   job.keys_at.assign(b.seqs, -1);
