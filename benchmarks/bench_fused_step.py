@@ -8,8 +8,8 @@ hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536), per build of the lib
 Prefill: a `prompt`-token prompt in chunks of `chunk` rows (one step each; later chunks attend over the
 earlier ones' cached keys), ms per chunk and their mean. Decode: one sequence, `rows` rows per step (1: plain
 decoding; more: a speculative verification step), ms per step after the prompt (its attention reads `prompt`
-keys). Each figure is the minimum over `repeats` runs (the machine may be shared). "avx2" is the library compiled with -mavx2 -mfma -mf16c (the AVX2
-code paths, as on most laptops) beside the native build.
+keys). Each figure is the minimum over `repeats` runs (the machine may be shared). "avx2" is the library
+compiled with -mavx2 -mfma -mf16c (the AVX2 code paths, as on most laptops) beside the native build.
 """
 
 from __future__ import annotations

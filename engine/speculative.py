@@ -186,8 +186,8 @@ class Acceptance:
 
     def estimate(self, prior: float, weight: float) -> float:
         """Accepted tokens over accepted tokens and rejections, with `weight` verification steps' worth of the prior
-        added to both: one rejected first proposal set a kind's estimate to 0, and with it paused proposals that
-        cost nothing (a second row is free with AVX-512 on a small model)."""
+        mixed in (prior x weight accepted of weight): without it one rejected first proposal set a kind's estimate
+        to 0, and with it paused proposals that cost nothing (a second row is free with AVX-512 on a small model)."""
         a, r = self.accepted_ema, self.rejected_ema
         return (a + prior * weight) / (a + r + weight) if self.measured else prior
 
