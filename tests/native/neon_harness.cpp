@@ -282,7 +282,7 @@ struct Stack {  // everything a plan points to
 void decoder_case(const char* name, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t hd, int64_t inter,
                   int64_t rot, bool kv_f16, int act, const int qkv_types[3], const int gu_types[2], int o_type,
                   int down_type, bool extras) {
-  const int64_t block = 16, nblocks = 8, max_pos = 64, qs = heads * hd, kvs = kv_heads * hd;
+  const int64_t block = 16, nblocks = 20, max_pos = 160, qs = heads * hd, kvs = kv_heads * hd;
   Stack st;
   std::vector<int64_t> plan(H_FIELDS + 2 * L_FIELDS, 0);
   plan[H_LAYERS] = 2;
@@ -389,6 +389,17 @@ void decoder_case(const char* name, int64_t hidden, int64_t heads, int64_t kv_he
     if (nc_dec_forward(plan.data(), x2.data(), 2, pos2, slots2, 2, cu2, tables, 2, lens2, nullptr, nullptr, 0, 1, th))
       std::abort();
     report(fmt("decoder %s step2 threads=%d", name, th), x2.data(), x2.size() * 4);
+    // step 3: a 4-row verification chunk at positions 130..133 of a third sequence (blocks 8..16), over the
+    // caches' random earlier keys: its rows share the key part [0, 128) (attend_part_rows)
+    const int32_t tables3[9] = {8, 9, 10, 11, 12, 13, 14, 15, 16};
+    const int64_t pos3[4] = {130, 131, 132, 133};
+    int64_t slots3[4];
+    for (int r = 0; r < 4; ++r) slots3[r] = tables3[pos3[r] / block] * block + pos3[r] % block;
+    const int32_t cu3[2] = {0, 4}, lens3[1] = {134};
+    std::vector<float> x3 = floats(4 * hidden);
+    if (nc_dec_forward(plan.data(), x3.data(), 4, pos3, slots3, 1, cu3, tables3, 9, lens3, nullptr, nullptr, 0, 1, th))
+      std::abort();
+    report(fmt("decoder %s step3 threads=%d", name, th), x3.data(), x3.size() * 4);
     for (int l = 0; l < 2; ++l)
       for (int kv = 0; kv < 2; ++kv) {
         const void* cache = reinterpret_cast<const void*>(plan[H_FIELDS + l * L_FIELDS + L_K_CACHE + kv]);
