@@ -320,6 +320,13 @@ inline const float* as_f32(const uint16_t* row, int64_t n, float* buf) {
   return buf;
 }
 
+// dst = a KV cache row of n values as fp32.
+template <class T>
+inline void widen_into(const T* row, int64_t n, float* dst) {
+  const float* w = as_f32(row, n, dst);
+  if (w != dst) std::memcpy(dst, w, n * sizeof(float));
+}
+
 // dst = src in the cache's type.
 inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
@@ -779,7 +786,7 @@ __attribute__((noinline)) void attend_part(AttnJob& j, const OneRow& qr, int64_t
                                            Local& local) {
   const Model& m = *j.m;
   const int64_t heads = m.heads, group = m.heads / m.kv_heads, d = D ? D : m.head_dim;
-  const int64_t len = p1 - p0, kv = m.kv_size();
+  const int64_t len = p1 - p0;
   const float* q = j.qkv + qr.row * j.ldq;
   const T* k_cache = static_cast<const T*>(j.k_cache);
   const T* v_cache = static_cast<const T*>(j.v_cache);
@@ -841,10 +848,7 @@ __attribute__((noinline)) void attend_part_rows(AttnJob& j, int64_t i0, int64_t 
   float* const sc = local.scores.data();
   const int64_t len8 = len / 8 * 8;
   for (int64_t g = 0; g < kvh; ++g) {
-    for (int64_t i = 0; i < len; ++i) {
-      const float* row = as_f32(k_cache + slots[i] + g * d, d, kb + i * d);
-      if (row != kb + i * d) std::memcpy(kb + i * d, row, d * sizeof(float));
-    }
+    for (int64_t i = 0; i < len; ++i) widen_into(k_cache + slots[i] + g * d, d, kb + i * d);
     for (int64_t r = 0; r < rows; ++r) {
       const float* q = j.qkv + j.one_rows[i0 + r].row * j.ldq;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -869,10 +873,7 @@ __attribute__((noinline)) void attend_part_rows(AttnJob& j, int64_t i0, int64_t 
   float* const vb = local.vals.data();
   for (int64_t b0 = 0; b0 < len; b0 += VBLOCK) {
     const int64_t n = std::min(VBLOCK, len - b0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = as_f32(v_cache + slots[b0 + i], kv, vb + i * kv);
-      if (row != vb + i * kv) std::memcpy(vb + i * kv, row, kv * sizeof(float));
-    }
+    for (int64_t i = 0; i < n; ++i) widen_into(v_cache + slots[b0 + i], kv, vb + i * kv);
     for (int64_t g = 0; g < kvh; ++g) {
       // The group's query vectors of every row, (row, head) in order, PV per pass.
       const int64_t nq = rows * group;
@@ -893,16 +894,13 @@ __attribute__((noinline)) void attend_part_rows(AttnJob& j, int64_t i0, int64_t 
 
 // Keys of several-row sequence t, KV head g, as fp32 rows: key_rows(t, g)[p * d + e] = K[p][g][e].
 template <class T>
-void widen_keys(AttnJob& j, int64_t t, int64_t g, Local& local) {
+void widen_keys(AttnJob& j, int64_t t, int64_t g) {
   const int64_t d = j.m->head_dim, kv = j.m->kv_size();
   const int64_t* slots = &j.slots[j.slots_at[t]];
   const T* k_cache = static_cast<const T*>(j.k_cache);
   float* dst = j.key_rows(t, g);
-  local.row.resize(d);
-  for (int64_t p = j.first_key(j.b->positions[j.b->cu_q[t]]) / 8 * 8; p < j.b->context_lens[t]; ++p) {
-    const float* krow = as_f32(k_cache + slots[p] * kv + g * d, d, local.row.data());
-    std::memcpy(dst + p * d, krow, d * sizeof(float));
-  }
+  for (int64_t p = j.first_key(j.b->positions[j.b->cu_q[t]]) / 8 * 8; p < j.b->context_lens[t]; ++p)
+    widen_into(k_cache + slots[p] * kv + g * d, d, dst + p * d);
 }
 
 // Causal attention of batch rows [lo, hi) (consecutive positions of one sequence) for the query
@@ -980,11 +978,7 @@ void attend_rows(AttnJob& j, const Item& it, Local& local) {
     const int64_t start = std::max(a, from(first));   // the keys before it have weight 0 for all of them
     for (int64_t p0 = start; p0 < end; p0 += chunk) {
       const int64_t n = std::min(chunk, end - p0);
-      for (int64_t p = 0; p < n; ++p) {
-        float* dst = &local.vals[p * d];
-        const float* row = as_f32(vbase + slots[p0 + p] * kv, d, dst);
-        if (row != dst) std::memcpy(dst, row, d * sizeof(float));
-      }
+      for (int64_t p = 0; p < n; ++p) widen_into(vbase + slots[p0 + p] * kv, d, &local.vals[p * d]);
       for (int64_t i0 = first; i0 < last; i0 += PV) {
         const int64_t nv = std::min<int64_t>(PV, last - i0);
         const float* w[PV];
@@ -1021,7 +1015,7 @@ void attend_parts(AttnJob& j, const Item& it, Local& local) {
 template <class T>
 void run_item(AttnJob& j, const Item& it, Local& local) {
   if (it.work == Work::WIDEN)
-    widen_keys<T>(j, it.seq, it.index, local);
+    widen_keys<T>(j, it.seq, it.index);
   else if (j.m->head_dim == 64)
     it.work != Work::ROWS ? attend_parts<64, T>(j, it, local) : attend_rows<64, T>(j, it, local);
   else if (j.m->head_dim == 96)   // Phi-3
