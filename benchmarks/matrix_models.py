@@ -7,7 +7,8 @@
 Families:
   smollm2-*     the built-in SmolLM2-135M-Instruct Q4_1 GGUF as is (smollm2-q4_1), and requantized from
                 it by llama.cpp's own quantizer (llama_model_quantize with allow_requantize) to
-                Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0. SmolLM2's width (576) is not a multiple of 256,
+                Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0, and widened to F16 (smollm2-f16: the same weights
+                at 16 bits, as the model is published; not in --matrix, ask for it by name). SmolLM2's width (576) is not a multiple of 256,
                 so llama.cpp's K-quant mixes fall back to Q5_0 / Q5_1 / Q8_0 for most of its tensors
                 (it says so on stderr): that is llama.cpp's file, and the one both engines load.
   qwen3-0.6b-*  a Qwen3 checkpoint with Qwen3-0.6B's shapes and random weights (normal, std 0.02;
@@ -66,7 +67,7 @@ QUANTS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")
 
 
 # family -> (file stem, the quantizations made from its source)
-FAMILIES = {"smollm2": ("SmolLM2-135M-Instruct", QUANTS), "qwen3-0.6b": ("Qwen3-0.6B-random", QUANTS),
+FAMILIES = {"smollm2": ("SmolLM2-135M-Instruct", QUANTS + ("f16",)), "qwen3-0.6b": ("Qwen3-0.6B-random", QUANTS),
             "phi3-mini": ("Phi-3-mini-4k-random", ("q4_k_m",)), "gemma3-1b": ("Gemma-3-1B-random", ("q4_k_m",)),
             "gpt-oss-20b": ("gpt-oss-20b-random", ())}
 # Families written in their final types (no F16 source, no llama.cpp quantization): gpt-oss as published.
@@ -96,7 +97,7 @@ def _specs() -> dict[str, ModelSpec]:
 
 
 MODELS = _specs()
-# --matrix: every model but the F16 sources (1.2-7.6 GB, not a format anyone chats with on a CPU) and gpt-oss-20b
+# --matrix: every model but the F16 files (the random families' sources, 1.2-7.6 GB, and SmolLM2's) and gpt-oss-20b
 # (12 GB; --models gpt-oss-20b)
 MATRIX = [n for n in MODELS if MODELS[n].quant != "f16" and MODELS[n].family not in WRITTEN_AS_IS]
 
