@@ -7,10 +7,11 @@
 Families:
   smollm2-*     the built-in SmolLM2-135M-Instruct Q4_1 GGUF as is (smollm2-q4_1), and requantized from
                 it by llama.cpp's own quantizer (llama_model_quantize with allow_requantize) to
-                Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0, and widened to F16 (smollm2-f16: the same weights
-                at 16 bits, as the model is published; not in --matrix, ask for it by name). SmolLM2's width (576) is not a multiple of 256,
+                Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0. SmolLM2's width (576) is not a multiple of 256,
                 so llama.cpp's K-quant mixes fall back to Q5_0 / Q5_1 / Q8_0 for most of its tensors
-                (it says so on stderr): that is llama.cpp's file, and the one both engines load.
+                (it says so on stderr): that is llama.cpp's file, and the one both engines load. Also
+                widened to F16 (smollm2-f16: the same weights at 16 bits, as the model is published;
+                not in --matrix, ask for it by name).
   qwen3-0.6b-*  a Qwen3 checkpoint with Qwen3-0.6B's shapes and random weights (normal, std 0.02;
                 norms 1), written here with the `gguf` package at F16 (norms F32), with a made-up
                 151,936-token gpt2-style byte-level BPE (256 byte tokens, 151,387 merged tokens with

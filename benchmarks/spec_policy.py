@@ -1,7 +1,7 @@
 """Speculation's policy replayed without noise: how many tokens it proposes, and what that would cost, on
 replies whose tokens are known.
 
-    python benchmarks/spec_policy.py [--model FILE] [--more-turns] [--held-out] [--max-tokens 256] [--threads 2]
+    python benchmarks/spec_policy.py [--model FILE|NAME] [--more-turns] [--held-out] [--max-tokens 256] [--threads 2]
                                      [--costs '1:3.4,2:4.3,...'] [--json]
 
 End-to-end speculation figures (benchmarks/speculative.py) swing by +-0.2x on a shared VM, more than most
@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from speculative import chat_turns, nanochat_turn, render  # noqa: E402
+from speculative import chat_turns, model_path, nanochat_turn, render  # noqa: E402
 
 
 def measure_costs(engine, ids: list[int], rows: int, steps: int = 32, repeats: int = 3) -> dict[int, float]:
@@ -81,7 +81,8 @@ def replay(ids: list[int], reply: list[int], costs: dict[int, float], max_tokens
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a GGUF file (default: the built-in SmolLM2-135M Q4_1)")
+    p.add_argument("--model", help="a GGUF file, a Hugging Face folder or a matrix model name (default: the built-in "
+                                   "SmolLM2-135M Q4_1)")
     p.add_argument("--more-turns", action="store_true", help="speculative.py's MORE_TURNS too")
     p.add_argument("--held-out", action="store_true", help="speculative.py's HELD_OUT too")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -93,9 +94,8 @@ def main(argv=None) -> int:
     from nanochat.engine import LLMEngine
     from nanochat.engine.speculative import SpeculationConfig
     from nanochat.kernels import cpu_qgemv
-    from nanochat.models.formats.catalog import embedded_model_path
 
-    model = args.model or str(embedded_model_path())
+    model = model_path(args.model, threads=args.threads)
     engine = LLMEngine(model, speculative="ngram", max_model_len=4096, cpu_threads=args.threads)
     turns = [(kind, i, render(engine, text)) for kind, i, text in chat_turns(args.more_turns, args.held_out)]
     rows = SpeculationConfig().k_max + 1

@@ -2,7 +2,7 @@
 llama-cpp-python plain and with its prompt-lookup decoding (LlamaPromptLookupDecoding), on chat turns whose
 replies copy from the prompt and on open ones.
 
-    python benchmarks/speculative.py [--model FILE] [--peer-python /path/to/python] [--repeats 3]
+    python benchmarks/speculative.py [--model FILE|NAME] [--peer-python /path/to/python] [--repeats 3]
                                      [--max-tokens 256] [--draft FILE [--draft-k K]] [--threads 2] [--more-turns]
                                      [--held-out] [--json]
 
@@ -114,6 +114,21 @@ def chat_turns(more: bool = False, held_out: bool = False) -> list[tuple[str, in
     return out
 
 
+def model_path(model: str | None, peer_python: str | None = None, threads: int = 2) -> str:
+    """--model: a file or folder, a matrix model name (matrix_models.py: made on first use, e.g. smollm2-f16), or
+    None for the built-in SmolLM2-135M Q4_1."""
+    import matrix_models
+    from nanochat.models.formats.catalog import embedded_model_path
+
+    if model is None:
+        return str(embedded_model_path())
+    if model in matrix_models.MODELS:
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        return str(matrix_models.ensure_model(model, matrix_models.default_models_dir(),
+                                              matrix_models.peer_python(peer_python), threads, log))
+    return model
+
+
 def render(engine, text: str) -> list[int]:
     """A user turn's prompt ids, rendered with the model's chat template."""
     template = engine.loaded.chat_template
@@ -140,8 +155,10 @@ def nanochat_turn(engine, ids: list[int], max_tokens: int, mode: str | None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a GGUF file (default: the built-in SmolLM2-135M Q4_1)")
-    p.add_argument("--peer-python", help="an interpreter with llama-cpp-python (default: none, nanochat only)")
+    p.add_argument("--model", help="a GGUF file, a Hugging Face folder or a matrix model name (matrix_models.py, "
+                                   "e.g. smollm2-f16; default: the built-in SmolLM2-135M Q4_1)")
+    p.add_argument("--peer-python", help="an interpreter with llama-cpp-python (default: none, nanochat only; it "
+                                         "also makes a matrix model)")
     p.add_argument("--draft", help="also run nanochat with this model drafting")
     p.add_argument("--draft-k", type=int, default=0,
                    help="the draft proposes this many tokens every step, whether it pays or not (default: the "
@@ -156,9 +173,8 @@ def main(argv=None) -> int:
 
     from nanochat.engine import LLMEngine
     from nanochat.kernels import cpu_qgemv
-    from nanochat.models.formats.catalog import embedded_model_path
 
-    model = args.model or str(embedded_model_path())
+    model = model_path(args.model, args.peer_python, args.threads)
     if args.draft_k:
         from nanochat.engine.speculative import Speculation
         chosen = Speculation.choose_k
