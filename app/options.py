@@ -183,8 +183,8 @@ def add_engine_options(parser, suppress: bool = False) -> None:
     add_option(parser, suppress, "--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
                help="split the model over N ranks (GPUs, or CPU processes); under torchrun, its WORLD_SIZE")
     add_option(parser, suppress, "--speculative", type=speculative_arg, metavar="auto|ngram|off|PATH",
-               help="speculative decoding: auto (the default: prompt lookup where it is exact, GGUF weights on the "
-                    "CPU), ngram (prompt lookup), off, or a draft model's path or hub id (same tokenizer)")
+               help="speculative decoding: auto (the default: prompt lookup where it is exact, weights on the CPU "
+                    "kernels), ngram (prompt lookup), off, or a draft model's path or hub id (same tokenizer)")
     add_option(parser, suppress, "--speculative-k", type=speculative_k_int, metavar="N",
                help=f"most tokens proposed per step ({SPECULATIVE_K.text}; default 8)")
     add_option(parser, suppress, "--chat-template", type=name_arg, metavar="FILE",
