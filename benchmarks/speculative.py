@@ -123,10 +123,13 @@ def model_path(model: str | None, peer_python: str | None = None, threads: int =
     if model is None:
         return str(embedded_model_path())
     if model in matrix_models.MODELS:
-        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
         return str(matrix_models.ensure_model(model, matrix_models.default_models_dir(),
-                                              matrix_models.peer_python(peer_python), threads, log))
+                                              matrix_models.peer_python(peer_python), threads, _log))
     return model
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def render(engine, text: str) -> list[int]:

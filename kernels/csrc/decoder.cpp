@@ -1071,7 +1071,7 @@ void attention(AttnJob& job, int threads) {
   for (int64_t i = 0; i < one_row; ++i)
     job.first_part[i + 1] = job.first_part[i] + (job.one_rows[i].keys - job.one_rows[i].start + PART - 1) / PART;
   job.part_items.clear();
-  auto part_items = [&](int64_t i, int64_t lo, int64_t hi) {
+  auto queue_parts = [&](int64_t i, int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; p += per_item * PART)
       job.part_items.push_back({i, p, std::min(hi, p + per_item * PART), job.part_index(i, p), Work::PART});
   };
@@ -1087,10 +1087,10 @@ void attention(AttnJob& job, int threads) {
     }
     for (int64_t r = i; r < e; ++r) {
       if (hi > lo) {
-        part_items(r, job.one_rows[r].start, lo);
-        part_items(r, hi, job.one_rows[r].keys);
+        queue_parts(r, job.one_rows[r].start, lo);
+        queue_parts(r, hi, job.one_rows[r].keys);
       } else {
-        part_items(r, job.one_rows[r].start, job.one_rows[r].keys);
+        queue_parts(r, job.one_rows[r].start, job.one_rows[r].keys);
       }
     }
   }
